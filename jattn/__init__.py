@@ -1,0 +1,61 @@
+"""jattn: JAX-native attention backends for LLM serving.
+
+Paged MHA/GQA and DeepSeek-MLA attention with Pallas Mosaic GPU kernels, a
+plain-JAX reference for every op, metadata pytrees so a serving step is one
+``jax.jit``, and a DLPack bridge for PyTorch engines (``jattn.bridge``).
+"""
+
+from jattn.backends import (
+    ForwardMode,
+    LayerSpec,
+    MHABackend,
+    MHAConfig,
+    MLABackend,
+    MLAConfig,
+    get_backend,
+    register_backend,
+    registered_backends,
+)
+from jattn.kv_cache import MLAKVCache, PageAllocator, PagedKVCache, PagePoolExhausted
+from jattn.metadata import DUMMY_PAGE, DecodeMetadata, ExtendMetadata, plan_decode, plan_extend
+from jattn.ops import (
+    BACKENDS,
+    attn_merge_state,
+    mha_decode_with_kvcache,
+    mha_extend_with_kvcache,
+    mha_prefill,
+    mla_decode_with_kvcache,
+    set_kv_buffer,
+    set_mla_kv_buffer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "DUMMY_PAGE",
+    "DecodeMetadata",
+    "ExtendMetadata",
+    "ForwardMode",
+    "LayerSpec",
+    "MHABackend",
+    "MHAConfig",
+    "MLABackend",
+    "MLAConfig",
+    "MLAKVCache",
+    "PageAllocator",
+    "PagePoolExhausted",
+    "PagedKVCache",
+    "attn_merge_state",
+    "get_backend",
+    "mha_decode_with_kvcache",
+    "mha_extend_with_kvcache",
+    "mha_prefill",
+    "mla_decode_with_kvcache",
+    "plan_decode",
+    "plan_extend",
+    "register_backend",
+    "registered_backends",
+    "set_kv_buffer",
+    "set_mla_kv_buffer",
+]

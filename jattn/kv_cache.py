@@ -1,0 +1,210 @@
+"""Paged KV caches (pytrees of per-layer pools) and the host-side page allocator."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.metadata import DUMMY_PAGE
+
+_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "float32": jnp.float32,
+    "fp8": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
+_ALLOWED = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+
+
+def cache_dtype(dtype) -> jnp.dtype:
+    """Normalises a KV-cache dtype (bf16, fp16, f32 or FP8 e4m3)."""
+    d = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    d = jnp.dtype(d)
+    if d not in [jnp.dtype(a) for a in _ALLOWED]:
+        raise ValueError(f"kv cache dtype={d} must be one of bf16, fp16, f32, float8_e4m3fn")
+    return d
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """MHA/GQA paged cache: per-layer ``k[i]``, ``v[i]`` of shape
+    ``[num_pages, page_size, num_kv_heads, head_dim]``.
+
+    FP8 caches carry per-layer scalar scales (static: they are model constants).
+    Page :data:`jattn.metadata.DUMMY_PAGE` is reserved for padded rows' writes.
+    """
+
+    k: tuple
+    v: tuple
+    k_scales: tuple = ()
+    v_scales: tuple = ()
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        dtype="bfloat16",
+        k_scale: float | Iterable[float] = 1.0,
+        v_scale: float | Iterable[float] = 1.0,
+    ) -> "PagedKVCache":
+        dt = cache_dtype(dtype)
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
+        dv = head_dim if head_dim_v is None else head_dim_v
+        k = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dt) for _ in range(num_layers))
+        v = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, dv), dt) for _ in range(num_layers))
+        return cls(k=k, v=v, k_scales=_scales(k_scale, num_layers), v_scales=_scales(v_scale, num_layers))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
+
+    def layer(self, i: int):
+        return self.k[i], self.v[i]
+
+    def replace_layer(self, i: int, k, v) -> "PagedKVCache":
+        ks, vs = list(self.k), list(self.v)
+        ks[i], vs[i] = k, v
+        return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAKVCache:
+    """DeepSeek MLA latent cache: per-layer ``kv[i]`` of shape
+    ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (c_kv then k_pe)."""
+
+    kv: tuple
+    kv_lora_rank: int = 512
+    kv_scales: tuple = ()
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        dtype="bfloat16",
+        kv_scale: float | Iterable[float] = 1.0,
+    ) -> "MLAKVCache":
+        dt = cache_dtype(dtype)
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
+        kv = tuple(
+            jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dt) for _ in range(num_layers)
+        )
+        return cls(kv=kv, kv_lora_rank=kv_lora_rank, kv_scales=_scales(kv_scale, num_layers))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv[0].shape[1]
+
+    @property
+    def dtype(self):
+        return self.kv[0].dtype
+
+    def layer(self, i: int):
+        return self.kv[i]
+
+    def replace_layer(self, i: int, kv) -> "MLAKVCache":
+        kvs = list(self.kv)
+        kvs[i] = kv
+        return dataclasses.replace(self, kv=tuple(kvs))
+
+
+def _scales(s, n: int) -> tuple:
+    if isinstance(s, (int, float)):
+        return (float(s),) * n
+    s = tuple(float(x) for x in s)
+    if len(s) != n:
+        raise ValueError(f"got {len(s)} scales for {n} layers")
+    return s
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=["k_scales", "v_scales"])
+jax.tree_util.register_dataclass(MLAKVCache, data_fields=["kv"], meta_fields=["kv_lora_rank", "kv_scales"])
+
+
+class PagePoolExhausted(RuntimeError):
+    """Raised when the allocator cannot hand out the pages asked for."""
+
+
+class PageAllocator:
+    """Host-side free list of page ids ``1 .. num_pages - 1`` (page 0 is the dummy)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._used = np.zeros(num_pages, bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate n={n} pages")
+        if n > len(self._free):
+            raise PagePoolExhausted(
+                f"page pool exhausted: asked for {n} pages, {len(self._free)} of "
+                f"{self.num_pages - 1} free"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        self._used[pages] = True
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = [int(p) for p in pages]
+        for p in pages:
+            if not 0 < p < self.num_pages:
+                raise ValueError(f"page {p} out of range [1, {self.num_pages})")
+            if not self._used[p]:
+                raise ValueError(f"page {p} is not allocated (double free?)")
+        for p in pages:
+            self._used[p] = False
+            self._free.append(p)
+
+    @staticmethod
+    def pages_for(num_tokens: int, page_size: int) -> int:
+        return -(-num_tokens // page_size)

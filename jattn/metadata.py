@@ -1,0 +1,337 @@
+"""Forward metadata as immutable pytrees, and the host-side planners that build it.
+
+One request ``b`` in a batch, in token positions::
+
+    |<------------- cache_seqlens[b] (L) ------------->|
+    |<---- prefix_lens[b] (cached) ---->|<- new (n) ->|
+    [ k0 k1 ... (already in the paged cache)  | q0 .. qn-1 ]
+                                               ^ positions = L - n + i
+
+``L`` always counts the new tokens, which are written to the cache (at
+``out_cache_loc``) before attention reads it. A decode step is ``n = max_seqlen_q``
+(1, or the number of draft tokens for spec verify); an extend step has a
+different ``n`` per request (``cu_seqlens_q``).
+
+Arrays are pytree data; everything that shapes the compiled program (bucketed
+sizes, ``max_seqlen_q``, ``page_size``, causality, ``has_prefix``) is static, so
+feeding new values of the same bucket to a jitted step never retraces. Rows added
+to reach a bucket have length 0, write only to the reserved dummy page
+(:data:`DUMMY_PAGE`), and their outputs are zero and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+DUMMY_PAGE = 0
+"""Page reserved for padded rows' writes; ``PageAllocator`` never hands it out."""
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _pytree(cls, data):
+    meta = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMetadata:
+    """Metadata of a decode step (``max_seqlen_q`` tokens per request)."""
+
+    page_table: jax.Array  # i32[bs, max_pages]
+    cache_seqlens: jax.Array  # i32[bs], new tokens included
+    out_cache_loc: jax.Array  # i32[bs * max_seqlen_q], slots of the new tokens
+    positions: jax.Array  # i32[bs * max_seqlen_q], absolute positions of the new tokens
+    num_reqs: jax.Array  # i32[], real requests (rows >= num_reqs are padding)
+    max_seqlen_q: int = 1
+    page_size: int = 16
+    is_causal: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendMetadata:
+    """Metadata of an extend / prefill step (ragged new tokens over a paged prefix)."""
+
+    page_table: jax.Array  # i32[bs, max_pages]
+    cache_seqlens: jax.Array  # i32[bs]: prefix + new
+    prefix_lens: jax.Array  # i32[bs]
+    cu_seqlens_q: jax.Array  # i32[bs + 1]
+    out_cache_loc: jax.Array  # i32[num_tokens]; padding tokens write to the dummy page
+    positions: jax.Array  # i32[num_tokens]
+    num_reqs: jax.Array  # i32[]
+    max_seqlen_q: int = 1
+    page_size: int = 16
+    is_causal: bool = True
+    has_prefix: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+
+_pytree(DecodeMetadata, ("page_table", "cache_seqlens", "out_cache_loc", "positions", "num_reqs"))
+_pytree(
+    ExtendMetadata,
+    ("page_table", "cache_seqlens", "prefix_lens", "cu_seqlens_q", "out_cache_loc", "positions", "num_reqs"),
+)
+
+
+def bucket(n: int, buckets: Sequence[int] | None = None, *, name: str = "size") -> int:
+    """Smallest bucket >= n (powers of two when ``buckets`` is None)."""
+    if buckets is None:
+        b = 1
+        while b < n:
+            b *= 2
+        return b
+    for b in sorted(buckets):
+        if b >= n:
+            return int(b)
+    raise ValueError(f"{name}={n} exceeds the largest bucket {max(buckets)}")
+
+
+def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> np.ndarray:
+    if page_table is not None:
+        if req_to_page is not None or req_pool_indices is not None:
+            raise ValueError("pass either page_table or (req_to_page, req_pool_indices), not both")
+        pt = _as_int_array(page_table, "page_table", 2)
+    else:
+        if req_to_page is None or req_pool_indices is None:
+            raise ValueError("page_table or both req_to_page and req_pool_indices are required")
+        r2p = _as_int_array(req_to_page, "req_to_page", 2)
+        idx = _as_int_array(req_pool_indices, "req_pool_indices", 1)
+        if idx.shape[0] != bs:
+            raise ValueError(f"req_pool_indices has {idx.shape[0]} entries but seq_lens has {bs}")
+        bad = (idx < 0) | (idx >= r2p.shape[0])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page"
+            )
+        pt = r2p[idx]
+    if pt.shape[0] != bs:
+        raise ValueError(f"page_table has {pt.shape[0]} rows but seq_lens has {bs} requests")
+    return pt
+
+
+def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None):
+    need = -(-seq_lens // page_size)
+    if need.size and need.max() > pt.shape[1]:
+        b = int(np.argmax(need))
+        raise ValueError(
+            f"seq_lens[{b}]={seq_lens[b]} needs {need[b]} pages of page_size={page_size} but "
+            f"page_table has only {pt.shape[1]} columns"
+        )
+    used = np.arange(pt.shape[1])[None, :] < need[:, None]
+    ids = np.where(used, pt, 1)
+    hi = np.iinfo(np.int32).max if num_pages is None else num_pages
+    bad = used & ((ids < 0) | (ids >= hi))
+    if bad.any():
+        b, i = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"page_table[{b}, {i}]={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)"
+        )
+    dummy = used & (ids == DUMMY_PAGE)
+    if dummy.any():
+        b, i = map(int, np.argwhere(dummy)[0])
+        raise ValueError(
+            f"page_table[{b}, {i}] is the reserved dummy page {DUMMY_PAGE}: padded rows write there"
+        )
+
+
+def _pad_table(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, bs_pad: int, width: int):
+    """Page table padded to [bs_pad, width]; unused entries point at the dummy page."""
+    out = np.full((bs_pad, width), DUMMY_PAGE, np.int32)
+    need = -(-seq_lens // page_size)
+    n = min(width, pt.shape[1])
+    out[: pt.shape[0], :n] = np.where(np.arange(n)[None, :] < need[:, None], pt[:, :n], DUMMY_PAGE)
+    return out
+
+
+def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
+    return pt[rows, pos // page_size] * page_size + pos % page_size
+
+
+def _width(seq_lens, page_size, max_pages):
+    need = int((-(-seq_lens // page_size)).max(initial=1))
+    if max_pages is not None:
+        if max_pages < need:
+            raise ValueError(f"max_pages={max_pages} is less than the {need} pages a request needs")
+        return max_pages
+    return bucket(max(need, 1))
+
+
+def plan_decode(
+    seq_lens,
+    *,
+    page_size: int,
+    page_table=None,
+    req_to_page=None,
+    req_pool_indices=None,
+    q_len: int = 1,
+    is_causal: bool = True,
+    batch_buckets: Sequence[int] | None = DEFAULT_BATCH_BUCKETS,
+    max_pages: int | None = None,
+    num_pages: int | None = None,
+) -> DecodeMetadata:
+    """Builds :class:`DecodeMetadata` from host (numpy) inputs.
+
+    Args:
+      seq_lens: int[bs], each request's length including its ``q_len`` new tokens.
+      page_size: tokens per page.
+      page_table: int[bs, >= pages needed] page ids, or give ``req_to_page``
+        int[pool, max_pages] with ``req_pool_indices`` int[bs] (the seeds' form).
+      q_len: new tokens per request (1; draft tokens for spec verify; the block
+        size for a non-causal DFLASH draft block with ``is_causal=False``).
+      batch_buckets: the batch is padded to the smallest bucket >= bs.
+      max_pages: page-table width (default: power-of-two bucket of the need).
+      num_pages: pool size, to validate page ids.
+
+    Example:
+      >>> md = plan_decode(np.array([5, 17]), page_size=16, page_table=np.array([[3, 0], [1, 2]]))
+      >>> md.page_table.shape, md.max_seqlen_q
+      ((2, 2), 1)
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size={page_size} must be positive")
+    if q_len < 1:
+        raise ValueError(f"q_len={q_len} must be >= 1")
+    sl = _as_int_array(seq_lens, "seq_lens", 1)
+    bs = sl.shape[0]
+    if (sl < q_len).any():
+        b = int(np.argmax(sl < q_len))
+        raise ValueError(
+            f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens"
+        )
+    pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
+    _check_pages(pt, sl, page_size, num_pages)
+    bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
+    width = _width(sl, page_size, max_pages)
+    table = _pad_table(pt, sl, page_size, bs_pad, width)
+    lens = np.zeros(bs_pad, np.int32)
+    lens[:bs] = sl
+    pos = np.zeros((bs_pad, q_len), np.int64)
+    pos[:bs] = sl[:, None] - q_len + np.arange(q_len)[None, :]
+    rows = np.repeat(np.arange(bs_pad), q_len).reshape(bs_pad, q_len)
+    loc = _slots(table, rows, pos, page_size)
+    loc[bs:] = DUMMY_PAGE * page_size
+    return DecodeMetadata(
+        page_table=np.asarray(table, np.int32),
+        cache_seqlens=lens,
+        out_cache_loc=loc.reshape(-1).astype(np.int32),
+        positions=pos.reshape(-1).astype(np.int32),
+        num_reqs=np.int32(bs),
+        max_seqlen_q=q_len,
+        page_size=page_size,
+        is_causal=is_causal,
+    )
+
+
+def plan_extend(
+    seq_lens,
+    extend_seq_lens,
+    *,
+    page_size: int,
+    page_table=None,
+    req_to_page=None,
+    req_pool_indices=None,
+    extend_prefix_lens=None,
+    is_causal: bool = True,
+    batch_buckets: Sequence[int] | None = DEFAULT_BATCH_BUCKETS,
+    token_buckets: Sequence[int] | None = None,
+    max_seqlen_q_buckets: Sequence[int] | None = None,
+    max_pages: int | None = None,
+    num_pages: int | None = None,
+) -> ExtendMetadata:
+    """Builds :class:`ExtendMetadata` for an extend/prefill step from host inputs.
+
+    Args:
+      seq_lens: int[bs], prefix + new tokens per request.
+      extend_seq_lens: int[bs], new tokens per request (>= 0).
+      extend_prefix_lens: int[bs], optional; must equal ``seq_lens - extend_seq_lens``.
+      token_buckets: total new tokens are padded to the smallest bucket
+        (powers of two, at least 16, when None).
+      max_seqlen_q_buckets: the longest request's new tokens are padded to a
+        bucket (powers of two when None); it is static in the compiled program.
+      Other arguments as in :func:`plan_decode`.
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size={page_size} must be positive")
+    sl = _as_int_array(seq_lens, "seq_lens", 1)
+    ext = _as_int_array(extend_seq_lens, "extend_seq_lens", 1)
+    bs = sl.shape[0]
+    if ext.shape[0] != bs:
+        raise ValueError(f"extend_seq_lens has {ext.shape[0]} entries but seq_lens has {bs}")
+    if (ext < 0).any():
+        raise ValueError(f"extend_seq_lens[{int(np.argmax(ext < 0))}] is negative")
+    prefix = sl - ext
+    if (prefix < 0).any():
+        b = int(np.argmax(prefix < 0))
+        raise ValueError(f"extend_seq_lens[{b}]={ext[b]} exceeds seq_lens[{b}]={sl[b]}")
+    if extend_prefix_lens is not None:
+        given = _as_int_array(extend_prefix_lens, "extend_prefix_lens", 1)
+        if given.shape != prefix.shape or (given != prefix).any():
+            raise ValueError("lengths inconsistent: extend_prefix_lens + extend_seq_lens != seq_lens")
+    pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
+    _check_pages(pt, sl, page_size, num_pages)
+    bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
+    width = _width(sl, page_size, max_pages)
+    table = _pad_table(pt, sl, page_size, bs_pad, width)
+    total = int(ext.sum())
+    t_pad = bucket(max(total, 16), token_buckets, name="num tokens")
+    max_q = bucket(max(int(ext.max(initial=0)), 1), max_seqlen_q_buckets, name="max_seqlen_q")
+    cu = np.zeros(bs_pad + 1, np.int64)
+    cu[1 : bs + 1] = np.cumsum(ext)
+    cu[bs + 1 :] = total
+    rows = np.repeat(np.arange(bs), ext)
+    pos_real = (np.arange(total) - cu[rows]) + prefix[rows]
+    loc = np.full(t_pad, DUMMY_PAGE * page_size, np.int64)
+    pos = np.zeros(t_pad, np.int64)
+    loc[:total] = _slots(table, rows, pos_real, page_size)
+    pos[:total] = pos_real
+    lens = np.zeros(bs_pad, np.int32)
+    lens[:bs] = sl
+    pre = np.zeros(bs_pad, np.int32)
+    pre[:bs] = prefix
+    return ExtendMetadata(
+        page_table=table,
+        cache_seqlens=lens,
+        prefix_lens=pre,
+        cu_seqlens_q=cu.astype(np.int32),
+        out_cache_loc=loc.astype(np.int32),
+        positions=pos.astype(np.int32),
+        num_reqs=np.int32(bs),
+        max_seqlen_q=max_q,
+        page_size=page_size,
+        is_causal=is_causal,
+        has_prefix=bool((prefix > 0).any()),
+    )
+
+
+def to_device(md):
+    """Moves a metadata pytree's host arrays to the default device."""
+    return jax.tree_util.tree_map(jax.numpy.asarray, md)

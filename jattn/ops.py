@@ -1,0 +1,417 @@
+"""Public attention ops with backend dispatch.
+
+Every op takes ``backend=None`` (auto: the fastest backend that serves the call on
+this device) or a name from :data:`BACKENDS`. A named backend that cannot serve
+the call raises ``NotImplementedError`` naming what is missing; auto never picks
+a backend that cannot serve the call (it falls back to ``xla``).
+
+Shapes and dtypes are checked at trace time with errors that name the argument;
+values (page ids, lengths) are checked by the host-side planners.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from jattn import reference
+
+BACKENDS = ("mosaic", "triton", "xla")
+_Q_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@functools.lru_cache(maxsize=None)
+def device_kind() -> str:
+    """'hopper' (sm90+), 'ampere' (sm80+), 'gpu' (older), or 'cpu'."""
+    if jax.default_backend() != "gpu":
+        return "cpu"
+    cc = getattr(jax.devices()[0], "compute_capability", "0.0")
+    major = int(str(cc).split(".")[0])
+    return "hopper" if major >= 9 else "ampere" if major >= 8 else "gpu"
+
+
+def _kernel_module(name: str):
+    try:
+        return importlib.import_module(f"jattn.pallas_kernels.{name}")
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_dtype(x, name, allowed):
+    if jnp.dtype(x.dtype) not in [jnp.dtype(a) for a in allowed]:
+        names = ", ".join(str(jnp.dtype(a)) for a in allowed)
+        raise TypeError(f"{name}.dtype={x.dtype} must be one of {names}")
+
+
+def _check_ndim(x, name, ndim, layout):
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_int(x, name):
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"{name}.dtype={x.dtype} must be int32")
+
+
+def _check_options(window_left, logit_cap, sinks, num_q_heads):
+    if not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left={window_left!r} must be an int >= -1 (-1 disables it)")
+    if logit_cap < 0:
+        raise ValueError(f"logit_cap={logit_cap} must be >= 0 (0 disables it)")
+    if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
+        raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
+
+
+def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
+    _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim]")
+    _check_ndim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    _check_ndim(v_cache, "v_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim_v]")
+    _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
+    _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
+    _check_dtype(q, "q", _Q_DTYPES)
+    _check_dtype(k_cache, "k_cache", _KV_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
+    _check_int(page_table, "page_table")
+    _check_int(cache_seqlens, "cache_seqlens")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages/heads")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q head_dim={q.shape[2]} must equal k_cache head_dim={k_cache.shape[3]}")
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be divisible by num_kv_heads={num_kv_heads}")
+    if page_table.shape[0] != cache_seqlens.shape[0]:
+        raise ValueError(
+            f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}"
+        )
+
+
+def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
+    """Returns the implementation of ``op`` for ``backend`` (None = auto)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
+    if backend in (None, "mosaic") and kernel_module is not None:
+        mod = _kernel_module(kernel_module)
+        if backend == "mosaic":
+            if mod is None:
+                raise NotImplementedError(f"{op}: the mosaic backend is not available in this build")
+            if device_kind() not in ("hopper", "cpu"):
+                raise NotImplementedError(f"{op}: the mosaic backend needs a Hopper (sm90+) GPU")
+        if mod is not None and (backend == "mosaic" or device_kind() == "hopper"):
+            reason = reason_fn(mod, *args, **kwargs)
+            if reason is None:
+                return getattr(mod, op)
+            if backend == "mosaic":
+                raise NotImplementedError(f"{op}: the mosaic backend cannot serve this call: {reason}")
+    if backend in ("mosaic", "triton"):
+        raise NotImplementedError(f"{op}: no {backend} kernel is built for this op yet")
+    return None
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def mha_decode_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Paged decode attention (``max_seqlen_q`` tokens per request: spec verify, draft blocks).
+
+    Args:
+      q: [bs * max_seqlen_q, num_q_heads, head_dim] bf16/fp16/f32, request-major.
+      k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] bf16/fp16/f32/fp8 e4m3.
+      page_table: i32[bs, max_pages]; entries past a request's last page are never read.
+      cache_seqlens: i32[bs], KV length per request including the new tokens.
+      max_seqlen_q: query tokens per request.
+      is_causal: query ``i`` sees keys ``j <= L - max_seqlen_q + i``; else all ``L``.
+      window_left: sliding window (``-1`` off); sees ``j >= pos - window_left``.
+      logit_cap: ``c * tanh(x / c)`` on scores; 0 disables.
+      sinks: f32[num_q_heads] per-head sink logits (denominator only), or None.
+      softmax_scale: defaults to ``1/sqrt(head_dim)``.
+      k_scale, v_scale: FP8 dequantisation scales (1.0 for bf16 caches).
+      return_lse: also return the natural-log LSE f32[bs * max_seqlen_q, num_q_heads].
+      backend: None (auto), "mosaic", "triton" or "xla".
+
+    Returns:
+      out [bs * max_seqlen_q, num_q_heads, head_dim] in q's dtype (and lse).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> q = jnp.ones((2, 4, 8)); kc = jnp.ones((3, 16, 2, 8)); pt = jnp.array([[1], [2]], jnp.int32)
+      >>> mha_decode_with_kvcache(q, kc, kc, pt, jnp.array([5, 0], jnp.int32)).shape
+      (2, 4, 8)
+    """
+    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
+    bs = page_table.shape[0]
+    if max_seqlen_q < 1 or q.shape[0] != bs * max_seqlen_q:
+        raise ValueError(
+            f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})"
+        )
+    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    kw = dict(
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        return_lse=return_lse,
+    )
+    impl = _pick(
+        "mha_decode",
+        backend,
+        "mosaic_decode",
+        lambda mod, *a, **k: mod.unsupported_reason(*a, **k),
+        q,
+        k_cache,
+        v_cache,
+        **kw,
+    )
+    impl = impl or reference.mha_decode
+    return impl(q, k_cache, v_cache, page_table, cache_seqlens, **kw)
+
+
+def mha_extend_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    *,
+    max_seqlen_q: int,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Extend: ragged new tokens attend to their paged prefix and, causally, to themselves.
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim], token-major; rows past
+        ``cu_seqlens_q[-1]`` are padding and come out as 0 (LSE ``-inf``).
+      cu_seqlens_q: i32[bs + 1] query offsets; request ``b`` has
+        ``n_b = cu[b+1] - cu[b] <= max_seqlen_q`` new tokens, already in the cache.
+      cache_seqlens: i32[bs], prefix + new tokens.
+      Other arguments as in :func:`mha_decode_with_kvcache`.
+    """
+    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
+    _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
+    _check_int(cu_seqlens_q, "cu_seqlens_q")
+    if cu_seqlens_q.shape[0] != page_table.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must be batch + 1 = {page_table.shape[0] + 1}"
+        )
+    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    _pick("mha_extend", backend, None, None)
+    return reference.mha_extend(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        return_lse=return_lse,
+    )
+
+
+def mha_prefill(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_kv: int | None = None,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Ragged attention without a cache (prefill; MLA prefill with 192/128 head dims).
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim_qk]; k: [num_kv_tokens, num_kv_heads, head_dim_qk];
+        v: [num_kv_tokens, num_kv_heads, head_dim_v].
+      cu_seqlens_q, cu_seqlens_kv: i32[bs + 1] (kv defaults to q's). Causal masks
+        are bottom-right aligned: query ``i`` of ``n`` sees keys ``j <= L - n + i``.
+      Other arguments as in :func:`mha_decode_with_kvcache`.
+    """
+    _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim_qk]")
+    _check_ndim(k, "k", 3, "[kv_tokens, num_kv_heads, head_dim_qk]")
+    _check_ndim(v, "v", 3, "[kv_tokens, num_kv_heads, head_dim_v]")
+    _check_dtype(q, "q", _Q_DTYPES)
+    _check_dtype(k, "k", _KV_DTYPES)
+    _check_int(cu_seqlens_q, "cu_seqlens_q")
+    if cu_seqlens_kv is not None:
+        _check_int(cu_seqlens_kv, "cu_seqlens_kv")
+        if cu_seqlens_kv.shape != cu_seqlens_q.shape:
+            raise ValueError(f"cu_seqlens_kv {cu_seqlens_kv.shape} must match cu_seqlens_q {cu_seqlens_q.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {k.shape} and v {v.shape} differ in tokens/heads")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head_dim_qk={q.shape[2]} must equal k head_dim_qk={k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"num_q_heads={q.shape[1]} must be divisible by num_kv_heads={k.shape[1]}")
+    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    _pick("mha_prefill", backend, None, None)
+    return reference.mha_prefill(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        return_lse=return_lse,
+    )
+
+
+def mla_decode_with_kvcache(
+    q,
+    kv_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    kv_lora_rank: int,
+    softmax_scale,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    kv_scale=1.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """DeepSeek MLA absorbed decode over the latent paged cache.
+
+    Args:
+      q: [bs * max_seqlen_q, H, R + r]: ``W_UK^T q_nope`` (R) then rope(q_pe) (r).
+      kv_cache: [num_pages, page_size, R + r] latent rows ``[c_kv, k_pe]``.
+      kv_lora_rank: R (512 for DeepSeek-V2/V3); the value is the first R columns.
+      softmax_scale: ``1/sqrt(qk_nope + qk_rope)`` (times YaRN mscale^2) - never 1/sqrt(576).
+      kv_scale: FP8 dequantisation scale of the cache.
+
+    Returns:
+      latent out [bs * max_seqlen_q, H, R] in q's dtype (and natural-log lse f32[.., H]).
+    """
+    _check_ndim(q, "q", 3, "[tokens, num_heads, kv_lora_rank + rope_dim]")
+    _check_ndim(kv_cache, "kv_cache", 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
+    _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
+    _check_dtype(q, "q", _Q_DTYPES)
+    _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
+    _check_int(page_table, "page_table")
+    _check_int(cache_seqlens, "cache_seqlens")
+    if q.shape[2] != kv_cache.shape[2]:
+        raise ValueError(f"q width={q.shape[2]} must equal kv_cache width={kv_cache.shape[2]}")
+    if not 0 < kv_lora_rank < kv_cache.shape[2]:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, {kv_cache.shape[2]})")
+    bs = page_table.shape[0]
+    if q.shape[0] != bs * max_seqlen_q:
+        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    _pick("mla_decode", backend, None, None)
+    return reference.mla_decode(
+        q,
+        kv_cache,
+        page_table,
+        cache_seqlens,
+        kv_lora_rank=kv_lora_rank,
+        softmax_scale=softmax_scale,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        kv_scale=kv_scale,
+        return_lse=return_lse,
+    )
+
+
+def attn_merge_state(o_a, lse_a, o_b, lse_b):
+    """Merges partial attentions over disjoint keys: ``(o, lse)`` (natural-log LSE).
+
+    o_*: [tokens, heads, head_dim]; lse_*: f32[tokens, heads]. See SEMANTICS.md.
+    """
+    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
+        raise ValueError(
+            f"shapes must be o [T, H, D] and lse [T, H], equal for both: got {o_a.shape}, "
+            f"{lse_a.shape}, {o_b.shape}, {lse_b.shape}"
+        )
+    return reference.attn_merge_state(o_a, lse_a, o_b, lse_b)
+
+
+def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):
+    """Writes new tokens' K/V into the paged caches; returns ``(k_cache, v_cache)``.
+
+    k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, head_dim_v]; out_cache_loc: i32[T]
+    slots (``page * page_size + offset``). FP8 caches store ``clamp(x / scale, ±448)``.
+    Under ``jit`` with the caches donated the update is in place.
+    """
+    _check_int(out_cache_loc, "out_cache_loc")
+    if k.shape[0] != out_cache_loc.shape[0] or v.shape[0] != out_cache_loc.shape[0]:
+        raise ValueError(f"k {k.shape}, v {v.shape} and out_cache_loc {out_cache_loc.shape} disagree on tokens")
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k rows {k.shape[1:]} must match k_cache's [num_kv_heads, head_dim] {k_cache.shape[2:]}")
+    if v.shape[1:] != v_cache.shape[2:]:
+        raise ValueError(f"v rows {v.shape[1:]} must match v_cache's {v_cache.shape[2:]}")
+    return reference.set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale, v_scale)
+
+
+def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
+    """Writes latent rows ``[c_kv, k_pe]`` at ``out_cache_loc``; returns the cache."""
+    _check_int(out_cache_loc, "out_cache_loc")
+    t = out_cache_loc.shape[0]
+    width = c_kv.size // max(t, 1) + k_pe.size // max(t, 1)
+    if c_kv.shape[0] != t or k_pe.shape[0] != t or width != kv_cache.shape[-1]:
+        raise ValueError(
+            f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}"
+        )
+    return reference.set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale)

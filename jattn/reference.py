@@ -1,0 +1,412 @@
+"""Plain-JAX reference implementations of every jattn op (the ``xla`` backend).
+
+These are the oracle for every kernel test and the CPU fallback. They follow
+SEMANTICS.md exactly: f32 accumulation, natural-log LSE, empty rows give 0 and -inf.
+
+All attention ops funnel into one chunked online-softmax core, ``_attend``: the keys
+of request ``b`` are addressed by a function ``slot(b, j)`` into a flat key array
+(``page_table`` lookups for paged caches, ``cu_seqlens_kv`` offsets for ragged
+keys), so scores are materialised one key chunk at a time, never for every
+request at the batch's maximum length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+FP8_E4M3_MAX = 448.0
+_NEG_INF = float("-inf")
+
+
+def default_softmax_scale(head_dim_qk: int) -> float:
+    return 1.0 / math.sqrt(head_dim_qk)
+
+
+def _key_chunk(bs: int, num_q: int, num_q_heads: int, max_keys: int) -> int:
+    """Keys per chunk: bounded so one f32 score tile stays near 16M elements."""
+    budget = max(1, (1 << 24) // max(1, bs * num_q * num_q_heads))
+    chunk = 16
+    while chunk * 2 <= min(budget, 1024):
+        chunk *= 2
+    return max(1, min(chunk, max_keys))
+
+
+def _attend(
+    q,  # f32-castable [bs, nq, Hq, Dqk]
+    k_flat,  # [N, Hkv, Dqk]
+    v_flat,  # [N, Hkv, Dv] or None: v is the first dim_v columns of k
+    slot: Callable,  # (b i32[bs, 1], j i32[bs, C]) -> i32[bs, C] index into k_flat
+    kv_len,  # i32[bs]
+    q_pos,  # i32[bs, nq]: absolute key position of each query (L - n + i)
+    *,
+    max_keys: int,
+    dim_v: int,
+    is_causal: bool,
+    window_left: int,
+    logit_cap: float,
+    sinks,  # f32[Hq] or None
+    scale,  # python float or f32 scalar (softmax scale, k_scale folded in)
+    v_scale,  # python float or f32 scalar
+):
+    """Returns (o f32[bs, nq, Hq, Dv], lse f32[bs, nq, Hq])."""
+    bs, nq, hq, _ = q.shape
+    hkv = k_flat.shape[1]
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be divisible by num_kv_heads={hkv}")
+    group = hq // hkv
+    qf = q.astype(jnp.float32).reshape(bs, nq, hkv, group, -1)
+    chunk = _key_chunk(bs, nq, hq, max(1, max_keys))
+    num_chunks = max(1, -(-max_keys // chunk))
+    b_idx = jnp.arange(bs, dtype=jnp.int32)[:, None]
+
+    def body(c, carry):
+        m, l, acc = carry  # [bs, hkv, g, nq], same, [bs, hkv, g, nq, dv]
+        j = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
+        key_ok = j < kv_len[:, None]  # [bs, C]
+        idx = jnp.where(key_ok, slot(b_idx, jnp.broadcast_to(j, (bs, chunk))), 0)
+        kc = k_flat[idx].astype(jnp.float32)  # [bs, C, hkv, dqk]
+        if v_flat is None:
+            vc = kc[..., :dim_v]
+        else:
+            vc = v_flat[idx].astype(jnp.float32)
+        vc = jnp.where(key_ok[:, :, None, None], vc, 0.0)  # unused slots may hold NaN
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kc) * scale
+        if logit_cap > 0:
+            s = logit_cap * jnp.tanh(s / logit_cap)
+        jj = j[:, None, :]  # [1, 1, C]
+        qp = q_pos[:, :, None]  # [bs, nq, 1]
+        mask = key_ok[:, None, :]
+        if is_causal:
+            mask = mask & (jj <= qp)
+        if window_left >= 0:
+            mask = mask & (jj >= qp - window_left)
+        s = jnp.where(mask[:, None, None], s, _NEG_INF)  # [bs, hkv, g, nq, C]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l_new = alpha * l + p.sum(axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("bhgqk,bkhd->bhgqd", p, vc)
+        return m_new, l_new, acc_new
+
+    init = (
+        jnp.full((bs, hkv, group, nq), _NEG_INF, jnp.float32),
+        jnp.zeros((bs, hkv, group, nq), jnp.float32),
+        jnp.zeros((bs, hkv, group, nq, dim_v), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    empty = l == 0.0
+    lse = jnp.where(empty, _NEG_INF, jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
+    denom = l
+    if sinks is not None:
+        sink = jnp.asarray(sinks, jnp.float32).reshape(hkv, group)[None, :, :, None]
+        denom = l + jnp.exp(sink - jnp.where(empty, 0.0, m))
+    o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, denom)[..., None])
+    o = o * v_scale
+    # [bs, hkv, g, nq, dv] -> [bs, nq, hq, dv]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(bs, nq, hq, dim_v)
+    lse = lse.transpose(0, 3, 1, 2).reshape(bs, nq, hq)
+    return o, lse
+
+
+def _paged_slot(page_table, page_size: int):
+    num_pages_per_req = page_table.shape[1]
+
+    def slot(b, j):
+        col = jnp.minimum(j // page_size, num_pages_per_req - 1)
+        return page_table[b, col] * page_size + j % page_size
+
+    return slot
+
+
+def _ragged_slot(cu_seqlens_kv):
+    def slot(b, j):
+        return cu_seqlens_kv[b] + j
+
+    return slot
+
+
+def _ragged_to_padded(cu_seqlens_q, max_seqlen_q: int):
+    """Index of token (b, i) in the ragged array, and its validity."""
+    bs = cu_seqlens_q.shape[0] - 1
+    i = jnp.arange(max_seqlen_q, dtype=jnp.int32)[None, :]
+    n = (cu_seqlens_q[1:] - cu_seqlens_q[:-1])[:, None]
+    tok = cu_seqlens_q[:-1, None] + i
+    return tok, i < n, n.reshape(bs)
+
+
+def _padded_to_ragged(o_pad, lse_pad, cu_seqlens_q, num_tokens: int):
+    """Gather padded per-request rows back to token-major; padding tokens give 0 / -inf."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(cu_seqlens_q, t, side="right") - 1, 0, o_pad.shape[0] - 1)
+    i = jnp.clip(t - cu_seqlens_q[b], 0, o_pad.shape[1] - 1)
+    real = t < cu_seqlens_q[-1]
+    o = jnp.where(real[:, None, None], o_pad[b, i], 0.0)
+    lse = jnp.where(real[:, None], lse_pad[b, i], _NEG_INF)
+    return o, lse
+
+
+def _finish(o, lse, dtype, return_lse):
+    o = o.astype(dtype)
+    return (o, lse) if return_lse else o
+
+
+_OPTS = ("is_causal", "window_left", "logit_cap", "return_lse")
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q",) + _OPTS)
+def mha_decode(
+    q,  # [bs * q_len, Hq, D]
+    k_cache,  # [num_pages, page_size, Hkv, D]
+    v_cache,  # [num_pages, page_size, Hkv, Dv]
+    page_table,  # i32[bs, max_pages]
+    cache_seqlens,  # i32[bs], new tokens included
+    *,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,  # f32[Hq] or None
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+):
+    """Paged decode, ``max_seqlen_q`` query tokens per request (request-major)."""
+    bs = page_table.shape[0]
+    num_pages, page_size, hkv, d = k_cache.shape
+    hq = q.shape[1]
+    scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
+    qb = q.reshape(bs, max_seqlen_q, hq, d)
+    kv_len = cache_seqlens.astype(jnp.int32)
+    q_pos = kv_len[:, None] - max_seqlen_q + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
+    o, lse = _attend(
+        qb,
+        k_cache.reshape(num_pages * page_size, hkv, d),
+        v_cache.reshape(num_pages * page_size, hkv, v_cache.shape[-1]),
+        _paged_slot(page_table, page_size),
+        kv_len,
+        q_pos,
+        max_keys=page_table.shape[1] * page_size,
+        dim_v=v_cache.shape[-1],
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        scale=scale * k_scale,
+        v_scale=v_scale,
+    )
+    return _finish(
+        o.reshape(bs * max_seqlen_q, hq, -1), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q",) + _OPTS)
+def mha_extend(
+    q,  # [num_tokens, Hq, D] ragged
+    k_cache,  # [num_pages, page_size, Hkv, D]
+    v_cache,  # [num_pages, page_size, Hkv, Dv]
+    page_table,  # i32[bs, max_pages]
+    cache_seqlens,  # i32[bs]: prefix + new tokens
+    cu_seqlens_q,  # i32[bs + 1]
+    *,
+    max_seqlen_q: int,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+):
+    """New tokens attend to the paged prefix and (causally) to themselves."""
+    num_pages, page_size, hkv, d = k_cache.shape
+    scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
+    tok, valid, n = _ragged_to_padded(cu_seqlens_q, max_seqlen_q)
+    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
+    qb = jnp.where(valid[:, :, None, None], qb, 0)
+    kv_len = cache_seqlens.astype(jnp.int32)
+    q_pos = kv_len[:, None] - n[:, None] + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
+    o, lse = _attend(
+        qb,
+        k_cache.reshape(num_pages * page_size, hkv, d),
+        v_cache.reshape(num_pages * page_size, hkv, v_cache.shape[-1]),
+        _paged_slot(page_table, page_size),
+        kv_len,
+        q_pos,
+        max_keys=page_table.shape[1] * page_size,
+        dim_v=v_cache.shape[-1],
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        scale=scale * k_scale,
+        v_scale=v_scale,
+    )
+    o, lse = _padded_to_ragged(o, lse, cu_seqlens_q, q.shape[0])
+    return _finish(o, lse, q.dtype, return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_kv") + _OPTS)
+def mha_prefill(
+    q,  # [num_tokens, Hq, Dqk] ragged
+    k,  # [num_kv_tokens, Hkv, Dqk] ragged
+    v,  # [num_kv_tokens, Hkv, Dv] ragged
+    cu_seqlens_q,  # i32[bs + 1]
+    cu_seqlens_kv=None,  # i32[bs + 1]; defaults to cu_seqlens_q
+    *,
+    max_seqlen_q: int,
+    max_seqlen_kv: int | None = None,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+):
+    """Ragged attention without a cache; ``head_dim_qk`` may differ from ``head_dim_v``."""
+    if cu_seqlens_kv is None:
+        cu_seqlens_kv = cu_seqlens_q
+    if max_seqlen_kv is None:
+        max_seqlen_kv = max_seqlen_q
+    d = q.shape[-1]
+    scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
+    tok, valid, n = _ragged_to_padded(cu_seqlens_q, max_seqlen_q)
+    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
+    qb = jnp.where(valid[:, :, None, None], qb, 0)
+    kv_len = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).astype(jnp.int32)
+    q_pos = kv_len[:, None] - n[:, None] + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
+    o, lse = _attend(
+        qb,
+        k,
+        v,
+        _ragged_slot(cu_seqlens_kv.astype(jnp.int32)),
+        kv_len,
+        q_pos,
+        max_keys=max_seqlen_kv,
+        dim_v=v.shape[-1],
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        scale=scale * k_scale,
+        v_scale=v_scale,
+    )
+    o, lse = _padded_to_ragged(o, lse, cu_seqlens_q, q.shape[0])
+    return _finish(o, lse, q.dtype, return_lse)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse")
+)
+def mla_decode(
+    q,  # [bs * q_len, H, R + r]: absorbed q_nope then rope(q_pe)
+    kv_cache,  # [num_pages, page_size, R + r]: c_kv then k_pe
+    page_table,  # i32[bs, max_pages]
+    cache_seqlens,  # i32[bs]
+    *,
+    kv_lora_rank: int,
+    softmax_scale,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    kv_scale=1.0,
+    return_lse: bool = False,
+):
+    """MLA absorbed decode: one shared latent KV head; output is the latent [.., H, R]."""
+    bs = page_table.shape[0]
+    num_pages, page_size, width = kv_cache.shape
+    h = q.shape[1]
+    qb = q.reshape(bs, max_seqlen_q, h, width)
+    kv_len = cache_seqlens.astype(jnp.int32)
+    q_pos = kv_len[:, None] - max_seqlen_q + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
+    o, lse = _attend(
+        qb,
+        kv_cache.reshape(num_pages * page_size, 1, width),
+        None,
+        _paged_slot(page_table, page_size),
+        kv_len,
+        q_pos,
+        max_keys=page_table.shape[1] * page_size,
+        dim_v=kv_lora_rank,
+        is_causal=is_causal,
+        window_left=-1,
+        logit_cap=0.0,
+        sinks=None,
+        scale=softmax_scale * kv_scale,
+        v_scale=kv_scale,
+    )
+    return _finish(
+        o.reshape(bs * max_seqlen_q, h, kv_lora_rank),
+        lse.reshape(bs * max_seqlen_q, h),
+        q.dtype,
+        return_lse,
+    )
+
+
+@jax.jit
+def attn_merge_state(o_a, lse_a, o_b, lse_b):
+    """Merge two partial attentions over disjoint key sets (natural-log LSE).
+
+    o_*: [T, H, D]; lse_*: f32[T, H]. Both ``-inf`` gives ``o = 0, lse = -inf``.
+    """
+    lse_a = lse_a.astype(jnp.float32)
+    lse_b = lse_b.astype(jnp.float32)
+    m = jnp.maximum(lse_a, lse_b)
+    both_empty = jnp.isneginf(m)
+    m_safe = jnp.where(both_empty, 0.0, m)
+    w_a = jnp.exp(lse_a - m_safe)
+    w_b = jnp.exp(lse_b - m_safe)
+    tot = w_a + w_b
+    safe_tot = jnp.where(both_empty, 1.0, tot)
+    o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32))
+    o = jnp.where(both_empty[..., None], 0.0, o / safe_tot[..., None])
+    lse = jnp.where(both_empty, _NEG_INF, m_safe + jnp.log(safe_tot))
+    return o.astype(o_a.dtype), lse
+
+
+def quantize_fp8(x, scale, dtype=jnp.float8_e4m3fn):
+    """``clamp(x / scale, -448, 448)`` cast to FP8 e4m3 (casts do not saturate)."""
+    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(dtype)
+
+
+def _store(cache, loc, x, scale):
+    flat = cache.reshape((-1,) + cache.shape[2:])
+    if jnp.issubdtype(cache.dtype, jnp.floating) and jnp.finfo(cache.dtype).bits == 8:
+        x = quantize_fp8(x, 1.0 if scale is None else scale, cache.dtype)
+    else:
+        x = x.astype(cache.dtype)
+    flat = flat.at[loc].set(x, mode="drop")
+    return flat.reshape(cache.shape)
+
+
+@jax.jit
+def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale=None, v_scale=None):
+    """Write new tokens' K/V at slots ``out_cache_loc`` (i32[T]); returns the caches.
+
+    k: [T, Hkv, D], v: [T, Hkv, Dv]. FP8 caches store ``clamp(x / scale)``; slots out
+    of range are dropped (the planner rejects them up front).
+    """
+    loc = out_cache_loc.astype(jnp.int32)
+    return _store(k_cache, loc, k, k_scale), _store(v_cache, loc, v, v_scale)
+
+
+@jax.jit
+def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=None):
+    """Write latent rows ``[c_kv (R), k_pe (r)]`` at ``out_cache_loc``; returns the cache.
+
+    c_kv: [T, R] or [T, 1, R]; k_pe: [T, r] or [T, 1, r].
+    """
+    t = out_cache_loc.shape[0]
+    row = jnp.concatenate(
+        [c_kv.reshape(t, -1).astype(jnp.float32), k_pe.reshape(t, -1).astype(jnp.float32)], axis=-1
+    )
+    return _store(kv_cache, out_cache_loc.astype(jnp.int32), row, kv_scale)
