@@ -17,7 +17,15 @@ from jattn.backends import (
     registered_backends,
 )
 from jattn.kv_cache import MLAKVCache, PageAllocator, PagedKVCache, PagePoolExhausted
-from jattn.metadata import DUMMY_PAGE, DecodeMetadata, ExtendMetadata, plan_decode, plan_extend
+from jattn.metadata import (
+    DUMMY_PAGE,
+    DecodeMetadata,
+    ExtendMetadata,
+    PrefixChunk,
+    plan_decode,
+    plan_extend,
+    plan_prefix_chunks,
+)
 from jattn.ops import (
     BACKENDS,
     attn_merge_state,
@@ -54,6 +62,8 @@ __all__ = [
     "mla_decode_with_kvcache",
     "plan_decode",
     "plan_extend",
+    "plan_prefix_chunks",
+    "PrefixChunk",
     "register_backend",
     "registered_backends",
     "set_kv_buffer",

@@ -332,6 +332,60 @@ def plan_extend(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixChunk:
+    """One chunk of the cached prefixes for the chunked-prefix-cache path (MLA prefill).
+
+    Request ``b`` has keys ``cu_seqlens_kv[b] .. cu_seqlens_kv[b+1]`` in this chunk, held
+    in the paged cache at ``slots`` (token-major, padded with the dummy slot). The model
+    gathers the latent rows at ``slots``, up-projects them to K/V and runs a non-causal
+    attention with LSE, merged into the new tokens' result with ``attn_merge_state``.
+    """
+
+    cu_seqlens_kv: jax.Array  # i32[bs + 1]
+    slots: jax.Array  # i32[chunk_tokens]
+    max_seqlen_kv: int = 1
+
+
+_pytree(PrefixChunk, ("cu_seqlens_kv", "slots"))
+
+
+def plan_prefix_chunks(
+    prefix_lens, page_table, *, page_size: int, chunk_size: int, batch_size: int | None = None
+) -> tuple:
+    """Splits every request's cached prefix into chunks of at most ``chunk_size`` tokens.
+
+    Chunk ``c`` holds prefix tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of each
+    request (a request whose prefix is shorter has 0 keys in it: its rows come out as
+    ``o = 0, lse = -inf`` and merge as a no-op). ``batch_size`` pads the requests to a
+    bucket (default: ``len(prefix_lens)``). Returns a tuple of :class:`PrefixChunk`.
+    """
+    pre = _as_int_array(prefix_lens, "prefix_lens", 1)
+    pt = _as_int_array(page_table, "page_table", 2)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    _check_pages(pt[: pre.shape[0]], pre, page_size, None)
+    bs = pre.shape[0] if batch_size is None else batch_size
+    if bs < pre.shape[0]:
+        raise ValueError(f"batch_size={bs} is smaller than the {pre.shape[0]} requests")
+    chunks = []
+    for c in range(-(-int(pre.max(initial=0)) // chunk_size)):
+        lo = c * chunk_size
+        n = np.clip(pre - lo, 0, chunk_size)
+        cu = np.zeros(bs + 1, np.int64)
+        cu[1 : pre.shape[0] + 1] = np.cumsum(n)
+        cu[pre.shape[0] + 1 :] = cu[pre.shape[0]]
+        width = bucket(max(int(cu[-1]), 16))
+        slots = np.full(width, DUMMY_PAGE * page_size, np.int64)
+        rows = np.repeat(np.arange(pre.shape[0]), n)
+        pos = lo + np.arange(int(cu[-1])) - cu[rows]
+        slots[: int(cu[-1])] = _slots(pt, rows, pos, page_size)
+        chunks.append(
+            PrefixChunk(cu.astype(np.int32), slots.astype(np.int32), max_seqlen_kv=bucket(max(int(n.max()), 1)))
+        )
+    return tuple(chunks)
+
+
 def to_device(md):
     """Moves a metadata pytree's host arrays to the default device."""
     return jax.tree_util.tree_map(jax.numpy.asarray, md)
