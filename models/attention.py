@@ -1,0 +1,56 @@
+"""How the models reach jattn: metadata for cache-free ragged prefill, and dispatch helpers.
+
+A model's forward gets ``(kv_cache, metadata)``:
+
+* ``kv_cache is None`` and ``metadata`` a :class:`RaggedMetadata`: plain ragged causal
+  attention over the given tokens (no cache): full-sequence logits, parity tests.
+* ``metadata`` a ``jattn.metadata.ExtendMetadata``: prefill / extend through the paged cache.
+* ``metadata`` a ``jattn.metadata.DecodeMetadata``: decode through the paged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedMetadata:
+    """Cache-free ragged batch: request ``b`` owns tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``."""
+
+    cu_seqlens_q: jax.Array  # i32[bs + 1]
+    max_seqlen_q: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def from_lengths(cls, lengths) -> "RaggedMetadata":
+        lengths = np.asarray(lengths, np.int32)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return cls(cu_seqlens_q=cu, max_seqlen_q=int(lengths.max(initial=1)))
+
+    @staticmethod
+    def positions(lengths) -> np.ndarray:
+        """Absolute positions i32[sum(lengths)] of a cache-free ragged batch."""
+        return np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] or [np.zeros(0, np.int32)])
+
+
+def is_decode(metadata) -> bool:
+    return type(metadata).__name__ == "DecodeMetadata"
+
+
+def is_extend(metadata) -> bool:
+    return type(metadata).__name__ == "ExtendMetadata"
+
+
+def ragged_prefill(q, k, v, metadata: RaggedMetadata, *, softmax_scale=None):
+    """Causal ragged attention without a cache: q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv]."""
+    from jattn import reference
+
+    try:  # the public op dispatches to the best backend; the reference is the same math
+        from jattn import mha_prefill
+    except ImportError:  # pragma: no cover - core not installed yet
+        mha_prefill = reference.mha_prefill
+    return mha_prefill(q, k, v, metadata.cu_seqlens_q, max_seqlen_q=metadata.max_seqlen_q,
+                       softmax_scale=softmax_scale)

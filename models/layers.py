@@ -1,0 +1,154 @@
+"""Shared building blocks: RMSNorm, RoPE (NeoX and interleaved), SwiGLU MLP, a small MoE.
+
+Tokens are flattened: activations are ``[T, D]`` (T = all tokens of a ragged batch), so one
+module serves prefill, extend and decode alike.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _init(std: float):
+    return nnx.initializers.normal(std)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)``; kernel ``[in, out]`` (the transpose of a torch weight)."""
+
+    def __init__(self, din: int, dout: int, *, use_bias: bool = False, dtype=jnp.float32,
+                 param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(std)(rngs.params(), (din, dout), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None
+        self.dtype = dtype
+
+    def __call__(self, x):
+        y = jnp.einsum("td,de->te", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * weight``, computed in f32 and cast back (as HF Llama / DeepSeek do)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(dtype) * xf.astype(dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_init(std)(rngs.params(), (vocab, dim), param_dtype))
+
+    def __call__(self, tokens):  # i32[T] -> [T, D]
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def attend(self, x):  # [T, D] -> f32[T, V]
+        return jnp.einsum("td,vd->tv", x, self.embedding[...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def rope_cos_sin(positions, inv_freq: np.ndarray, attn_factor: float):
+    """cos, sin f32[T, rotary_dim // 2] at absolute ``positions`` i32[T]."""
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(ang) * attn_factor, jnp.sin(ang) * attn_factor
+
+
+def apply_rope(x, cos, sin, *, interleaved: bool = False):
+    """Rotate ``x`` [T, H, d] by per-token angles (cos/sin f32[T, d/2]).
+
+    ``interleaved=False``: NeoX / HF Llama "rotate half" pairs ``(i, i + d/2)``.
+    ``interleaved=True``: GPT-J / DeepSeek pairs ``(2i, 2i + 1)``; output keeps that layout.
+    """
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        y = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(xf.shape)
+    else:
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        y = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return y.astype(dtype)
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int, *, use_bias: bool = False, dtype=jnp.float32,
+                 param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, std=std, rngs=rngs)
+        self.gate_proj = Linear(dim, hidden, **kw)
+        self.up_proj = Linear(dim, hidden, **kw)
+        self.down_proj = Linear(hidden, dim, **kw)
+
+    def __call__(self, x):
+        with jax.named_scope("swiglu"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """DeepSeek-V3 style MoE: sigmoid router with a correction bias, group-limited top-k,
+    normalised and scaled weights, plus shared experts.
+
+    Experts are evaluated densely (every expert on every token, then weighted): exact and
+    simple, meant for small models and tests, not for serving a 256-expert model.
+    """
+
+    def __init__(self, dim: int, hidden: int, *, num_experts: int, top_k: int, num_shared: int,
+                 n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+                 dtype=jnp.float32, param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+        init = _init(std)
+        self.gate_weight = nnx.Param(init(rngs.params(), (num_experts, dim), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        self.w_gate = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
+        self.shared = (SwiGLU(dim, hidden * num_shared, dtype=dtype, param_dtype=param_dtype,
+                              std=std, rngs=rngs) if num_shared > 0 else None)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.dtype = dtype
+
+    def route(self, x):
+        """Dense combine weights f32[T, E] (zero for unselected experts)."""
+        t = x.shape[0]
+        e, g = self.num_experts, self.n_group
+        scores = jax.nn.sigmoid(jnp.einsum("td,ed->te", x.astype(jnp.float32), self.gate_weight[...]))
+        choice = scores + self.e_score_correction_bias[...][None]
+        grouped = choice.reshape(t, g, e // g)
+        group_score = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [T, G]
+        _, gidx = jax.lax.top_k(group_score, self.topk_group)
+        gmask = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], gidx].set(True)
+        emask = jnp.repeat(gmask, e // g, axis=1)
+        choice = jnp.where(emask, choice, -jnp.inf)
+        _, idx = jax.lax.top_k(choice, self.top_k)  # [T, k]
+        w = jnp.take_along_axis(scores, idx, axis=1)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        w = w * self.routed_scaling_factor
+        return jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], idx].set(w)
+
+    def __call__(self, x):
+        with jax.named_scope("moe"):
+            combine = self.route(x)
+            xd = x.astype(self.dtype)
+            h = jax.nn.silu(jnp.einsum("td,edh->teh", xd, self.w_gate[...].astype(self.dtype)))
+            h = h * jnp.einsum("td,edh->teh", xd, self.w_up[...].astype(self.dtype))
+            y = jnp.einsum("teh,ehd->ted", h, self.w_down[...].astype(self.dtype))
+            out = jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
+            if self.shared is not None:
+                out = out + self.shared(x)
+            return out

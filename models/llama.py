@@ -1,0 +1,129 @@
+"""Llama-family decoder in Flax NNX with every attention through jattn.
+
+Covers Llama 2 / 3 (GQA, llama3 / linear / yarn RoPE scaling), SmolLM2, Qwen2 (qkv bias)
+and Qwen3 (per-head q/k RMSNorm). Activations are token-major ``[T, D]``: one forward
+serves cache-free ragged prefill, extend through the paged cache, and decode.
+
+Example::
+
+    cfg = LlamaConfig.tiny()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    md = RaggedMetadata.from_lengths([5, 3])
+    hidden, _ = model(tokens, positions, None, md)   # tokens i32[8]
+    logits = model.logits(hidden)                    # f32[8, vocab]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn.backends import LayerSpec, MHABackend, MHAConfig
+from jattn.models.attention import RaggedMetadata, is_decode, ragged_prefill
+from jattn.models.config import LlamaConfig
+from jattn.models.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+
+def default_mha_backend(cfg: LlamaConfig, page_size: int = 16, kernel_backend: str | None = None) -> MHABackend:
+    return MHABackend(MHAConfig(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, page_size=page_size,
+                                kernel_backend=kernel_backend))
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        kw = dict(dtype=dt, param_dtype=pdt, std=std, rngs=rngs)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(h, cfg.num_q_heads * d, use_bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(cfg.num_q_heads * d, h, use_bias=cfg.o_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        else:
+            self.q_norm = self.k_norm = None
+        self.spec = LayerSpec(layer_id=layer_id, num_q_heads=cfg.num_q_heads,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=d)
+
+    def __call__(self, x, cos, sin, kv_cache, metadata, backend):
+        t = x.shape[0]
+        s = self.spec
+        with jax.named_scope("qkv"):
+            q = self.q_proj(x).reshape(t, s.num_q_heads, s.head_dim)
+            k = self.k_proj(x).reshape(t, s.num_kv_heads, s.head_dim)
+            v = self.v_proj(x).reshape(t, s.num_kv_heads, s.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with jax.named_scope("attention"):
+            if kv_cache is None:
+                out = ragged_prefill(q, k, v, metadata).reshape(t, -1)
+            elif is_decode(metadata):
+                out, kv_cache = backend.forward_decode(q, k, v, s, kv_cache, metadata)
+            else:
+                out, kv_cache = backend.forward_extend(q, k, v, s, kv_cache, metadata)
+        return self.o_proj(out.astype(x.dtype)), kv_cache
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        self.self_attn = LlamaAttention(cfg, layer_id, std=std, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias,
+                          dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, std=std, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, metadata, backend):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class Llama(nnx.Module):
+    """Llama-family causal LM. ``__call__`` returns ``(hidden [T, D], kv_cache)``."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, std: float = 0.02):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.config = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=pdt, std=std, rngs=rngs)
+        self.layers = nnx.List([LlamaBlock(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
+                               param_dtype=pdt, std=std, rngs=rngs))
+        inv_freq, attn_factor = cfg.rope()
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
+        self._attn_factor = attn_factor
+
+    def __call__(self, tokens, positions, kv_cache=None, metadata=None, *, backend=None):
+        """tokens, positions: i32[T]; ``kv_cache`` a ``PagedKVCache`` (with Decode/Extend
+        metadata) or None (with :class:`RaggedMetadata`)."""
+        cfg = self.config
+        if kv_cache is not None and backend is None:
+            backend = default_mha_backend(cfg, metadata.page_size)
+        if kv_cache is None and not isinstance(metadata, RaggedMetadata):
+            raise TypeError("without a kv_cache, metadata must be a RaggedMetadata")
+        x = self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype))
+        cos, sin = rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._attn_factor)
+        for layer in self.layers:
+            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
+        return self.norm(x), kv_cache
+
+    def logits(self, hidden):
+        """f32[T, vocab]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def make_cache(self, *, num_pages: int, page_size: int, dtype=None):
+        from jattn.kv_cache import PagedKVCache
+
+        cfg = self.config
+        return PagedKVCache.create(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
+                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                   dtype=dtype or cfg.dtype)
