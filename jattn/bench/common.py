@@ -1,0 +1,134 @@
+"""Shared timing utilities for jattn benchmarks (GPU).
+
+Pitfalls these avoid (measured on the H200, see DESIGN.md):
+* one jitted call at a time with ``block_until_ready`` adds ~150 us of host
+  dispatch and sync, so many calls run inside ONE jitted function;
+* XLA deduplicates identical calls inside one jit, so every call gets
+  different inputs (``step(i, ...)`` picks rotation ``i``);
+* inputs that fit in the 60 MB L2 measure the cache, so callers rotate over
+  data several times larger than L2 (see :func:`rotation_pages`).
+
+Per-call time is ``(T(n_hi) - T(n_lo)) / (n_hi - n_lo)`` from the medians of
+several timings of the jitted function with ``n_lo`` and ``n_hi`` calls, which
+cancels the fixed dispatch and sync cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L2_BYTES = 60 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  seconds: float        # per call, median-based
+  spread: float         # relative spread of the per-call estimate across reps
+  n_lo: int
+  n_hi: int
+
+
+def _median_wall(fn, args, reps: int) -> tuple[float, list[float]]:
+  out = fn(*args)
+  jax.block_until_ready(out)  # compile + warm up
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), ts
+
+
+def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
+                 n_hi: int = 12, reps: int = 7) -> Timing:
+  """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
+
+  ``step`` must return an array; all outputs are summed into one f32 scalar so
+  nothing is dead code (the sum is a tiny extra reduction per call).
+  """
+  def make(n):
+    @jax.jit
+    def many(*a):
+      acc = jnp.zeros((), jnp.float32)
+      for i in range(n):
+        out = step(i, *a)
+        leaves = jax.tree.leaves(out)
+        acc = acc + sum(jnp.sum(x.astype(jnp.float32)) for x in leaves) * 1e-30
+      return acc
+    return many
+
+  lo, lo_ts = _median_wall(make(n_lo), args, reps)
+  hi, hi_ts = _median_wall(make(n_hi), args, reps)
+  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
+  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
+  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
+  return Timing(per, spread, n_lo, n_hi)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
+  """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
+
+  Prefers torch (cudaMemcpy, CUDA events), the figure DESIGN.md uses; falls
+  back to a JAX elementwise copy timed the same way as kernels.
+  """
+  try:
+    import torch
+    if torch.cuda.is_available():
+      x = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+      y = torch.empty_like(x)
+      for _ in range(3):
+        y.copy_(x)
+      torch.cuda.synchronize()
+      ts = []
+      for _ in range(reps):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        y.copy_(x)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+      del x, y
+      torch.cuda.empty_cache()
+      return nbytes / statistics.median(ts), "torch copy_"
+  except Exception:  # noqa: BLE001 - torch missing or without CUDA
+    pass
+  n = nbytes // 2 // 4 // 4
+  xs = [jnp.full((n,), float(i), jnp.float32) for i in range(4)]
+  t = time_rotated(lambda i, *a: a[i % 4] + 1.0, xs, n_lo=2, n_hi=10)
+  return (n * 4 * 2) / t.seconds, "jax elementwise"
+
+
+def rotation_pages(needed_pages: int, page_bytes: int, *, min_pool_bytes: int = 4 * L2_BYTES
+                   ) -> int:
+  """Pool size (pages) so that rotating page tables over it defeats the L2."""
+  return max(needed_pages, -(-min_pool_bytes // page_bytes))
+
+
+def random_page_tables(rng: np.random.Generator, num_rot: int, bs: int, max_pages: int,
+                       num_pages: int) -> np.ndarray:
+  """i32[num_rot, bs, max_pages]: each rotation a random set of distinct pages."""
+  need = bs * max_pages
+  out = np.empty((num_rot, bs, max_pages), np.int32)
+  for r in range(num_rot):
+    if need <= num_pages:
+      out[r] = rng.permutation(num_pages)[:need].reshape(bs, max_pages)
+    else:
+      out[r] = rng.integers(0, num_pages, (bs, max_pages))
+  return out
+
+
+def fmt_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+  """A markdown table (also readable as plain text)."""
+  cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+  line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+  sep = "| " + " | ".join("-" * w for w in widths) + " |"
+  return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

@@ -1,0 +1,149 @@
+"""``python -m jattn bench decode``: paged MHA/GQA decode, Llama-3-8B shape.
+
+32 q heads, 8 kv heads, head_dim 128, bf16 (plus q_len 4 verify and FP8 KV rows).
+For each (page size, batch, length): jattn's mosaic kernel time, achieved TB/s
+(K and V bytes read once), percent of the device copy bandwidth measured in the
+same run, and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention`` on
+the same data where it runs. Page tables rotate over a pool larger than L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.bench import common
+
+SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024),
+          (32, 16384))
+HQ, HKV, D = 32, 8, 128
+NUM_ROT = 4
+
+
+def _setup(bs, length, page_size, q_len, kv_dtype, rng):
+  max_pages = -(-length // page_size)
+  itemsize = jnp.dtype(kv_dtype).itemsize
+  page_bytes = 2 * page_size * HKV * D * itemsize
+  num_pages = common.rotation_pages(bs * max_pages, page_bytes)
+  tables = common.random_page_tables(rng, NUM_ROT, bs, max_pages, num_pages)
+  k = jax.random.normal(jax.random.key(1), (num_pages, page_size, HKV, D), jnp.float32)
+  v = jax.random.normal(jax.random.key(2), (num_pages, page_size, HKV, D), jnp.float32)
+  if kv_dtype == jnp.float8_e4m3fn:
+    k, v = (k * 0.5).astype(kv_dtype), (v * 0.5).astype(kv_dtype)
+  else:
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+  qs = jax.random.normal(jax.random.key(3), (NUM_ROT, bs * q_len, HQ, D), jnp.bfloat16)
+  lens = jnp.full((bs,), length, jnp.int32)
+  kv_bytes = 2 * bs * length * HKV * D * itemsize
+  return qs, k, v, jnp.asarray(tables), lens, kv_bytes
+
+
+def _jax_paged_attention(qs, k, v, tables, lens, page_size):
+  """JAX's Pallas-Triton paged_attention on the same data (its own layout)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+  kp = jnp.transpose(k, (2, 0, 1, 3))  # [Hkv, pages, page_size, D], copied once
+  vp = jnp.transpose(v, (2, 0, 1, 3))
+  max_pages = tables.shape[-1]
+  k_splits = math.gcd(16, max_pages)
+  ppcb = max(1, min(8, max_pages // k_splits))
+
+  def step(i, qs, kp, vp, tables, lens):
+    return jpa.paged_attention(qs[i % NUM_ROT], kp, vp, tables[i % NUM_ROT], lens,
+                               k_splits=k_splits, pages_per_compute_block=ppcb)
+  return step, (qs, kp, vp, tables, lens)
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
+  ap.add_argument("--page-sizes", default="16,64")
+  ap.add_argument("--shapes", default=None, help="e.g. 1x4096,64x4096 (default: the issue's list)")
+  ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
+  ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
+  ap.add_argument("--check", action="store_true", help="max |err| vs the f32 reference per row")
+  ap.add_argument("--n-hi", type=int, default=12)
+  args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+
+  from jattn.pallas_kernels import mosaic_decode as md
+  if jax.default_backend() != "gpu":
+    print("bench decode needs a GPU (jax default backend is "
+          f"{jax.default_backend()}); nothing to do")
+    return
+
+  copy_bw, how = common.copy_bandwidth()
+  dev = jax.devices()[0].device_kind
+  print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+  page_sizes = [int(p) for p in args.page_sizes.split(",")]
+  shapes = SHAPES if args.shapes is None else tuple(
+      tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
+  rows_spec = [(ps, bs, L, 1, jnp.bfloat16) for ps in page_sizes for bs, L in shapes]
+  if not args.no_extra:
+    for ps in page_sizes:
+      rows_spec += [(ps, 64, 4096, 4, jnp.bfloat16), (ps, 1, 32768, 4, jnp.bfloat16)]
+      rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
+
+  rng = np.random.default_rng(0)
+  header = ["page", "batch x len", "q_len", "kv", "splits", "jattn us", "TB/s", "% copy",
+            "JAX paged_attention TB/s"] + (["max err"] if args.check else [])
+  rows = []
+  for ps, bs, L, q_len, kv_dtype in rows_spec:
+    kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
+    label = [ps, f"{bs}x{L}", q_len, kvname]
+    try:
+      qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng)
+    except Exception as e:  # noqa: BLE001
+      rows.append(label + ["-", f"setup failed: {type(e).__name__}"] + [""] * (len(header) - 6))
+      continue
+    reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
+    if reason is not None:
+      rows.append(label + ["-", "n/a", "-", "-", "-"] + ([reason] if args.check else []))
+      print(f"skip {label}: {reason}")
+      continue
+    kscale = 0.5 if kvname == "fp8" else 1.0
+
+    def step(i, qs, k, v, tables, lens):
+      return md.mha_decode(qs[i % NUM_ROT], k, v, tables[i % NUM_ROT], lens,
+                           max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+    try:
+      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=args.n_hi)
+      bsz = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
+                                  max_pages=tables.shape[-1], m_rows=q_len * HQ,
+                                  kv_itemsize=jnp.dtype(kv_dtype).itemsize)
+      tbs = kv_bytes / t.seconds / 1e12
+      cells = [bsz.num_splits, f"{t.seconds * 1e6:.1f}", f"{tbs:.2f}",
+               f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%"]
+    except Exception as e:  # noqa: BLE001
+      msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+      cells = ["-", f"FAILED: {msg}", "-", "-"]
+    peer = "-"
+    if not args.no_peer and q_len == 1 and kvname == "bf16":
+      try:
+        pstep, pargs = _jax_paged_attention(qs, k, v, tables, lens, ps)
+        pt = common.time_rotated(pstep, pargs, n_hi=args.n_hi)
+        peer = f"{kv_bytes / pt.seconds / 1e12:.2f}"
+        del pargs
+      except Exception as e:  # noqa: BLE001
+        peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
+    row = label + cells + [peer]
+    if args.check:
+      from jattn import reference
+      out = md.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
+                          k_scale=kscale, v_scale=kscale)
+      ref = reference.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
+                                 k_scale=kscale, v_scale=kscale)
+      row.append(f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))):.2e}")
+    rows.append(row)
+    print(" | ".join(str(c) for c in row), flush=True)
+    del qs, k, v, tables
+  print()
+  print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
+        f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
+  print(common.fmt_table(header, rows))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,525 @@
+"""Paged MHA/GQA decode on Pallas Mosaic GPU (Hopper): split-KV flash-decoding.
+
+Layout of the work (see docs/PERF.md for the measured figures):
+
+* Grid ``(num_splits, batch, m_groups)``. One CTA takes one request and one
+  contiguous range of its KV blocks, and covers *all* KV heads at once, so
+  every page is read from HBM exactly once per request (GQA packed).
+* A KV *block* is ``block_tokens`` consecutive tokens of one page across all KV
+  heads: with ``k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)``
+  it is one TMA box of ``block_n = block_tokens * num_kv_heads`` rows
+  (row ``t * num_kv_heads + h``). A producer warpgroup streams K and V blocks
+  into a ``num_stages`` ring in shared memory.
+* Each compute warpgroup owns 64 query rows. The rows of request ``b`` are
+  ``q[b*q_len:(b+1)*q_len].reshape(q_len * num_q_heads, head_dim)`` (row
+  ``i * num_q_heads + h``). Scores are one ``wgmma`` ``Q[64, D] @ K^T[D, block_n]``
+  covering every (query head, KV head) pair; pairs whose heads do not match are
+  masked to ``-inf`` (block-diagonal GQA mask), so the ``P @ V`` ``wgmma`` only
+  mixes each query head with its own KV head.
+* Each split writes a normalised partial output and its log-sum-exp; a small
+  XLA combine (``_combine``) merges the splits, applies sinks and ``v_scale``.
+
+The entry point is :func:`mha_decode`; :func:`unsupported_reason` says whether a
+call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["mha_decode", "unsupported_reason", "BlockSizes", "choose_block_sizes",
+           "choose_num_splits", "SUPPORTED_PAGE_SIZES", "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_Q_DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_GROUP = 16
+MAX_Q_LEN = 8
+NUM_SMS = 132  # H200 / H100 SXM
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SMEM_BUDGET = 200 * 1024  # bytes for the K/V ring, leaving room for q and barriers
+
+
+# ---------------------------------------------------------------------------
+# Compatibility: plgpu.kernel(out_shape=, scratch_shapes=) became out_type=,
+# scratch_types= (jax 0.10 accepts both, newer releases only the new names).
+_KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
+_OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
+
+
+def _plgpu_kernel(body, out, **kwargs):
+  return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Tuning knobs.
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Static tiling of one call (hashable; part of the compiled program).
+
+  block_tokens: tokens of one page per KV block (divides page_size).
+  num_stages: depth of the shared-memory K/V ring.
+  num_splits: KV splits per request (flash-decoding).
+  compute_wgs: compute warpgroups per CTA, each owning 64 query rows.
+  """
+  block_tokens: int
+  num_stages: int
+  num_splits: int
+  compute_wgs: int
+
+
+def choose_num_splits(batch: int, m_groups: int, max_blocks: int,
+                      num_sms: int = NUM_SMS) -> int:
+  """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
+
+  Only static facts are used (batch size and the page-table width): the actual
+  lengths are traced values. Score = fraction of the last wave in use minus a
+  small cost per extra wave; splits never exceed the number of KV blocks.
+  """
+  ctas = batch * m_groups
+  best, best_score = 1, -1e9
+  cap = max(1, min(max_blocks, 4 * num_sms))
+  for s in range(1, cap + 1):
+    n = ctas * s
+    waves = -(-n // num_sms)
+    score = n / (waves * num_sms) - 0.02 * waves
+    if score > best_score + 1e-9:
+      best, best_score = s, score
+  return best
+
+
+def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
+                       m_rows, kv_itemsize) -> BlockSizes:
+  target_n = 128 if head_dim <= 128 else 64
+  bt = max(1, min(page_size, target_n // num_kv_heads))
+  while page_size % bt:
+    bt //= 2
+  block_n = bt * num_kv_heads
+  m_tiles = -(-m_rows // 64)
+  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
+  stage_bytes = 2 * block_n * head_dim * kv_itemsize
+  num_stages = int(max(2, min(4, _SMEM_BUDGET // stage_bytes)))
+  max_blocks = max_pages * (page_size // bt)
+  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
+  return BlockSizes(bt, num_stages, num_splits, compute_wgs)
+
+
+# ---------------------------------------------------------------------------
+# Capability check.
+def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
+                       window_left=-1, logit_cap=0.0, sinks=None, softmax_scale=None,
+                       k_scale=1.0, v_scale=1.0, return_lse=False, page_table=None,
+                       cache_seqlens=None, **unused) -> str | None:
+  """None if the Mosaic GPU fast path can serve this call, else why not."""
+  del is_causal, logit_cap, softmax_scale, k_scale, v_scale, return_lse, unused
+  if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
+    return (f"expected q [tokens, Hq, D] and caches [pages, page_size, Hkv, D], got "
+            f"q.ndim={q.ndim}, k_cache.ndim={k_cache.ndim}, v_cache.ndim={v_cache.ndim}")
+  if k_cache.shape != v_cache.shape:
+    return f"k_cache.shape={k_cache.shape} != v_cache.shape={v_cache.shape}"
+  num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+  tokens, num_q_heads, head_dim_q = q.shape
+  if head_dim_q != head_dim:
+    return f"q head_dim={head_dim_q} != cache head_dim={head_dim}"
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"head_dim={head_dim} not in {SUPPORTED_HEAD_DIMS}"
+  if page_size not in SUPPORTED_PAGE_SIZES:
+    return f"page_size={page_size} not in {SUPPORTED_PAGE_SIZES}"
+  if num_q_heads % num_kv_heads:
+    return f"num_q_heads={num_q_heads} not divisible by num_kv_heads={num_kv_heads}"
+  group = num_q_heads // num_kv_heads
+  if group > MAX_GROUP:
+    return f"GQA group size {group} > {MAX_GROUP}"
+  if num_kv_heads > 256:
+    return f"num_kv_heads={num_kv_heads} > 256 (one TMA box per page row block)"
+  if not 1 <= max_seqlen_q <= MAX_Q_LEN:
+    return f"max_seqlen_q={max_seqlen_q} not in [1, {MAX_Q_LEN}]"
+  if tokens % max_seqlen_q:
+    return f"q rows {tokens} not a multiple of max_seqlen_q={max_seqlen_q}"
+  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_Q_DTYPES]:
+    return f"q dtype {jnp.dtype(q.dtype).name} not in (bfloat16, float16)"
+  kv_dt = jnp.dtype(k_cache.dtype)
+  if kv_dt != jnp.dtype(v_cache.dtype):
+    return f"k_cache dtype {kv_dt.name} != v_cache dtype {jnp.dtype(v_cache.dtype).name}"
+  if kv_dt == jnp.dtype(jnp.float8_e4m3fn):
+    return "float8_e4m3fn KV is not yet served by the mosaic decode kernel"
+  if kv_dt != jnp.dtype(q.dtype):
+    return f"KV dtype {kv_dt.name} must match q dtype {jnp.dtype(q.dtype).name} (or be float8_e4m3fn)"
+  if window_left is not None and window_left < -1:
+    return f"window_left={window_left} must be -1 (off) or >= 0"
+  if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+    return f"sinks shape {tuple(sinks.shape)} != (num_q_heads,)=({num_q_heads},)"
+  if jax.default_backend() != "gpu" and not _interpreting():
+    return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
+  return None
+
+
+def _interpreting() -> bool:
+  from jattn.pallas_kernels.interpret import interpreting
+  return interpreting()
+
+
+# ---------------------------------------------------------------------------
+# The kernel.
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  batch: int
+  num_pages: int
+  page_size: int
+  max_pages: int
+  num_kv_heads: int
+  num_q_heads: int
+  head_dim: int
+  q_len: int
+  m_rows: int         # q_len * num_q_heads
+  q_rows: int         # rows loaded per 64-row tile (m_rows rounded to 8 if one tile)
+  m_tiles: int
+  is_causal: bool
+  window_left: int
+  logit_cap: float
+  bs: BlockSizes
+  interpret: bool
+
+  @property
+  def block_n(self):
+    return self.bs.block_tokens * self.num_kv_heads
+
+  @property
+  def group(self):
+    return self.num_q_heads // self.num_kv_heads
+
+
+def _decode_kernel(cfg: _Cfg, dtype,
+                   # inputs
+                   page_table_ref,  # i32[bs, max_pages]            GMEM
+                   lens_ref,        # i32[bs]                       GMEM
+                   scale_ref,       # f32[1] score scale (sm_scale * k_scale)
+                   q_ref,           # [bs, m_pad, D]                GMEM
+                   k_ref,           # [num_pages, page_size*Hkv, D] GMEM
+                   v_ref,           # [num_pages, page_size*Hkv, D] GMEM
+                   # outputs
+                   o_ref,           # [splits, bs, m_tiles*64, D] dtype (normalised)
+                   lse_ref,         # f32[splits, bs, m_tiles*64]  (log2 domain)
+                   # scratch
+                   q_smem,          # [C, 64, D] dtype (reused for the output tile)
+                   k_smem,          # [S, block_n, D]
+                   v_smem,          # [S, block_n, D]
+                   lse_smem,        # f32[C, 64]
+                   k_bar, v_bar, q_bar, k_free, v_free):
+  bs = cfg.bs
+  C, S = bs.compute_wgs, bs.num_stages
+  BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
+  blocks_per_page = cfg.page_size // BT
+  n = cfg.q_len
+
+  split = lax.axis_index("split")
+  b = lax.axis_index("batch")
+  mg = lax.axis_index("mg")
+  wg = lax.axis_index("wg")
+
+  # Which KV blocks this CTA covers (same arithmetic in every warpgroup).
+  seq_len = lens_ref[b]
+  hi_blk = lax.div(seq_len + (BT - 1), jnp.int32(BT))
+  if cfg.window_left >= 0:
+    lo_tok = jnp.maximum(seq_len - n - cfg.window_left, 0)
+    lo_blk = lax.div(lo_tok, jnp.int32(BT))
+  else:
+    lo_blk = jnp.int32(0)
+  num_blk = jnp.maximum(hi_blk - lo_blk, 0)
+  chunk = lax.div(num_blk + (bs.num_splits - 1), jnp.int32(bs.num_splits))
+  start = lo_blk + split * chunk
+  count = jnp.maximum(jnp.minimum(start + chunk, hi_blk) - start, 0)
+
+  def block_shift(blk):
+    # A partial last block is fetched shifted back so that it ends at token L:
+    # its box then holds only valid tokens (or, at a page start, rows before
+    # the page, which TMA fills with zeros), never the page's unused tail,
+    # which may hold anything (NaN included). Rows before the block's first
+    # token are masked; they are finite (earlier tokens of this request or 0).
+    return BT - jnp.clip(seq_len - blk * BT, 0, BT)
+
+  def block_src_row(blk):
+    row = lax.rem(blk, jnp.int32(blocks_per_page)) * N - block_shift(blk) * cfg.num_kv_heads
+    if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
+      row = jnp.maximum(row, 0)
+    return row
+
+  def block_first_token(blk):  # token held by row 0 of the block's tile
+    row0 = lax.rem(blk, jnp.int32(blocks_per_page)) * N
+    return blk * BT - lax.div(row0 - block_src_row(blk), jnp.int32(cfg.num_kv_heads))
+
+  @pl.when(wg == C)
+  def _producer():
+    if C > 1:
+      plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(0, count)
+    def _fetch(i):
+      slot = lax.rem(i, jnp.int32(S))
+      blk = start + i
+      pidx = jnp.minimum(lax.div(blk, jnp.int32(blocks_per_page)), cfg.max_pages - 1)
+      page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+      row = block_src_row(blk)
+
+      @pl.when(i >= S)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(row, N)], k_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(i >= S)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, N)], v_smem.at[slot], v_bar.at[slot])
+
+  @pl.when(wg < C)
+  def _compute():
+    if C > 1:
+      plgpu.set_max_registers(232, action="increase")
+    mt = mg * C + wg
+    qo_smem = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(
+        q_ref.at[b, pl.ds(mt * 64, cfg.q_rows)],
+        qo_smem.at[pl.ds(0, cfg.q_rows)] if cfg.q_rows != 64 else qo_smem,
+        q_bar.at[wg])
+    scale = scale_ref[0]
+    plgpu.barrier_wait(q_bar.at[wg])
+
+    def cast(x, layout):  # layout hints mean nothing to the interpreter
+      return x if cfg.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(dim):
+      if cfg.interpret:
+        return lax.broadcasted_iota(jnp.int32, (64, N), dim)
+      return plgpu.broadcasted_iota(jnp.int32, (64, N), dim, layout=plgpu.Layout.WGMMA)
+    row_ids, col_ids = iota(0), iota(1)
+    m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = cast(jnp.full((64, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def body(i, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(i, jnp.int32(S))
+      blk = start + i
+      plgpu.barrier_wait(k_bar.at[slot])
+
+      if cfg.interpret:
+        # The interpreter's wgmma takes neither transposed B nor A in registers:
+        # same product, computed from the shared-memory tiles with a plain dot.
+        s = lax.dot_general(qo_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+      else:
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+
+      # Score transforms: scale (k_scale folded in), logit cap, mask.
+      x = s * scale
+      if cfg.logit_cap > 0:
+        x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * cfg.logit_cap
+      x = x * _LOG2E
+      grow = row_ids + mt * 64
+      qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
+      hq = grow - qi * cfg.num_q_heads
+      kvh = lax.div(hq, jnp.int32(cfg.group))
+      tok = lax.div(col_ids, jnp.int32(cfg.num_kv_heads))
+      ch = col_ids - tok * cfg.num_kv_heads
+      tok = tok + block_first_token(blk)
+      ok = (kvh == ch) & (tok >= blk * BT) & (tok < seq_len)
+      qpos = seq_len - n + qi  # absolute position of query i
+      if cfg.is_causal:
+        ok = ok & (tok <= qpos)
+      if cfg.window_left >= 0:
+        ok = ok & (tok >= qpos - cfg.window_left)
+      x = jnp.where(ok, x, -jnp.inf)
+
+      # Online softmax in base 2.
+      m_new = jnp.maximum(m_i, x.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      if cfg.interpret:
+        # Here the last block may hold the page's unused tail (no TMA zero fill
+        # when clamped at the page start): zero those rows as TMA would have.
+        vrow = lax.broadcasted_iota(jnp.int32, (N, D), 0)
+        vtok = lax.div(vrow, jnp.int32(cfg.num_kv_heads)) + block_first_token(blk)
+        vblk = jnp.where(vtok < seq_len, v_smem[slot], jnp.zeros((N, D), v_smem.dtype))
+        acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
+
+    empty = l_i == 0.0
+    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * _LOG2E)
+    qo_smem[...] = acc.astype(dtype)
+    lse_smem[wg] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _swizzle_transforms(dtype, head_dim):
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = min(128, head_dim * itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
+  bs = cfg.bs
+  C, S, N, D = bs.compute_wgs, bs.num_stages, cfg.block_n, cfg.head_dim
+  m_pad = cfg.m_tiles * 64
+  m_groups = cfg.m_tiles // C
+  out_type = (
+      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad, D), dtype),
+      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
+  )
+  tr = _swizzle_transforms(dtype, D)
+
+  def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    pl.run_scoped(
+        lambda *scratch: _decode_kernel(cfg, dtype, pt_ref, lens_ref, scale_ref, q_ref,
+                                        k_ref, v_ref, o_ref, lse_ref, *scratch),
+        plgpu.SMEM((C, 64, D), dtype, transforms=tr),
+        plgpu.SMEM((S, N, D), k2.dtype, transforms=tr),
+        plgpu.SMEM((S, N, D), v2.dtype, transforms=tr),
+        plgpu.SMEM((C, 64), jnp.float32),
+        plgpu.Barrier(num_barriers=S),
+        plgpu.Barrier(num_barriers=S),
+        plgpu.Barrier(num_barriers=C),
+        plgpu.Barrier(num_arrivals=C, num_barriers=S),
+        plgpu.Barrier(num_arrivals=C, num_barriers=S),
+        collective_axes="wg",
+    )
+
+  name = (f"jattn_paged_decode_bt{bs.block_tokens}_n{N}_d{D}_s{S}_c{C}"
+          f"_splits{bs.num_splits}")
+  kernel = _plgpu_kernel(
+      entry, out_type,
+      grid=(bs.num_splits, cfg.batch, m_groups),
+      grid_names=("split", "batch", "mg"),
+      num_threads=C + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name=name,
+  )
+  return kernel(page_table, lens, scale, q3, k2, v2)
+
+
+def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
+  """Merge split partials (log2-domain LSE); apply sinks and v_scale."""
+  m = cfg.m_rows
+  o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
+  lse2 = lse_part[:, :, :m]                           # [S, bs, m]
+  mx = jnp.max(lse2, axis=0)
+  mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+  w = jnp.exp2(lse2 - mx_safe[None])                  # 0 for empty splits
+  wsum = jnp.sum(w, axis=0)
+  empty = wsum == 0.0
+  o = jnp.einsum("sbm,sbmd->bmd", w, o) / jnp.where(empty, 1.0, wsum)[..., None]
+  lse = jnp.where(empty, -jnp.inf, (mx_safe + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
+  o = o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim)
+  lse = lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads)
+  factor = v_scale
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32)[None, :]
+    factor = factor * jnp.where(empty.reshape(lse.shape), 1.0,
+                                1.0 / (1.0 + jnp.exp(sink - lse)))
+    o = o * (factor[..., None] if jnp.ndim(factor) else factor)
+  else:
+    o = o * factor
+  return o.astype(out_dtype), lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
+                     "softmax_scale", "return_lse", "block_sizes"))
+def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1,
+               is_causal=True, window_left=-1, logit_cap=0.0, sinks=None,
+               softmax_scale=None, k_scale=1.0, v_scale=1.0, return_lse=False,
+               block_sizes: BlockSizes | None = None):
+  """Paged decode attention (Mosaic GPU, Hopper).
+
+  Args:
+    q: ``[bs * q_len, Hq, D]`` bf16/f16, request-major.
+    k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as q.
+    page_table: i32 ``[bs, max_pages]``; ids are clamped into the pool.
+    cache_seqlens: i32 ``[bs]``, visible tokens per request, new tokens included.
+    max_seqlen_q: q_len (1..8); is_causal, window_left, logit_cap, sinks (f32
+      ``[Hq]``), softmax_scale: see SEMANTICS.md. k_scale / v_scale: python
+      floats or traced f32 scalars.
+    return_lse: also return the natural-log LSE f32 ``[bs * q_len, Hq]``.
+
+  Returns:
+    ``out`` ``[bs * q_len, Hq, D]`` in q.dtype, or ``(out, lse)``.
+
+  Example::
+
+    out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
+  """
+  reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
+                              window_left=window_left, sinks=sinks)
+  if reason is not None:
+    raise NotImplementedError(f"mosaic mha_decode: {reason}")
+  num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+  tokens, num_q_heads, _ = q.shape
+  batch = tokens // max_seqlen_q
+  if page_table.ndim != 2 or page_table.shape[0] != batch:
+    raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
+  if cache_seqlens.shape != (batch,):
+    raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
+  max_pages = page_table.shape[1]
+  dtype = q.dtype
+  m_rows = max_seqlen_q * num_q_heads
+  if m_rows <= 64:
+    q_rows, m_tiles = -(-m_rows // 8) * 8, 1
+  else:
+    q_rows, m_tiles = 64, -(-m_rows // 64)
+  m_pad_q = q_rows if m_tiles == 1 else m_tiles * 64
+  bsz = block_sizes or choose_block_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+      max_pages=max_pages, m_rows=m_rows, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
+  cfg = _Cfg(batch=batch, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
+             num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
+             q_len=max_seqlen_q, m_rows=m_rows, q_rows=q_rows, m_tiles=m_tiles,
+             is_causal=bool(is_causal),
+             window_left=int(window_left if window_left is not None else -1),
+             logit_cap=float(logit_cap or 0.0), bs=bsz, interpret=_interpreting())
+
+  sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+  scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
+  q3 = q.reshape(batch, m_rows, head_dim)
+  if m_pad_q != m_rows:
+    q3 = jnp.pad(q3, ((0, 0), (0, m_pad_q - m_rows), (0, 0)))
+  k2 = k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
+  v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
+  o_part, lse_part = _run_kernel(cfg, dtype, page_table.astype(jnp.int32),
+                                 cache_seqlens.astype(jnp.int32), scale, q3, k2, v2)
+  out, lse = _combine(o_part, lse_part, cfg=cfg, sinks=sinks,
+                      v_scale=jnp.asarray(v_scale, jnp.float32), out_dtype=dtype)
+  return (out, lse) if return_lse else out
