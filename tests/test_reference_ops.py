@@ -1,0 +1,438 @@
+"""Every public op (backend="xla") against the independent float64 loops in tests/naive.py.
+
+Cases combine the features (causal / non-causal, multi-token decode, sliding window,
+logit cap, sinks, FP8 KV with scales, LSE, empty requests, GQA 1/4/8, 192/128 prefill,
+MLA absorbed decode) over awkward lengths (0, 1, 97, page boundaries) with permuted page
+tables, NaN in every unused slot/page and in padded query rows. Data is fresh and random.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jattn
+import naive  # tests/naive.py (pytest puts tests/ on sys.path)
+
+F32_TOL = dict(atol=2e-5, rtol=2e-5)
+BF16_ATOL = 2e-3
+
+
+def _lowp(dtype) -> bool:
+    return dtype in ("bf16", "f16")
+
+
+def _jdt(dtype):
+    return {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
+
+
+def _round(x, dtype):
+    if dtype == "bf16":
+        return naive.bf16_round(x)
+    if dtype == "f16":
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+    return np.asarray(x, np.float32)
+
+
+def _check(out, lse, truth, truth_lse, *, dtype, baseline=None):
+    """out/lse from the op; truth from naive on the unrounded data; baseline from naive on
+    the rounded data (only for bf16/f16)."""
+    out = np.asarray(out, np.float64)
+    assert out.shape == truth.shape, (out.shape, truth.shape)
+    assert not np.isnan(out).any(), "output has NaN"
+    empty_rows = np.isneginf(truth_lse)
+    assert (out[empty_rows] == 0).all(), "rows that see no key must be exactly 0"
+    if _lowp(dtype):
+        naive.assert_close_lowp(out, truth, _round(baseline, dtype), atol=BF16_ATOL)
+        if lse is not None:
+            naive.assert_lse(lse, truth_lse, atol=2e-2, rtol=1e-2)
+    else:
+        np.testing.assert_allclose(out, truth, **F32_TOL)
+        if lse is not None:
+            naive.assert_lse(lse, truth_lse)
+
+
+# ----------------------------------------------------------------------------- paged decode
+
+# (id, dtype, lens, page_size, num_kv_heads, group, head_dim, q_len, causal, window, cap, sinks, fp8 scales)
+DECODE_CASES = [
+    ("f32-basic-g1", "f32", [0, 1, 97, 16, 33], 16, 2, 1, 32, 1, True, -1, 0.0, False, None),
+    ("f32-verify-g4-window", "f32", [3, 97, 32, 50], 16, 2, 4, 32, 3, True, 20, 0.0, False, None),
+    ("f32-draft-g8-cap-sinks", "f32", [4, 64, 97, 0], 8, 1, 8, 64, 4, False, -1, 5.0, True, None),
+    ("fp8-scales-g4-lse", "fp8", [1, 97, 17, 0, 48], 16, 2, 4, 32, 1, True, -1, 0.0, False, (0.5, 2.0)),
+    ("fp8-verify-window-sinks", "fp8", [5, 97, 33], 16, 1, 4, 32, 2, True, 9, 0.0, True, (0.25, 1.5)),
+    ("bf16-g4-all", "bf16", [97, 48, 1, 0], 16, 2, 4, 64, 1, True, 7, 30.0, True, None),
+    ("bf16-draft-window", "bf16", [8, 97, 31], 16, 2, 1, 32, 2, False, 11, 0.0, False, None),
+    ("f32-page1", "f32", [0, 5, 13], 1, 1, 4, 16, 1, True, -1, 0.0, True, None),
+    ("f16-verify-cap", "f16", [4, 96, 97], 32, 1, 8, 32, 4, True, -1, 2.0, False, None),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_mha_decode(case):
+    _, dtype, lens, ps, hkv, group, d, q_len, causal, window, cap, use_sinks, fp8 = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    hq = hkv * group
+    pool = naive.Pool(rng, lens, ps)
+    bs = len(lens)
+    q = rng.standard_normal((bs * q_len, hq, d)).astype(np.float32)
+    for b, length in enumerate(lens):
+        if length == 0:  # padded rows: NaN queries must still give exactly 0
+            q[b * q_len:(b + 1) * q_len] = np.nan
+    sinks = rng.standard_normal(hq).astype(np.float32) * 2 if use_sinks else None
+    scale = 0.7 / math.sqrt(d) if case[0].startswith("f32-verify") else None
+    kw = dict(max_seqlen_q=q_len, is_causal=causal, window_left=window, logit_cap=cap, softmax_scale=scale)
+    if fp8:
+        ks, vs = fp8
+        kc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=3.0 * ks), ks)
+        vc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=3.0 * vs), vs)
+        out, lse = jattn.mha_decode_with_kvcache(
+            jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pool.page_table),
+            jnp.asarray(pool.lens), sinks=None if sinks is None else jnp.asarray(sinks),
+            k_scale=ks, v_scale=vs, return_lse=True, backend="xla", **kw)
+        truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sinks,
+                                     k_scale=ks, v_scale=vs, **kw)
+        _check(out, lse, truth, tl, dtype="f32")
+        return
+    kc, vc = pool.fill(rng, (hkv, d)), pool.fill(rng, (hkv, d))
+    jd = _jdt(dtype)
+    out, lse = jattn.mha_decode_with_kvcache(
+        jnp.asarray(q, jd), jnp.asarray(kc, jd), jnp.asarray(vc, jd), jnp.asarray(pool.page_table),
+        jnp.asarray(pool.lens), sinks=None if sinks is None else jnp.asarray(sinks),
+        return_lse=True, backend="xla", **kw)
+    assert out.dtype == jd and lse.dtype == jnp.float32
+    assert lse.shape == (bs * q_len, hq)
+    truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sinks, **kw)
+    base = None
+    if _lowp(dtype):
+        base, _ = naive.mha_decode(_round(q, dtype), _round(kc, dtype), _round(vc, dtype),
+                                   pool.page_table, pool.lens, sinks=sinks, **kw)
+    _check(out, lse, truth, tl, dtype=dtype, baseline=base)
+
+
+def test_mha_decode_without_lse_matches_with_lse():
+    rng = np.random.default_rng(1)
+    pool = naive.Pool(rng, [20, 7], 8)
+    q = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+    kc, vc = jnp.asarray(pool.fill(rng, (2, 16))), jnp.asarray(pool.fill(rng, (2, 16)))
+    args = (q, kc, vc, jnp.asarray(pool.page_table), jnp.asarray(pool.lens))
+    out = jattn.mha_decode_with_kvcache(*args, backend="xla")
+    out2, _ = jattn.mha_decode_with_kvcache(*args, backend="xla", return_lse=True)
+    assert not isinstance(out, tuple)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+
+
+# ----------------------------------------------------------------------------- paged extend
+
+# (id, dtype, prefix_lens, new_lens, pad_tokens, page_size, hkv, group, d, causal, window, cap, sinks, fp8)
+EXTEND_CASES = [
+    ("f32-mixed-g4", "f32", [0, 30, 97, 0, 5], [7, 1, 3, 0, 0], 6, 16, 2, 4, 32, True, -1, 0.0, False, None),
+    ("f32-long-new-window", "f32", [16, 0, 31], [97, 12, 2], 5, 16, 1, 8, 32, True, 13, 4.0, True, None),
+    ("f32-noncausal-g1", "f32", [10, 64], [6, 1], 3, 16, 3, 1, 16, False, -1, 0.0, True, None),
+    ("fp8-scales", "fp8", [33, 0, 16], [4, 17, 1], 4, 16, 2, 4, 32, True, 5, 0.0, False, (0.5, 0.75)),
+    ("bf16-sinks-cap", "bf16", [47, 1], [50, 15], 7, 8, 2, 4, 64, True, -1, 20.0, True, None),
+]
+
+
+@pytest.mark.parametrize("case", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
+def test_mha_extend(case):
+    _, dtype, prefix, new, pad, ps, hkv, group, d, causal, window, cap, use_sinks, fp8 = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    hq = hkv * group
+    lens = [p + n for p, n in zip(prefix, new)]
+    pool = naive.Pool(rng, lens, ps)
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    total = int(cu[-1]) + pad
+    q = rng.standard_normal((total, hq, d)).astype(np.float32)
+    q[int(cu[-1]):] = np.nan  # padding tokens past cu[-1]
+    max_q = max(max(new), 1) + 2  # a bucket above the real maximum
+    sinks = rng.standard_normal(hq).astype(np.float32) if use_sinks else None
+    kw = dict(is_causal=causal, window_left=window, logit_cap=cap)
+    pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
+    js = None if sinks is None else jnp.asarray(sinks)
+    if fp8:
+        ks, vs = fp8
+        kc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=2 * ks), ks)
+        vc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=2 * vs), vs)
+        out, lse = jattn.mha_extend_with_kvcache(
+            jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), pt, sl, jnp.asarray(cu), max_seqlen_q=max_q,
+            sinks=js, k_scale=ks, v_scale=vs, return_lse=True, backend="xla", **kw)
+        truth, tl = naive.mha_extend(q, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks,
+                                     k_scale=ks, v_scale=vs, **kw)
+        _check(out, lse, truth, tl, dtype="f32")
+        assert np.all(np.asarray(out)[int(cu[-1]):] == 0)
+        return
+    kc, vc = pool.fill(rng, (hkv, d)), pool.fill(rng, (hkv, d))
+    jd = _jdt(dtype)
+    out, lse = jattn.mha_extend_with_kvcache(
+        jnp.asarray(q, jd), jnp.asarray(kc, jd), jnp.asarray(vc, jd), pt, sl, jnp.asarray(cu),
+        max_seqlen_q=max_q, sinks=js, return_lse=True, backend="xla", **kw)
+    truth, tl = naive.mha_extend(q, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, **kw)
+    base = None
+    if _lowp(dtype):
+        base, _ = naive.mha_extend(_round(q, dtype), _round(kc, dtype), _round(vc, dtype),
+                                   pool.page_table, pool.lens, cu, sinks=sinks, **kw)
+    _check(out, lse, truth, tl, dtype=dtype, baseline=base)
+    assert np.all(np.asarray(out)[int(cu[-1]):] == 0), "padding tokens must give exactly 0"
+    assert np.all(np.isneginf(np.asarray(lse)[int(cu[-1]):]))
+
+
+# ----------------------------------------------------------------------------- ragged prefill
+
+# (id, dtype, q_lens, kv_lens (None = same), hq, hkv, dqk, dv, pad, causal, window, cap, sinks)
+PREFILL_CASES = [
+    ("f32-mla-192-128", "f32", [97, 1, 0, 16], None, 2, 2, 192, 128, 3, True, -1, 0.0, False),
+    ("bf16-mla-192-128", "bf16", [33, 64], None, 2, 2, 192, 128, 0, True, -1, 0.0, False),
+    ("f32-gqa8-window-cap-sinks", "f32", [40, 9], None, 8, 1, 32, 32, 4, True, 6, 3.0, True),
+    ("f32-kv-longer", "f32", [5, 3, 0, 2], [50, 3, 7, 0], 4, 1, 16, 24, 2, True, -1, 0.0, True),
+    ("f32-noncausal-kv", "f32", [4, 7], [97, 1], 4, 2, 32, 32, 0, False, -1, 0.0, False),
+    ("f32-kv-shorter-causal", "f32", [6, 3], [2, 3], 2, 1, 16, 16, 1, True, -1, 0.0, False),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_mha_prefill(case):
+    _, dtype, q_lens, kv_lens, hq, hkv, dqk, dv, pad, causal, window, cap, use_sinks = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cukv = None if kv_lens is None else np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    tq = int(cu[-1]) + pad
+    tk = int((cu if cukv is None else cukv)[-1]) + 2
+    q = rng.standard_normal((tq, hq, dqk)).astype(np.float32)
+    q[int(cu[-1]):] = np.nan
+    k = rng.standard_normal((tk, hkv, dqk)).astype(np.float32)
+    v = rng.standard_normal((tk, hkv, dv)).astype(np.float32)
+    k[tk - 2:] = np.nan  # keys past the last request
+    v[tk - 2:] = np.nan
+    sinks = rng.standard_normal(hq).astype(np.float32) if use_sinks else None
+    kw = dict(is_causal=causal, window_left=window, logit_cap=cap)
+    max_q = max(q_lens)
+    max_kv = max(q_lens if kv_lens is None else kv_lens) + 1
+    jd = _jdt(dtype)
+    out, lse = jattn.mha_prefill(
+        jnp.asarray(q, jd), jnp.asarray(k, jd), jnp.asarray(v, jd), jnp.asarray(cu),
+        None if cukv is None else jnp.asarray(cukv), max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+        sinks=None if sinks is None else jnp.asarray(sinks), return_lse=True, backend="xla", **kw)
+    assert out.shape == (tq, hq, dv)
+    truth, tl = naive.mha_prefill(q, k, v, cu, cukv, sinks=sinks, **kw)
+    base = None
+    if _lowp(dtype):
+        base, _ = naive.mha_prefill(_round(q, dtype), _round(k, dtype), _round(v, dtype), cu, cukv,
+                                    sinks=sinks, **kw)
+    _check(out, lse, truth, tl, dtype=dtype, baseline=base)
+    assert np.all(np.asarray(out)[int(cu[-1]):] == 0)
+
+
+def test_mha_prefill_fp8_kv_scales():
+    rng = np.random.default_rng(7)
+    cu = np.array([0, 9, 30], np.int32)
+    q = rng.standard_normal((30, 4, 32)).astype(np.float32)
+    k8 = naive.quantize_fp8(rng.standard_normal((30, 2, 32)) * 0.3, 0.1)
+    v8 = naive.quantize_fp8(rng.standard_normal((30, 2, 32)) * 5, 2.0)
+    out, lse = jattn.mha_prefill(jnp.asarray(q), jnp.asarray(k8), jnp.asarray(v8), jnp.asarray(cu),
+                                 max_seqlen_q=21, k_scale=0.1, v_scale=2.0, return_lse=True, backend="xla")
+    truth, tl = naive.mha_prefill(q, k8, v8, cu, k_scale=0.1, v_scale=2.0)
+    _check(out, lse, truth, tl, dtype="f32")
+
+
+# ----------------------------------------------------------------------------- MLA absorbed decode
+
+# (id, dtype, lens, page_size, heads, R, r, q_len, kv fp8 scale)
+MLA_CASES = [
+    ("small-f32", "f32", [0, 1, 97, 64, 65], 16, 4, 64, 16, 1, None),
+    ("small-verify", "f32", [2, 97, 33], 64, 8, 48, 16, 2, None),
+    ("small-fp8", "fp8", [97, 1, 0], 16, 4, 64, 16, 1, 0.5),
+    ("small-bf16-verify", "bf16", [3, 50], 32, 4, 64, 32, 3, None),
+    ("real-576-bf16", "bf16", [97, 130, 0], 64, 8, 512, 64, 1, None),
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_decode(case):
+    _, dtype, lens, ps, h, big_r, r, q_len, kv_scale = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    pool = naive.Pool(rng, lens, ps)
+    bs = len(lens)
+    width = big_r + r
+    scale = 1 / math.sqrt(128 + 64)  # 1/sqrt(P + r), never 1/sqrt(576)
+    q = rng.standard_normal((bs * q_len, h, width)).astype(np.float32)
+    for b, length in enumerate(lens):
+        if length == 0:
+            q[b * q_len:(b + 1) * q_len] = np.nan
+    kw = dict(kv_lora_rank=big_r, softmax_scale=scale, max_seqlen_q=q_len)
+    pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
+    if kv_scale is not None:
+        kv = naive.quantize_fp8(pool.fill(rng, (width,), scale=3 * kv_scale), kv_scale)
+        out, lse = jattn.mla_decode_with_kvcache(jnp.asarray(q), jnp.asarray(kv), pt, sl, kv_scale=kv_scale,
+                                                 return_lse=True, backend="xla", **kw)
+        truth, tl = naive.mla_decode(q, kv, pool.page_table, pool.lens, kv_scale=kv_scale, **kw)
+        _check(out, lse, truth, tl, dtype="f32")
+        return
+    kv = pool.fill(rng, (width,))
+    jd = _jdt(dtype)
+    out, lse = jattn.mla_decode_with_kvcache(jnp.asarray(q, jd), jnp.asarray(kv, jd), pt, sl,
+                                             return_lse=True, backend="xla", **kw)
+    assert out.shape == (bs * q_len, h, big_r) and out.dtype == jd
+    truth, tl = naive.mla_decode(q, kv, pool.page_table, pool.lens, **kw)
+    base = None
+    if _lowp(dtype):
+        base, _ = naive.mla_decode(_round(q, dtype), _round(kv, dtype), pool.page_table, pool.lens, **kw)
+    _check(out, lse, truth, tl, dtype=dtype, baseline=base)
+
+
+# ----------------------------------------------------------------------------- merge state
+
+
+def test_attn_merge_state_matches_naive():
+    rng = np.random.default_rng(3)
+    t, h, d = 11, 3, 16
+    o_a, o_b = rng.standard_normal((2, t, h, d)).astype(np.float32)
+    lse_a = (rng.standard_normal((t, h)) * 4).astype(np.float32)
+    lse_b = (rng.standard_normal((t, h)) * 4).astype(np.float32)
+    lse_a[0, :] = -np.inf  # a empty
+    lse_b[1, :] = -np.inf  # b empty
+    lse_a[2, :] = lse_b[2, :] = -np.inf  # both empty
+    o_a[0] = o_b[1] = o_a[2] = o_b[2] = 0.0
+    lse_a[3, 0], lse_b[3, 0] = 80.0, -80.0  # very unequal weights, no overflow
+    o, lse = jattn.attn_merge_state(*map(jnp.asarray, (o_a, lse_a, o_b, lse_b)))
+    to, tl = naive.merge_state(o_a, lse_a, o_b, lse_b)
+    _check(o, lse, to, tl, dtype="f32")
+    np.testing.assert_array_equal(np.asarray(o)[0], o_b[0])
+    np.testing.assert_array_equal(np.asarray(o)[2], 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[2]))
+
+
+@pytest.mark.parametrize("split", [0, 1, 37, 97])
+def test_split_kv_then_merge_equals_full(split):
+    """Keys of each request split in two parts (one may be empty); merging the two partial
+    non-causal attentions with their LSEs gives attention over all keys."""
+    rng = np.random.default_rng(split)
+    q_lens, kv_lens = [3, 5, 1], [97, 60, 40]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), 8, 32)).astype(np.float32)
+    ks = [rng.standard_normal((n, 2, 32)).astype(np.float32) for n in kv_lens]
+    vs = [rng.standard_normal((n, 2, 16)).astype(np.float32) for n in kv_lens]
+
+    def part(lo, hi):
+        kk = [k[min(lo, len(k)):min(hi, len(k))] for k in ks]
+        vv = [v[min(lo, len(v)):min(hi, len(v))] for v in vs]
+        cukv = np.concatenate([[0], np.cumsum([len(x) for x in kk])]).astype(np.int32)
+        return jattn.mha_prefill(
+            jnp.asarray(q), jnp.asarray(np.concatenate(kk)), jnp.asarray(np.concatenate(vv)),
+            jnp.asarray(cu), jnp.asarray(cukv), max_seqlen_q=5, max_seqlen_kv=97, is_causal=False,
+            return_lse=True, backend="xla")
+
+    o_full, lse_full = part(0, 10**6)
+    o_a, lse_a = part(0, split)
+    o_b, lse_b = part(split, 10**6)
+    o, lse = jattn.attn_merge_state(o_a, lse_a, o_b, lse_b)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_full), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_full), atol=1e-5, rtol=1e-5)
+    truth, tl = naive.mha_prefill(q, np.concatenate(ks), np.concatenate(vs), cu,
+                                  np.concatenate([[0], np.cumsum(kv_lens)]), is_causal=False)
+    _check(o, lse, truth, tl, dtype="f32")
+
+
+def test_merge_of_two_empty_parts_is_zero_and_neg_inf():
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2, 8)), jnp.float32)
+    k = jnp.full((2, 1, 8), jnp.nan, jnp.float32)
+    cu = jnp.array([0, 4], jnp.int32)
+    cukv = jnp.array([0, 0], jnp.int32)
+    o_a, lse_a = jattn.mha_prefill(q, k, k, cu, cukv, max_seqlen_q=4, max_seqlen_kv=1, is_causal=False,
+                                   return_lse=True, backend="xla")
+    o, lse = jattn.attn_merge_state(o_a, lse_a, o_a, lse_a)
+    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+# ----------------------------------------------------------------------------- cache writes
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "fp8"])
+def test_set_kv_buffer(dtype):
+    rng = np.random.default_rng(11)
+    pages, ps, hkv, d, dv = 6, 8, 2, 16, 8
+    jd = jnp.float8_e4m3fn if dtype == "fp8" else _jdt(dtype)
+    kc = jnp.asarray(rng.standard_normal((pages, ps, hkv, d)), jd)
+    vc = jnp.asarray(rng.standard_normal((pages, ps, hkv, dv)), jd)
+    loc = rng.permutation(pages * ps)[:13].astype(np.int32)
+    k = rng.standard_normal((13, hkv, d)).astype(np.float32) * 3
+    v = rng.standard_normal((13, hkv, dv)).astype(np.float32) * 3
+    scales = dict(k_scale=0.25, v_scale=4.0) if dtype == "fp8" else {}
+    nk, nv = jattn.set_kv_buffer(kc, vc, jnp.asarray(loc), jnp.asarray(k), jnp.asarray(v), **scales)
+    tk, tv = naive.set_kv_buffer(kc, vc, loc, k, v, **scales)
+    assert nk.dtype == jd and nv.dtype == jd
+    np.testing.assert_array_equal(np.asarray(nk).astype(np.float32), tk.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(nv).astype(np.float32), tv.astype(np.float32))
+
+
+def test_fp8_write_then_read_round_trip_clamps():
+    rng = np.random.default_rng(12)
+    k_scale, v_scale = 0.5, 2.0
+    kc = jnp.zeros((4, 4, 1, 8), jnp.float8_e4m3fn)
+    vc = jnp.zeros((4, 4, 1, 8), jnp.float8_e4m3fn)
+    k = rng.standard_normal((6, 1, 8)).astype(np.float32) * 50
+    v = rng.standard_normal((6, 1, 8)).astype(np.float32) * 50
+    k[0, 0, :4] = [1e4, -1e4, 448 * k_scale, -448 * k_scale * 1.01]
+    v[0, 0, :2] = [1e6, -3e3]
+    loc = np.arange(4, 10, dtype=np.int32)
+    nk, nv = jattn.set_kv_buffer(kc, vc, jnp.asarray(loc), jnp.asarray(k), jnp.asarray(v),
+                                 k_scale=k_scale, v_scale=v_scale)
+    rk = np.asarray(nk).astype(np.float32).reshape(16, 1, 8)[loc] * k_scale
+    rv = np.asarray(nv).astype(np.float32).reshape(16, 1, 8)[loc] * v_scale
+    assert np.isfinite(rk).all() and np.isfinite(rv).all(), "FP8 casts must be clamped, never NaN"
+    np.testing.assert_array_equal(rk[0, 0, :4], [448 * k_scale, -448 * k_scale, 448 * k_scale, -448 * k_scale])
+    np.testing.assert_array_equal(rv[0, 0, :2], [448 * v_scale, -448 * v_scale])
+    inside_k = np.abs(k) <= 448 * k_scale
+    inside_v = np.abs(v) <= 448 * v_scale
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 (plus subnormal absolute error).
+    assert np.all(np.abs(rk - k)[inside_k] <= np.abs(k)[inside_k] / 16 + 2**-9 * k_scale)
+    assert np.all(np.abs(rv - v)[inside_v] <= np.abs(v)[inside_v] / 16 + 2**-9 * v_scale)
+    # Slots not written are untouched.
+    untouched = np.setdiff1d(np.arange(16), loc)
+    assert np.all(np.asarray(nk).astype(np.float32).reshape(16, 8)[untouched] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_set_mla_kv_buffer(dtype):
+    rng = np.random.default_rng(13)
+    big_r, r = 64, 16
+    jd = jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16
+    kv = jnp.asarray(rng.standard_normal((5, 16, big_r + r)), jd)
+    loc = rng.permutation(80)[:9].astype(np.int32)
+    c_kv = rng.standard_normal((9, big_r)).astype(np.float32) * 100
+    k_pe = rng.standard_normal((9, 1, r)).astype(np.float32) * 100
+    scale = 0.125 if dtype == "fp8" else None
+    new = jattn.set_mla_kv_buffer(kv, jnp.asarray(loc), jnp.asarray(c_kv), jnp.asarray(k_pe), kv_scale=scale)
+    truth = naive.set_mla_kv_buffer(kv, loc, c_kv, k_pe, kv_scale=scale)
+    assert np.isfinite(np.asarray(new).astype(np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(new).astype(np.float32), truth.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_determinism_bit_identical():
+    rng = np.random.default_rng(21)
+    pool = naive.Pool(rng, [97, 33, 1], 16)
+    q = jnp.asarray(rng.standard_normal((6, 8, 64)), jnp.bfloat16)
+    kc = jnp.asarray(pool.fill(rng, (2, 64)), jnp.bfloat16)
+    vc = jnp.asarray(pool.fill(rng, (2, 64)), jnp.bfloat16)
+    args = (q, kc, vc, jnp.asarray(pool.page_table), jnp.asarray(pool.lens))
+    kw = dict(max_seqlen_q=2, window_left=40, logit_cap=10.0, return_lse=True, backend="xla")
+    a = jattn.mha_decode_with_kvcache(*args, **kw)
+    b = jattn.mha_decode_with_kvcache(*args, **kw)
+    for x, y in zip(a, b):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    cu = jnp.array([0, 40, 97], jnp.int32)
+    qp = jnp.asarray(rng.standard_normal((97, 2, 192)), jnp.bfloat16)
+    kp = jnp.asarray(rng.standard_normal((97, 2, 192)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((97, 2, 128)), jnp.bfloat16)
+    p1 = jattn.mha_prefill(qp, kp, vp, cu, max_seqlen_q=64, return_lse=True, backend="xla")
+    p2 = jattn.mha_prefill(qp, kp, vp, cu, max_seqlen_q=64, return_lse=True, backend="xla")
+    for x, y in zip(p1, p2):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
