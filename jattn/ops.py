@@ -291,6 +291,9 @@ def mha_prefill(
     _check_int(cu_seqlens_q, "cu_seqlens_q")
     if cu_seqlens_kv is not None:
         _check_int(cu_seqlens_kv, "cu_seqlens_kv")
+        if max_seqlen_kv is None:
+            # Defaulting to max_seqlen_q would silently drop keys past it.
+            raise ValueError("max_seqlen_kv is required when cu_seqlens_kv is given")
         if cu_seqlens_kv.shape != cu_seqlens_q.shape:
             raise ValueError(f"cu_seqlens_kv {cu_seqlens_kv.shape} must match cu_seqlens_q {cu_seqlens_q.shape}")
     if k.shape[:2] != v.shape[:2]:

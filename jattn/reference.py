@@ -59,6 +59,8 @@ def _attend(
     if hq % hkv:
         raise ValueError(f"num_q_heads={hq} must be divisible by num_kv_heads={hkv}")
     group = hq // hkv
+    if k_flat.shape[0] == 0:  # no keys at all (e.g. a prefix chunk empty for every request)
+        return jnp.zeros((bs, nq, hq, dim_v), jnp.float32), jnp.full((bs, nq, hq), _NEG_INF, jnp.float32)
     qf = q.astype(jnp.float32).reshape(bs, nq, hkv, group, -1)
     chunk = _key_chunk(bs, nq, hq, max(1, max_keys))
     num_chunks = max(1, -(-max_keys // chunk))
