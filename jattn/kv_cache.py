@@ -196,11 +196,13 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         pages = [int(p) for p in pages]
+        seen = set()
         for p in pages:
             if not 0 < p < self.num_pages:
                 raise ValueError(f"page {p} out of range [1, {self.num_pages})")
-            if not self._used[p]:
+            if not self._used[p] or p in seen:
                 raise ValueError(f"page {p} is not allocated (double free?)")
+            seen.add(p)
         for p in pages:
             self._used[p] = False
             self._free.append(p)
