@@ -1,0 +1,364 @@
+"""MHABackend / MLABackend end to end against tests/naive.py, the synthetic demo, the CLI."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+import jattn.demo
+import naive  # tests/naive.py
+from jattn import (
+    DUMMY_PAGE,
+    ForwardMode,
+    LayerSpec,
+    MHABackend,
+    MHAConfig,
+    MLABackend,
+    MLAConfig,
+    MLAKVCache,
+    PageAllocator,
+    PagedKVCache,
+)
+
+# ----------------------------------------------------------------------------- MHA end to end
+
+
+class _History:
+    """Per-request q/k/v streams and the pages the request holds."""
+
+    def __init__(self, rng, n, hq, hkv, d):
+        self.q = rng.standard_normal((n, hq, d)).astype(np.float32)
+        self.k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        self.v = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        self.len = 0
+        self.pages: list[int] = []
+
+
+@pytest.mark.parametrize("variant", ["f32", "fp8-window-cap-sinks"])
+def test_mha_backend_prefill_extend_decode_verify(variant):
+    rng = np.random.default_rng(0 if variant == "f32" else 1)
+    fp8 = variant.startswith("fp8")
+    hq, hkv, d, ps, num_pages = 8, 2, 32, 16, 40
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=256,
+                    num_pages=num_pages, kv_cache_dtype="fp8" if fp8 else "float32", spec_num_tokens=3,
+                    kernel_backend="xla", batch_buckets=(2, 4))
+    ks, vs = (0.5, 0.25) if fp8 else (1.0, 1.0)
+    layer = LayerSpec(1, hq, hkv, d, sliding_window_size=21 if fp8 else -1, logit_cap=8.0 if fp8 else 0.0,
+                      k_scale=ks, v_scale=vs)
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32) if fp8 else None
+    be = MHABackend(cfg)
+    cache = PagedKVCache.create(num_layers=2, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
+                                dtype=cfg.kv_cache_dtype, k_scale=ks, v_scale=vs)
+    # NaN everywhere in layer 1 that no token has written: it must never leak.
+    cache = cache.replace_layer(1, jnp.full_like(cache.k[1], jnp.nan), jnp.full_like(cache.v[1], jnp.nan))
+    alloc = PageAllocator(num_pages)
+    reqs = [_History(rng, 120, hq, hkv, d) for _ in range(3)]
+    r2p = np.zeros((3, cfg.max_num_pages), np.int32)
+    decode_step = jax.jit(lambda c, md, q, k, v: be.forward_decode(q, k, v, layer, c, md, sinks=sinks))
+    extend_step = jax.jit(lambda c, md, q, k, v: be.forward_extend(q, k, v, layer, c, md, sinks=sinks))
+
+    def truth(r, lo, hi):
+        k, v = r.k[:hi], r.v[:hi]
+        if fp8:
+            k = naive.f64(naive.quantize_fp8(k, ks)) * ks
+            v = naive.f64(naive.quantize_fp8(v, vs)) * vs
+        o, _ = naive.attend_one(naive.f64(r.q[lo:hi]), naive.f64(k), naive.f64(v), causal=True,
+                                window_left=layer.sliding_window_size, logit_cap=layer.logit_cap,
+                                sinks=None if sinks is None else np.asarray(sinks), scale=1 / math.sqrt(d))
+        return o
+
+    def grow(i, r, n):
+        need = PageAllocator.pages_for(r.len + n, ps) - len(r.pages)
+        r.pages += alloc.alloc(need)
+        r2p[i, :len(r.pages)] = r.pages
+
+    def extend(new):
+        nonlocal cache
+        for i, (r, n) in enumerate(zip(reqs, new)):
+            grow(i, r, n)
+        lens = [r.len + n for r, n in zip(reqs, new)]
+        md = be.init_forward_metadata(3, np.arange(3), np.array(lens), r2p, ForwardMode.EXTEND,
+                                      extend_seq_lens=np.array(new))
+        t = md.num_tokens
+        q = np.full((t, hq, d), np.nan, np.float32)  # padding tokens: NaN
+        k = np.full((t, hkv, d), np.nan, np.float32)
+        v = np.full((t, hkv, d), np.nan, np.float32)
+        cu = np.asarray(md.cu_seqlens_q)
+        for i, (r, n) in enumerate(zip(reqs, new)):
+            sl = slice(cu[i], cu[i + 1])
+            q[sl], k[sl], v[sl] = r.q[r.len:r.len + n], r.k[r.len:r.len + n], r.v[r.len:r.len + n]
+        out, cache = extend_step(cache, md, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        out = np.asarray(out).reshape(t, hq, d)
+        assert (out[cu[3]:] == 0).all(), "padding tokens must give exactly 0"
+        for i, (r, n) in enumerate(zip(reqs, new)):
+            np.testing.assert_allclose(out[cu[i]:cu[i + 1]], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
+            r.len += n
+
+    def decode(mode, n):
+        nonlocal cache
+        for i, r in enumerate(reqs):
+            grow(i, r, n)
+        md = be.init_forward_metadata(3, np.arange(3), np.array([r.len + n for r in reqs]), r2p, mode)
+        assert md.max_seqlen_q == n and md.batch_size == 4
+        q = np.full((4 * n, hq, d), np.nan, np.float32)  # padded row 3: NaN
+        k = np.full((4 * n, hkv, d), np.nan, np.float32)
+        v = np.full((4 * n, hkv, d), np.nan, np.float32)
+        for i, r in enumerate(reqs):
+            q[i * n:(i + 1) * n] = r.q[r.len:r.len + n]
+            k[i * n:(i + 1) * n] = r.k[r.len:r.len + n]
+            v[i * n:(i + 1) * n] = r.v[r.len:r.len + n]
+        out, cache = decode_step(cache, md, jnp.asarray(q).reshape(4 * n, hq * d), jnp.asarray(k), jnp.asarray(v))
+        out = np.asarray(out).reshape(4 * n, hq, d)
+        assert (out[3 * n:] == 0).all(), "padded rows must give exactly 0"
+        for i, r in enumerate(reqs):
+            np.testing.assert_allclose(out[i * n:(i + 1) * n], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
+            r.len += n
+
+    extend([37, 16, 1])  # prefill, no prefix
+    extend([5, 0, 40])  # extend over a prefix (one request adds nothing)
+    decode(ForwardMode.DECODE, 1)
+    decode(ForwardMode.DECODE, 1)
+    decode(ForwardMode.TARGET_VERIFY, 3)
+    assert [r.len for r in reqs] == [47, 21, 46]
+    # Layer 0 was never touched; the dummy page took only padding writes (in layer 1).
+    assert not np.asarray(cache.k[0]).astype(np.float32).any()
+    for r in reqs:
+        alloc.free(r.pages)
+    assert alloc.num_free == num_pages - 1
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def _mla_setup(rng, *, big_r=64, r=16, h=4, ps=16, num_pages=32, spec=1, dtype="float32"):
+    cfg = MLAConfig(num_heads=h, kv_lora_rank=big_r, qk_nope_head_dim=32, qk_rope_head_dim=r, v_head_dim=24,
+                    page_size=ps, context_len=256, num_pages=num_pages, kv_cache_dtype=dtype,
+                    spec_num_tokens=spec, kernel_backend="xla", batch_buckets=(4, 8))
+    layer = LayerSpec(0, h, 1, big_r + r)
+    cache = MLAKVCache.create(num_layers=1, num_pages=num_pages, page_size=ps, kv_lora_rank=big_r,
+                              rope_dim=r, dtype=dtype)
+    cache = cache.replace_layer(0, jnp.full_like(cache.kv[0], jnp.nan))
+    return cfg, MLABackend(cfg), layer, cache
+
+
+def _mla_pages(rng, lens, ps, num_pages, width):
+    need = [-(-x // ps) for x in lens]
+    perm = rng.permutation(np.arange(1, num_pages))
+    r2p = np.zeros((len(lens), width), np.int32)
+    i = 0
+    for b, n in enumerate(need):
+        r2p[b, :n] = perm[i:i + n]
+        i += n
+    return r2p
+
+
+@pytest.mark.parametrize("mode,n", [(ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, 2)])
+def test_mla_backend_forward_decode_absorbed_with_save(mode, n):
+    rng = np.random.default_rng(n)
+    cfg, be, layer, cache = _mla_setup(rng, spec=2)
+    big_r, r, h = 64, 16, 4
+    lens = [97, 2, 33]
+    r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
+    # History (all but the new tokens) written with set_mla_kv_buffer.
+    md = be.init_forward_metadata(3, np.arange(3), np.array(lens), r2p, mode)
+    rows = {b: rng.standard_normal((L, big_r + r)).astype(np.float32) for b, L in enumerate(lens)}
+    hist_loc = [r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L - n)]
+    hist = np.concatenate([rows[b][:L - n] for b, L in enumerate(lens)])
+    kv = jattn.set_mla_kv_buffer(cache.kv[0], jnp.asarray(np.array(hist_loc, np.int32)),
+                                 jnp.asarray(hist[:, :big_r]), jnp.asarray(hist[:, big_r:]))
+    cache = cache.replace_layer(0, kv)
+    t = md.num_tokens  # 4 * n (bucket 4)
+    q_nope = rng.standard_normal((t, h, big_r)).astype(np.float32)
+    q_rope = rng.standard_normal((t, h, r)).astype(np.float32)
+    c_kv = np.full((t, big_r), np.nan, np.float32)
+    k_rope = np.full((t, r), np.nan, np.float32)
+    q_nope[3 * n:] = np.nan
+    for b, L in enumerate(lens):
+        c_kv[b * n:(b + 1) * n], k_rope[b * n:(b + 1) * n] = rows[b][L - n:, :big_r], rows[b][L - n:, big_r:]
+    step = jax.jit(lambda c, md, *a: be.forward_decode(a[0], a[1], None, layer, c, md, q_rope=a[2], k_rope=a[3]))
+    out, new_cache = step(cache, md, *map(jnp.asarray, (q_nope, c_kv, q_rope, k_rope)))
+    out = np.asarray(out).reshape(t, h, big_r)
+    assert (out[3 * n:] == 0).all()
+    q = np.concatenate([q_nope, q_rope], -1)
+    for b, L in enumerate(lens):
+        o, _ = naive.attend_one(naive.f64(q[b * n:(b + 1) * n]), naive.f64(rows[b])[:, None, :],
+                                naive.f64(rows[b])[:, None, :big_r], causal=True, scale=cfg.softmax_scale)
+        np.testing.assert_allclose(out[b * n:(b + 1) * n], o, atol=1e-4, rtol=1e-4)
+    assert cfg.softmax_scale == pytest.approx(1 / math.sqrt(32 + 16))
+    # The cache holds exactly the rows written; only page 0 took the padding row's writes.
+    got = np.asarray(new_cache.kv[0])
+    for b, L in enumerate(lens):
+        np.testing.assert_array_equal(naive.gather_paged(got, r2p[b], L), rows[b])
+    untouched = np.ones(32, bool)
+    untouched[np.unique(r2p[r2p > 0])] = False
+    untouched[DUMMY_PAGE] = False
+    assert np.isnan(got[untouched]).all()
+
+
+def test_mla_backend_forward_decode_real_576():
+    rng = np.random.default_rng(5)
+    cfg = MLAConfig(num_heads=16, page_size=64, context_len=512, num_pages=8, kv_cache_dtype="bfloat16",
+                    kernel_backend="xla", batch_buckets=(2,))
+    be = MLABackend(cfg)
+    layer = LayerSpec(0, 16, 1, 576)
+    cache = MLAKVCache.create(num_layers=1, num_pages=8, page_size=64, dtype="bfloat16")
+    lens = [130, 64]
+    r2p = _mla_pages(rng, lens, 64, 8, cfg.max_num_pages)
+    rows = [naive.bf16_round(rng.standard_normal((L, 576))) for L in lens]
+    loc = np.array([r2p[b, t // 64] * 64 + t % 64 for b, L in enumerate(lens) for t in range(L)], np.int32)
+    allrows = np.concatenate(rows)
+    cache = be.save_kv(layer, cache, jnp.asarray(loc), jnp.asarray(allrows[:, :512]), jnp.asarray(allrows[:, 512:]))
+    md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
+    q = naive.bf16_round(rng.standard_normal((2, 16, 576)))
+    out, _ = be.forward_decode(jnp.asarray(q, jnp.bfloat16), None, None, layer, cache, md, save_kv_cache=False)
+    out = np.asarray(out.astype(jnp.float32)).reshape(2, 16, 512)
+    assert cfg.softmax_scale == pytest.approx(1 / math.sqrt(192))
+    for b in range(2):
+        o, _ = naive.attend_one(naive.f64(q[b:b + 1]), naive.f64(rows[b])[:, None], naive.f64(rows[b])[:, None, :512],
+                                causal=True, scale=1 / math.sqrt(192))
+        naive.assert_close_lowp(out[b:b + 1], o, naive.bf16_round(o), atol=2e-3)
+
+
+def test_mla_backend_forward_draft_extend_padding_is_inert():
+    rng = np.random.default_rng(7)
+    cfg, be, layer, cache = _mla_setup(rng)
+    big_r, r, h = 64, 16, 4
+    new = [3, 1, 0, 5]
+    lens = [40, 17, 9, 5]
+    r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
+    rows = {b: rng.standard_normal((L, big_r + r)).astype(np.float32) for b, L in enumerate(lens)}
+    hist_loc = [r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L - new[b])]
+    hist = np.concatenate([rows[b][:L - new[b]] for b, L in enumerate(lens)])
+    cache = be.save_kv(layer, cache, jnp.asarray(np.array(hist_loc, np.int32)), jnp.asarray(hist[:, :big_r]),
+                       jnp.asarray(hist[:, big_r:]))
+    md = be.init_forward_metadata(4, np.arange(4), np.array(lens), r2p, ForwardMode.EXTEND,
+                                  extend_seq_lens=np.array(new))
+    assert md.max_seqlen_q == 8 and md.num_tokens == 16
+    cu = np.asarray(md.cu_seqlens_q)
+    t, real = md.num_tokens, int(cu[4])
+
+    def inputs(fill):
+        q = np.full((t, h, big_r + r), fill, np.float32)
+        c_kv = np.full((t, big_r), fill, np.float32)
+        k_rope = np.full((t, r), fill, np.float32)
+        qs = rng.standard_normal((real, h, big_r + r)).astype(np.float32)
+        q[:real] = qs
+        for b in range(4):
+            c_kv[cu[b]:cu[b + 1]] = rows[b][lens[b] - new[b]:, :big_r]
+            k_rope[cu[b]:cu[b + 1]] = rows[b][lens[b] - new[b]:, big_r:]
+        return q, c_kv, k_rope
+
+    step = jax.jit(lambda c, md, q, c_kv, k_rope: be.forward_draft_extend(q, c_kv, None, layer, c, md, k_rope=k_rope))
+    rng_state = rng.bit_generator.state
+    q1, c1, r1 = inputs(np.nan)
+    out1, cache1 = step(cache, md, *map(jnp.asarray, (q1, c1, r1)))
+    rng.bit_generator.state = rng_state
+    q2, c2, r2 = inputs(1e4)  # different garbage in the padding tokens
+    out2, cache2 = step(cache, md, *map(jnp.asarray, (q2, c2, r2)))
+    out1 = np.asarray(out1).reshape(t, h, big_r)
+    np.testing.assert_array_equal(out1, np.asarray(out2).reshape(t, h, big_r))
+    assert (out1[real:] == 0).all()
+    for b in range(4):
+        o, _ = naive.attend_one(naive.f64(q1[cu[b]:cu[b + 1]]), naive.f64(rows[b])[:, None],
+                                naive.f64(rows[b])[:, None, :big_r], causal=True, scale=cfg.softmax_scale)
+        np.testing.assert_allclose(out1[cu[b]:cu[b + 1]], o, atol=1e-4, rtol=1e-4)
+    g1, g2 = np.asarray(cache1.kv[0]), np.asarray(cache2.kv[0])
+    np.testing.assert_array_equal(g1[1:], g2[1:])  # padding writes only touch the dummy page
+    for b, L in enumerate(lens):
+        np.testing.assert_array_equal(naive.gather_paged(g1, r2p[b], L), rows[b])
+
+
+def test_mla_backend_chunked_prefix_equals_full_attention():
+    """Causal attention over the new tokens + non-causal attention to each prefix chunk,
+    merged, equals causal attention over prefix + new. Chunk 2 has 0 keys for two requests
+    and chunk 1 has 0 keys for one."""
+    rng = np.random.default_rng(11)
+    cfg, be, layer, _ = _mla_setup(rng)
+    h, p, r, dv = 4, 32, 16, 24
+    prefix, new = [50, 0, 20], [7, 5, 3]
+    chunk = 32
+    md = jattn.plan_extend(np.add(prefix, new), np.array(new), page_size=16,
+                           page_table=np.ones((3, 8), np.int32), batch_buckets=(4,))
+    t = md.num_tokens
+    cu = np.asarray(md.cu_seqlens_q)
+    layer = LayerSpec(0, h, 1, p + r)
+    toks = [np.add(prefix, new)[b] for b in range(3)]
+    q_nope = [rng.standard_normal((new[b], h, p)).astype(np.float32) for b in range(3)]
+    q_pe = [rng.standard_normal((new[b], h, r)).astype(np.float32) for b in range(3)]
+    k_nope = [rng.standard_normal((toks[b], h, p)).astype(np.float32) for b in range(3)]
+    k_pe = [rng.standard_normal((toks[b], r)).astype(np.float32) for b in range(3)]
+    vv = [rng.standard_normal((toks[b], h, dv)).astype(np.float32) for b in range(3)]
+
+    def ragged(parts, rows, tail):
+        out = np.full((rows,) + tail, np.nan, np.float32)
+        cat = np.concatenate(parts) if parts else np.zeros((0,) + tail)
+        out[:len(cat)] = cat
+        return jnp.asarray(out)
+
+    qn = ragged(q_nope, t, (h, p))
+    qr = ragged(q_pe, t, (h, r))
+    kn = ragged([k_nope[b][prefix[b]:] for b in range(3)], t, (h, p))
+    kr = ragged([k_pe[b][prefix[b]:] for b in range(3)], t, (r,))
+    vn = ragged([vv[b][prefix[b]:] for b in range(3)], t, (h, dv))
+    o, lse = be.forward_extend(qn, kn, vn, layer, md, q_rope=qr, k_rope=kr, return_lse=True)
+    assert np.isfinite(np.asarray(o)).all()
+    for c in range(2):
+        lo, hi = c * chunk, (c + 1) * chunk
+        sl = [slice(min(lo, prefix[b]), min(hi, prefix[b])) for b in range(3)]
+        nkv = [s.stop - s.start for s in sl]
+        if c == 1:
+            assert nkv[1] == 0 and nkv[2] == 0
+        cukv = np.zeros(5, np.int32)
+        cukv[1:4] = np.cumsum(nkv)
+        cukv[4] = cukv[3]
+        rows_kv = int(cukv[-1]) + 3
+        oc, lc = be.forward_prefix_chunk(
+            qn, ragged([k_nope[b][sl[b]] for b in range(3)], rows_kv, (h, p)),
+            ragged([vv[b][sl[b]] for b in range(3)], rows_kv, (h, dv)), layer, md.cu_seqlens_q,
+            jnp.asarray(cukv), max_seqlen_q=md.max_seqlen_q, max_seqlen_kv=chunk, q_rope=qr,
+            k_rope=ragged([k_pe[b][sl[b]] for b in range(3)], rows_kv, (r,)))
+        lc_np = np.asarray(lc)
+        for b in range(3):
+            if nkv[b] == 0:
+                assert (np.asarray(oc)[cu[b]:cu[b + 1]] == 0).all()
+                assert np.isneginf(lc_np[cu[b]:cu[b + 1]]).all()
+        o, lse = be.merge_state(o, lse, oc, lc)
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert (o[cu[3]:] == 0).all() and np.isneginf(lse[cu[3]:]).all()
+    for b in range(3):
+        q = np.concatenate([q_nope[b], q_pe[b]], -1)
+        k = np.concatenate([k_nope[b], np.broadcast_to(k_pe[b][:, None], (toks[b], h, r))], -1)
+        to, tl = naive.attend_one(naive.f64(q), naive.f64(k), naive.f64(vv[b]), causal=True,
+                                  scale=1 / math.sqrt(p + r))
+        np.testing.assert_allclose(o[cu[b]:cu[b + 1]], to, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(lse[cu[b]:cu[b + 1]], tl, atol=1e-4, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- registry, demo, CLI
+
+
+def test_registry():
+    assert jattn.get_backend("mha") is MHABackend
+    assert jattn.get_backend("mla", arch="MLA") is MLABackend
+    assert jattn.registered_backends()["mha"] == frozenset({"MHA"})
+
+
+def test_synthetic_demo_passes():
+    ok, worst, compiles = jattn.demo.run(num_requests=5, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                                         num_pages=48, max_new=6, verbose=False)
+    assert ok, worst
+    assert compiles <= 8, compiles
+
+
+def test_cli_help_lists_subcommands():
+    res = subprocess.run([sys.executable, "-m", "jattn", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for cmd in ("demo", "generate", "bench"):
+        assert cmd in res.stdout
