@@ -353,9 +353,9 @@ class MLABackend(_PlanningMixin):
 
     def _absorbed(self, q_nope, q_rope, layer):
         cfg = self.config
+        if q_rope is None:  # already the full 576-wide absorbed query
+            return q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
-        if q_rope is None:
-            return q_nope  # already the full 576-wide absorbed query
         q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
         return jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
 
