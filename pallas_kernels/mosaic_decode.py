@@ -48,7 +48,7 @@ MAX_Q_LEN = 8
 NUM_SMS = 132  # H200 / H100 SXM
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_SMEM_BUDGET = 200 * 1024  # bytes for the K/V ring, leaving room for q and barriers
+_SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
 
 
 # ---------------------------------------------------------------------------
@@ -68,12 +68,15 @@ def _plgpu_kernel(body, out, **kwargs):
 class BlockSizes:
   """Static tiling of one call (hashable; part of the compiled program).
 
-  block_tokens: tokens of one page per KV block (divides page_size).
+  block_tokens: tokens of one page per KV *piece* (divides page_size).
+  pages_per_block: pieces per KV block; > 1 only with whole pages
+    (block_tokens == page_size) when one page has fewer than 64 rows.
   num_stages: depth of the shared-memory K/V ring.
   num_splits: KV splits per request (flash-decoding).
   compute_wgs: compute warpgroups per CTA, each owning 64 query rows.
   """
   block_tokens: int
+  pages_per_block: int
   num_stages: int
   num_splits: int
   compute_wgs: int
@@ -99,20 +102,57 @@ def choose_num_splits(batch: int, m_groups: int, max_blocks: int,
   return best
 
 
+def _block_shape(num_kv_heads, head_dim, page_size, target_n=None):
+  """(block_tokens, pages_per_block) or None: a KV block of a multiple of 64 rows
+  (the P@V wgmma contracts over it in 64-element swizzle groups), at most 256
+  rows (one TMA box per piece), near 128 rows (64 for head_dim 256: registers)."""
+  if target_n is None:
+    target_n = 128 if head_dim <= 128 else 64
+  best = None
+  for bt in [t for t in range(1, page_size + 1) if page_size % t == 0]:
+    for ppb in ([1] if bt < page_size else range(1, 17)):
+      n = bt * ppb * num_kv_heads
+      if n % 64 or n > 256:
+        continue
+      key = (abs(n - target_n), ppb)
+      if best is None or key < best[0]:
+        best = (key, (bt, ppb))
+  return None if best is None else best[1]
+
+
+def _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
+  ring = 2 * stages * block_n * head_dim * kv_itemsize
+  q = compute_wgs * 64 * head_dim * q_itemsize
+  return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
+
+
 def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
-                       m_rows, kv_itemsize) -> BlockSizes:
-  target_n = 128 if head_dim <= 128 else 64
-  bt = max(1, min(page_size, target_n // num_kv_heads))
-  while page_size % bt:
-    bt //= 2
-  block_n = bt * num_kv_heads
+                       m_rows, kv_itemsize, q_itemsize=2) -> BlockSizes:
   m_tiles = -(-m_rows // 64)
   compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
-  stage_bytes = 2 * block_n * head_dim * kv_itemsize
-  num_stages = int(max(2, min(4, _SMEM_BUDGET // stage_bytes)))
-  max_blocks = max_pages * (page_size // bt)
+  choice = None
+  for target_n in ((128, 64) if head_dim <= 128 else (64,)):
+    shape = _block_shape(num_kv_heads, head_dim, page_size, target_n)
+    if shape is None:
+      continue
+    block_n = shape[0] * shape[1] * num_kv_heads
+    for c in sorted({compute_wgs, 1}, reverse=True):
+      fits = [st for st in (4, 3, 2)
+              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= _SMEM_LIMIT]
+      if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
+        choice = (shape, c, fits[0])
+      if fits:
+        break
+    if choice is not None and choice[2] >= 3:
+      break
+  if choice is None:
+    raise NotImplementedError(
+        f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, page_size={page_size}: no KV "
+        "block of a multiple of 64 rows (at most 256) fits in shared memory")
+  (bt, ppb), compute_wgs, num_stages = choice
+  max_blocks = -(-max_pages * page_size // (bt * ppb))
   num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
-  return BlockSizes(bt, num_stages, num_splits, compute_wgs)
+  return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
 
 # ---------------------------------------------------------------------------
@@ -141,8 +181,9 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
   group = num_q_heads // num_kv_heads
   if group > MAX_GROUP:
     return f"GQA group size {group} > {MAX_GROUP}"
-  if num_kv_heads > 256:
-    return f"num_kv_heads={num_kv_heads} > 256 (one TMA box per page row block)"
+  if _block_shape(num_kv_heads, head_dim, page_size) is None:
+    return (f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
+            "multiple of 64 rows and at most 256 rows")
   if not 1 <= max_seqlen_q <= MAX_Q_LEN:
     return f"max_seqlen_q={max_seqlen_q} not in [1, {MAX_Q_LEN}]"
   if tokens % max_seqlen_q:
@@ -193,7 +234,7 @@ class _Cfg:
 
   @property
   def block_n(self):
-    return self.bs.block_tokens * self.num_kv_heads
+    return self.bs.block_tokens * self.bs.pages_per_block * self.num_kv_heads
 
   @property
   def group(self):
@@ -220,7 +261,9 @@ def _decode_kernel(cfg: _Cfg, dtype,
   bs = cfg.bs
   C, S = bs.compute_wgs, bs.num_stages
   BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
-  blocks_per_page = cfg.page_size // BT
+  PPB, HKV = bs.pages_per_block, cfg.num_kv_heads
+  BTB = BT * PPB            # tokens per block
+  PR = BT * HKV             # rows per piece
   n = cfg.q_len
 
   split = lax.axis_index("split")
@@ -230,10 +273,10 @@ def _decode_kernel(cfg: _Cfg, dtype,
 
   # Which KV blocks this CTA covers (same arithmetic in every warpgroup).
   seq_len = lens_ref[b]
-  hi_blk = lax.div(seq_len + (BT - 1), jnp.int32(BT))
+  hi_blk = lax.div(seq_len + (BTB - 1), jnp.int32(BTB))
   if cfg.window_left >= 0:
     lo_tok = jnp.maximum(seq_len - n - cfg.window_left, 0)
-    lo_blk = lax.div(lo_tok, jnp.int32(BT))
+    lo_blk = lax.div(lo_tok, jnp.int32(BTB))
   else:
     lo_blk = jnp.int32(0)
   num_blk = jnp.maximum(hi_blk - lo_blk, 0)
@@ -241,23 +284,41 @@ def _decode_kernel(cfg: _Cfg, dtype,
   start = lo_blk + split * chunk
   count = jnp.maximum(jnp.minimum(start + chunk, hi_blk) - start, 0)
 
-  def block_shift(blk):
-    # A partial last block is fetched shifted back so that it ends at token L:
-    # its box then holds only valid tokens (or, at a page start, rows before
-    # the page, which TMA fills with zeros), never the page's unused tail,
-    # which may hold anything (NaN included). Rows before the block's first
-    # token are masked; they are finite (earlier tokens of this request or 0).
-    return BT - jnp.clip(seq_len - blk * BT, 0, BT)
+  # Piece j of block blk holds tokens [piece_start, piece_start + BT) of one page.
+  # A piece that runs past token L is fetched shifted back so that it ends at L:
+  # its box then holds only valid tokens, or rows before the page start, which
+  # TMA fills with zeros (a piece wholly past L is all zeros), never the page's
+  # unused tail, which may hold anything (NaN included). Rows before the
+  # piece's first token are masked; they are finite (earlier tokens or 0).
+  def piece_start(blk, j):
+    return blk * BTB + j * BT
 
-  def block_src_row(blk):
-    row = lax.rem(blk, jnp.int32(blocks_per_page)) * N - block_shift(blk) * cfg.num_kv_heads
+  def piece_src_row(blk, j):
+    ps0 = piece_start(blk, j)
+    shift = BT - jnp.clip(seq_len - ps0, 0, BT)
+    row = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV - shift * HKV
     if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
       row = jnp.maximum(row, 0)
     return row
 
-  def block_first_token(blk):  # token held by row 0 of the block's tile
-    row0 = lax.rem(blk, jnp.int32(blocks_per_page)) * N
-    return blk * BT - lax.div(row0 - block_src_row(blk), jnp.int32(cfg.num_kv_heads))
+  def piece_first_token(blk, j):  # token held by the piece's first row
+    ps0 = piece_start(blk, j)
+    row0 = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV
+    return ps0 - lax.div(row0 - piece_src_row(blk, j), jnp.int32(HKV))
+
+  def col_tokens(blk, cols):
+    """Token of each column (row of the KV tile), and whether it is valid."""
+    j = lax.div(cols, jnp.int32(PR)) if PPB > 1 else None
+    rr = cols - j * PR if PPB > 1 else cols
+    t_in = lax.div(rr, jnp.int32(HKV))
+    head = rr - t_in * HKV
+    first = piece_first_token(blk, 0)
+    lo = piece_start(blk, 0)
+    for jj in range(1, PPB):
+      first = jnp.where(j == jj, piece_first_token(blk, jj), first)
+      lo = jnp.where(j == jj, piece_start(blk, jj), lo)
+    tok = first + t_in
+    return tok, head, (tok >= lo) & (tok < seq_len)
 
   @pl.when(wg == C)
   def _producer():
@@ -268,19 +329,27 @@ def _decode_kernel(cfg: _Cfg, dtype,
     def _fetch(i):
       slot = lax.rem(i, jnp.int32(S))
       blk = start + i
-      pidx = jnp.minimum(lax.div(blk, jnp.int32(blocks_per_page)), cfg.max_pages - 1)
-      page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-      row = block_src_row(blk)
+      src = []
+      for j in range(PPB):
+        pidx = jnp.minimum(lax.div(piece_start(blk, j), jnp.int32(cfg.page_size)),
+                           cfg.max_pages - 1)
+        page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+        src.append((page, piece_src_row(blk, j)))
+
+      def dst(ref, j):
+        return ref.at[slot] if PPB == 1 else ref.at[slot, pl.ds(j * PR, PR)]
 
       @pl.when(i >= S)
       def _():
         plgpu.barrier_wait(k_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(row, N)], k_smem.at[slot], k_bar.at[slot])
+      for j, (page, row) in enumerate(src):
+        plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(row, PR)], dst(k_smem, j), k_bar.at[slot])
 
       @pl.when(i >= S)
       def _():
         plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, N)], v_smem.at[slot], v_bar.at[slot])
+      for j, (page, row) in enumerate(src):
+        plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, PR)], dst(v_smem, j), v_bar.at[slot])
 
   @pl.when(wg < C)
   def _compute():
@@ -334,10 +403,8 @@ def _decode_kernel(cfg: _Cfg, dtype,
       qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
       hq = grow - qi * cfg.num_q_heads
       kvh = lax.div(hq, jnp.int32(cfg.group))
-      tok = lax.div(col_ids, jnp.int32(cfg.num_kv_heads))
-      ch = col_ids - tok * cfg.num_kv_heads
-      tok = tok + block_first_token(blk)
-      ok = (kvh == ch) & (tok >= blk * BT) & (tok < seq_len)
+      tok, ch, valid = col_tokens(blk, col_ids)
+      ok = (kvh == ch) & valid
       qpos = seq_len - n + qi  # absolute position of query i
       if cfg.is_causal:
         ok = ok & (tok <= qpos)
@@ -358,9 +425,8 @@ def _decode_kernel(cfg: _Cfg, dtype,
       if cfg.interpret:
         # Here the last block may hold the page's unused tail (no TMA zero fill
         # when clamped at the page start): zero those rows as TMA would have.
-        vrow = lax.broadcasted_iota(jnp.int32, (N, D), 0)
-        vtok = lax.div(vrow, jnp.int32(cfg.num_kv_heads)) + block_first_token(blk)
-        vblk = jnp.where(vtok < seq_len, v_smem[slot], jnp.zeros((N, D), v_smem.dtype))
+        _, _, vvalid = col_tokens(blk, lax.broadcasted_iota(jnp.int32, (N, D), 0))
+        vblk = jnp.where(vvalid, v_smem[slot], jnp.zeros((N, D), v_smem.dtype))
         acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
       else:
         def pv(acc_ref):
@@ -408,15 +474,15 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
         plgpu.SMEM((S, N, D), k2.dtype, transforms=tr),
         plgpu.SMEM((S, N, D), v2.dtype, transforms=tr),
         plgpu.SMEM((C, 64), jnp.float32),
-        plgpu.Barrier(num_barriers=S),
-        plgpu.Barrier(num_barriers=S),
+        plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
+        plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
         plgpu.Barrier(num_barriers=C),
         plgpu.Barrier(num_arrivals=C, num_barriers=S),
         plgpu.Barrier(num_arrivals=C, num_barriers=S),
         collective_axes="wg",
     )
 
-  name = (f"jattn_paged_decode_bt{bs.block_tokens}_n{N}_d{D}_s{S}_c{C}"
+  name = (f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}"
           f"_splits{bs.num_splits}")
   kernel = _plgpu_kernel(
       entry, out_type,
@@ -503,7 +569,8 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
   m_pad_q = q_rows if m_tiles == 1 else m_tiles * 64
   bsz = block_sizes or choose_block_sizes(
       batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-      max_pages=max_pages, m_rows=m_rows, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
+      max_pages=max_pages, m_rows=m_rows, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
+      q_itemsize=jnp.dtype(q.dtype).itemsize)
   cfg = _Cfg(batch=batch, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
              num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
              q_len=max_seqlen_q, m_rows=m_rows, q_rows=q_rows, m_tiles=m_tiles,
