@@ -352,6 +352,11 @@ def mla_decode_with_kvcache(
     _check_ndim(q, "q", 3, "[tokens, num_heads, kv_lora_rank + rope_dim]")
     _check_ndim(kv_cache, "kv_cache", 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
     _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
+    _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
+    if page_table.shape[0] != cache_seqlens.shape[0]:
+        raise ValueError(
+            f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}"
+        )
     _check_dtype(q, "q", _Q_DTYPES)
     _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
     _check_int(page_table, "page_table")
