@@ -436,3 +436,48 @@ def test_determinism_bit_identical():
     p2 = jattn.mha_prefill(qp, kp, vp, cu, max_seqlen_q=64, return_lse=True, backend="xla")
     for x, y in zip(p1, p2):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+# ----------------------------------------------------------------------------- random feature sweep
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_feature_combinations(seed):
+    """Decode and extend with every feature drawn at random (seeded), f32 or FP8 KV."""
+    rng = np.random.default_rng(1000 + seed)
+    ps = int(rng.choice([1, 8, 16, 64]))
+    hkv = int(rng.choice([1, 2]))
+    hq = hkv * int(rng.choice([1, 4, 8]))
+    d = int(rng.choice([16, 32]))
+    q_len = int(rng.choice([1, 2, 4]))
+    causal = bool(q_len == 1 or rng.random() < 0.6)
+    window = int(rng.choice([-1, 0, 5, 40]))
+    cap = float(rng.choice([0.0, 3.0]))
+    sinks = rng.standard_normal(hq).astype(np.float32) if rng.random() < 0.5 else None
+    fp8 = rng.random() < 0.35
+    ks, vs = (float(rng.choice([0.25, 1.0, 3.0])), float(rng.choice([0.5, 2.0]))) if fp8 else (1.0, 1.0)
+    lens = [int(x) for x in rng.choice([0, 1, 97, ps, ps + 1, 2 * ps - 1, 30], size=int(rng.integers(1, 5)))]
+    lens = [x if x == 0 else max(x, q_len) for x in lens]
+    pool = naive.Pool(rng, lens, ps)
+    kc = pool.fill(rng, (hkv, d), scale=2 * ks)
+    vc = pool.fill(rng, (hkv, d), scale=2 * vs)
+    if fp8:
+        kc, vc = naive.quantize_fp8(kc, ks), naive.quantize_fp8(vc, vs)
+    kw = dict(is_causal=causal, window_left=window, logit_cap=cap, k_scale=ks, v_scale=vs)
+    js = None if sinks is None else jnp.asarray(sinks)
+    pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
+    q = rng.standard_normal((len(lens) * q_len, hq, d)).astype(np.float32)
+    out, lse = jattn.mha_decode_with_kvcache(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), pt, sl,
+                                             max_seqlen_q=q_len, sinks=js, return_lse=True, backend="xla", **kw)
+    truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, max_seqlen_q=q_len, sinks=sinks, **kw)
+    _check(out, lse, truth, tl, dtype="f32")
+    # Extend over the same pool: each request's last n_b <= length tokens are new.
+    new = [int(rng.integers(0, min(x, 9) + 1)) for x in lens]
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    qe = rng.standard_normal((int(cu[-1]) + 3, hq, d)).astype(np.float32)
+    qe[int(cu[-1]):] = np.nan
+    out, lse = jattn.mha_extend_with_kvcache(jnp.asarray(qe), jnp.asarray(kc), jnp.asarray(vc), pt, sl,
+                                             jnp.asarray(cu), max_seqlen_q=16, sinks=js, return_lse=True,
+                                             backend="xla", **kw)
+    truth, tl = naive.mha_extend(qe, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, **kw)
+    _check(out, lse, truth, tl, dtype="f32")
