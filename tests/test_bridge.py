@@ -1,0 +1,500 @@
+"""jattn.bridge: conversions, torch pools, TorchMHABackend / TorchMLABackend.
+
+CPU: every path against a torch reference (DLPack between torch CPU and JAX CPU is
+zero-copy). GPU (marked ``gpu``): zero-copy, in-place JAX writes into the torch
+pool, stream ordering in both directions with large buffers, bf16 and FP8.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jattn import ForwardMode, MHAConfig, MLAConfig
+from jattn.bridge import (
+    DRAFT_EXTEND,
+    AttentionLayer,
+    BridgeError,
+    TorchKVPool,
+    TorchMHABackend,
+    TorchMLABackend,
+    TorchMLAKVPool,
+    to_jax,
+    to_torch,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def ref_attention(q, K, V, *, n_new, causal=True, window=-1, cap=0.0, sinks=None, scale=None):
+    """q [n, Hq, D], K/V [L, Hkv, D] (f32) of ONE request whose last ``n_new`` keys are
+    the new tokens; query i sits at position L - n_new + i."""
+    n, hq, d = q.shape
+    L, hkv, dv = V.shape
+    if L == 0:
+        return torch.zeros(n, hq, dv)
+    g = hq // hkv
+    K = K.repeat_interleave(g, 1)
+    V = V.repeat_interleave(g, 1)
+    s = torch.einsum("nhd,lhd->hnl", q, K) * (scale or 1 / math.sqrt(d))
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    pos = torch.arange(n)[:, None] + (L - n_new)
+    j = torch.arange(L)[None, :]
+    mask = torch.ones(n, L, dtype=torch.bool)
+    if causal:
+        mask &= j <= pos
+    if window >= 0:
+        mask &= j >= pos - window
+    s = s.masked_fill(~mask, -float("inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(hq, 1, 1).expand(hq, n, 1)], -1)
+        p = torch.softmax(s, -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("hnl,lhd->nhd", p, V)
+
+
+def gather(buf, pages, L, page_size):
+    slots = torch.tensor([pages[t // page_size] * page_size + t % page_size for t in range(L)], dtype=torch.long)
+    idx = slots.to(buf.device)
+    if buf.element_size() == 1:
+        return buf.view(torch.uint8).index_select(0, idx).view(buf.dtype).float().cpu()
+    return buf.index_select(0, idx).float().cpu()
+
+
+def dequant(x, scale):
+    return x.float() * scale
+
+
+class Engine:
+    """A tiny torch engine state: requests with pages in req_to_page."""
+
+    def __init__(self, num_reqs, max_pages, page_size, rng, num_pages):
+        self.page_size = page_size
+        self.req_to_page = torch.zeros(num_reqs + 1, max_pages, dtype=torch.int32)
+        free = list(rng.permutation(np.arange(1, num_pages)))  # page 0 is the dummy
+        self.pages = []
+        for r in range(num_reqs):
+            p = [int(free.pop()) for _ in range(max_pages)]
+            self.req_to_page[r + 1] = torch.tensor(p, dtype=torch.int32)
+            self.pages.append(p)
+        self.req_pool_indices = torch.arange(1, num_reqs + 1, dtype=torch.int32)
+
+    def slots(self, r, start, n):
+        return [self.pages[r][t // self.page_size] * self.page_size + t % self.page_size for t in range(start, start + n)]
+
+
+def mha_setup(kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1, **cfgkw):
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, context_len=64,
+                    num_pages=num_pages, kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
+                    spec_num_tokens=spec, **cfgkw)
+    pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
+                       dtype=kv_dtype, device=DEV)
+    return cfg, pool
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).to(torch.bfloat16).to(DEV)
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int32])
+def test_roundtrip_zero_copy(dtype):
+    t = torch.zeros(64, 8, dtype=torch.float32).to(dtype).to(DEV)
+    a = to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.shape == (64, 8)
+    b = to_torch(a)
+    assert b.data_ptr() == t.data_ptr() and b.dtype == dtype
+
+
+def test_conversion_errors_and_explicit_copy():
+    x = torch.zeros(16, 16, device=DEV)[:, :8]
+    with pytest.raises(BridgeError, match="not contiguous"):
+        to_jax(x)
+    y = to_jax(x, copy=True)  # explicit, documented copy
+    assert y.shape == (16, 8) and y.unsafe_buffer_pointer() != x.data_ptr()
+    z = torch.zeros(64, dtype=torch.bfloat16, device=DEV)[1:]
+    with pytest.raises(BridgeError, match="aligned"):
+        to_jax(z)
+    with pytest.raises(BridgeError, match="dtype"):
+        to_jax(torch.zeros(4, dtype=torch.int64, device=DEV))
+    with pytest.raises(BridgeError):
+        to_jax(np.zeros(4))
+
+
+def test_torch_sees_pool_view():
+    t = torch.zeros(8, 4, device=DEV)
+    a = to_jax(t)
+    t[3] = 7.0
+    assert float(np.asarray(a)[3, 0]) == 7.0
+
+
+def test_jax_writer_refused_on_cpu():
+    if ON_GPU:
+        pytest.skip("CPU-only behaviour")
+    cfg, _ = mha_setup()
+    with pytest.raises(BridgeError, match="CPU"):
+        TorchMHABackend(cfg, kv_writer="jax")
+
+
+# ----------------------------------------------------------------------------- MHA
+
+
+def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sinks=False, seed=0):
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    hq, hkv, d, ps = 4, 2, 32, 4
+    cfg, pool = mha_setup(kv_dtype, hq, hkv, d, ps)
+    be = TorchMHABackend(cfg, kv_writer=kv_writer)
+    scale = 0.05 if kv_dtype == torch.float8_e4m3fn else None
+    layers = [AttentionLayer(i, hq, hkv, d, sliding_window_size=window, logit_cap=cap,
+                             k_scale=scale, v_scale=scale and 0.03) for i in range(2)]
+    sinks = torch.randn(hq, device=DEV) if with_sinks else None
+    eng = Engine(3, 16, ps, rng, cfg.num_pages)
+    lens = [5, 0, 13]
+    ptrs = [(pool.get_key_buffer(i).data_ptr(), pool.get_value_buffer(i).data_ptr()) for i in range(2)]
+    kv_hist = {i: [([], []) for _ in lens] for i in range(2)}  # all K/V of each request (bf16)
+
+    def check(out, q, layer, n_new_per_req, lens_now):
+        o = out.float().cpu().view(-1, hq, d)
+        row = 0
+        for r, (n_new, L) in enumerate(zip(n_new_per_req, lens_now)):
+            if n_new == 0:
+                continue
+            K = torch.cat(kv_hist[layer.layer_id][r][0]).float() if L else torch.zeros(0, hkv, d)
+            V = torch.cat(kv_hist[layer.layer_id][r][1]).float() if L else torch.zeros(0, hkv, d)
+            if kv_dtype == torch.float8_e4m3fn:  # the reference reads what the pool holds
+                K = gather(pool.get_key_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.k_scale
+                V = gather(pool.get_value_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.v_scale
+            exp = ref_attention(q[row:row + n_new].float().cpu().view(n_new, hq, d), K, V, n_new=n_new,
+                                window=window, cap=cap, sinks=None if sinks is None else sinks.cpu())
+            tol = 6e-2 if kv_dtype == torch.float8_e4m3fn else 2e-2
+            torch.testing.assert_close(o[row:row + n_new], exp, atol=tol, rtol=tol)
+            row += n_new
+
+    # prefill (EXTEND, no prefix)
+    ext = [5, 0, 13]
+    be.init_forward_metadata(3, 3, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.EXTEND,
+                             extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.zeros(3, dtype=torch.int32))
+    T = sum(ext)
+    for layer in layers:
+        q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
+        row = 0
+        for r, n in enumerate(ext):
+            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
+            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
+            row += n
+        loc = torch.tensor(sum((eng.slots(r, 0, n) for r, n in enumerate(ext)), []), dtype=torch.int64, device=DEV)
+        out = be.forward_extend(q, k, v, layer, loc, pool, 3, save_kv_cache=True, sinks=sinks)
+        assert out.shape == (T, hq * d) and out.dtype == torch.bfloat16
+        check(out, q, layer, ext, lens)
+    # an extend over a prefix (second chunk of request 0, first of request 1)
+    ext2 = [3, 2, 0]
+    lens = [a + b for a, b in zip(lens, ext2)]
+    be.init_forward_metadata(3, 3, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.EXTEND,
+                             extend_seq_lens=torch.tensor(ext2))
+    for layer in layers:
+        T = sum(ext2)
+        q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
+        row = 0
+        for r, n in enumerate(ext2):
+            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
+            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
+            row += n
+        out = be.forward_extend(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sinks)
+        check(out, q, layer, ext2, lens)
+    # decode steps
+    for step in range(3):
+        lens = [x + 1 for x in lens]
+        be.init_forward_metadata(3, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.DECODE)
+        for layer in layers:
+            q, k, v = rand(3, hq * d), rand(3, hkv * d), rand(3, hkv * d)
+            for r in range(3):
+                kv_hist[layer.layer_id][r][0].append(k[r:r + 1].cpu().view(1, hkv, d))
+                kv_hist[layer.layer_id][r][1].append(v[r:r + 1].cpu().view(1, hkv, d))
+            out = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sinks)
+            assert out.shape == (3, hq * d)
+            check(out, q, layer, [1, 1, 1], lens)
+    # the pool was written in place: same buffers, holding the K/V the engine produced
+    for i in range(2):
+        assert (pool.get_key_buffer(i).data_ptr(), pool.get_value_buffer(i).data_ptr()) == ptrs[i]
+        for r, L in enumerate(lens):
+            K = gather(pool.get_key_buffer(i), eng.pages[r], L, ps)
+            want = torch.cat(kv_hist[i][r][0]).float()
+            if kv_dtype == torch.float8_e4m3fn:
+                want = (want / layers[i].k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            torch.testing.assert_close(K, want)
+    # the dummy page only ever takes padded rows' writes; real pages are untouched by padding
+    return be
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_mha_engine_prefill_extend_decode(kv_dtype):
+    be = _run_mha_engine(kv_dtype)
+    # one jitted function per (mode, layer shape); layers share them
+    assert len(be._fns) <= 4
+
+
+def test_mha_window_cap_sinks():
+    _run_mha_engine(torch.bfloat16, window=3, cap=5.0, with_sinks=True, seed=1)
+
+
+def test_mha_views_are_persistent_and_zero_copy():
+    rng = np.random.default_rng(0)
+    cfg, pool = mha_setup()
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 4, 2, 32)
+    eng = Engine(2, 16, 4, rng, cfg.num_pages)
+    for step, lens in enumerate(([3, 7], [4, 8])):
+        be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.DECODE)
+        be.forward_decode(rand(2, 128), rand(2, 64), rand(2, 64), layer, None, pool, 2, save_kv_cache=True)
+        if step == 0:
+            views = {k: v for k, v in be._views.items()}
+            stages = dict(be._stage)
+    assert be._views.keys() == views.keys()
+    for k, v in views.items():
+        assert be._views[k] is v  # not re-imported
+        assert v.jax.unsafe_buffer_pointer() == v.torch.data_ptr() == pool.get_key_buffer(0).data_ptr() or \
+            v.jax.unsafe_buffer_pointer() == pool.get_value_buffer(0).data_ptr()
+    assert stages.keys() == be._stage.keys()
+    (fn,) = be._fns.values()
+    assert fn._cache_size() == 1  # new values, same bucket: no retrace
+
+
+def test_torch_write_then_jattn_read():
+    """The engine writes K/V with the pool's own set_kv_buffer; jattn reads (save_kv_cache=False)."""
+    rng = np.random.default_rng(2)
+    hq, hkv, d, ps = 4, 2, 32, 4
+    cfg, pool = mha_setup()
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(1, hq, hkv, d)
+    eng = Engine(1, 16, ps, rng, cfg.num_pages)
+    L = 9
+    k, v = rand(L, hkv, d), rand(L, hkv, d)
+    pool.set_kv_buffer(layer, torch.tensor(eng.slots(0, 0, L), device=DEV), k, v)
+    be.init_forward_metadata(1, 0, eng.req_pool_indices, torch.tensor([L]), eng.req_to_page, ForwardMode.DECODE)
+    q = rand(1, hq * d)
+    out = be.forward_decode(q, None, None, layer, None, pool, 1)
+    exp = ref_attention(q.float().cpu().view(1, hq, d), k.float().cpu(), v.float().cpu(), n_new=1)
+    torch.testing.assert_close(out.float().cpu().view(1, hq, d), exp, atol=2e-2, rtol=2e-2)
+
+
+def test_mha_target_verify_and_cuda_graph_capture_replay():
+    rng = np.random.default_rng(3)
+    hq, hkv, d, ps, spec = 4, 2, 32, 4, 3
+    cfg, pool = mha_setup(spec=spec)
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, hq, hkv, d)
+    eng = Engine(3, 16, ps, rng, cfg.num_pages)
+    assert be.init_cuda_graph_state(4) == (1, 2, 4)
+    # capture: an all-padding plan of bucket 4; the call compiles
+    be.init_forward_metadata_capture_cuda_graph(4, 4 * spec, forward_mode=ForwardMode.TARGET_VERIFY)
+    out = be.forward_decode(rand(4 * spec, hq * d), rand(4 * spec, hkv * d), rand(4 * spec, hkv * d), layer, None,
+                            pool, 4, save_kv_cache=True)
+    assert out.shape == (4 * spec, hq * d)
+    (fn,) = be._fns.values()
+    assert fn._cache_size() == 1
+    # replay with 3 real requests (padded to bucket 4): no retrace, right values
+    K = [rand(L, hkv, d) for L in (6, 10, 3)]
+    V = [rand(L, hkv, d) for L in (6, 10, 3)]
+    for r, L in enumerate((6, 10, 3)):
+        pool.set_kv_buffer(layer, torch.tensor(eng.slots(r, 0, L - spec), device=DEV), K[r][: L - spec], V[r][: L - spec])
+    be.init_forward_metadata_replay_cuda_graph(3, eng.req_pool_indices, torch.tensor([6, 10, 3]), eng.req_to_page,
+                                               ForwardMode.TARGET_VERIFY)
+    q = rand(3 * spec, hq * d)
+    k = torch.cat([x[-spec:] for x in K]).view(3 * spec, -1)
+    v = torch.cat([x[-spec:] for x in V]).view(3 * spec, -1)
+    # padding to bucket 4 happens inside: pass 3 requests' rows
+    out = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True)
+    assert fn._cache_size() == 1
+    for r in range(3):
+        exp = ref_attention(q[r * spec:(r + 1) * spec].float().cpu().view(spec, hq, d), K[r].float().cpu(),
+                            V[r].float().cpu(), n_new=spec)
+        torch.testing.assert_close(out[r * spec:(r + 1) * spec].float().cpu().view(spec, hq, d), exp,
+                                   atol=2e-2, rtol=2e-2)
+    assert be.support_kv_cache_prewrite(ForwardMode.DECODE) and not be.support_kv_cache_prewrite(ForwardMode.EXTEND)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def mla_ref(q, kv, n_new, R, scale, causal=True):
+    """q [n, H, R + r], kv [L, R + r] f32 -> [n, H, R]."""
+    n, H, _ = q.shape
+    L = kv.shape[0]
+    s = torch.einsum("nhc,lc->hnl", q, kv) * scale
+    if causal:
+        pos = torch.arange(n)[:, None] + (L - n_new)
+        s = s.masked_fill(~(torch.arange(L)[None, :] <= pos), -float("inf"))
+    return torch.einsum("hnl,lc->nhc", torch.softmax(s, -1), kv[:, :R])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_mla_decode_verify_draft_extend(kv_dtype):
+    rng = np.random.default_rng(4)
+    torch.manual_seed(4)
+    R, r, H, ps = 64, 16, 4, 8
+    cfg = MLAConfig(num_heads=H, kv_lora_rank=R, qk_nope_head_dim=32, qk_rope_head_dim=r, v_head_dim=32,
+                    page_size=ps, context_len=64, num_pages=24, spec_num_tokens=2,
+                    kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16")
+    pool = TorchMLAKVPool(num_layers=1, num_pages=24, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r,
+                          dtype=kv_dtype, device=DEV)
+    kscale = 0.02 if kv_dtype == torch.float8_e4m3fn else None
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, k_scale=kscale)
+    be = TorchMLABackend(cfg, pool)
+    eng = Engine(2, 8, ps, rng, 24)
+    scale = cfg.softmax_scale
+    ptr = pool.get_key_buffer(0).data_ptr()
+    hist = [[], []]
+    lens = [0, 0]
+    steps = [(ForwardMode.DECODE, [7, 12]), (ForwardMode.DECODE, [1, 1]), (ForwardMode.TARGET_VERIFY, [2, 2]),
+             (DRAFT_EXTEND, [3, 1])]
+    # first fill some history with the pool's own writer (an engine's prefill)
+    for rr, L in enumerate((6, 11)):
+        c, kp = rand(L, R), rand(L, r)
+        pool.set_mla_kv_buffer(layer, torch.tensor(eng.slots(rr, 0, L), device=DEV), c, kp)
+        hist[rr].append(torch.cat([c, kp], -1).float().cpu())
+        lens[rr] = L
+    for mode, news in steps[1:]:
+        lens = [a + b for a, b in zip(lens, news)]
+        be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, mode,
+                                 extend_seq_lens=torch.tensor(news))
+        T = sum(news)
+        q, qr, c, kp = rand(T, H * R), rand(T, H * r), rand(T, R), rand(T, r)
+        row = 0
+        for rr, n in enumerate(news):
+            hist[rr].append(torch.cat([c[row:row + n], kp[row:row + n]], -1).float().cpu())
+            row += n
+        fwd = be.forward_decode if mode is ForwardMode.DECODE else be.forward_extend
+        out = fwd(q, c, None, layer, None, save_kv_cache=True, q_rope=qr, k_rope=kp)
+        assert out.shape == (T, H * R)
+        row = 0
+        for rr, n in enumerate(news):
+            kv = torch.cat(hist[rr])
+            if kv_dtype == torch.float8_e4m3fn:
+                kv = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[rr], lens[rr], ps) * kscale
+            qq = torch.cat([q[row:row + n].view(n, H, R), qr[row:row + n].view(n, H, r)], -1).float().cpu()
+            exp = mla_ref(qq, kv, n, R, scale)
+            tol = 8e-2 if kv_dtype == torch.float8_e4m3fn else 3e-2
+            torch.testing.assert_close(out[row:row + n].float().cpu().view(n, H, R), exp, atol=tol, rtol=tol)
+            row += n
+    assert pool.get_key_buffer(0).data_ptr() == ptr
+    got = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[1], lens[1], ps)
+    want = torch.cat(hist[1])
+    if kv_dtype == torch.float8_e4m3fn:
+        want = (want / kscale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(got, want)
+
+
+def test_mla_ragged_prefill_with_lse():
+    torch.manual_seed(5)
+    H, P, r, Vd = 2, 32, 16, 32
+    cfg = MLAConfig(num_heads=H, kv_lora_rank=64, qk_nope_head_dim=P, qk_rope_head_dim=r, v_head_dim=Vd,
+                    page_size=8, context_len=64, num_pages=16)
+    pool = TorchMLAKVPool(num_layers=1, num_pages=16, page_size=8, kv_lora_rank=64, qk_rope_head_dim=r, device=DEV)
+    be = TorchMLABackend(cfg, pool)
+    layer = AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
+    ext = [5, 9]
+    r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
+    be.init_forward_metadata(2, 2, torch.tensor([0, 1]), torch.tensor(ext), r2p, ForwardMode.EXTEND,
+                             extend_seq_lens=torch.tensor(ext))
+    T = sum(ext)
+    qn, qr, kn, kr, v = rand(T, H * P), rand(T, H * r), rand(T, H * P), rand(T, r), rand(T, H * Vd)
+    out, lse = be.forward_extend(qn, kn, v, layer, save_kv_cache=False, q_rope=qr, k_rope=kr, return_lse=True)
+    assert out.shape == (T, H * Vd) and lse.shape == (T, H)
+    row = 0
+    for n in ext:
+        q = torch.cat([qn[row:row + n].view(n, H, P), qr[row:row + n].view(n, H, r)], -1).float().cpu()
+        k = torch.cat([kn[row:row + n].view(n, H, P), kr[row:row + n].view(n, 1, r).expand(n, H, r)], -1).float().cpu()
+        exp = ref_attention(q, k, v[row:row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale)
+        torch.testing.assert_close(out[row:row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        row += n
+    with pytest.raises(ValueError, match="save_kv_cache"):
+        be.forward_extend(qn, kn, v, layer, save_kv_cache=True, q_rope=qr, k_rope=kr)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_engine_jax_writer_in_place(kv_dtype):
+    be = _run_mha_engine(kv_dtype, kv_writer="jax")
+    assert be.kv_writer == "jax"
+    for v in be._views.values():
+        assert v.verified and v.jax.unsafe_buffer_pointer() == v.torch.data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_writer_engine():
+    _run_mha_engine(torch.bfloat16, kv_writer="torch")
+
+
+@pytest.mark.gpu
+def test_gpu_no_memory_growth():
+    rng = np.random.default_rng(0)
+    cfg, pool = mha_setup(num_pages=4096, page_size=16, d=128, hq=8, hkv=2)
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 8, 2, 128)
+    eng = Engine(4, 4, 16, rng, 4096)
+    be.init_forward_metadata(4, 0, eng.req_pool_indices, torch.tensor([20, 30, 40, 50]), eng.req_to_page,
+                             ForwardMode.DECODE)
+    args = (rand(4, 8 * 128), rand(4, 2 * 128), rand(4, 2 * 128), layer, None, pool, 4)
+    be.forward_decode(*args, save_kv_cache=True)
+    torch.cuda.synchronize()
+    dev = jax.devices()[0]
+    j0 = dev.memory_stats()["bytes_in_use"]
+    t0 = torch.cuda.memory_allocated()
+    for _ in range(20):
+        be.forward_decode(*args, save_kv_cache=True)
+    torch.cuda.synchronize()
+    pool_bytes = pool.get_key_buffer(0).numel() * 2
+    assert dev.memory_stats()["bytes_in_use"] - j0 < pool_bytes // 4
+    assert torch.cuda.memory_allocated() - t0 < pool_bytes // 4
+
+
+@pytest.mark.gpu
+def test_gpu_stream_order_torch_write_then_jattn_read():
+    """Large torch write into the pool immediately followed by a jattn read (no sync)."""
+    big = 1 << 15
+    cfg, pool = mha_setup(num_pages=big, page_size=16, d=128, hq=8, hkv=8, layers=1)
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 8, 8, 128)
+    r2p = torch.arange(1, 257, dtype=torch.int32).view(1, 256)
+    be.init_forward_metadata(1, 0, torch.tensor([0]), torch.tensor([4096]), r2p, ForwardMode.DECODE)
+    q = torch.ones(1, 8 * 128, dtype=torch.bfloat16, device=DEV)
+    for val in (1.0, -2.0, 3.0):
+        torch.cuda._sleep(20_000_000)  # keep torch's stream busy: JAX must wait for it
+        pool.get_value_buffer(0).fill_(val)  # ~1 GiB written by torch
+        out = be.forward_decode(q, None, None, layer, None, pool, 1)
+        assert torch.allclose(out.float(), torch.full_like(out.float(), val)), (val, out.float().mean())
+
+
+@pytest.mark.gpu
+def test_gpu_stream_order_jattn_write_then_torch_read():
+    """A jattn in-place write immediately followed by a torch read of the pool (no sync)."""
+    cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1)
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 8, 8, 128)
+    n = 512
+    r2p = torch.arange(1, 1 + 256 * n, dtype=torch.int32).view(n, 256)[:, :256]
+    be.init_cuda_graph_state(512)
+    be.init_forward_metadata(n, 0, torch.arange(n), torch.full((n,), 4096), r2p, ForwardMode.DECODE)
+    for val in (1.0, -2.0):
+        k = torch.full((n, 8 * 128), val, dtype=torch.bfloat16, device=DEV)
+        be.forward_decode(torch.ones(n, 8 * 128, dtype=torch.bfloat16, device=DEV), k, k, layer, None, pool, n,
+                          save_kv_cache=True)
+        # the read is enqueued on torch's stream right away
+        slots = (r2p[:, 255] * 16 + 15).long().to(DEV)
+        got = pool.get_key_buffer(0).index_select(0, slots)
+        assert torch.all(got == val)
