@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Sequence
 
 import jax
@@ -299,7 +300,16 @@ class _BridgeBase:
             out, new_kvs = fn(stage, kvs, ov.jax, md, tuple(extra), fence)
             ov.jax = out
             if not ov.verified:
-                self._check_alias(out, ov.torch, "output buffer")
+                if out.unsafe_buffer_pointer() != ov.torch.data_ptr():
+                    # Not a pool: fall back to exporting outputs (one DLPack export per call).
+                    warnings.warn("jattn.bridge: the output buffer was not aliased; exporting outputs instead")
+                    self.alias_out = False
+                    self._fns.clear()
+                    self._outs.clear()
+                    for v, a in zip(kv_views, new_kvs):
+                        v.jax = a
+                    self.sync.after_jax(out)
+                    return torch.from_dlpack(out)
                 ov.verified = True
         else:
             out, new_kvs = fn(stage, kvs, md, tuple(extra), fence)

@@ -486,9 +486,9 @@ def test_gpu_stream_order_jattn_write_then_torch_read():
     cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1)
     be = TorchMHABackend(cfg)
     layer = AttentionLayer(0, 8, 8, 128)
-    n = 512
-    r2p = torch.arange(1, 1 + 256 * n, dtype=torch.int32).view(n, 256)[:, :256]
-    be.init_cuda_graph_state(512)
+    n = 32
+    r2p = torch.arange(1, 1 + 256 * n, dtype=torch.int32).view(n, 256)
+    be.init_cuda_graph_state(32)
     be.init_forward_metadata(n, 0, torch.arange(n), torch.full((n,), 4096), r2p, ForwardMode.DECODE)
     for val in (1.0, -2.0):
         k = torch.full((n, 8 * 128), val, dtype=torch.bfloat16, device=DEV)
@@ -498,3 +498,30 @@ def test_gpu_stream_order_jattn_write_then_torch_read():
         slots = (r2p[:, 255] * 16 + 15).long().to(DEV)
         got = pool.get_key_buffer(0).index_select(0, slots)
         assert torch.all(got == val)
+
+
+def test_output_alias_fallback_exports():
+    """If the output buffer is not aliased (XLA:CPU never aliases DLPack imports), the
+    backend falls back to exporting outputs, with the same values."""
+    if ON_GPU:
+        pytest.skip("CPU-only behaviour")
+    rng = np.random.default_rng(6)
+    cfg, pool = mha_setup()
+    be = TorchMHABackend(cfg)
+    be.alias_out = True
+    layer = AttentionLayer(0, 4, 2, 32)
+    eng = Engine(1, 16, 4, rng, cfg.num_pages)
+    be.init_forward_metadata(1, 0, eng.req_pool_indices, torch.tensor([3]), eng.req_to_page, ForwardMode.DECODE)
+    with pytest.warns(UserWarning, match="not aliased"):
+        a = be.forward_decode(rand(1, 128), rand(1, 64), rand(1, 64), layer, None, pool, 1, save_kv_cache=True)
+    assert not be.alias_out and a.shape == (1, 128)
+    b = be.forward_decode(rand(1, 128), rand(1, 64), rand(1, 64), layer, None, pool, 1, save_kv_cache=True)
+    assert b.shape == (1, 128)
+
+
+def test_example_runs():
+    import runpy
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"
+    mod = runpy.run_path(str(path))
+    assert mod["main"]() == 0
