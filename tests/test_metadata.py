@@ -259,3 +259,32 @@ def test_extend_step_does_not_retrace_within_a_bucket():
     assert len(traces) == 2, traces
     run(2, [10, 6], [10, 6])  # batch bucket 2
     assert len(traces) == 3, traces
+
+
+def test_capture_then_replay_metadata_does_not_retrace():
+    """The CUDA-graph analogue: a placeholder plan of a bucket compiles; replay plans of the
+    same bucket reuse the program. The placeholder (all padding) gives exactly 0."""
+    cfg, be, layer, cache = _mha_setup()
+    assert be.init_cuda_graph_state(6) == (2, 4, 6)
+    traces = []
+
+    @jax.jit
+    def step(cache, md, q):
+        traces.append(1)
+        return be.forward_decode(q, None, None, layer, cache, md)
+
+    rng = np.random.default_rng(2)
+    cache = PagedKVCache(k=(jnp.asarray(rng.standard_normal(cache.k[0].shape), jnp.float32),),
+                         v=(jnp.asarray(rng.standard_normal(cache.v[0].shape), jnp.float32),),
+                         k_scales=cache.k_scales, v_scales=cache.v_scales)
+    cap = be.init_forward_metadata_capture_cuda_graph(6)
+    assert cap.batch_size == 6 and int(cap.num_reqs) == 0
+    out, _ = step(cache, cap, jnp.asarray(rng.standard_normal((6, 64)), jnp.float32))
+    assert (np.asarray(out) == 0).all()
+    r2p = np.pad(rng.permutation(np.arange(1, 64))[:35].reshape(5, 7), ((0, 0), (0, cfg.max_num_pages - 7)))
+    rep = be.init_forward_metadata_replay_cuda_graph(5, np.arange(5), np.array([9, 1, 40, 56, 3]), r2p)
+    assert rep.batch_size == 6
+    out, _ = step(cache, rep, jnp.asarray(rng.standard_normal((6, 64)), jnp.float32))
+    assert len(traces) == 1
+    out = np.asarray(out)
+    assert np.isfinite(out).all() and (out[5] == 0).all() and np.abs(out[:5]).sum() > 0
