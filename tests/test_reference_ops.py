@@ -12,7 +12,6 @@ import math
 import zlib
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
