@@ -186,6 +186,25 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool = True, on
     return jax.jit(step, donate_argnums=(1,), static_argnames=("greedy_only",), **kw)
 
 
+_STEP_FNS: dict = {}
+
+
+def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool = True):
+    """``(jitted step, trace counter)`` shared by every engine of the same model structure
+    and backend config, so a new engine reuses the programs already compiled."""
+    graphdef, _ = nnx.split(model)
+    key = (graphdef, type(backend), backend.config, command_buffers and _is_gpu())
+    if key not in _STEP_FNS:
+        counter = [0]
+
+        def on_trace(_):
+            counter[0] += 1
+
+        _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers,
+                                       on_trace=on_trace), counter)
+    return _STEP_FNS[key]
+
+
 class Engine:
     """Continuous-batching engine over a jattn model (``Llama`` or ``Deepseek``)."""
 
@@ -203,9 +222,7 @@ class Engine:
         self.allocator = PageAllocator(c.num_pages)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
-        self._traced: set = set()
-        self._step = make_step_fn(model, backend, command_buffers=c.command_buffers,
-                                  on_trace=self._on_trace)
+        self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -220,9 +237,6 @@ class Engine:
         if isinstance(model, Deepseek):
             return default_mla_backend(model.config, c.page_size, c.kernel_backend)
         return default_mha_backend(model.config, c.page_size, c.kernel_backend)
-
-    def _on_trace(self, metadata):
-        self.metrics.compilations += 1
 
     # ------------------------------------------------------------------ requests
 
@@ -319,14 +333,15 @@ class Engine:
     def _run(self, tokens, md, reqs):
         """Runs the jitted step; returns (next tokens, seconds, compiled?)."""
         temp, top_p, seeds, counters, greedy_only = self._sampling_arrays(reqs, md.batch_size)
-        before = self.metrics.compilations
+        before = self._traces[0]
         t0 = time.perf_counter()
         nxt, self.kv_cache = self._step(self.state, self.kv_cache, tokens, md, temp, top_p, seeds,
                                         counters, greedy_only=greedy_only)
         nxt = np.asarray(nxt)  # waits for the step
         dt = time.perf_counter() - t0
-        compiled = self.metrics.compilations > before
+        compiled = self._traces[0] > before
         if compiled:
+            self.metrics.compilations += self._traces[0] - before
             self.metrics.compile_steps += 1
             self.metrics.compile_time += dt
         return nxt, dt, compiled

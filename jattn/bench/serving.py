@@ -1,0 +1,152 @@
+"""``python -m jattn bench serving``: the continuous-batching serving loop, end to end.
+
+For each model (SmolLM2-135M: the GGUF when installed, else the same shapes with random
+weights; a Llama-3-8B-shaped random model) and batch size: ``bs`` requests of
+``--prompt-len`` tokens each generate ``--gen-len`` tokens through :class:`Engine`
+(bf16, page 16, programs compiled beforehand by a warm-up). Reported:
+
+* decode tokens/s of the engine (steps that compiled excluded), overall tokens/s;
+* engine decode step time (host planning + dispatch + device + fetching the tokens);
+* device time of the same jitted decode step called back to back with no host sync in
+  between (the GPU's busy time per step: kernels plus launch gaps, an upper bound on the
+  sum of kernel times), so the difference is host overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jattn.metadata import plan_decode
+from jattn.models.config import LlamaConfig
+from jattn.models.engine import Engine, EngineConfig, SamplingParams
+from jattn.models.llama import Llama
+
+
+def _model(name: str, dtype: str):
+    if name == "smollm2":
+        from jattn.models.loading import find_smollm2_gguf, load_gguf
+
+        path = find_smollm2_gguf()
+        if path is not None:
+            model, _, _ = load_gguf(path, dtype=dtype, param_dtype=dtype)
+            return model, "SmolLM2-135M (GGUF weights)"
+        cfg = LlamaConfig.smollm2_135m(dtype=dtype, param_dtype=dtype)
+        return Llama(cfg, rngs=nnx.Rngs(0)), "SmolLM2-135M shapes, random weights"
+    if name == "llama3-8b":
+        cfg = LlamaConfig.llama3_8b(dtype=dtype, param_dtype=dtype)
+        return Llama(cfg, rngs=nnx.Rngs(0)), "Llama-3-8B shapes, random weights"
+    if name == "tiny":
+        return Llama(LlamaConfig.tiny(dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(0)), "tiny Llama"
+    raise SystemExit(f"unknown model {name!r}: smollm2, llama3-8b, tiny")
+
+
+def _device_step_ms(engine: Engine, bs: int, seq_len: int, n: int = 20) -> float:
+    """Per-step device time of the decode program of bucket ``bs``, back to back."""
+    c = engine.config
+    pages = -(-seq_len // c.page_size)
+    table = np.arange(1, 1 + bs * pages, dtype=np.int32).reshape(bs, pages) % (c.num_pages - 1) + 1
+    md = plan_decode(np.full(bs, seq_len), page_size=c.page_size, page_table=table,
+                     batch_buckets=c.batch_buckets, max_pages=engine.max_pages)
+    tokens = np.zeros(md.num_tokens, np.int32)
+    z = np.zeros(md.batch_size, np.float32)
+    zi = np.zeros(md.batch_size, np.int32)
+    md = jax.device_put(md)
+    args = (tokens, md, z, z + 1, zi, zi)
+    before = engine._traces[0]
+    out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
+    jax.block_until_ready(out)
+    dt = (time.perf_counter() - t0) / n
+    if engine._traces[0] != before:
+        print("  (note: the device-time probe compiled a program)", flush=True)
+    return 1e3 * dt
+
+
+def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backend) -> dict:
+    max_context = prompt_len + gen_len + page_size
+    pages_per = -(-max_context // page_size)
+    buckets = tuple(sorted({1, bs}))
+    ecfg = EngineConfig(page_size=page_size, num_pages=1 + bs * pages_per, max_context=max_context,
+                        max_running=bs, max_prefill_tokens=min(bs, 32) * prompt_len,
+                        batch_buckets=buckets, token_buckets=None, kernel_backend=backend)
+    engine = Engine(model, ecfg)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    t0 = time.perf_counter()
+    # warm-up: the same shapes (compiles the extend and decode programs of this batch size)
+    engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)],
+                    SamplingParams(max_new_tokens=3))
+    warm = time.perf_counter() - t0
+    compiled = engine.metrics.compilations
+    engine.metrics = type(engine.metrics)(compilations=compiled)
+    t0 = time.perf_counter()
+    reqs = engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)],
+                           SamplingParams(max_new_tokens=gen_len))
+    wall = time.perf_counter() - t0
+    m = engine.metrics
+    assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
+    dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
+    return dict(
+        batch=bs, prompt_len=prompt_len, gen_len=gen_len,
+        decode_tok_s=m.decode_tokens_per_s, overall_tok_s=m.generated_tokens / wall,
+        engine_step_ms=m.median_decode_step_ms, device_step_ms=dev_ms,
+        recompiles_in_timed_run=m.compilations - compiled, warmup_s=warm,
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jattn bench serving")
+    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--batch", default="1,32,128")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default=None, help="attention kernel backend (default auto)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"backend {args.backend or 'auto'}, dtype {args.dtype}", flush=True)
+    rows = []
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        model, desc = _model(name, args.dtype)
+        print(f"\n{desc}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        for bs in [int(b) for b in args.batch.split(",")]:
+            try:
+                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, args.backend)
+            except Exception as e:  # keep going: report what ran
+                print(f"  bs={bs}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            r["model"] = desc
+            rows.append(r)
+            print(f"  bs={bs:4d}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
+                  f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
+                  f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s", flush=True)
+        del model
+    out = args.json or (os.path.join(os.environ["OUT"], "serving.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n| model | batch | decode tok/s | overall tok/s | engine step ms | device step ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['batch']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
+              f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
