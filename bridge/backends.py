@@ -266,8 +266,14 @@ class _BridgeBase:
     def _spec(self, layer) -> LayerSpec:
         s = self._specs.get(id(layer))
         if s is None or s[0] is not layer:
-            s = self._specs[id(layer)] = (layer, layer_spec(layer))
+            spec = layer_spec(layer)
+            s = self._specs[id(layer)] = (layer, spec, dataclasses.replace(spec, layer_id=0))
         return s[1]
+
+    def _shape_spec(self, layer) -> LayerSpec:
+        """The layer's spec without its id (layers of one shape share compiled calls)."""
+        self._spec(layer)
+        return self._specs[id(layer)][2]
 
     # ---------------------------------------------------------------- the call
 
@@ -446,7 +452,7 @@ class TorchMHABackend(_BridgeBase):
         extra = (sinks_j,) if sinks_j is not None else (None,)
         if not jax_writes:
             extra = extra + (views[0].jax, views[1].jax)
-        fkey = ("mha", kind, dataclasses.replace(spec, layer_id=0), jax_writes, nparts,
+        fkey = ("mha", kind, self._shape_spec(layer), jax_writes, nparts,
                 sinks_j is not None, self.kv_cache_dtype)
         out = self._call(fkey, build, ("mha", kind, spec.layer_id), stage,
                          views if jax_writes else [], rows, hq * dv, q.dtype, md, extra)
@@ -607,7 +613,7 @@ class TorchMLABackend(_BridgeBase):
             return body
 
         extra = () if jax_writes else (view.jax,)
-        fkey = ("mla", mode, dataclasses.replace(spec, layer_id=0), jax_writes, nparts, has_rope)
+        fkey = ("mla", mode, self._shape_spec(layer), jax_writes, nparts, has_rope)
         out = self._call(fkey, build, ("mla", str(mode), spec.layer_id), stage,
                          [view] if jax_writes else [], rows, H * R, q.dtype, md, extra)
         return out[:n]

@@ -94,7 +94,7 @@ class Engine:
 def mha_setup(kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1, **cfgkw):
     cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, context_len=64,
                     num_pages=num_pages, kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
-                    spec_num_tokens=spec, **cfgkw)
+                    spec_num_tokens=spec, kernel_backend="xla", **cfgkw)
     pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
                        dtype=kv_dtype, device=DEV)
     return cfg, pool

@@ -131,6 +131,26 @@ def bench_host(sync="event"):
     t = torch.ones(8, device="cuda")
     parts["jax.dlpack.from_dlpack (reference)"] = _host_us(lambda: jax.dlpack.from_dlpack(t))
     parts["torch.from_dlpack (reference)"] = _host_us(lambda: torch.from_dlpack(out))
+    parts["forward_decode, save_kv_cache=False (no KV donation)"] = _host_us(
+        lambda: be.forward_decode(q, None, None, layer, None, pool, 1))
+    for mode in ("none", "host"):
+        be.sync.mode = mode
+        parts[f"forward_decode with sync={mode}"] = _host_us(call)
+    be.sync.mode = sync
+    # the bare jitted call on cached arguments
+    fkey, fn = next(iter(be._fns.items()))
+    stage = next(iter(be._stage.values()))[1]
+    views = [v for v in be._views.values()]
+    ov = next(iter(be._outs.values()))
+    md = be.forward_metadata
+    fence = be.sync._fence_j
+
+    def bare():
+        out, kvs = fn(stage, [v.jax for v in views], ov.jax, md, (None,), fence)
+        ov.jax = out
+        for v, a in zip(views, kvs):
+            v.jax = a
+    parts["bare jitted call (donating, cached args)"] = _host_us(bare)
     torch.cuda.synchronize()
     return t_call, parts
 
