@@ -289,13 +289,14 @@ class _BridgeBase:
             nkv = len(kv_views)
             if self.alias_out:
                 def wrapped(stage, kvs, out_buf, md, extra, fence):
-                    del out_buf, fence
-                    return body(stage, kvs, md, *extra)
+                    del out_buf
+                    o, kv = body(stage, kvs, md, *extra)
+                    return o, kv, fence[0] + 1  # a never-donated token to fence on
                 donate = (1, 2) if writes else (2,)
             else:
                 def wrapped(stage, kvs, md, extra, fence):
-                    del fence
-                    return body(stage, kvs, md, *extra)
+                    o, kv = body(stage, kvs, md, *extra)
+                    return o, kv, fence[0] + 1
                 donate = (1,) if writes else ()
             fn = self._fns[fkey] = jax.jit(wrapped, donate_argnums=donate, keep_unused=True)
             del nkv
@@ -303,7 +304,7 @@ class _BridgeBase:
         fence = self.sync.before_jax()
         if self.alias_out:
             ov = self._out(layer_key, out_rows, out_width, out_dtype)
-            out, new_kvs = fn(stage, kvs, ov.jax, md, tuple(extra), fence)
+            out, new_kvs, done = fn(stage, kvs, ov.jax, md, tuple(extra), fence)
             ov.jax = out
             if not ov.verified:
                 if out.unsafe_buffer_pointer() != ov.torch.data_ptr():
@@ -314,17 +315,19 @@ class _BridgeBase:
                     self._outs.clear()
                     for v, a in zip(kv_views, new_kvs):
                         v.jax = a
-                    self.sync.after_jax(out)
+                    self.sync.after_jax(done)
                     return torch.from_dlpack(out)
                 ov.verified = True
         else:
-            out, new_kvs = fn(stage, kvs, md, tuple(extra), fence)
+            out, new_kvs, done = fn(stage, kvs, md, tuple(extra), fence)
         for v, a in zip(kv_views, new_kvs):
             v.jax = a
             if not v.verified:
                 self._check_alias(a, v.torch, "KV pool buffer")
                 v.verified = True
-        self.sync.after_jax(out)
+        # Fence on the token, not on ``out``: an exported-then-donated buffer makes
+        # XLA block the host at the next donation (measured on the H200: +250 us/call).
+        self.sync.after_jax(done)
         if self.alias_out:
             return ov.torch
         return torch.from_dlpack(out)

@@ -91,8 +91,9 @@ class Engine:
         return [self.pages[r][t // self.page_size] * self.page_size + t % self.page_size for t in range(start, start + n)]
 
 
-def mha_setup(kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1, **cfgkw):
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, context_len=64,
+def mha_setup(kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1,
+              context_len=64, **cfgkw):
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, context_len=context_len,
                     num_pages=num_pages, kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
                     spec_num_tokens=spec, kernel_backend="xla", **cfgkw)
     pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
@@ -467,7 +468,7 @@ def test_gpu_no_memory_growth():
 def test_gpu_stream_order_torch_write_then_jattn_read():
     """Large torch write into the pool immediately followed by a jattn read (no sync)."""
     big = 1 << 15
-    cfg, pool = mha_setup(num_pages=big, page_size=16, d=128, hq=8, hkv=8, layers=1)
+    cfg, pool = mha_setup(num_pages=big, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
     be = TorchMHABackend(cfg)
     layer = AttentionLayer(0, 8, 8, 128)
     r2p = torch.arange(1, 257, dtype=torch.int32).view(1, 256)
@@ -483,7 +484,7 @@ def test_gpu_stream_order_torch_write_then_jattn_read():
 @pytest.mark.gpu
 def test_gpu_stream_order_jattn_write_then_torch_read():
     """A jattn in-place write immediately followed by a torch read of the pool (no sync)."""
-    cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1)
+    cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
     be = TorchMHABackend(cfg)
     layer = AttentionLayer(0, 8, 8, 128)
     n = 32

@@ -146,7 +146,7 @@ def bench_host(sync="event"):
     fence = be.sync._fence_j
 
     def bare():
-        out, kvs = fn(stage, [v.jax for v in views], ov.jax, md, (None,), fence)
+        out, kvs, _ = fn(stage, [v.jax for v in views], ov.jax, md, (None,), fence)
         ov.jax = out
         for v, a in zip(views, kvs):
             v.jax = a
