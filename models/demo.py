@@ -13,7 +13,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from jattn.models.engine import Engine, EngineConfig, SamplingParams
 
