@@ -75,7 +75,6 @@ def load_model(args):
         if path is None and args.model == "smollm2":
             raise SystemExit(f"SmolLM2-135M is not installed: {INSTALL_HINT}")
     if path is not None:
-
         from jattn.models.tokenizer import GGUFTokenizer
 
         t0 = time.perf_counter()
