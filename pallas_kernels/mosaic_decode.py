@@ -21,6 +21,17 @@ Layout of the work (see docs/PERF.md for the measured figures):
 
 The entry point is :func:`mha_decode`; :func:`unsupported_reason` says whether a
 call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
+
+Fast-path limits (checked by :func:`unsupported_reason`; other calls go to the xla
+backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16,
+num_kv_heads a multiple of 8, q_len 1..8, bf16/f16 q with KV of the same dtype.
+Not yet: FP8 KV (needs an in-SMEM upcast before the bf16 wgmma).
+
+Under the Mosaic GPU interpreter (CPU tests) the two matmuls are plain dots on
+the shared-memory tiles (the interpreter's wgmma takes neither a transposed B
+nor A in registers) and TMA reads are clamped into bounds; everything else
+(page addressing, the TMA ring and barriers, masks, softmax, combine) is the
+kernel that runs on the GPU.
 """
 
 from __future__ import annotations
@@ -181,6 +192,11 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
   group = num_q_heads // num_kv_heads
   if group > MAX_GROUP:
     return f"GQA group size {group} > {MAX_GROUP}"
+  if num_kv_heads % 8:
+    # Seen on jax 0.11.2 (H200): the TMA source row of a page's tail box must be
+    # provably a multiple of the 8-row smem tiling; rows are token * num_kv_heads.
+    return (f"num_kv_heads={num_kv_heads} not a multiple of 8 (page boxes are "
+            "token * num_kv_heads rows and must start on 8-row tiles)")
   if _block_shape(num_kv_heads, head_dim, page_size) is None:
     return (f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
             "multiple of 64 rows and at most 256 rows")

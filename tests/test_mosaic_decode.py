@@ -27,7 +27,7 @@ FP8 = jnp.float8_e4m3fn
 class Case:
   lens: tuple[int, ...]
   hq: int = 8
-  hkv: int = 2
+  hkv: int = 8
   d: int = 64
   page_size: int = 16
   q_len: int = 1
@@ -111,18 +111,17 @@ def _check(c: Case, *, interpret: bool, seed: int | None = None):
 # Small shapes for the interpreter (each case is a few seconds on a 2-core CPU).
 CPU_CASES = {
     "lens_0_1_97": Case(lens=(0, 1, 97)),
-    "mha_group1_page32": Case(lens=(45, 70), hq=2, hkv=2, page_size=32),
-    "group4_d128": Case(lens=(33,), hq=8, hkv=2, d=128),
-    "group8": Case(lens=(50, 17), hq=8, hkv=1),
-    "group16_q2": Case(lens=(21,), hq=16, hkv=1, q_len=2),
+    "mha_group1_page32": Case(lens=(45, 70), hq=8, page_size=32),
+    "group2_d128": Case(lens=(33,), hq=16, d=128),
+    "group4_page64": Case(lens=(50, 17), hq=32, page_size=64),
+    "group16": Case(lens=(21,), hq=128),
     "qlen4_causal": Case(lens=(40, 5), q_len=4),
     "qlen4_noncausal": Case(lens=(40, 9), q_len=4, causal=False),
     "window": Case(lens=(90, 20), window_left=24),
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
-    "page64": Case(lens=(100,), page_size=64),
-    "page128_qlen8_two_tiles": Case(lens=(130,), hq=16, hkv=2, page_size=128, q_len=8),
+    "page128_qlen8_two_tiles": Case(lens=(130,), hq=16, page_size=128, q_len=8),
 }
 
 
@@ -149,22 +148,26 @@ def test_interpreted_deterministic():
 
 
 def test_errors_name_the_limit():
-  q = jnp.zeros((2, 8, 64), jnp.bfloat16)
-  k = jnp.zeros((4, 8, 2, 64), jnp.bfloat16)
+  q = jnp.zeros((2, 16, 64), jnp.bfloat16)
+  k = jnp.zeros((4, 8, 8, 64), jnp.bfloat16)
   assert "page_size=8" in md.unsupported_reason(q, k, k, max_seqlen_q=1)
-  k = jnp.zeros((4, 16, 2, 96), jnp.bfloat16)
-  q96 = jnp.zeros((2, 8, 96), jnp.bfloat16)
+  k = jnp.zeros((4, 16, 8, 96), jnp.bfloat16)
+  q96 = jnp.zeros((2, 16, 96), jnp.bfloat16)
   assert "head_dim=96" in md.unsupported_reason(q96, k, k, max_seqlen_q=1)
-  k = jnp.zeros((4, 16, 1, 64), jnp.bfloat16)
-  q32 = jnp.zeros((2, 32, 64), jnp.bfloat16)
-  assert "group size 32" in md.unsupported_reason(q32, k, k, max_seqlen_q=1)
-  k = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
-  assert "max_seqlen_q=9" in md.unsupported_reason(jnp.zeros((9, 8, 64), jnp.bfloat16), k, k,
+  k = jnp.zeros((4, 16, 8, 64), jnp.bfloat16)
+  q256 = jnp.zeros((2, 256, 64), jnp.bfloat16)
+  assert "group size 32" in md.unsupported_reason(q256, k, k, max_seqlen_q=1)
+  k2 = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+  assert "num_kv_heads=2" in md.unsupported_reason(q, k2, k2, max_seqlen_q=1)
+  assert "float8_e4m3fn" in md.unsupported_reason(
+      jnp.zeros((2, 16, 64), jnp.bfloat16), k.astype(FP8), k.astype(FP8), max_seqlen_q=1)
+  q = jnp.zeros((2, 16, 64), jnp.bfloat16)
+  assert "max_seqlen_q=9" in md.unsupported_reason(jnp.zeros((9, 16, 64), jnp.bfloat16), k, k,
                                                    max_seqlen_q=9)
-  assert "float32" in md.unsupported_reason(jnp.zeros((2, 8, 64), jnp.float32), k, k,
+  assert "float32" in md.unsupported_reason(jnp.zeros((2, 16, 64), jnp.float32), k, k,
                                             max_seqlen_q=1)
   with pytest.raises(NotImplementedError, match="page_size=8"):
-    md.mha_decode(q, jnp.zeros((4, 8, 2, 64), jnp.bfloat16), jnp.zeros((4, 8, 2, 64), jnp.bfloat16),
+    md.mha_decode(q, jnp.zeros((4, 8, 8, 64), jnp.bfloat16), jnp.zeros((4, 8, 8, 64), jnp.bfloat16),
                   jnp.zeros((2, 1), jnp.int32), jnp.zeros((2,), jnp.int32))
 
 
@@ -176,8 +179,9 @@ GPU_CASES = {
     "page32": Case(lens=(1000, 64), hq=32, hkv=8, d=128, page_size=32),
     "page128": Case(lens=(1000, 129), hq=32, hkv=8, d=128, page_size=128),
     "d64_group1": Case(lens=(513, 97), hq=16, hkv=16, d=64),
-    "d256_group2": Case(lens=(300, 97), hq=8, hkv=4, d=256),
-    "group16": Case(lens=(300, 97), hq=32, hkv=2, d=128),
+    "d256_group2": Case(lens=(300, 97), hq=16, hkv=8, d=256),
+    "group16": Case(lens=(300, 97), hq=128, hkv=8, d=128),
+    "group8_page16": Case(lens=(1500, 97), hq=64, hkv=8, d=128),
     "qlen4_verify": Case(lens=(1000, 37), hq=32, hkv=8, d=128, q_len=4),
     "qlen8_noncausal": Case(lens=(600, 9), hq=32, hkv=8, d=128, q_len=8, causal=False),
     "window_cap_sinks": Case(lens=(2000, 50), hq=32, hkv=8, d=128, window_left=127,
