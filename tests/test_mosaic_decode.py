@@ -110,8 +110,8 @@ def _check(c: Case, *, interpret: bool, seed: int | None = None):
 
 # Small shapes for the interpreter (each case is a few seconds on a 2-core CPU).
 CPU_CASES = {
-    "lens_0_1_97": Case(lens=(0, 1, 97)),
-    "mha_group1_page32": Case(lens=(45, 70), hq=8, page_size=32),
+    "lens_0_1_97": Case(lens=(0, 1, 97), page_size=32),
+    "mha_group1_page32": Case(lens=(45, 20), hq=8, page_size=32),
     "group2_d128": Case(lens=(33,), hq=16, d=128),
     "group4_page64": Case(lens=(50, 17), hq=32, page_size=64),
     "group16": Case(lens=(21,), hq=128),
@@ -121,7 +121,7 @@ CPU_CASES = {
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
-    "page128_qlen8_two_tiles": Case(lens=(130,), hq=16, page_size=128, q_len=8),
+    "page128_qlen8_two_tiles": Case(lens=(40,), hq=16, page_size=128, q_len=8),
 }
 
 
@@ -141,7 +141,7 @@ def test_interpreted(name):
 def test_interpreted_deterministic():
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")
-  c = Case(lens=(70, 3), q_len=2)
+  c = Case(lens=(20, 3), q_len=2)
   a = _check(c, interpret=True)
   b = _check(c, interpret=True)
   np.testing.assert_array_equal(a, b)
