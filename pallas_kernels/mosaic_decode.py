@@ -25,7 +25,9 @@ call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
 Fast-path limits (checked by :func:`unsupported_reason`; other calls go to the xla
 backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16,
 num_kv_heads a multiple of 8, q_len 1..8, bf16/f16 q with KV of the same dtype.
-Not yet: FP8 KV (needs an in-SMEM upcast before the bf16 wgmma).
+FP8 e4m3 KV: the ring holds FP8 tiles (half the bytes); the compute warpgroup
+upcasts each K and V tile through registers into an f16 tile for the wgmma (q is
+cast to f16 for these calls; the output is returned in q's dtype).
 
 Under the Mosaic GPU interpreter (CPU tests) the two matmuls are plain dots on
 the shared-memory tiles (the interpreter's wgmma takes neither a transposed B
@@ -133,6 +135,8 @@ def _block_shape(num_kv_heads, head_dim, page_size, target_n=None):
 
 def _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
   ring = 2 * stages * block_n * head_dim * kv_itemsize
+  if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
+    ring += 2 * block_n * head_dim * q_itemsize
   q = compute_wgs * 64 * head_dim * q_itemsize
   return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
 
@@ -209,9 +213,7 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
   kv_dt = jnp.dtype(k_cache.dtype)
   if kv_dt != jnp.dtype(v_cache.dtype):
     return f"k_cache dtype {kv_dt.name} != v_cache dtype {jnp.dtype(v_cache.dtype).name}"
-  if kv_dt == jnp.dtype(jnp.float8_e4m3fn):
-    return "float8_e4m3fn KV is not yet served by the mosaic decode kernel"
-  if kv_dt != jnp.dtype(q.dtype):
+  if kv_dt != jnp.dtype(q.dtype) and kv_dt != jnp.dtype(jnp.float8_e4m3fn):
     return f"KV dtype {kv_dt.name} must match q dtype {jnp.dtype(q.dtype).name} (or be float8_e4m3fn)"
   if window_left is not None and window_left < -1:
     return f"window_left={window_left} must be -1 (off) or >= 0"
@@ -273,7 +275,9 @@ def _decode_kernel(cfg: _Cfg, dtype,
                    k_smem,          # [S, block_n, D]
                    v_smem,          # [S, block_n, D]
                    lse_smem,        # f32[C, 64]
-                   k_bar, v_bar, q_bar, k_free, v_free):
+                   k_bar, v_bar, q_bar, k_free, v_free,
+                   kc_smem=None,    # [block_n, D] f16: FP8 K upcast (C == 1 only)
+                   vc_smem=None):   # [block_n, D] f16: FP8 V upcast
   bs = cfg.bs
   C, S = bs.compute_wgs, bs.num_stages
   BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
@@ -397,15 +401,21 @@ def _decode_kernel(cfg: _Cfg, dtype,
       slot = lax.rem(i, jnp.int32(S))
       blk = start + i
       plgpu.barrier_wait(k_bar.at[slot])
+      k_tile = k_smem.at[slot]
+      if kc_smem is not None:
+        # FP8 K: upcast through registers into a q-dtype tile for the wgmma.
+        kc_smem[...] = k_smem[slot].astype(dtype)
+        plgpu.commit_smem()
+        k_tile = kc_smem
 
       if cfg.interpret:
         # The interpreter's wgmma takes neither transposed B nor A in registers:
         # same product, computed from the shared-memory tiles with a plain dot.
-        s = lax.dot_general(qo_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+        s = lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
       else:
         def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
           return acc_ref[...]
         s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
@@ -437,18 +447,25 @@ def _decode_kernel(cfg: _Cfg, dtype,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(dtype)
       plgpu.barrier_wait(v_bar.at[slot])
+      v_tile = v_smem.at[slot]
+      if vc_smem is not None:
+        vc_smem[...] = v_smem[slot].astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(v_free.at[slot])
+        v_tile = vc_smem
 
       if cfg.interpret:
         # Here the last block may hold the page's unused tail (no TMA zero fill
         # when clamped at the page start): zero those rows as TMA would have.
         _, _, vvalid = col_tokens(blk, lax.broadcasted_iota(jnp.int32, (N, D), 0))
-        vblk = jnp.where(vvalid, v_smem[slot], jnp.zeros((N, D), v_smem.dtype))
+        vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
         acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
       else:
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p16, v_tile)
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
+      if vc_smem is None:
+        plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
 
     acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
@@ -481,20 +498,26 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
       jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
   )
   tr = _swizzle_transforms(dtype, D)
+  kv_tr = _swizzle_transforms(k2.dtype, D)
+  fp8 = jnp.dtype(k2.dtype).itemsize == 1
+  if fp8 and C != 1:
+    raise NotImplementedError("FP8 KV uses one compute warpgroup")
+  extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
 
   def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     pl.run_scoped(
         lambda *scratch: _decode_kernel(cfg, dtype, pt_ref, lens_ref, scale_ref, q_ref,
                                         k_ref, v_ref, o_ref, lse_ref, *scratch),
         plgpu.SMEM((C, 64, D), dtype, transforms=tr),
-        plgpu.SMEM((S, N, D), k2.dtype, transforms=tr),
-        plgpu.SMEM((S, N, D), v2.dtype, transforms=tr),
+        plgpu.SMEM((S, N, D), k2.dtype, transforms=kv_tr),
+        plgpu.SMEM((S, N, D), v2.dtype, transforms=kv_tr),
         plgpu.SMEM((C, 64), jnp.float32),
         plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
         plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
         plgpu.Barrier(num_barriers=C),
         plgpu.Barrier(num_arrivals=C, num_barriers=S),
         plgpu.Barrier(num_arrivals=C, num_barriers=S),
+        *extra,
         collective_axes="wg",
     )
 
@@ -596,12 +619,15 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
 
   sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
   scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
-  q3 = q.reshape(batch, m_rows, head_dim)
+  # FP8 KV computes in f16: e4m3 -> f16 is exact and the one upcast the hardware
+  # has (e4m3 -> bf16 goes through f32); bf16 q -> f16 keeps 10 mantissa bits.
+  cdtype = jnp.float16 if jnp.dtype(k_cache.dtype).itemsize == 1 else dtype
+  q3 = q.reshape(batch, m_rows, head_dim).astype(cdtype)
   if m_pad_q != m_rows:
     q3 = jnp.pad(q3, ((0, 0), (0, m_pad_q - m_rows), (0, 0)))
   k2 = k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
   v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
-  o_part, lse_part = _run_kernel(cfg, dtype, page_table.astype(jnp.int32),
+  o_part, lse_part = _run_kernel(cfg, cdtype, page_table.astype(jnp.int32),
                                  cache_seqlens.astype(jnp.int32), scale, q3, k2, v2)
   out, lse = _combine(o_part, lse_part, cfg=cfg, sinks=sinks,
                       v_scale=jnp.asarray(v_scale, jnp.float32), out_dtype=dtype)

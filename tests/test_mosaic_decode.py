@@ -121,6 +121,8 @@ CPU_CASES = {
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
+    "fp8_kv_scales": Case(lens=(37, 16), kv="fp8"),
+    "fp8_kv_qlen2_fp16": Case(lens=(29,), kv="fp8", q_len=2, dtype="float16"),
     "page128_qlen8_two_tiles": Case(lens=(40,), hq=16, page_size=128, q_len=8),
 }
 
@@ -159,8 +161,9 @@ def test_errors_name_the_limit():
   assert "group size 32" in md.unsupported_reason(q256, k, k, max_seqlen_q=1)
   k2 = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
   assert "num_kv_heads=2" in md.unsupported_reason(q, k2, k2, max_seqlen_q=1)
-  assert "float8_e4m3fn" in md.unsupported_reason(
-      jnp.zeros((2, 16, 64), jnp.bfloat16), k.astype(FP8), k.astype(FP8), max_seqlen_q=1)
+  assert "float16" in md.unsupported_reason(
+      jnp.zeros((2, 16, 64), jnp.bfloat16), k.astype(jnp.float16), k.astype(jnp.float16),
+      max_seqlen_q=1)
   q = jnp.zeros((2, 16, 64), jnp.bfloat16)
   assert "max_seqlen_q=9" in md.unsupported_reason(jnp.zeros((9, 16, 64), jnp.bfloat16), k, k,
                                                    max_seqlen_q=9)
@@ -188,6 +191,8 @@ GPU_CASES = {
                              logit_cap=30.0, sinks=True),
     "fp16": Case(lens=(900, 1), hq=32, hkv=8, d=128, dtype="float16"),
     "fp8": Case(lens=(900, 31), hq=32, hkv=8, d=128, kv="fp8"),
+    "fp8_qlen4_page64": Case(lens=(700, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4,
+                             page_size=64),
 }
 
 

@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
   ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
   ap.add_argument("--check", action="store_true", help="max |err| vs the f32 reference per row")
-  ap.add_argument("--n-hi", type=int, default=12)
+  ap.add_argument("--n-hi", type=int, default=12,
+                  help="calls per jit (x4 for rows under 512 MB, whose calls are short)")
+  ap.add_argument("--splits-sweep", default="",
+                  help="e.g. 16,33,66,132: also time these split counts for batch <= 16 rows")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
   from jattn.pallas_kernels import mosaic_decode as md
@@ -90,12 +93,14 @@ def main(argv: list[str] | None = None) -> None:
   rng = np.random.default_rng(0)
   header = ["page", "batch x len", "q_len", "kv", "splits", "jattn us", "TB/s", "% copy",
             "JAX paged_attention TB/s"] + (["max err"] if args.check else [])
-  rows = []
+  rows, sweep = [], []
   for ps, bs, L, q_len, kv_dtype in rows_spec:
     kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
     label = [ps, f"{bs}x{L}", q_len, kvname]
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    n_hi = args.n_hi if 2 * bs * L * HKV * D * itemsize >= (512 << 20) else 4 * args.n_hi
     try:
-      qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, args.n_hi)
+      qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, n_hi)
     except Exception as e:  # noqa: BLE001
       rows.append(label + ["-", f"setup failed: {type(e).__name__}"] + [""] * (len(header) - 6))
       continue
@@ -109,11 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     def step(i, qs, k, v, tables, lens):
       return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens,
                            max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+    bsz = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
+                                max_pages=tables.shape[-1], m_rows=q_len * HQ,
+                                kv_itemsize=jnp.dtype(kv_dtype).itemsize)
     try:
-      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=args.n_hi)
-      bsz = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
-                                  max_pages=tables.shape[-1], m_rows=q_len * HQ,
-                                  kv_itemsize=jnp.dtype(kv_dtype).itemsize)
+      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi)
       tbs = kv_bytes / t.seconds / 1e12
       cells = [bsz.num_splits, f"{t.seconds * 1e6:.1f}", f"{tbs:.2f}",
                f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%"]
@@ -124,11 +129,24 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_peer and q_len == 1 and kvname == "bf16":
       try:
         pstep, pargs = _jax_paged_attention(qs, k, v, tables, lens, ps)
-        pt = common.time_rotated(pstep, pargs, n_hi=args.n_hi)
+        pt = common.time_rotated(pstep, pargs, n_hi=n_hi)
         peer = f"{kv_bytes / pt.seconds / 1e12:.2f}"
         del pargs
       except Exception as e:  # noqa: BLE001
         peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
+    if args.splits_sweep and bs <= 16 and q_len == 1 and kvname == "bf16":
+      import dataclasses
+      for sp in [int(x) for x in args.splits_sweep.split(",")]:
+        bsz_sp = dataclasses.replace(bsz, num_splits=sp)
+
+        def step_sp(i, qs, k, v, tables, lens, bsz_sp=bsz_sp):
+          return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp)
+        try:
+          ts = common.time_rotated(step_sp, (qs, k, v, tables, lens), n_hi=n_hi)
+          sweep.append(f"page {ps} {bs}x{L} splits {sp}: {ts.seconds * 1e6:.1f} us "
+                       f"{kv_bytes / ts.seconds / 1e12:.2f} TB/s")
+        except Exception as e:  # noqa: BLE001
+          sweep.append(f"page {ps} {bs}x{L} splits {sp}: failed {type(e).__name__}")
     row = label + cells + [peer]
     if args.check:
       from jattn import reference
@@ -143,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
   print()
   print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
         f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
+  if sweep:
+    print("split-count sweep (batch <= 16):")
+    print("\n".join(sweep))
   print(common.fmt_table(header, rows))
 
 
