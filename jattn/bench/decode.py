@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--n-hi", type=int, default=12,
                   help="calls per jit (x4 for rows under 512 MB, whose calls are short)")
   ap.add_argument("--splits-sweep", default="",
-                  help="e.g. 16,33,66,132: also time these split counts for batch <= 16 rows")
+                  help="e.g. 16,33,66,132: also time these split counts for batch-1 rows")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
   from jattn.pallas_kernels import mosaic_decode as md
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         del pargs
       except Exception as e:  # noqa: BLE001
         peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
-    if args.splits_sweep and bs <= 16 and q_len == 1 and kvname == "bf16":
+    if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
       import dataclasses
       for sp in [int(x) for x in args.splits_sweep.split(",")]:
         bsz_sp = dataclasses.replace(bsz, num_splits=sp)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
         f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
   if sweep:
-    print("split-count sweep (batch <= 16):")
+    print("split-count sweep (batch 1):")
     print("\n".join(sweep))
   print(common.fmt_table(header, rows))
 
