@@ -133,13 +133,31 @@ def _ragged_slot(cu_seqlens_kv):
     return slot
 
 
-def _ragged_to_padded(cu_seqlens_q, max_seqlen_q: int):
-    """Index of token (b, i) in the ragged array, and its validity."""
-    bs = cu_seqlens_q.shape[0] - 1
+def _pad_queries(q, cu_seqlens_q, max_seqlen_q: int, kv_len):
+    """Ragged q [T, H, D] -> per-request blocks [bs, max_q, H, D] (padding rows zero),
+    and each query's absolute position ``L - n + i``."""
     i = jnp.arange(max_seqlen_q, dtype=jnp.int32)[None, :]
     n = (cu_seqlens_q[1:] - cu_seqlens_q[:-1])[:, None]
     tok = cu_seqlens_q[:-1, None] + i
-    return tok, i < n, n.reshape(bs)
+    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
+    qb = jnp.where((i < n)[:, :, None, None], qb, 0)
+    return qb, kv_len[:, None] - n + i
+
+
+def _attend_paged(qb, k_cache, v_cache, page_table, kv_len, q_pos, **opts):
+    num_pages, page_size, hkv, d = k_cache.shape
+    dv = v_cache.shape[-1]
+    return _attend(
+        qb,
+        k_cache.reshape(num_pages * page_size, hkv, d),
+        v_cache.reshape(num_pages * page_size, hkv, dv),
+        _paged_slot(page_table, page_size),
+        kv_len,
+        q_pos,
+        max_keys=page_table.shape[1] * page_size,
+        dim_v=dv,
+        **opts,
+    )
 
 
 def _padded_to_ragged(o_pad, lse_pad, cu_seqlens_q, num_tokens: int):
@@ -181,21 +199,18 @@ def mha_decode(
 ):
     """Paged decode, ``max_seqlen_q`` query tokens per request (request-major)."""
     bs = page_table.shape[0]
-    num_pages, page_size, hkv, d = k_cache.shape
-    hq = q.shape[1]
+    hq, d = q.shape[1:]
     scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
     qb = q.reshape(bs, max_seqlen_q, hq, d)
     kv_len = cache_seqlens.astype(jnp.int32)
     q_pos = kv_len[:, None] - max_seqlen_q + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
-    o, lse = _attend(
+    o, lse = _attend_paged(
         qb,
-        k_cache.reshape(num_pages * page_size, hkv, d),
-        v_cache.reshape(num_pages * page_size, hkv, v_cache.shape[-1]),
-        _paged_slot(page_table, page_size),
+        k_cache,
+        v_cache,
+        page_table,
         kv_len,
         q_pos,
-        max_keys=page_table.shape[1] * page_size,
-        dim_v=v_cache.shape[-1],
         is_causal=is_causal,
         window_left=window_left,
         logit_cap=logit_cap,
@@ -228,22 +243,17 @@ def mha_extend(
     return_lse: bool = False,
 ):
     """New tokens attend to the paged prefix and (causally) to themselves."""
-    num_pages, page_size, hkv, d = k_cache.shape
+    d = q.shape[-1]
     scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
-    tok, valid, n = _ragged_to_padded(cu_seqlens_q, max_seqlen_q)
-    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
-    qb = jnp.where(valid[:, :, None, None], qb, 0)
     kv_len = cache_seqlens.astype(jnp.int32)
-    q_pos = kv_len[:, None] - n[:, None] + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
-    o, lse = _attend(
+    qb, q_pos = _pad_queries(q, cu_seqlens_q, max_seqlen_q, kv_len)
+    o, lse = _attend_paged(
         qb,
-        k_cache.reshape(num_pages * page_size, hkv, d),
-        v_cache.reshape(num_pages * page_size, hkv, v_cache.shape[-1]),
-        _paged_slot(page_table, page_size),
+        k_cache,
+        v_cache,
+        page_table,
         kv_len,
         q_pos,
-        max_keys=page_table.shape[1] * page_size,
-        dim_v=v_cache.shape[-1],
         is_causal=is_causal,
         window_left=window_left,
         logit_cap=logit_cap,
@@ -281,11 +291,8 @@ def mha_prefill(
         max_seqlen_kv = max_seqlen_q
     d = q.shape[-1]
     scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
-    tok, valid, n = _ragged_to_padded(cu_seqlens_q, max_seqlen_q)
-    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
-    qb = jnp.where(valid[:, :, None, None], qb, 0)
     kv_len = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).astype(jnp.int32)
-    q_pos = kv_len[:, None] - n[:, None] + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
+    qb, q_pos = _pad_queries(q, cu_seqlens_q, max_seqlen_q, kv_len)
     o, lse = _attend(
         qb,
         k,
