@@ -68,16 +68,18 @@ class StreamSync:
                 raise ImportError
             fence = self._fence_t
             dl_type = int(fence.__dlpack_device__()[0])
-            if jaxlib_extension_version >= 467:
-                def imp():
-                    return _jax.dlpack_managed_tensor_to_buffer(
-                        fence.__dlpack__(stream=stream), dev, stream, False, dl_type
-                    )
-            else:
-                def imp():
-                    return _jax.dlpack_managed_tensor_to_buffer(
-                        fence.__dlpack__(stream=stream), dev, stream, False
-                    )
+            # torch's __dlpack__(stream=s) makes s wait for torch's current stream by
+            # building an ExternalStream and an Event in Python on every call; do the
+            # same two CUDA calls (record on the current stream, wait on s) with a
+            # cached Event and ExternalStream, then export with stream=-1 (no sync).
+            ev = torch.cuda.Event()
+            ext = torch.cuda.ExternalStream(stream, device=self.device)
+            tail = (dl_type,) if jaxlib_extension_version >= 467 else ()
+
+            def imp():
+                ev.record()  # torch's current stream
+                ext.wait_event(ev)
+                return _jax.dlpack_managed_tensor_to_buffer(fence.__dlpack__(stream=-1), dev, stream, False, *tail)
             imp()  # probe once; fall back to the public API on any failure
             return imp
         except Exception:  # noqa: BLE001
@@ -85,7 +87,11 @@ class StreamSync:
             return lambda: jax.dlpack.from_dlpack(fence, copy=False)
 
     def before_jax(self) -> jax.Array:
-        """Call right before dispatching the jitted call; pass the result to it."""
+        """Call right before dispatching the jitted call; pass the result to it.
+
+        Per call, not per step: every layer's inputs are made by torch work enqueued
+        after the previous layer's call (projections, the staging copy), so a fence
+        taken once per step would let JAX read stale staging."""
         if self.platform != "gpu" or self.mode == "none":
             return self._fence_j
         if self.mode == "host":

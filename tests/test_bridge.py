@@ -526,3 +526,46 @@ def test_example_runs():
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"
     mod = runpy.run_path(str(path))
     assert mod["main"]() == 0
+
+
+def test_fast_path_plans_match_slow_path_and_follow_pool_moves():
+    """The per-(layer, pool, signature, plan) closures give the slow path's results, write
+    the pool the same way, are reused across steps of one bucket, and a moved pool buffer
+    sends the call back to the slow path (re-import), never to stale memory."""
+    rng = np.random.default_rng(7)
+    hq, hkv, d = 4, 2, 32
+    cfg, pool_a = mha_setup()
+    _, pool_b = mha_setup()
+    be_a, be_b = TorchMHABackend(cfg), TorchMHABackend(cfg)
+    be_b.fast_path = False
+    layers = [AttentionLayer(i, hq, hkv, d) for i in range(2)]
+    eng = Engine(2, 16, 4, rng, cfg.num_pages)
+    for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
+        for be in (be_a, be_b):
+            be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page,
+                                     ForwardMode.DECODE)
+        for layer in layers:
+            q, k, v = rand(2, hq * d), rand(2, hkv * d), rand(2, hkv * d)
+            loc = torch.tensor([eng.slots(0, lens[0] - 1, 1)[0], eng.slots(1, lens[1] - 1, 1)[0]], device=DEV)
+            oa = be_a.forward_decode(q, k, v, layer, loc, pool_a, 2, save_kv_cache=True)
+            ob = be_b.forward_decode(q, k, v, layer, loc, pool_b, 2, save_kv_cache=True)
+            torch.testing.assert_close(oa, ob, atol=0, rtol=0)
+            oa = be_a.forward_decode(q, None, None, layer, None, pool_a, 2)  # read-only signature
+            ob = be_b.forward_decode(q, None, None, layer, None, pool_b, 2)
+            torch.testing.assert_close(oa, ob, atol=0, rtol=0)
+        if step == 0:
+            plans = dict(be_a._plans)
+    assert len(plans) == 4 and be_a._plans == plans  # built once, reused by later steps
+    assert not be_b._plans
+    for i in range(2):
+        assert torch.equal(pool_a.get_key_buffer(i), pool_b.get_key_buffer(i))
+        assert torch.equal(pool_a.get_value_buffer(i), pool_b.get_value_buffer(i))
+    # the engine replaces layer 0's value buffer (e.g. a pool resize): the plan must notice
+    for pool in (pool_a, pool_b):
+        pool.v_buffer[0] = pool.v_buffer[0].clone() * 2
+    q = rand(2, hq * d)
+    oa = be_a.forward_decode(q, None, None, layers[0], None, pool_a, 2)
+    ob = be_b.forward_decode(q, None, None, layers[0], None, pool_b, 2)
+    torch.testing.assert_close(oa, ob, atol=0, rtol=0)
+    key = next(k_ for k_, v_ in be_a._views.items() if k_[1:] == (0, "v"))
+    assert be_a._views[key].torch.data_ptr() == pool_a.get_value_buffer(0).data_ptr()

@@ -1,4 +1,4 @@
-"""``python -m jattn bench bridge``: the torch bridge's overhead (GPU).
+"""``python -m jattn bench bridge``: the torch bridge's overhead (GPU; ``--device cpu``: host time only).
 
 1. Decode throughput at batch 64, length 4096, Llama-3-8B attention shape (GQA
    32/8, head_dim 128, page 16, bf16), called from torch through
@@ -32,32 +32,39 @@ def _host_us(fn, n=300, warm=20):
     return statistics.median(ts) * 1e6
 
 
-def _setup(bs, seqlen, layers, sync, kv_writer="auto"):
+def _setup(bs, seqlen, layers, sync, kv_writer="auto", device="cuda", heads=(32, 8, 128), **bekw):
     import torch
 
     from jattn import ForwardMode, MHAConfig
     from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
 
-    hq, hkv, d, ps = 32, 8, 128, 16
+    (hq, hkv, d), ps = heads, 16
     pages_per = seqlen // ps
     num_pages = bs * pages_per + 1
     cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=seqlen,
                     num_pages=num_pages)
     pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
-                       device="cuda")
+                       device=device)
     for i in range(layers):
         pool.get_key_buffer(i).normal_()
         pool.get_value_buffer(i).normal_()
-    be = TorchMHABackend(cfg, sync=sync, kv_writer=kv_writer)
+    be = TorchMHABackend(cfg, sync=sync, kv_writer=kv_writer, **bekw)
     be.init_cuda_graph_state(max(bs, 1))
     rng = np.random.default_rng(0)
     r2p = torch.from_numpy(rng.permutation(np.arange(1, num_pages))[: bs * pages_per].reshape(bs, pages_per)
                            .astype(np.int32))
     be.init_forward_metadata(bs, 0, torch.arange(bs), torch.full((bs,), seqlen), r2p, ForwardMode.DECODE)
     lys = [AttentionLayer(i, hq, hkv, d) for i in range(layers)]
-    q = torch.randn(bs, hq * d, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(bs, hkv * d, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(bs, hq * d, dtype=torch.bfloat16, device=device)
+    k = torch.randn(bs, hkv * d, dtype=torch.bfloat16, device=device)
     return be, pool, lys, q, k, cfg
+
+
+def _sync_all():
+    import torch
+
+    if torch.cuda.is_available() and jax.default_backend() == "gpu":
+        torch.cuda.synchronize()
 
 
 def bench_throughput(bs=64, seqlen=4096, layers=4, calls=64, sync="event"):
@@ -114,44 +121,64 @@ def bench_throughput(bs=64, seqlen=4096, layers=4, calls=64, sync="event"):
     return t_torch, t_native
 
 
-def bench_host(sync="event"):
+def bench_host(sync="event", device="cuda", seqlen=4096, n=300):
+    """Host time of one batch-1 ``forward_decode`` (no sync in the timed region).
+
+    Returns ``(t_call, parts)``: the whole call with ``sync`` and its parts. On the
+    CPU the JAX -> torch fence waits for the result (torch CPU ops are synchronous),
+    so ``sync="none"`` there isolates the Python overhead."""
     import torch
 
-    be, pool, lys, q, k, _ = _setup(1, 4096, 1, sync)
+    heads = (32, 8, 128) if device == "cuda" else (8, 2, 64)  # CPU: small, so the compute is tiny
+    be, pool, lys, q, k, _ = _setup(1, seqlen, 1, sync, device=device, heads=heads)
     layer = lys[0]
     call = lambda: be.forward_decode(q, k, k, layer, None, pool, 1, save_kv_cache=True)  # noqa: E731
-    t_call = _host_us(call)
-    torch.cuda.synchronize()
-    # parts
+    t_call = _host_us(call, n)
+    _sync_all()
     parts = {}
-    parts["torch.cat staging"] = _host_us(lambda: be._staged(("mha", "decode", 32, 8, 128), [q, k, k], 1))
-    parts["fence torch->jax (import)"] = _host_us(be.sync.before_jax)
-    out = jnp.ones((1, 4096), jnp.bfloat16)
-    parts["fence jax->torch (__dlpack__ stream)"] = _host_us(lambda: be.sync.after_jax(out))
-    t = torch.ones(8, device="cuda")
-    parts["jax.dlpack.from_dlpack (reference)"] = _host_us(lambda: jax.dlpack.from_dlpack(t))
-    parts["torch.from_dlpack (reference)"] = _host_us(lambda: torch.from_dlpack(out))
-    parts["forward_decode, save_kv_cache=False (no KV donation)"] = _host_us(
-        lambda: be.forward_decode(q, None, None, layer, None, pool, 1))
-    for mode in ("none", "host"):
+    parts["forward_decode, save_kv_cache=False (read-only)"] = _host_us(
+        lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
+    for mode in ("none", "host", "event"):
+        if mode == sync:
+            continue
         be.sync.mode = mode
-        parts[f"forward_decode with sync={mode}"] = _host_us(call)
+        parts[f"forward_decode with sync={mode}"] = _host_us(call, n)
+        parts[f"forward_decode with sync={mode}, read-only"] = _host_us(
+            lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
     be.sync.mode = sync
-    # the bare jitted call on cached arguments
-    fkey, fn = next(iter(be._fns.items()))
-    stage = next(iter(be._stage.values()))[1]
-    views = [v for v in be._views.values()]
-    ov = next(iter(be._outs.values()))
-    md = be.forward_metadata
-    fence = be.sync._fence_j
+    be.fast_path = False  # the path before the per-layer closures: everything re-derived per call
+    for mode in ("none", sync):
+        be.sync.mode = mode
+        parts[f"slow path (fast_path=False), sync={mode}"] = _host_us(call, n)
+    be.sync.mode, be.fast_path = sync, True
+    stage = torch.empty_like(q)
+    parts["torch copy_ of q (the staging copy)"] = _host_us(lambda: stage.copy_(q), n)
+    parts["fence torch->jax"] = _host_us(be.sync.before_jax, n)
+    out = jnp.ones((1, 4096), jnp.bfloat16)
+    tiny = jax.jit(lambda x: x + 1)
+    x1 = jnp.ones((4,), jnp.float32)
+    parts["reference: a trivial jitted call (jit dispatch floor)"] = _host_us(lambda: tiny(x1), n)
+    if jax.default_backend() == "gpu":
+        parts["fence jax->torch"] = _host_us(lambda: be.sync.after_jax(out), n)
+        t = torch.ones(8, device=device)
+        parts["jax.dlpack.from_dlpack (reference)"] = _host_us(lambda: jax.dlpack.from_dlpack(t), n)
+        parts["torch.from_dlpack (reference)"] = _host_us(lambda: torch.from_dlpack(out), n)
+    (fn,) = [f for f in be._fns.values()][:1]
+    ent = next(iter(be._stage.values()))
+    md, fence, views = be.forward_metadata, be.sync._fence_j, list(be._views.values())
+    if be.alias_out:
+        ov = next(iter(be._outs.values()))
 
-    def bare():
-        out, kvs, _ = fn(stage, [v.jax for v in views], ov.jax, md, (None,), fence)
-        ov.jax = out
-        for v, a in zip(views, kvs):
-            v.jax = a
-    parts["bare jitted call (donating, cached args)"] = _host_us(bare)
-    torch.cuda.synchronize()
+        def bare():
+            out, kvs, _ = fn(ent[1], [v.jax for v in views], ov.jax, md, (None,), fence)
+            ov.jax = out
+            for v, a in zip(views, kvs):
+                v.jax = a
+    else:  # CPU: the torch writer; the jitted call only reads
+        def bare():
+            return fn(ent[1], [], md, (None, views[0].jax, views[1].jax), fence)
+    parts["bare jitted call on cached arguments (no fences)"] = _host_us(bare, n)
+    _sync_all()
     return t_call, parts
 
 
@@ -162,17 +189,32 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--sync", default="event", choices=["event", "host", "none"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                    help="cpu: host-time part only, small shapes (the Python overhead; JAX on the CPU)")
+    ap.add_argument("--host-seqlen", type=int, default=None, help="context of the batch-1 host-time call")
+    ap.add_argument("--reps", type=int, default=300, help="timed calls per host-time figure")
     a = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("bench bridge needs a GPU (JAX backend is %s)" % jax.default_backend())
+    on_gpu = jax.default_backend() == "gpu"
+    device = a.device if a.device != "auto" else ("cuda" if on_gpu else "cpu")
+    if (device == "cuda") != on_gpu:
+        print(f"bench bridge --device {device} needs JAX on the same platform (JAX backend is "
+              f"{jax.default_backend()}); use --device {'cuda' if on_gpu else 'cpu'}")
         return 1
-    t_call, parts = bench_host(a.sync)
-    print(f"host time of one torch-side forward_decode at batch 1 (sync={a.sync}): {t_call:.1f} us (target <= 80)")
-    for k_, v_ in parts.items():
-        print(f"  {k_}: {v_:.1f} us")
-    t_torch, t_native = bench_throughput(a.bs, a.seqlen, a.layers, a.calls, a.sync)
-    rel = t_torch / t_native - 1
-    print(f"decode B{a.bs} L{a.seqlen} GQA 32/8 D128 page 16 bf16, {a.calls} calls over {a.layers} layers:")
-    print(f"  torch bridge {t_torch * 1e6:.1f} us/call, JAX native {t_native * 1e6:.1f} us/call, "
-          f"overhead {rel * 100:+.1f}% (target <= +5%)")
+    heads = "32/8 D128" if on_gpu else "8/2 D64"
+    host_seqlen = a.host_seqlen or (4096 if on_gpu else 64)
+    t_call, parts = bench_host(a.sync, device, host_seqlen, a.reps)
+    rows = [(f"host: forward_decode B1 L{host_seqlen} H{heads} save_kv_cache=True, sync={a.sync} (target <= 80)", t_call)]
+    rows += [("host: " + k_, v_) for k_, v_ in parts.items()]
+    if on_gpu:
+        t_torch, t_native = bench_throughput(a.bs, a.seqlen, a.layers, a.calls, a.sync)
+        rel = t_torch / t_native - 1
+        shape = f"B{a.bs} L{a.seqlen} GQA 32/8 D128 page 16 bf16, {a.calls} calls / {a.layers} layers"
+        rows += [(f"decode {shape}: JAX native, us/call", t_native * 1e6),
+                 (f"decode {shape}: torch bridge, us/call", t_torch * 1e6),
+                 ("decode overhead vs native, % (target <= +5)", rel * 100)]
+    w = max(len(r[0]) for r in rows)
+    print(f"\nbench bridge ({jax.default_backend()}, jax {jax.__version__})")
+    print(f"{'what'.ljust(w)}  {'us':>8}")
+    for k_, v_ in rows:
+        print(f"{k_.ljust(w)}  {v_:8.1f}")
     return 0
