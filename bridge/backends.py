@@ -49,9 +49,9 @@ from jattn import ops
 from jattn.backends import ForwardMode, LayerSpec, MHABackend, MHAConfig, MLABackend, MLAConfig
 from jattn.backends import _front_pad, _front_unpad
 from jattn.kv_cache import cache_dtype, is_fp8
-from jattn.metadata import DecodeMetadata, ExtendMetadata, plan_extend
+from jattn.metadata import DecodeMetadata, ExtendMetadata, bucket, plan_extend
 
-from .convert import BridgeError, SUPPORTED_DTYPES, check_shareable, torch_dtype
+from .convert import BridgeError, SUPPORTED_DTYPES, check_shareable, to_jax, torch_dtype
 from .pool import layer_spec
 from .streams import StreamSync
 
@@ -755,7 +755,55 @@ class TorchMLABackend(_BridgeBase):
         if save_kv_cache:
             raise ValueError("ragged MLA prefill cannot write the latent cache from per-head k/v: pass "
                              "save_kv_cache=False and write c_kv/k_pe with set_mla_kv_buffer")
+        if forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False):
+            return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
         return self._prefill(q, k, v, layer, q_rope, k_rope, return_lse)
+
+    def _prefix_chunk(self, q, k, v, layer, q_rope, k_rope, forward_batch):
+        """The chunked-prefix-cache path of the MLA seed: the new tokens attend,
+        non-causally, to one chunk of their cached prefixes (K/V already gathered and
+        up-projected by the model, ``[chunk_tokens, H, 192]`` / ``[.., H, 128]``).
+        Returns ``(o [T, H * 128], lse f32[T, H])``; a request with no keys in the chunk
+        gets ``o = 0, lse = -inf`` (the seed's zero-KV fixup is built in). Merge the
+        chunks' results with :meth:`merge_state`. The chunk K/V are imported per call
+        (they are fresh tensors each chunk; this is a prefill path, not the decode hot path).
+        """
+        idx = forward_batch.prefix_chunk_idx
+        if idx is None:
+            raise ValueError("forward_batch.attn_attend_prefix_cache needs prefix_chunk_idx")
+        spec = self._spec(layer)
+        md = self.forward_metadata
+        H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
+        cu_kv = _host(forward_batch.prefix_chunk_cu_seq_lens[idx]).astype(np.int32)
+        bs_pad = md.cu_seqlens_q.shape[0] - 1
+        if cu_kv.shape[0] - 1 > bs_pad:
+            raise ValueError(f"prefix_chunk_cu_seq_lens has {cu_kv.shape[0] - 1} requests, the plan {bs_pad}")
+        cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
+        max_kv = bucket(max(int(forward_batch.prefix_chunk_max_seq_lens[idx]), 1))
+        n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
+        qj = to_jax(q.reshape(n, H, -1).contiguous())
+        kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
+        kj, vj = to_jax(kt.contiguous()), to_jax(v.reshape(-1, H, V).contiguous())
+        qr = None if q_rope is None else to_jax(q_rope.reshape(n, H, r).contiguous())
+        kr = None if k_rope is None else to_jax(k_rope.reshape(-1, r).contiguous())
+        # (the DLPack imports above order torch's pending work before JAX's)
+        o, lse = self._jbackend.forward_prefix_chunk(
+            qj, kj, vj, dataclasses.replace(spec, layer_id=0), md.cu_seqlens_q, jnp.asarray(cu_kv),
+            max_seqlen_q=md.max_seqlen_q, max_seqlen_kv=max_kv, q_rope=qr, k_rope=kr,
+        )
+        self.sync.after_jax(o)
+        return torch.from_dlpack(o.reshape(n, H * V)), torch.from_dlpack(lse)
+
+    def merge_state(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+        """``attn_merge_state`` on torch tensors: o [T, H, D] (or [T, H * D] with lse [T, H]),
+        natural-log LSE. Returns ``(o, lse)`` as torch tensors."""
+        t, h = lse_a.shape
+        o, lse = ops.attn_merge_state(
+            to_jax(o_a.reshape(t, h, -1).contiguous()), to_jax(lse_a.float().contiguous()),
+            to_jax(o_b.reshape(t, h, -1).contiguous()), to_jax(lse_b.float().contiguous()),
+        )
+        self.sync.after_jax(o)
+        return torch.from_dlpack(o).reshape(o_a.shape), torch.from_dlpack(lse)
 
     def _prefill(self, q, k, v, layer, q_rope, k_rope, return_lse):
         spec = self._spec(layer)

@@ -569,3 +569,54 @@ def test_fast_path_plans_match_slow_path_and_follow_pool_moves():
     torch.testing.assert_close(oa, ob, atol=0, rtol=0)
     key = next(k_ for k_, v_ in be_a._views.items() if k_[1:] == (0, "v"))
     assert be_a._views[key].torch.data_ptr() == pool_a.get_value_buffer(0).data_ptr()
+
+
+def test_mla_chunked_prefix_cache_merge_equals_full_attention():
+    """The seed's chunked-prefix path: causal attention over the new tokens, then one
+    non-causal attention per cached prefix chunk (a chunk may hold 0 keys of a request),
+    merged with merge_state, equals attention over prefix + new tokens."""
+    torch.manual_seed(7)
+    H, P, r, Vd = 2, 32, 16, 32
+    cfg = MLAConfig(num_heads=H, kv_lora_rank=64, qk_nope_head_dim=P, qk_rope_head_dim=r, v_head_dim=Vd,
+                    page_size=8, context_len=64, num_pages=16)
+    pool = TorchMLAKVPool(num_layers=1, num_pages=16, page_size=8, kv_lora_rank=64, qk_rope_head_dim=r, device=DEV)
+    be = TorchMLABackend(cfg, pool)
+    layer = AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
+    ext, pre, chunk = [3, 5], [10, 0], 4
+    seq = [e + p for e, p in zip(ext, pre)]
+    r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
+    be.init_forward_metadata(2, 2, torch.tensor([0, 1]), torch.tensor(seq), r2p, ForwardMode.EXTEND,
+                             extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre))
+    T = sum(ext)
+    q, k, v = rand(T, H * (P + r)), rand(T, H * (P + r)), rand(T, H * Vd)
+    kp = [rand(p, H * (P + r)) for p in pre]  # the model's up-projected prefix K/V per request
+    vp = [rand(p, H * Vd) for p in pre]
+    o, lse = be.forward_extend(q, k, v, layer, save_kv_cache=False, return_lse=True)
+
+    class Batch:
+        attn_attend_prefix_cache = True
+
+    fb = Batch()
+    nchunks = -(-max(pre) // chunk)
+    fb.prefix_chunk_cu_seq_lens, fb.prefix_chunk_max_seq_lens = [], []
+    for c in range(nchunks):
+        lens = [max(0, min(chunk, p - c * chunk)) for p in pre]
+        fb.prefix_chunk_cu_seq_lens.append(torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32))
+        fb.prefix_chunk_max_seq_lens.append(max(lens))
+    for c in range(nchunks):
+        fb.prefix_chunk_idx = c
+        kc = torch.cat([kp[b][c * chunk:(c + 1) * chunk] for b in range(2)])
+        vc = torch.cat([vp[b][c * chunk:(c + 1) * chunk] for b in range(2)])
+        oc, lc = be.forward_extend(q, kc, vc, layer, forward_batch=fb, save_kv_cache=False)
+        assert oc.shape == (T, H * Vd) and lc.shape == (T, H)
+        if c * chunk >= pre[1]:  # request 1 has no keys in this chunk: zero-KV rows
+            assert torch.all(oc[ext[0]:] == 0) and torch.all(torch.isneginf(lc[ext[0]:]))
+        o, lse = be.merge_state(o, lse, oc, lc)
+    row = 0
+    for b, n in enumerate(ext):
+        qq = q[row:row + n].view(n, H, P + r).float().cpu()
+        kk = torch.cat([kp[b], k[row:row + n]]).view(-1, H, P + r).float().cpu()
+        vv = torch.cat([vp[b], v[row:row + n]]).view(-1, H, Vd).float().cpu()
+        exp = ref_attention(qq, kk, vv, n_new=n, scale=cfg.softmax_scale)
+        torch.testing.assert_close(o[row:row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        row += n
