@@ -24,7 +24,7 @@ call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
 
 Fast-path limits (checked by :func:`unsupported_reason`; other calls go to the xla
 backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16,
-num_kv_heads a multiple of 8, q_len 1..8, bf16/f16 q with KV of the same dtype.
+num_kv_heads any (not a multiple of 8: aligned tail boxes, see _SMALL_HKV), q_len 1..8, bf16/f16 q with KV of the same dtype.
 FP8 e4m3 KV: the ring holds FP8 tiles (half the bytes); the compute warpgroup
 upcasts each K and V tile through registers into an f16 tile for the wgmma (q is
 cast to f16 for these calls; the output is returned in q's dtype).
@@ -62,6 +62,16 @@ NUM_SMS = 132  # H200 / H100 SXM
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
+# Token masks only on a request's edge blocks (lax.cond); interior blocks take
+# the loop-invariant GQA head mask alone. Off: every block takes every mask.
+_EDGE_MASKS = True
+# num_kv_heads not a multiple of 8: a page's tail box is shifted back by a whole
+# number of 8-row tiles only, so it can hold up to 7 rows of the page's unused
+# tail; the compute warpgroup zeroes those V rows in shared memory (last block
+# of a request only). GPU-tested 2026-11-29 (H200, jax 0.11.2): Hkv 2, 3, 4, FP8.
+_SMALL_HKV = True
+# Split combine as one variadic reduction (on) or max pass + einsum + sum (off).
+_ONE_PASS_COMBINE = True
 
 
 # ---------------------------------------------------------------------------
@@ -196,11 +206,12 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
   group = num_q_heads // num_kv_heads
   if group > MAX_GROUP:
     return f"GQA group size {group} > {MAX_GROUP}"
-  if num_kv_heads % 8:
+  if num_kv_heads % 8 and not _SMALL_HKV:
     # Seen on jax 0.11.2 (H200): the TMA source row of a page's tail box must be
     # provably a multiple of the 8-row smem tiling; rows are token * num_kv_heads.
     return (f"num_kv_heads={num_kv_heads} not a multiple of 8 (page boxes are "
-            "token * num_kv_heads rows and must start on 8-row tiles)")
+            "token * num_kv_heads rows and must start on 8-row tiles; "
+            "mosaic_decode._SMALL_HKV enables the aligned-box variant)")
   if _block_shape(num_kv_heads, head_dim, page_size) is None:
     return (f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
             "multiple of 64 rows and at most 256 rows")
@@ -285,6 +296,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
   BTB = BT * PPB            # tokens per block
   PR = BT * HKV             # rows per piece
   n = cfg.q_len
+  ALIGN = 8 // math.gcd(HKV, 8)  # tokens per 8-row tile boundary
 
   split = lax.axis_index("split")
   b = lax.axis_index("batch")
@@ -316,6 +328,8 @@ def _decode_kernel(cfg: _Cfg, dtype,
   def piece_src_row(blk, j):
     ps0 = piece_start(blk, j)
     shift = BT - jnp.clip(seq_len - ps0, 0, BT)
+    if ALIGN > 1:  # whole 8-row tiles only: the box may end up to ALIGN-1 tokens past L
+      shift = lax.div(shift, jnp.int32(ALIGN)) * ALIGN
     row = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV - shift * HKV
     if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
       row = jnp.maximum(row, 0)
@@ -396,6 +410,34 @@ def _decode_kernel(cfg: _Cfg, dtype,
     l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = cast(jnp.full((64, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+    # Loop-invariant parts of the mask, computed once: the GQA head match of
+    # every (query row, KV row) pair, and each column's token offset in its piece.
+    grow = row_ids + mt * 64
+    qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
+    kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
+    col_j = lax.div(col_ids, jnp.int32(PR)) if PPB > 1 else None
+    col_rr = col_ids - col_j * PR if PPB > 1 else col_ids
+    col_t = lax.div(col_rr, jnp.int32(HKV))
+    head_ok = kvh == (col_rr - col_t * HKV)
+    # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
+    xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
+
+    def token_ok(blk):
+      """Token masks (range, causal, window) of one block's columns."""
+      first = piece_first_token(blk, 0)
+      lo = piece_start(blk, 0)
+      for jj in range(1, PPB):
+        first = jnp.where(col_j == jj, piece_first_token(blk, jj), first)
+        lo = jnp.where(col_j == jj, piece_start(blk, jj), lo)
+      tok = first + col_t
+      ok = (tok >= lo) & (tok < seq_len)
+      qpos = seq_len - n + qi  # absolute position of query i
+      if cfg.is_causal:
+        ok = ok & (tok <= qpos)
+      if cfg.window_left >= 0:
+        ok = ok & (tok >= qpos - cfg.window_left)
+      return ok
+
     def body(i, carry):
       acc, m_i, l_i = carry
       slot = lax.rem(i, jnp.int32(S))
@@ -420,23 +462,23 @@ def _decode_kernel(cfg: _Cfg, dtype,
         s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
 
-      # Score transforms: scale (k_scale folded in), logit cap, mask.
-      x = s * scale
+      # Score transforms: scale, logit cap, mask.
+      x = s * xscale
       if cfg.logit_cap > 0:
-        x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * cfg.logit_cap
-      x = x * _LOG2E
-      grow = row_ids + mt * 64
-      qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
-      hq = grow - qi * cfg.num_q_heads
-      kvh = lax.div(hq, jnp.int32(cfg.group))
-      tok, ch, valid = col_tokens(blk, col_ids)
-      ok = (kvh == ch) & valid
-      qpos = seq_len - n + qi  # absolute position of query i
-      if cfg.is_causal:
-        ok = ok & (tok <= qpos)
-      if cfg.window_left >= 0:
-        ok = ok & (tok >= qpos - cfg.window_left)
-      x = jnp.where(ok, x, -jnp.inf)
+        x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
+      if _EDGE_MASKS:
+        # Only a block that holds a token past a query's causal limit, before
+        # its window, or past the length needs the token masks; the rest of the
+        # blocks take the (hoisted) head mask alone.
+        blk_lo, blk_hi = blk * BTB, blk * BTB + BTB  # tokens [lo, hi)
+        interior = blk_hi <= seq_len - (n - 1 if cfg.is_causal else 0)
+        if cfg.window_left >= 0:
+          interior = interior & (blk_lo >= seq_len - 1 - cfg.window_left)
+        x = lax.cond(interior,
+                     lambda x: jnp.where(head_ok, x, -jnp.inf),
+                     lambda x: jnp.where(head_ok & token_ok(blk), x, -jnp.inf), x)
+      else:
+        x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
 
       # Online softmax in base 2.
       m_new = jnp.maximum(m_i, x.max(axis=1))
@@ -453,6 +495,19 @@ def _decode_kernel(cfg: _Cfg, dtype,
         plgpu.commit_smem()
         plgpu.barrier_arrive(v_free.at[slot])
         v_tile = vc_smem
+      if ALIGN > 1:
+        # The last block may hold rows of the page's unused tail (anything, NaN
+        # included): P is 0 there but 0 * NaN is not, so zero those V rows
+        # (in the f16 upcast tile for FP8: no pointwise ops on 8-bit types).
+        vt = v_tile
+
+        @pl.when(blk * BTB + BTB > seq_len)
+        def _():
+          vrows = (lax.broadcasted_iota(jnp.int32, (N, D), 0) if cfg.interpret else
+                   plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA))
+          _, _, vvalid = col_tokens(blk, vrows)
+          vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
+          plgpu.commit_smem()
 
       if cfg.interpret:
         # Here the last block may hold the page's unused tail (no TMA zero fill
@@ -535,18 +590,41 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
   return kernel(page_table, lens, scale, q3, k2, v2)
 
 
+def _merge(x, y):
+  """Associative merge of two (max, weight, weighted sum) partials (log2 domain)."""
+  mx, lx, ox = x
+  my, ly, oy = y
+  m = jnp.maximum(mx, my)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  ax, ay = jnp.exp2(mx - m_safe), jnp.exp2(my - m_safe)  # 0 for an empty side
+  return m, lx * ax + ly * ay, ox * ax + oy * ay
+
+
 def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
-  """Merge split partials (log2-domain LSE); apply sinks and v_scale."""
+  """Merge split partials (log2-domain LSE); apply sinks and v_scale.
+
+  One pass over the partials: a variadic reduction over the split axis whose
+  merge is the online-softmax rescale (one XLA reduction fusion, where a max
+  pass, a weighted einsum and a sum were several kernels)."""
   m = cfg.m_rows
   o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
-  lse2 = lse_part[:, :, :m]                           # [S, bs, m]
-  mx = jnp.max(lse2, axis=0)
-  mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  w = jnp.exp2(lse2 - mx_safe[None])                  # 0 for empty splits
-  wsum = jnp.sum(w, axis=0)
+  lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
+  if o.shape[0] == 1:
+    mx, wsum, o = lse2[0], jnp.where(jnp.isneginf(lse2[0]), 0.0, 1.0), o[0]
+  elif not _ONE_PASS_COMBINE:
+    mx = jnp.max(lse2, axis=0)
+    mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    w = jnp.exp2(lse2 - mx_safe[None])                # 0 for empty splits
+    wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
+    mx = mx_safe
+  else:
+    mx, wsum, o = lax.reduce((lse2, jnp.ones_like(o), o),
+                             (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)),
+                             _merge, (0,))
+  mx, wsum = mx[..., 0], wsum[..., 0]
   empty = wsum == 0.0
-  o = jnp.einsum("sbm,sbmd->bmd", w, o) / jnp.where(empty, 1.0, wsum)[..., None]
-  lse = jnp.where(empty, -jnp.inf, (mx_safe + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
+  o = o / jnp.where(empty, 1.0, wsum)[..., None]
+  lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
   o = o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim)
   lse = lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads)
   factor = v_scale

@@ -83,6 +83,17 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
 
 
 def _check(c: Case, *, interpret: bool, seed: int | None = None):
+  if c.hkv % 8:  # the aligned-box variant for kv heads not a multiple of 8
+    old = md._SMALL_HKV
+    md._SMALL_HKV = True
+    try:
+      return _check_impl(c, interpret=interpret, seed=seed)
+    finally:
+      md._SMALL_HKV = old
+  return _check_impl(c, interpret=interpret, seed=seed)
+
+
+def _check_impl(c: Case, *, interpret: bool, seed: int | None = None):
   q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed if seed is None else seed)
   kw = _kwargs(c, sinks, ks, vs)
   if interpret:
@@ -124,6 +135,8 @@ CPU_CASES = {
     "fp8_kv_scales": Case(lens=(37, 16), kv="fp8"),
     "fp8_kv_qlen2_fp16": Case(lens=(29,), kv="fp8", q_len=2, dtype="float16"),
     "page128_qlen8_two_tiles": Case(lens=(40,), hq=16, page_size=128, q_len=8),
+    "hkv2_group4_tail": Case(lens=(45, 7), hq=8, hkv=2, page_size=32),
+    "hkv4_group7_qlen2": Case(lens=(37,), hq=28, hkv=4, q_len=2),
 }
 
 
@@ -160,7 +173,12 @@ def test_errors_name_the_limit():
   q256 = jnp.zeros((2, 256, 64), jnp.bfloat16)
   assert "group size 32" in md.unsupported_reason(q256, k, k, max_seqlen_q=1)
   k2 = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
-  assert "num_kv_heads=2" in md.unsupported_reason(q, k2, k2, max_seqlen_q=1)
+  old = md._SMALL_HKV
+  try:
+    md._SMALL_HKV = False
+    assert "num_kv_heads=2" in md.unsupported_reason(q, k2, k2, max_seqlen_q=1)
+  finally:
+    md._SMALL_HKV = old
   assert "float16" in md.unsupported_reason(
       jnp.zeros((2, 16, 64), jnp.bfloat16), k.astype(jnp.float16), k.astype(jnp.float16),
       max_seqlen_q=1)
@@ -193,6 +211,11 @@ GPU_CASES = {
     "fp8": Case(lens=(900, 31), hq=32, hkv=8, d=128, kv="fp8"),
     "fp8_qlen4_page64": Case(lens=(700, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4,
                              page_size=64),
+    # num_kv_heads not a multiple of 8 (md._SMALL_HKV set inside _check)
+    "hkv2_group4": Case(lens=(1001, 45), hq=8, hkv=2, d=128),
+    "hkv4_group7": Case(lens=(999, 3), hq=28, hkv=4, d=128),
+    "hkv3_group3_page64": Case(lens=(517, 61), hq=9, hkv=3, d=128, page_size=64),
+    "hkv4_fp8": Case(lens=(333, 18), hq=16, hkv=4, d=128, kv="fp8"),
 }
 
 
@@ -202,7 +225,7 @@ def test_gpu(name):
   c = GPU_CASES[name]
   q, k, v, *_ = _inputs(c, 0)
   reason = md.unsupported_reason(q, k, v, max_seqlen_q=c.q_len)
-  if reason is not None:
+  if reason is not None and not (c.hkv % 8 and "num_kv_heads" in reason):
     pytest.skip(reason)
   _check(c, interpret=False)
   _check(c, interpret=False, seed=1)

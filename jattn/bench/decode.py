@@ -70,9 +70,17 @@ def main(argv: list[str] | None = None) -> None:
                   help="calls per jit (x4 for rows under 512 MB, whose calls are short)")
   ap.add_argument("--splits-sweep", default="",
                   help="e.g. 16,33,66,132: also time these split counts for batch-1 rows")
+  ap.add_argument("--set", default="",
+                  help="kernel switches, e.g. _EDGE_MASKS=0,_ONE_PASS_COMBINE=0 (A/B runs)")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
   from jattn.pallas_kernels import mosaic_decode as md
+  for kv in filter(None, args.set.split(",")):
+    name, val = kv.split("=")
+    if not hasattr(md, name):
+      raise SystemExit(f"--set: mosaic_decode has no switch {name}")
+    setattr(md, name, bool(int(val)))
+    print(f"mosaic_decode.{name} = {bool(int(val))}")
   if jax.default_backend() != "gpu":
     print("bench decode needs a GPU (jax default backend is "
           f"{jax.default_backend()}); nothing to do")
