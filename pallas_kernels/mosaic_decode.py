@@ -64,14 +64,17 @@ _LN2 = math.log(2.0)
 _SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
 # Token masks only on a request's edge blocks (lax.cond); interior blocks take
 # the loop-invariant GQA head mask alone. Off: every block takes every mask.
-_EDGE_MASKS = True
+# Off by default: on the H200 (2026-11-29, two A/B runs) it was no faster at batch 1
+# and one run showed 64x4096 at 323 us against 266-272 us with it off.
+_EDGE_MASKS = False
 # num_kv_heads not a multiple of 8: a page's tail box is shifted back by a whole
 # number of 8-row tiles only, so it can hold up to 7 rows of the page's unused
 # tail; the compute warpgroup zeroes those V rows in shared memory (last block
 # of a request only). GPU-tested 2026-11-29 (H200, jax 0.11.2): Hkv 2, 3, 4, FP8.
 _SMALL_HKV = True
 # Split combine as one variadic reduction (on) or max pass + einsum + sum (off).
-_ONE_PASS_COMBINE = True
+# Off by default for the same A/B (see _EDGE_MASKS and docs/PERF.md).
+_ONE_PASS_COMBINE = False
 
 
 # ---------------------------------------------------------------------------
