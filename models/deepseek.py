@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.backends import LayerSpec, MLABackend, MLAConfig
-from jattn.models.attention import RaggedMetadata, is_decode, ragged_prefill
+from jattn.models.attention import is_decode, ragged_prefill
 from jattn.models.config import DeepseekConfig
-from jattn.models.layers import MoE, Embed, Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from jattn.models.layers import CausalLM, DecoderBlock, Linear, MoE, RMSNorm, SwiGLU, apply_rope
 
 
 def default_mla_backend(cfg: DeepseekConfig, page_size: int = 64, kernel_backend: str | None = None) -> MLABackend:
@@ -97,7 +97,7 @@ class MLAttention(nnx.Module):
         return self.o_proj(out.reshape(t, nh * V).astype(x.dtype)), kv_cache
 
 
-class DeepseekBlock(nnx.Module):
+class DeepseekBlock(DecoderBlock):
     def __init__(self, cfg: DeepseekConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
@@ -114,47 +114,14 @@ class DeepseekBlock(nnx.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dt, param_dtype=pdt,
                               std=std, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata, backend):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache
 
-
-class Deepseek(nnx.Module):
+class Deepseek(CausalLM):
     """DeepSeek-V2/V3-style causal LM with MLA. ``__call__`` returns ``(hidden [T, D], kv_cache)``."""
 
-    def __init__(self, cfg: DeepseekConfig, *, rngs: nnx.Rngs, std: float = 0.02):
-        pdt = jnp.dtype(cfg.param_dtype)
-        self.config = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=pdt, std=std, rngs=rngs)
-        self.layers = nnx.List([DeepseekBlock(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
-                               param_dtype=pdt, std=std, rngs=rngs))
-        inv_freq, attn_factor = cfg.rope()
-        self._inv_freq = tuple(float(f) for f in inv_freq)
-        self._attn_factor = attn_factor
+    block_cls = DeepseekBlock
 
-    def __call__(self, tokens, positions, kv_cache=None, metadata=None, *, backend=None):
-        """tokens, positions: i32[T]; ``kv_cache`` an ``MLAKVCache`` (with Decode/Extend
-        metadata) or None (with :class:`RaggedMetadata`)."""
-        cfg = self.config
-        if kv_cache is not None and backend is None:
-            backend = default_mla_backend(cfg, metadata.page_size)
-        if kv_cache is None and not isinstance(metadata, RaggedMetadata):
-            raise TypeError("without a kv_cache, metadata must be a RaggedMetadata")
-        x = self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype))
-        cos, sin = rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._attn_factor)
-        for layer in self.layers:
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
-        return self.norm(x), kv_cache
-
-    def logits(self, hidden):
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden).astype(jnp.float32)
+    def default_backend(self, page_size: int):
+        return default_mla_backend(self.config, page_size)
 
     def make_cache(self, *, num_pages: int, page_size: int, dtype=None):
         from jattn.kv_cache import MLAKVCache

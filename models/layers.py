@@ -152,3 +152,58 @@ class MoE(nnx.Module):
             if self.shared is not None:
                 out = out + self.shared(x)
             return out
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    Subclasses set ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``."""
+
+    def __call__(self, x, cos, sin, kv_cache, metadata, backend):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class CausalLM(nnx.Module):
+    """The decoder-only body shared by the model families: embedding, ``block_cls`` blocks,
+    final norm, (tied) LM head and RoPE tables. Subclasses give ``block_cls``,
+    ``default_backend(page_size)`` and ``make_cache``. ``__call__`` returns
+    ``(hidden [T, D], kv_cache)``."""
+
+    block_cls: type = DecoderBlock
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, std: float = 0.02):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.config = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=pdt, std=std, rngs=rngs)
+        self.layers = nnx.List([self.block_cls(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
+                               param_dtype=pdt, std=std, rngs=rngs))
+        inv_freq, attn_factor = cfg.rope()
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
+        self._attn_factor = attn_factor
+
+    def __call__(self, tokens, positions, kv_cache=None, metadata=None, *, backend=None):
+        """tokens, positions: i32[T]; ``kv_cache`` a paged cache (with Decode/Extend
+        metadata) or None (with :class:`jattn.models.attention.RaggedMetadata`)."""
+        from jattn.models.attention import RaggedMetadata
+
+        cfg = self.config
+        if kv_cache is not None and backend is None:
+            backend = self.default_backend(metadata.page_size)
+        if kv_cache is None and not isinstance(metadata, RaggedMetadata):
+            raise TypeError("without a kv_cache, metadata must be a RaggedMetadata")
+        x = self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype))
+        cos, sin = rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._attn_factor)
+        for layer in self.layers:
+            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
+        return self.norm(x), kv_cache
+
+    def logits(self, hidden):
+        """f32[T, vocab]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden).astype(jnp.float32)

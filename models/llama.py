@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
-from jattn.models.attention import RaggedMetadata, is_decode, ragged_prefill
+from jattn.models.attention import is_decode, ragged_prefill
 from jattn.models.config import LlamaConfig
-from jattn.models.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from jattn.models.layers import CausalLM, DecoderBlock, Linear, RMSNorm, SwiGLU, apply_rope
 
 
 def default_mha_backend(cfg: LlamaConfig, page_size: int = 16, kernel_backend: str | None = None) -> MHABackend:
@@ -68,7 +68,7 @@ class LlamaAttention(nnx.Module):
         return self.o_proj(out.astype(x.dtype)), kv_cache
 
 
-class LlamaBlock(nnx.Module):
+class LlamaBlock(DecoderBlock):
     def __init__(self, cfg: LlamaConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
@@ -77,48 +77,14 @@ class LlamaBlock(nnx.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias,
                           dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, std=std, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, metadata, backend):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache
 
-
-class Llama(nnx.Module):
+class Llama(CausalLM):
     """Llama-family causal LM. ``__call__`` returns ``(hidden [T, D], kv_cache)``."""
 
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, std: float = 0.02):
-        pdt = jnp.dtype(cfg.param_dtype)
-        self.config = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=pdt, std=std, rngs=rngs)
-        self.layers = nnx.List([LlamaBlock(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
-                               param_dtype=pdt, std=std, rngs=rngs))
-        inv_freq, attn_factor = cfg.rope()
-        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
-        self._attn_factor = attn_factor
+    block_cls = LlamaBlock
 
-    def __call__(self, tokens, positions, kv_cache=None, metadata=None, *, backend=None):
-        """tokens, positions: i32[T]; ``kv_cache`` a ``PagedKVCache`` (with Decode/Extend
-        metadata) or None (with :class:`RaggedMetadata`)."""
-        cfg = self.config
-        if kv_cache is not None and backend is None:
-            backend = default_mha_backend(cfg, metadata.page_size)
-        if kv_cache is None and not isinstance(metadata, RaggedMetadata):
-            raise TypeError("without a kv_cache, metadata must be a RaggedMetadata")
-        x = self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype))
-        cos, sin = rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._attn_factor)
-        for layer in self.layers:
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
-        return self.norm(x), kv_cache
-
-    def logits(self, hidden):
-        """f32[T, vocab]."""
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden).astype(jnp.float32)
+    def default_backend(self, page_size: int):
+        return default_mha_backend(self.config, page_size)
 
     def make_cache(self, *, num_pages: int, page_size: int, dtype=None):
         from jattn.kv_cache import PagedKVCache
