@@ -440,13 +440,6 @@ class TorchMHABackend(_BridgeBase):
             self._view((id(pool), i, "v"), vb, (-1, ps, spec.num_kv_heads, spec.head_dim_v)),
         ]
 
-    def _opts(self, spec: LayerSpec, fp8: bool, has_sinks: bool):
-        return dict(
-            window_left=spec.sliding_window_size, logit_cap=spec.logit_cap,
-            softmax_scale=spec.scaling, k_scale=spec.k_scale if fp8 else 1.0,
-            v_scale=spec.v_scale if fp8 else 1.0, backend=self.config.kernel_backend,
-        )
-
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
         pkey = (kind, id(layer), id(pool), self._md_sig, bool(save_kv_cache), q.shape, q.dtype,
                 None if k is None else (k.shape, k.dtype), None if v is None else (v.shape, v.dtype),
@@ -488,7 +481,7 @@ class TorchMHABackend(_BridgeBase):
         stage = self._staged(("mha", kind, hq, hkv, d), parts, rows)
         nparts = len(parts)
         sinks_j = self._param(sinks)
-        opts = self._opts(spec, fp8, sinks_j is not None)
+        opts = self._jbackend.attention_options(spec, fp8)
         causal_off = spec.non_causal
 
         def build():

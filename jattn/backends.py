@@ -225,17 +225,20 @@ class MHABackend(_PlanningMixin):
     def supports_head_dim(cls, head_dim: int) -> str | None:
         return None if head_dim > 0 else f"head_dim={head_dim} must be positive"
 
-    def _options(self, layer: LayerSpec, kv_cache: PagedKVCache, sinks):
-        fp8 = is_fp8(kv_cache.dtype)
+    def attention_options(self, layer: LayerSpec, fp8: bool) -> dict:
+        """The op keywords a layer implies (window, cap, scale, FP8 scales, kernel backend);
+        sinks are passed separately (they are an array)."""
         return dict(
             window_left=layer.sliding_window_size,
             logit_cap=layer.logit_cap,
-            sinks=sinks,
             softmax_scale=layer.scaling,
             k_scale=layer.k_scale if fp8 else 1.0,
             v_scale=layer.v_scale if fp8 else 1.0,
             backend=self.config.kernel_backend,
         )
+
+    def _options(self, layer: LayerSpec, kv_cache: PagedKVCache, sinks):
+        return dict(self.attention_options(layer, is_fp8(kv_cache.dtype)), sinks=sinks)
 
     def _save(self, layer, kv_cache: PagedKVCache, loc, k, v) -> PagedKVCache:
         kc, vc = kv_cache.layer(layer.layer_id)
