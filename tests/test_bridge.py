@@ -397,14 +397,18 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
     torch.testing.assert_close(got, want)
 
 
-def test_mla_ragged_prefill_with_lse():
-    torch.manual_seed(5)
-    H, P, r, Vd = 2, 32, 16, 32
+def _small_mla(H, P, r, Vd):
+    """A small MLA config, its torch pool and backend, and one layer (prefill tests)."""
     cfg = MLAConfig(num_heads=H, kv_lora_rank=64, qk_nope_head_dim=P, qk_rope_head_dim=r, v_head_dim=Vd,
                     page_size=8, context_len=64, num_pages=16)
     pool = TorchMLAKVPool(num_layers=1, num_pages=16, page_size=8, kv_lora_rank=64, qk_rope_head_dim=r, device=DEV)
-    be = TorchMLABackend(cfg, pool)
-    layer = AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
+    return cfg, TorchMLABackend(cfg, pool), AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
+
+
+def test_mla_ragged_prefill_with_lse():
+    torch.manual_seed(5)
+    H, P, r, Vd = 2, 32, 16, 32
+    cfg, be, layer = _small_mla(H, P, r, Vd)
     ext = [5, 9]
     r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
     be.init_forward_metadata(2, 2, torch.tensor([0, 1]), torch.tensor(ext), r2p, ForwardMode.EXTEND,
@@ -577,11 +581,7 @@ def test_mla_chunked_prefix_cache_merge_equals_full_attention():
     merged with merge_state, equals attention over prefix + new tokens."""
     torch.manual_seed(7)
     H, P, r, Vd = 2, 32, 16, 32
-    cfg = MLAConfig(num_heads=H, kv_lora_rank=64, qk_nope_head_dim=P, qk_rope_head_dim=r, v_head_dim=Vd,
-                    page_size=8, context_len=64, num_pages=16)
-    pool = TorchMLAKVPool(num_layers=1, num_pages=16, page_size=8, kv_lora_rank=64, qk_rope_head_dim=r, device=DEV)
-    be = TorchMLABackend(cfg, pool)
-    layer = AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
+    cfg, be, layer = _small_mla(H, P, r, Vd)
     ext, pre, chunk = [3, 5], [10, 0], 4
     seq = [e + p for e, p in zip(ext, pre)]
     r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
