@@ -71,36 +71,45 @@ def _linear(prefix: Path, kind: str, x: np.ndarray) -> tuple[Path, np.ndarray]:
     return prefix + ("bias",), x
 
 
+def _non_layer_weight(cfg, name: str, x: np.ndarray, out: dict) -> bool:
+    """Maps the weights outside the layers (embedding, final norm, LM head; rotary buffers
+    are dropped) into ``out``; False for a per-layer weight."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if name == "model.embed_tokens.weight":
+        out[("embed_tokens", "embedding")] = x
+    elif name == "model.norm.weight":
+        out[("norm", "weight")] = x
+    elif name == "lm_head.weight":
+        if not cfg.tie_word_embeddings:
+            out[("lm_head", "kernel")] = x.T
+    else:
+        return False
+    return True
+
+
 def llama_params_from_hf(cfg: LlamaConfig, sd: Mapping[str, Any]) -> dict[Path, np.ndarray]:
     """HF Llama / Qwen2 / Qwen3 / SmolLM2 state dict -> nnx paths of :class:`Llama`."""
     out: dict[Path, np.ndarray] = {}
     for name, value in sd.items():
         x = _np(value)
-        if name.endswith("rotary_emb.inv_freq"):
+        if _non_layer_weight(cfg, name, x, out):
             continue
-        if name == "model.embed_tokens.weight":
-            out[("embed_tokens", "embedding")] = x
-        elif name == "model.norm.weight":
-            out[("norm", "weight")] = x
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[("lm_head", "kernel")] = x.T
+        m = _LAYER.match(name)
+        if not m:
+            raise KeyError(f"unexpected weight {name!r}")
+        i, rest = int(m.group(1)), m.group(2)
+        parts = rest.split(".")
+        base = ("layers", i)
+        if parts[0] in ("input_layernorm", "post_attention_layernorm"):
+            out[base + (parts[0], "weight")] = x
+        elif parts[0] == "self_attn" and parts[1] in ("q_norm", "k_norm"):
+            out[base + ("self_attn", parts[1], "weight")] = x
+        elif parts[0] in ("self_attn", "mlp") and len(parts) == 3:
+            p, v = _linear(base + (parts[0], parts[1]), parts[2], x)
+            out[p] = v
         else:
-            m = _LAYER.match(name)
-            if not m:
-                raise KeyError(f"unexpected weight {name!r}")
-            i, rest = int(m.group(1)), m.group(2)
-            parts = rest.split(".")
-            base = ("layers", i)
-            if parts[0] in ("input_layernorm", "post_attention_layernorm"):
-                out[base + (parts[0], "weight")] = x
-            elif parts[0] == "self_attn" and parts[1] in ("q_norm", "k_norm"):
-                out[base + ("self_attn", parts[1], "weight")] = x
-            elif parts[0] in ("self_attn", "mlp") and len(parts) == 3:
-                p, v = _linear(base + (parts[0], parts[1]), parts[2], x)
-                out[p] = v
-            else:
-                raise KeyError(f"unexpected weight {name!r}")
+            raise KeyError(f"unexpected weight {name!r}")
     return out
 
 
@@ -111,17 +120,7 @@ def deepseek_params_from_hf(cfg: DeepseekConfig, sd: Mapping[str, Any]) -> dict[
     per_expert: dict[tuple, dict[int, np.ndarray]] = {}
     for name, value in sd.items():
         x = _np(value)
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "model.embed_tokens.weight":
-            out[("embed_tokens", "embedding")] = x
-            continue
-        if name == "model.norm.weight":
-            out[("norm", "weight")] = x
-            continue
-        if name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[("lm_head", "kernel")] = x.T
+        if _non_layer_weight(cfg, name, x, out):
             continue
         m = _LAYER.match(name)
         if not m:
