@@ -146,6 +146,18 @@ def bench_host(sync="event", device="cuda", seqlen=4096, n=300):
         parts[f"forward_decode with sync={mode}, read-only"] = _host_us(
             lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
     be.sync.mode = sync
+    if jax.default_backend() == "gpu" and sync == "event":
+        # Which fence makes the whole call slower than the sum of its parts.
+        before, after = be.sync.before_jax, be.sync.after_jax
+        be.sync.after_jax = lambda out: None
+        parts["forward_decode with the torch->jax fence only"] = _host_us(call, n)
+        be.sync.after_jax, be.sync.before_jax = after, (lambda: be.sync._fence_j)
+        parts["forward_decode with the jax->torch fence only"] = _host_us(call, n)
+        be.sync.after_jax = lambda out: out.block_until_ready()
+        parts["forward_decode with block_until_ready instead of the jax->torch fence, no torch->jax"] = \
+            _host_us(call, n)
+        be.sync.before_jax, be.sync.after_jax = before, after
+        _sync_all()
     be.fast_path = False  # the path before the per-layer closures: everything re-derived per call
     for mode in ("none", sync):
         be.sync.mode = mode

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                   help="calls per jit (x4 for rows under 512 MB, whose calls are short)")
   ap.add_argument("--splits-sweep", default="",
                   help="e.g. 16,33,66,132: also time these split counts for batch-1 rows")
+  ap.add_argument("--profile", action="store_true",
+                  help="also profile one call per row: device span, kernel time, kernels")
   ap.add_argument("--set", default="",
                   help="kernel switches, e.g. _EDGE_MASKS=0,_ONE_PASS_COMBINE=0 (A/B runs)")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
   rng = np.random.default_rng(0)
   header = ["page", "batch x len", "q_len", "kv", "splits", "jattn us", "TB/s", "% copy",
             "JAX paged_attention TB/s"] + (["max err"] if args.check else [])
-  rows, sweep = [], []
+  rows, sweep, profiles = [], [], []
   for ps, bs, L, q_len, kv_dtype in rows_spec:
     kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
     label = [ps, f"{bs}x{L}", q_len, kvname]
@@ -155,6 +157,23 @@ def main(argv: list[str] | None = None) -> None:
                        f"{kv_bytes / ts.seconds / 1e12:.2f} TB/s")
         except Exception as e:  # noqa: BLE001
           sweep.append(f"page {ps} {bs}x{L} splits {sp}: failed {type(e).__name__}")
+    if args.profile:
+      from jattn.bench import profile as prof
+      qlist = [qs[i] for i in range(8)]
+      tlist = [tables[i] for i in range(NUM_ROT)]
+
+      def one(q, k, v, t, lens):
+        return md.mha_decode(q, k, v, t, lens, max_seqlen_q=q_len, k_scale=kscale,
+                             v_scale=kscale)
+      try:
+        summ = prof.summarize(prof.profile_calls(
+            one, [(qlist[i], k, v, tlist[i % NUM_ROT], lens) for i in range(8)]))
+        profiles.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname}: "
+                        f"{kv_bytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n"
+                        + summ.table())
+      except Exception as e:  # noqa: BLE001
+        profiles.append(f"page {ps} {bs}x{L}: profile failed {type(e).__name__}: {str(e)[:200]}")
+      print(profiles[-1], flush=True)
     row = label + cells + [peer]
     if args.check:
       from jattn import reference
@@ -169,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
   print()
   print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
         f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
+  if profiles:
+    print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
+    print("\n".join(profiles))
   if sweep:
     print("split-count sweep (batch 1):")
     print("\n".join(sweep))

@@ -48,8 +48,9 @@ def _model(name: str, dtype: str):
     raise SystemExit(f"unknown model {name!r}: smollm2, llama3-8b, tiny")
 
 
-def _device_step_ms(engine: Engine, bs: int, seq_len: int, n: int = 20) -> float:
-    """Per-step device time of the decode program of bucket ``bs``, back to back."""
+def _decode_step_call(engine: Engine, bs: int, seq_len: int):
+    """A no-argument call of the engine's decode program of bucket ``bs`` (the cache
+    is donated and replaced on every call, as in the engine)."""
     c = engine.config
     pages = -(-seq_len // c.page_size)
     table = np.arange(1, 1 + bs * pages, dtype=np.int32).reshape(bs, pages) % (c.num_pages - 1) + 1
@@ -60,12 +61,21 @@ def _device_step_ms(engine: Engine, bs: int, seq_len: int, n: int = 20) -> float
     zi = np.zeros(md.batch_size, np.int32)
     md = jax.device_put(md)
     args = (tokens, md, z, z + 1, zi, zi)
+
+    def call():
+        out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
+        return out
+    return call
+
+
+def _device_step_ms(engine: Engine, bs: int, seq_len: int, n: int = 20) -> float:
+    """Per-step device time of the decode program of bucket ``bs``, back to back."""
+    call = _decode_step_call(engine, bs, seq_len)
     before = engine._traces[0]
-    out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
-    jax.block_until_ready(out)
+    jax.block_until_ready(call())
     t0 = time.perf_counter()
     for _ in range(n):
-        out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
+        out = call()
     jax.block_until_ready(out)
     dt = (time.perf_counter() - t0) / n
     if engine._traces[0] != before:
@@ -73,7 +83,25 @@ def _device_step_ms(engine: Engine, bs: int, seq_len: int, n: int = 20) -> float
     return 1e3 * dt
 
 
-def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backend) -> dict:
+def _attention_kernel(name: str) -> bool:
+    return "jattn_paged_decode" in name or "attention" in name.lower() or "mosaic" in name.lower()
+
+
+def _profile_step(engine: Engine, bs: int, seq_len: int, n: int = 6) -> dict:
+    """Kernel times of one decode step (profiler): span, busy, attention share."""
+    from jattn.bench import profile as prof
+    call = _decode_step_call(engine, bs, seq_len)
+    summ = prof.summarize(prof.profile_calls(lambda: call(), [()] * n))
+    attn = sum(us for name, _, us in summ.kernels if _attention_kernel(name))
+    kernel_sum = sum(us for _, _, us in summ.kernels)
+    count = sum(c for _, c, _ in summ.kernels)
+    print(summ.table(top=10), flush=True)
+    return dict(span_us=summ.span_us, busy_us=summ.busy_us, kernel_sum_us=kernel_sum,
+                attention_us=attn, kernels_per_step=count)
+
+
+def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backend,
+            profile: bool = False) -> dict:
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     buckets = tuple(sorted({1, bs}))
@@ -97,7 +125,8 @@ def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backe
     m = engine.metrics
     assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
     dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
-    return dict(
+    extra = _profile_step(engine, bs, prompt_len + gen_len // 2) if profile else {}
+    return dict(**extra,
         batch=bs, prompt_len=prompt_len, gen_len=gen_len,
         decode_tok_s=m.decode_tokens_per_s, overall_tok_s=m.generated_tokens / wall,
         engine_step_ms=m.median_decode_step_ms, device_step_ms=dev_ms,
@@ -114,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default=None, help="attention kernel backend (default auto)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the decode step: kernel-time sum and attention share vs step time")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
@@ -126,7 +157,8 @@ def main(argv=None) -> int:
         print(f"\n{desc}: built in {time.perf_counter() - t0:.1f} s", flush=True)
         for bs in [int(b) for b in args.batch.split(",")]:
             try:
-                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, args.backend)
+                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, args.backend,
+                            profile=args.profile)
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
@@ -145,6 +177,14 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['model']} | {r['batch']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
               f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} |")
+    prof_rows = [r for r in rows if "span_us" in r]
+    if prof_rows:
+        print("\n| model | batch | engine step ms | device span ms | kernel sum ms | attention ms "
+              "| kernels/step |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in prof_rows:
+            print(f"| {r['model']} | {r['batch']} | {r['engine_step_ms']:.2f} | {r['span_us'] / 1e3:.3f} | "
+                  f"{r['kernel_sum_us'] / 1e3:.3f} | {r['attention_us'] / 1e3:.3f} | {r['kernels_per_step']} |")
     return 0
 
 
