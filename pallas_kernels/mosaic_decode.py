@@ -155,18 +155,27 @@ def _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages)
 
 
 def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
-                       m_rows, kv_itemsize, q_itemsize=2) -> BlockSizes:
+                       m_rows, kv_itemsize, q_itemsize=2, ctas_per_sm=1) -> BlockSizes:
+  """Block shape, ring depth, compute warpgroups and splits of one call.
+
+  ``ctas_per_sm=2`` sizes shared memory so that two CTAs share an SM (64-row KV
+  blocks, one compute warpgroup, half the shared memory each) and plans splits for
+  twice the SMs: the SM then interleaves two independent block chains."""
   m_tiles = -(-m_rows // 64)
-  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
+  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2 and ctas_per_sm == 1) else 1
+  smem_limit = _SMEM_LIMIT // ctas_per_sm - (1024 if ctas_per_sm > 1 else 0)
   choice = None
-  for target_n in ((128, 64) if head_dim <= 128 else (64,)):
+  targets = (128, 64) if head_dim <= 128 else (64,)
+  if ctas_per_sm > 1:
+    targets = (64,)
+  for target_n in targets:
     shape = _block_shape(num_kv_heads, head_dim, page_size, target_n)
     if shape is None:
       continue
     block_n = shape[0] * shape[1] * num_kv_heads
     for c in sorted({compute_wgs, 1}, reverse=True):
       fits = [st for st in (4, 3, 2)
-              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= _SMEM_LIMIT]
+              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= smem_limit]
       if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
         choice = (shape, c, fits[0])
       if fits:
@@ -179,7 +188,8 @@ def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
         "block of a multiple of 64 rows (at most 256) fits in shared memory")
   (bt, ppb), compute_wgs, num_stages = choice
   max_blocks = -(-max_pages * page_size // (bt * ppb))
-  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
+  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks,
+                                 num_sms=NUM_SMS * ctas_per_sm)
   return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
 
@@ -269,6 +279,10 @@ class _Cfg:
     return self.bs.block_tokens * self.bs.pages_per_block * self.num_kv_heads
 
   @property
+  def o_rows(self):  # rows of the partial output per (split, request)
+    return self.q_rows if self.m_tiles == 1 else self.m_tiles * 64
+
+  @property
   def group(self):
     return self.num_q_heads // self.num_kv_heads
 
@@ -282,7 +296,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
                    k_ref,           # [num_pages, page_size*Hkv, D] GMEM
                    v_ref,           # [num_pages, page_size*Hkv, D] GMEM
                    # outputs
-                   o_ref,           # [splits, bs, m_tiles*64, D] dtype (normalised)
+                   o_ref,           # [splits, bs, o_rows, D] dtype (normalised)
                    lse_ref,         # f32[splits, bs, m_tiles*64]  (log2 domain)
                    # scratch
                    q_smem,          # [C, 64, D] dtype (reused for the output tile)
@@ -535,7 +549,10 @@ def _decode_kernel(cfg: _Cfg, dtype,
     qo_smem[...] = acc.astype(dtype)
     lse_smem[wg] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
+    if cfg.m_tiles == 1 and cfg.q_rows != 64:  # only the rows that hold queries
+      plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, cfg.q_rows)], o_ref.at[split, b])
+    else:
+      plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -552,7 +569,7 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
   m_pad = cfg.m_tiles * 64
   m_groups = cfg.m_tiles // C
   out_type = (
-      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad, D), dtype),
+      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, cfg.o_rows, D), dtype),
       jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
   )
   tr = _swizzle_transforms(dtype, D)
@@ -606,45 +623,47 @@ def _merge(x, y):
 def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
   """Merge split partials (log2-domain LSE); apply sinks and v_scale.
 
-  One pass over the partials: a variadic reduction over the split axis whose
-  merge is the online-softmax rescale (one XLA reduction fusion, where a max
-  pass, a weighted einsum and a sum were several kernels)."""
+  With one split the kernel's output is already final up to ``v_scale`` and sinks:
+  no work at all when ``v_scale`` is the Python float 1.0, there are no sinks and
+  the rows need no slicing (each kernel after the decode kernel is a launch, a
+  large share of a batch-1 call)."""
   m = cfg.m_rows
-  o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
-  lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
-  if o.shape[0] == 1:
-    mx, wsum, o = lse2[0], jnp.where(jnp.isneginf(lse2[0]), 0.0, 1.0), o[0]
-  elif not _ONE_PASS_COMBINE:
-    mx = jnp.max(lse2, axis=0)
-    mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-    w = jnp.exp2(lse2 - mx_safe[None])                # 0 for empty splits
-    wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
-    mx = mx_safe
+  if o_part.shape[0] == 1:
+    o = o_part[0, :, :m]                               # normalised; 0 for empty rows
+    lse2 = lse_part[0, :, :m]
+    empty = jnp.isneginf(lse2)
+    lse = lse2 * _LN2                                  # -inf stays -inf
   else:
-    mx, wsum, o = lax.reduce((lse2, jnp.ones_like(o), o),
-                             (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)),
-                             _merge, (0,))
-  mx, wsum = mx[..., 0], wsum[..., 0]
-  empty = wsum == 0.0
-  o = o / jnp.where(empty, 1.0, wsum)[..., None]
-  lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
+    o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
+    lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
+    if not _ONE_PASS_COMBINE:
+      mx = jnp.max(lse2, axis=0)
+      mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
+      w = jnp.exp2(lse2 - mx_safe[None])              # 0 for empty splits
+      wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
+      mx = mx_safe
+    else:
+      mx, wsum, o = lax.reduce((lse2, jnp.ones_like(o), o),
+                               (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)),
+                               _merge, (0,))
+    mx, wsum = mx[..., 0], wsum[..., 0]
+    empty = wsum == 0.0
+    o = o / jnp.where(empty, 1.0, wsum)[..., None]
+    lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
   o = o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim)
   lse = lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads)
-  factor = v_scale
+  unit_v = v_scale is None
   if sinks is not None:
     sink = sinks.astype(jnp.float32)[None, :]
-    factor = factor * jnp.where(empty.reshape(lse.shape), 1.0,
-                                1.0 / (1.0 + jnp.exp(sink - lse)))
-    o = o * (factor[..., None] if jnp.ndim(factor) else factor)
-  else:
-    o = o * factor
+    factor = jnp.where(empty.reshape(lse.shape), 1.0, 1.0 / (1.0 + jnp.exp(sink - lse)))
+    if not unit_v:
+      factor = factor * jnp.asarray(v_scale, jnp.float32)
+    o = o.astype(jnp.float32) * factor[..., None]
+  elif not unit_v:
+    o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
   return o.astype(out_dtype), lse
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
-                     "softmax_scale", "return_lse", "block_sizes"))
 def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1,
                is_causal=True, window_left=-1, logit_cap=0.0, sinks=None,
                softmax_scale=None, k_scale=1.0, v_scale=1.0, return_lse=False,
@@ -668,6 +687,23 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
 
     out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
   """
+  # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
+  unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
+  return _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens,
+                     None if unit_v else v_scale, max_seqlen_q=max_seqlen_q,
+                     is_causal=is_causal, window_left=window_left, logit_cap=logit_cap,
+                     sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale,
+                     return_lse=return_lse, block_sizes=block_sizes)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
+                     "softmax_scale", "return_lse", "block_sizes"))
+def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, *, max_seqlen_q,
+                is_causal, window_left, logit_cap, sinks, softmax_scale, k_scale,
+                return_lse, block_sizes):
+  """:func:`mha_decode` under jit (``v_scale`` None: 1.0)."""
   reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
                               window_left=window_left, sinks=sinks)
   if reason is not None:
@@ -710,6 +746,6 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
   v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
   o_part, lse_part = _run_kernel(cfg, cdtype, page_table.astype(jnp.int32),
                                  cache_seqlens.astype(jnp.int32), scale, q3, k2, v2)
-  out, lse = _combine(o_part, lse_part, cfg=cfg, sinks=sinks,
-                      v_scale=jnp.asarray(v_scale, jnp.float32), out_dtype=dtype)
+  out, lse = _combine(o_part, lse_part, cfg=cfg, sinks=sinks, v_scale=v_scale,
+                      out_dtype=dtype)
   return (out, lse) if return_lse else out

@@ -39,6 +39,8 @@ class Case:
   kv: str = "same"           # "same" or "fp8"
   extra_pages: int = 3       # NaN-filled pages that no request uses
   seed: int = 0
+  splits: int = 0            # KV splits per request (0: the kernel's choice)
+  ctas_per_sm: int = 1       # 2: the two-CTAs-per-SM tiling
 
 
 def _inputs(c: Case, seed: int):
@@ -82,6 +84,17 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
               return_lse=True)
 
 
+def _block_sizes(c: Case, k, table):
+  """Explicit tiling for cases that pin the split count or the CTAs per SM."""
+  if not c.splits and c.ctas_per_sm == 1:
+    return None
+  bs = md.choose_block_sizes(batch=len(c.lens), num_kv_heads=c.hkv, head_dim=c.d,
+                             page_size=c.page_size, max_pages=table.shape[1],
+                             m_rows=c.q_len * c.hq, kv_itemsize=jnp.dtype(k.dtype).itemsize,
+                             ctas_per_sm=c.ctas_per_sm)
+  return dataclasses.replace(bs, num_splits=c.splits) if c.splits else bs
+
+
 def _check(c: Case, *, interpret: bool, seed: int | None = None):
   if c.hkv % 8:  # the aligned-box variant for kv heads not a multiple of 8
     old = md._SMALL_HKV
@@ -96,11 +109,12 @@ def _check(c: Case, *, interpret: bool, seed: int | None = None):
 def _check_impl(c: Case, *, interpret: bool, seed: int | None = None):
   q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed if seed is None else seed)
   kw = _kwargs(c, sinks, ks, vs)
+  bsz = _block_sizes(c, k, table)
   if interpret:
     with gpu_interpret():
-      out, lse = md.mha_decode(q, k, v, table, lens, **kw)
+      out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, **kw)
   else:
-    out, lse = md.mha_decode(q, k, v, table, lens, **kw)
+    out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, **kw)
   ref_out, ref_lse = reference.mha_decode(q, k, v, table, lens, **kw)
   out = np.asarray(out, np.float32)
   ref_out = np.asarray(ref_out, np.float32)
@@ -137,6 +151,12 @@ CPU_CASES = {
     "page128_qlen8_two_tiles": Case(lens=(40,), hq=16, page_size=128, q_len=8),
     "hkv2_group4_tail": Case(lens=(45, 7), hq=8, hkv=2, page_size=32),
     "hkv4_group7_qlen2": Case(lens=(37,), hq=28, hkv=4, q_len=2),
+    # one split: the kernel's output is final up to v_scale and sinks (no merge)
+    "one_split_fp8_sinks": Case(lens=(61, 0, 7), kv="fp8", sinks=True, splits=1),
+    "one_split_bf16": Case(lens=(50, 1), hq=16, splits=1),
+    "three_splits_qlen2": Case(lens=(97, 2), q_len=2, splits=3),
+    # two CTAs per SM: 64-row blocks, twice the splits
+    "occ2_group4": Case(lens=(97, 1, 0), hq=32, ctas_per_sm=2),
 }
 
 
@@ -216,6 +236,14 @@ GPU_CASES = {
     "hkv4_group7": Case(lens=(999, 3), hq=28, hkv=4, d=128),
     "hkv3_group3_page64": Case(lens=(517, 61), hq=9, hkv=3, d=128, page_size=64),
     "hkv4_fp8": Case(lens=(333, 18), hq=16, hkv=4, d=128, kv="fp8"),
+    "one_split_sinks_fp8": Case(lens=(1500, 0, 97), hq=32, hkv=8, d=128, kv="fp8", sinks=True,
+                                splits=1),
+    "occ2_llama8b": Case(lens=(4096, 1, 97, 3000), hq=32, hkv=8, d=128, ctas_per_sm=2),
+    "occ2_b1_l32768": Case(lens=(32768,), hq=32, hkv=8, d=128, ctas_per_sm=2),
+    "occ2_fp8_qlen4": Case(lens=(999, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4,
+                           ctas_per_sm=2),
+    "occ2_page64_window": Case(lens=(2000, 50), hq=32, hkv=8, d=128, page_size=64,
+                               window_left=127, ctas_per_sm=2),
 }
 
 
