@@ -16,8 +16,9 @@ Layout of the work (see docs/PERF.md for the measured figures):
   covering every (query head, KV head) pair; pairs whose heads do not match are
   masked to ``-inf`` (block-diagonal GQA mask), so the ``P @ V`` ``wgmma`` only
   mixes each query head with its own KV head.
-* Each split writes a normalised partial output and its log-sum-exp; a small
-  XLA combine (``_combine``) merges the splits, applies sinks and ``v_scale``.
+* Each split writes a normalised partial output and its log-sum-exp; one small
+  kernel (``split_combine.combine_splits``) merges the splits and applies sinks
+  and ``v_scale``. With one split there is nothing to merge (no kernel).
 
 The entry point is :func:`mha_decode`; :func:`unsupported_reason` says whether a
 call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
@@ -75,6 +76,12 @@ _SMALL_HKV = True
 # Split combine as one variadic reduction (on) or max pass + einsum + sum (off).
 # Off by default for the same A/B (see _EDGE_MASKS and docs/PERF.md).
 _ONE_PASS_COMBINE = False
+# Split combine as one Pallas (Triton-lowered) kernel (on) or XLA ops (off): at
+# batch 1 each of the XLA combine's five kernels is a launch (docs/PERF.md).
+_KERNEL_COMBINE = True
+# Software pipelining in the compute warpgroup: block i+1's Q K^T wgmma is issued
+# before block i's softmax, so the tensor cores and the softmax overlap.
+_OVERLAP_QK = False
 
 
 # ---------------------------------------------------------------------------
@@ -155,27 +162,18 @@ def _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages)
 
 
 def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
-                       m_rows, kv_itemsize, q_itemsize=2, ctas_per_sm=1) -> BlockSizes:
-  """Block shape, ring depth, compute warpgroups and splits of one call.
-
-  ``ctas_per_sm=2`` sizes shared memory so that two CTAs share an SM (64-row KV
-  blocks, one compute warpgroup, half the shared memory each) and plans splits for
-  twice the SMs: the SM then interleaves two independent block chains."""
+                       m_rows, kv_itemsize, q_itemsize=2) -> BlockSizes:
   m_tiles = -(-m_rows // 64)
-  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2 and ctas_per_sm == 1) else 1
-  smem_limit = _SMEM_LIMIT // ctas_per_sm - (1024 if ctas_per_sm > 1 else 0)
+  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
   choice = None
-  targets = (128, 64) if head_dim <= 128 else (64,)
-  if ctas_per_sm > 1:
-    targets = (64,)
-  for target_n in targets:
+  for target_n in ((128, 64) if head_dim <= 128 else (64,)):
     shape = _block_shape(num_kv_heads, head_dim, page_size, target_n)
     if shape is None:
       continue
     block_n = shape[0] * shape[1] * num_kv_heads
     for c in sorted({compute_wgs, 1}, reverse=True):
       fits = [st for st in (4, 3, 2)
-              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= smem_limit]
+              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= _SMEM_LIMIT]
       if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
         choice = (shape, c, fits[0])
       if fits:
@@ -188,8 +186,7 @@ def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
         "block of a multiple of 64 rows (at most 256) fits in shared memory")
   (bt, ppb), compute_wgs, num_stages = choice
   max_blocks = -(-max_pages * page_size // (bt * ppb))
-  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks,
-                                 num_sms=NUM_SMS * ctas_per_sm)
+  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
   return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
 
@@ -455,31 +452,22 @@ def _decode_kernel(cfg: _Cfg, dtype,
         ok = ok & (tok >= qpos - cfg.window_left)
       return ok
 
-    def body(i, carry):
-      acc, m_i, l_i = carry
-      slot = lax.rem(i, jnp.int32(S))
-      blk = start + i
-      plgpu.barrier_wait(k_bar.at[slot])
-      k_tile = k_smem.at[slot]
-      if kc_smem is not None:
-        # FP8 K: upcast through registers into a q-dtype tile for the wgmma.
-        kc_smem[...] = k_smem[slot].astype(dtype)
-        plgpu.commit_smem()
-        k_tile = kc_smem
+    def k_tile_for(slot):
+      """The K tile of a ring slot as the wgmma reads it (FP8: upcast first)."""
+      if kc_smem is None:
+        return k_smem.at[slot]
+      kc_smem[...] = k_smem[slot].astype(dtype)
+      plgpu.commit_smem()
+      return kc_smem
 
-      if cfg.interpret:
-        # The interpreter's wgmma takes neither transposed B nor A in registers:
-        # same product, computed from the shared-memory tiles with a plain dot.
-        s = lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-      else:
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+    def qk_interpret(k_tile):
+      # The interpreter's wgmma takes neither transposed B nor A in registers:
+      # same product, computed from the shared-memory tiles with a plain dot.
+      return lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
 
-      # Score transforms: scale, logit cap, mask.
+    def softmax_step(s, blk, acc, m_i, l_i):
+      """Scale, cap and mask one block's scores; online softmax in base 2."""
       x = s * xscale
       if cfg.logit_cap > 0:
         x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
@@ -496,15 +484,16 @@ def _decode_kernel(cfg: _Cfg, dtype,
                      lambda x: jnp.where(head_ok & token_ok(blk), x, -jnp.inf), x)
       else:
         x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
-
-      # Online softmax in base 2.
       m_new = jnp.maximum(m_i, x.max(axis=1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_use)
       p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
       l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(dtype)
+      return p.astype(dtype), acc, m_new, l_i
+
+    def pv_step(acc, p16, slot, blk):
+      """Wait for the block's V, acc += P @ V, free the V slot."""
       plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if vc_smem is not None:
@@ -538,9 +527,80 @@ def _decode_kernel(cfg: _Cfg, dtype,
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       if vc_smem is None:
         plgpu.barrier_arrive(v_free.at[slot])
+      return acc
+
+    def body(i, carry):
+      """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
+      acc, m_i, l_i = carry
+      slot = lax.rem(i, jnp.int32(S))
+      blk = start + i
+      plgpu.barrier_wait(k_bar.at[slot])
+      k_tile = k_tile_for(slot)
+      if cfg.interpret:
+        s = qk_interpret(k_tile)
+      else:
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
+      acc = pv_step(acc, p16, slot, blk)
       return acc, m_new, l_i
 
-    acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
+    def body_overlap(i, carry):
+      """Block i with the next block's Q K^T in flight on the tensor cores while
+      this block's softmax runs (the scores of block i come in the carry)."""
+      acc, m_i, l_i, s_cur = carry
+      slot = lax.rem(i, jnp.int32(S))
+      blk = start + i
+      has_next = i + 1 < count
+      # Past the last block the product is redone on the last K tile (still in
+      # its slot: nothing is loaded after it) and discarded.
+      nslot = lax.rem(jnp.minimum(i + 1, count - 1), jnp.int32(S))
+
+      @pl.when(has_next)
+      def _():
+        plgpu.barrier_wait(k_bar.at[nslot])
+      k_next = k_tile_for(nslot)
+      if cfg.interpret:
+        s_next = qk_interpret(k_next)
+        p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
+        acc = pv_step(acc, p16, slot, blk)
+      else:
+        def scope(s_ref):
+          plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_next, (1, 0)))
+          p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
+          acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
+          return acc2, m_new, l_new, s_ref[...]
+        acc, m_new, l_i, s_next = pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
+
+      @pl.when(has_next)
+      def _():
+        plgpu.barrier_arrive(k_free.at[nslot])
+      return acc, m_new, l_i, s_next
+
+    if _OVERLAP_QK:
+      # Prologue: the first block's scores (a CTA with no blocks computes them on
+      # an unloaded slot and never uses them).
+      @pl.when(count > 0)
+      def _():
+        plgpu.barrier_wait(k_bar.at[0])
+      k0 = k_tile_for(0)
+      if cfg.interpret:
+        s0 = qk_interpret(k0)
+      else:
+        def qk0(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k0, (1, 0)))
+          return acc_ref[...]
+        s0 = pl.run_scoped(qk0, plgpu.ACC((64, N), jnp.float32))
+
+      @pl.when(count > 0)
+      def _():
+        plgpu.barrier_arrive(k_free.at[0])
+      acc, m_i, l_i, _ = lax.fori_loop(0, count, body_overlap, (acc, m_i, l_i, s0))
+    else:
+      acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
 
     empty = l_i == 0.0
     inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
@@ -633,6 +693,13 @@ def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
     lse2 = lse_part[0, :, :m]
     empty = jnp.isneginf(lse2)
     lse = lse2 * _LN2                                  # -inf stays -inf
+  elif _KERNEL_COMBINE:
+    from jattn.pallas_kernels.split_combine import combine_splits
+    o, lse = combine_splits(o_part, lse_part, sinks, v_scale, m_rows=m,
+                            num_q_heads=cfg.num_q_heads, out_dtype=jnp.dtype(out_dtype),
+                            interpret=cfg.interpret or jax.default_backend() != "gpu")
+    return (o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim),
+            lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads))
   else:
     o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
     lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
@@ -693,17 +760,24 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
                      None if unit_v else v_scale, max_seqlen_q=max_seqlen_q,
                      is_causal=is_causal, window_left=window_left, logit_cap=logit_cap,
                      sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale,
-                     return_lse=return_lse, block_sizes=block_sizes)
+                     return_lse=return_lse, block_sizes=block_sizes,
+                     switches=_switches())
+
+
+def _switches():
+  """The module's switches, part of the jit key: flipping one retraces."""
+  return (_EDGE_MASKS, _SMALL_HKV, _ONE_PASS_COMBINE, _KERNEL_COMBINE, _OVERLAP_QK)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
-                     "softmax_scale", "return_lse", "block_sizes"))
+                     "softmax_scale", "return_lse", "block_sizes", "switches"))
 def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, *, max_seqlen_q,
                 is_causal, window_left, logit_cap, sinks, softmax_scale, k_scale,
-                return_lse, block_sizes):
+                return_lse, block_sizes, switches):
   """:func:`mha_decode` under jit (``v_scale`` None: 1.0)."""
+  del switches  # read from the module at trace time; only keys the cache
   reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
                               window_left=window_left, sinks=sinks)
   if reason is not None:

@@ -9,6 +9,7 @@ padded page-table slots are filled with NaN to prove they never leak.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -40,7 +41,6 @@ class Case:
   extra_pages: int = 3       # NaN-filled pages that no request uses
   seed: int = 0
   splits: int = 0            # KV splits per request (0: the kernel's choice)
-  ctas_per_sm: int = 1       # 2: the two-CTAs-per-SM tiling
 
 
 def _inputs(c: Case, seed: int):
@@ -85,14 +85,13 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
 
 
 def _block_sizes(c: Case, k, table):
-  """Explicit tiling for cases that pin the split count or the CTAs per SM."""
-  if not c.splits and c.ctas_per_sm == 1:
+  """Explicit tiling for cases that pin the split count."""
+  if not c.splits:
     return None
   bs = md.choose_block_sizes(batch=len(c.lens), num_kv_heads=c.hkv, head_dim=c.d,
                              page_size=c.page_size, max_pages=table.shape[1],
-                             m_rows=c.q_len * c.hq, kv_itemsize=jnp.dtype(k.dtype).itemsize,
-                             ctas_per_sm=c.ctas_per_sm)
-  return dataclasses.replace(bs, num_splits=c.splits) if c.splits else bs
+                             m_rows=c.q_len * c.hq, kv_itemsize=jnp.dtype(k.dtype).itemsize)
+  return dataclasses.replace(bs, num_splits=c.splits)
 
 
 def _check(c: Case, *, interpret: bool, seed: int | None = None):
@@ -155,8 +154,6 @@ CPU_CASES = {
     "one_split_fp8_sinks": Case(lens=(61, 0, 7), kv="fp8", sinks=True, splits=1),
     "one_split_bf16": Case(lens=(50, 1), hq=16, splits=1),
     "three_splits_qlen2": Case(lens=(97, 2), q_len=2, splits=3),
-    # two CTAs per SM: 64-row blocks, twice the splits
-    "occ2_group4": Case(lens=(97, 1, 0), hq=32, ctas_per_sm=2),
 }
 
 
@@ -170,6 +167,30 @@ def test_interpreted(name):
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")
   _check(CPU_CASES[name], interpret=True)
+
+
+@contextlib.contextmanager
+def _switch(name, value):
+  old = getattr(md, name)
+  setattr(md, name, value)
+  try:
+    yield
+  finally:
+    setattr(md, name, old)
+
+
+OVERLAP_CPU = ["lens_0_1_97", "fp8_kv_scales", "qlen4_causal", "hkv2_group4_tail",
+               "one_split_fp8_sinks", "window"]
+
+
+@needs_interp
+@pytest.mark.parametrize("name", OVERLAP_CPU)
+def test_interpreted_overlap_qk(name):
+  """The software-pipelined block loop (next block's Q K^T before this softmax)."""
+  if on_gpu():
+    pytest.skip("interpreter tests run on the CPU")
+  with _switch("_OVERLAP_QK", not md._OVERLAP_QK):
+    _check(CPU_CASES[name], interpret=True)
 
 
 @needs_interp
@@ -238,12 +259,7 @@ GPU_CASES = {
     "hkv4_fp8": Case(lens=(333, 18), hq=16, hkv=4, d=128, kv="fp8"),
     "one_split_sinks_fp8": Case(lens=(1500, 0, 97), hq=32, hkv=8, d=128, kv="fp8", sinks=True,
                                 splits=1),
-    "occ2_llama8b": Case(lens=(4096, 1, 97, 3000), hq=32, hkv=8, d=128, ctas_per_sm=2),
-    "occ2_b1_l32768": Case(lens=(32768,), hq=32, hkv=8, d=128, ctas_per_sm=2),
-    "occ2_fp8_qlen4": Case(lens=(999, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4,
-                           ctas_per_sm=2),
-    "occ2_page64_window": Case(lens=(2000, 50), hq=32, hkv=8, d=128, page_size=64,
-                               window_left=127, ctas_per_sm=2),
+    "splits5_page64": Case(lens=(2000, 50), hq=32, hkv=8, d=128, page_size=64, splits=5),
 }
 
 
@@ -257,6 +273,18 @@ def test_gpu(name):
     pytest.skip(reason)
   _check(c, interpret=False)
   _check(c, interpret=False, seed=1)
+
+
+OVERLAP_GPU = ["llama8b_b4_l4096_p16", "b1_l32768", "fp8", "qlen4_verify", "hkv2_group4",
+               "window_cap_sinks", "one_split_sinks_fp8", "llama8b_b3_p64_ragged"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OVERLAP_GPU)
+def test_gpu_overlap_qk_switch(name):
+  """The block loop with the other setting of _OVERLAP_QK (both must stay right)."""
+  with _switch("_OVERLAP_QK", not md._OVERLAP_QK):
+    _check(GPU_CASES[name], interpret=False)
 
 
 @pytest.mark.gpu

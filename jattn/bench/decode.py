@@ -72,9 +72,6 @@ def main(argv: list[str] | None = None) -> None:
                   help="e.g. 16,33,66,132: also time these split counts for batch-1 rows")
   ap.add_argument("--profile", action="store_true",
                   help="also profile one call per row: device span, kernel time, kernels")
-  ap.add_argument("--variants", default="",
-                  help="also time block-size variants: occ2 (two CTAs per SM: 64-row blocks, "
-                       "splits for 264 SMs), occ2s3 (the same with a 3-deep ring)")
   ap.add_argument("--graph", action="store_true",
                   help="also time with XLA command buffers (CUDA graphs), as the engine runs")
   ap.add_argument("--set", default="",
@@ -157,33 +154,6 @@ def main(argv: list[str] | None = None) -> None:
       except Exception as e:  # noqa: BLE001
         sweep.append(f"page {ps} {bs}x{L} graph: failed {type(e).__name__}: {str(e)[:120]}")
       print(sweep[-1], flush=True)
-    for var in filter(None, args.variants.split(",")):
-      import dataclasses
-      bv = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
-                                 max_pages=tables.shape[-1], m_rows=q_len * HQ,
-                                 kv_itemsize=itemsize, ctas_per_sm=2)
-      if var == "occ2s3":
-        bv = dataclasses.replace(bv, num_stages=3)
-      elif var != "occ2":
-        raise SystemExit(f"--variants: unknown {var!r}")
-
-      def step_v(i, qs, k, v, tables, lens, bv=bv):
-        return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len,
-                             k_scale=kscale, v_scale=kscale, block_sizes=bv)
-      try:
-        tv = common.time_rotated(step_v, (qs, k, v, tables, lens), n_hi=n_hi, graph=args.graph)
-        msg = (f"page {ps} {bs}x{L} q_len {q_len} {kvname} {var} {bv}{' graph' if args.graph else ''}: "
-               f"{tv.seconds * 1e6:.1f} us {kv_bytes / tv.seconds / 1e12:.2f} TB/s")
-        if args.check:
-          from jattn import reference
-          out = step_v(0, qs, k, v, tables, lens)
-          ref = reference.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
-                                     k_scale=kscale, v_scale=kscale)
-          msg += f" max err {float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))):.2e}"
-        sweep.append(msg)
-      except Exception as e:  # noqa: BLE001
-        sweep.append(f"page {ps} {bs}x{L} {var}: failed {type(e).__name__}: {str(e)[:160]}")
-      print(sweep[-1], flush=True)
     if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
       import dataclasses
       for sp in [int(x) for x in args.splits_sweep.split(",")]:
@@ -232,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
     print("\n".join(profiles))
   if sweep:
-    print("graph timings, variants, split-count sweep:")
+    print("graph timings, split-count sweep:")
     print("\n".join(sweep))
   print(common.fmt_table(header, rows))
 
