@@ -80,8 +80,10 @@ _ONE_PASS_COMBINE = False
 # batch 1 each of the XLA combine's five kernels is a launch (docs/PERF.md).
 _KERNEL_COMBINE = True
 # Software pipelining in the compute warpgroup: block i+1's Q K^T wgmma is issued
-# before block i's softmax, so the tensor cores and the softmax overlap.
-_OVERLAP_QK = False
+# before block i's softmax, so the tensor cores and the softmax overlap. For
+# 2-byte KV only: with FP8 the K upcast lands on the same chain and the H200 ran
+# 1.8x slower (docs/PERF.md); q_len 4 gained 15%, 64x4096 q_len 1 up to 6%.
+_OVERLAP_QK = True
 
 
 # ---------------------------------------------------------------------------
@@ -580,7 +582,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
         plgpu.barrier_arrive(k_free.at[nslot])
       return acc, m_new, l_i, s_next
 
-    if _OVERLAP_QK:
+    if _OVERLAP_QK and kc_smem is None:
       # Prologue: the first block's scores (a CTA with no blocks computes them on
       # an unloaded slot and never uses them).
       @pl.when(count > 0)
@@ -755,11 +757,14 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
     out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
   """
   # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
+  # A Python k_scale is folded into a constant score scale (no kernel computes it).
   unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
+  k_py = isinstance(k_scale, (int, float))
   return _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens,
-                     None if unit_v else v_scale, max_seqlen_q=max_seqlen_q,
+                     None if unit_v else v_scale, None if k_py else k_scale,
+                     max_seqlen_q=max_seqlen_q, k_scale_py=float(k_scale) if k_py else None,
                      is_causal=is_causal, window_left=window_left, logit_cap=logit_cap,
-                     sinks=sinks, softmax_scale=softmax_scale, k_scale=k_scale,
+                     sinks=sinks, softmax_scale=softmax_scale,
                      return_lse=return_lse, block_sizes=block_sizes,
                      switches=_switches())
 
@@ -772,11 +777,12 @@ def _switches():
 @functools.partial(
     jax.jit,
     static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
-                     "softmax_scale", "return_lse", "block_sizes", "switches"))
-def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, *, max_seqlen_q,
-                is_causal, window_left, logit_cap, sinks, softmax_scale, k_scale,
-                return_lse, block_sizes, switches):
-  """:func:`mha_decode` under jit (``v_scale`` None: 1.0)."""
+                     "softmax_scale", "return_lse", "block_sizes", "switches", "k_scale_py"))
+def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, k_scale, *,
+                max_seqlen_q, k_scale_py, is_causal, window_left, logit_cap, sinks,
+                softmax_scale, return_lse, block_sizes, switches):
+  """:func:`mha_decode` under jit (``v_scale`` None: 1.0; ``k_scale`` None: the
+  Python float ``k_scale_py``)."""
   del switches  # read from the module at trace time; only keys the cache
   reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
                               window_left=window_left, sinks=sinks)
@@ -809,7 +815,10 @@ def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, *, max_
              logit_cap=float(logit_cap or 0.0), bs=bsz, interpret=_interpreting())
 
   sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-  scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
+  if k_scale is None:
+    scale = np.asarray([k_scale_py * sm_scale], np.float32)
+  else:
+    scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
   # FP8 KV computes in f16: e4m3 -> f16 is exact and the one upcast the hardware
   # has (e4m3 -> bf16 goes through f32); bf16 q -> f16 keeps 10 mantissa bits.
   cdtype = jnp.float16 if jnp.dtype(k_cache.dtype).itemsize == 1 else dtype

@@ -179,14 +179,14 @@ def _switch(name, value):
     setattr(md, name, old)
 
 
-OVERLAP_CPU = ["lens_0_1_97", "fp8_kv_scales", "qlen4_causal", "hkv2_group4_tail",
-               "one_split_fp8_sinks", "window"]
+OVERLAP_CPU = ["lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail",
+               "one_split_bf16", "window"]
 
 
 @needs_interp
 @pytest.mark.parametrize("name", OVERLAP_CPU)
 def test_interpreted_overlap_qk(name):
-  """The software-pipelined block loop (next block's Q K^T before this softmax)."""
+  """The other setting of the software-pipelined block loop (_OVERLAP_QK)."""
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")
   with _switch("_OVERLAP_QK", not md._OVERLAP_QK):
@@ -275,8 +275,8 @@ def test_gpu(name):
   _check(c, interpret=False, seed=1)
 
 
-OVERLAP_GPU = ["llama8b_b4_l4096_p16", "b1_l32768", "fp8", "qlen4_verify", "hkv2_group4",
-               "window_cap_sinks", "one_split_sinks_fp8", "llama8b_b3_p64_ragged"]
+OVERLAP_GPU = ["llama8b_b4_l4096_p16", "b1_l32768", "d256_group2", "qlen4_verify", "hkv2_group4",
+               "window_cap_sinks", "group16", "llama8b_b3_p64_ragged"]
 
 
 @pytest.mark.gpu

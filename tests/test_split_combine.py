@@ -33,6 +33,7 @@ def _merge_ref(o, lse, m, sinks, v_scale, hq):
     (33, 2, 16, 9, 64, 9, True, 0.61),     # one past a chunk; rows padded past m
     (132, 1, 32, 32, 128, 32, False, None),  # batch-1 decode on 132 SMs
     (5, 4, 64, 64, 256, 16, True, None),
+    (300, 1, 8, 8, 64, 8, True, 2.0),      # more splits than one load round
 ])
 def test_combine_matches_float64(splits, bs, rows, m, d, hq, sinks, v_scale):
   rng = np.random.default_rng(splits)
