@@ -188,7 +188,8 @@ def mha_decode_with_kvcache(
         "mha_decode",
         backend,
         "mosaic_decode",
-        lambda mod, *a, **k: mod.unsupported_reason(*a, **k),
+        lambda mod, *a, **k: mod.unsupported_reason(*a, **k)
+        or (mod.auto_skip_reason(*a, **k) if backend is None else None),
         q,
         k_cache,
         v_cache,

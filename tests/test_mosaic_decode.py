@@ -233,6 +233,29 @@ def test_errors_name_the_limit():
                   jnp.zeros((2, 1), jnp.int32), jnp.zeros((2,), jnp.int32))
 
 
+def test_auto_dispatch_skips_measured_slow_shapes(monkeypatch):
+  """Auto picks mosaic on Hopper only where it was measured faster than xla; an
+  explicit backend="mosaic" still runs the kernel."""
+  from jattn import ops
+  q = jnp.zeros((2, 9, 64), jnp.bfloat16)
+  k3 = jnp.zeros((4, 16, 3, 64), jnp.bfloat16)
+  k8 = jnp.zeros((4, 16, 8, 64), jnp.bfloat16)
+  q8 = jnp.zeros((2, 16, 64), jnp.bfloat16)
+  assert "num_kv_heads=3" in md.auto_skip_reason(q, k3, k3)
+  assert md.auto_skip_reason(q8, k8, k8) is None
+  monkeypatch.setattr(ops, "device_kind", lambda: "hopper")
+  monkeypatch.setattr(md, "unsupported_reason", lambda *a, **k: None)
+  table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+  picked = []
+  monkeypatch.setattr(md, "mha_decode", lambda *a, **k: picked.append("mosaic") or a[0])
+  monkeypatch.setattr(ops.reference, "mha_decode",
+                      lambda *a, **k: picked.append("xla") or a[0])
+  ops.mha_decode_with_kvcache(q, k3, k3, table, lens)
+  ops.mha_decode_with_kvcache(q8, k8, k8, table, lens)
+  ops.mha_decode_with_kvcache(q, k3, k3, table, lens, backend="mosaic")
+  assert picked == ["xla", "mosaic", "mosaic"]
+
+
 # Full shapes on the GPU.
 GPU_CASES = {
     "llama8b_b4_l4096_p16": Case(lens=(4096, 1, 97, 3000), hq=32, hkv=8, d=128),
