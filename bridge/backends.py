@@ -417,7 +417,8 @@ class TorchMHABackend(_BridgeBase):
         dtypes, ``spec_num_tokens``, ``kernel_backend``, batch buckets).
       device: torch device of the pool (default: the current CUDA device, else CPU).
       kv_writer: ``"jax"``, ``"torch"`` or ``"auto"`` (see the module docstring).
-      sync: stream fences, ``"event"`` (default), ``"host"`` or ``"none"``.
+      sync: stream fences, ``"event"`` (default), ``"stream"`` (on XLA's compute
+        stream, no JAX call; see :mod:`jattn.bridge.streams`), ``"host"`` or ``"none"``.
 
     Example (CPU)::
 

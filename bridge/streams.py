@@ -17,6 +17,15 @@ it orders them itself with two fences per call:
   ``out``, the next staging copy, a torch read of the KV pool) sees the call's
   writes, and cannot overwrite what the call still reads.
 
+``mode="stream"`` orders the two libraries on XLA's own compute stream instead,
+with no JAX call at all: that stream's handle is read once from inside a jitted
+``buffer_callback`` (:func:`xla_compute_stream`); per call, torch records an event
+on its stream and makes XLA's stream wait on it (before), then records an event
+on XLA's stream and makes its own stream wait on that (after). Two CUDA calls
+each way. The "after" event is correct only if the jitted call's kernels are on
+XLA's stream when the Python call returns (a synchronous launch, as the GPU
+client does on the H200 with jax 0.11.2; checked by the stream-race GPU tests).
+
 ``mode="host"`` instead blocks the host (``synchronize`` / ``block_until_ready``):
 simple and safe, but it serialises host and GPU. On the CPU both fences reduce to
 waiting for the JAX result (torch CPU ops are synchronous).
@@ -27,7 +36,29 @@ from __future__ import annotations
 import jax
 import torch
 
-__all__ = ["StreamSync"]
+__all__ = ["StreamSync", "xla_compute_stream"]
+
+
+def xla_compute_stream(device) -> int | None:
+    """The CUDA stream XLA runs computations on for ``device`` (a pointer), read
+    from inside a jitted ``buffer_callback``; None where that API is missing or two
+    executions report different streams."""
+    try:
+        import jax.numpy as jnp
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError:
+        return None
+    seen = []
+
+    def record(ctx, out, x):
+        del out, x
+        seen.append(int(ctx.stream))
+
+    f = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                has_side_effect=True))
+    for v in (0, 1):
+        jax.block_until_ready(f(jax.device_put(jnp.full((1,), v, jnp.int32), device)))
+    return seen[0] if len(seen) == 2 and seen[0] == seen[1] and seen[0] else None
 
 
 class StreamSync:
@@ -35,13 +66,14 @@ class StreamSync:
 
     Args:
       mode: ``"event"`` (GPU default: device-side waits, host never blocks),
+        ``"stream"`` (device-side waits on XLA's compute stream, no JAX call),
         ``"host"`` (host synchronisation) or ``"none"`` (caller orders the streams;
         unsafe unless torch and JAX work never overlap).
     """
 
     def __init__(self, mode: str = "event", device: torch.device | None = None):
-        if mode not in ("event", "host", "none"):
-            raise ValueError(f"sync mode={mode!r} must be 'event', 'host' or 'none'")
+        if mode not in ("event", "stream", "host", "none"):
+            raise ValueError(f"sync mode={mode!r} must be 'event', 'stream', 'host' or 'none'")
         self.platform = jax.default_backend()
         self.mode = mode
         self._jdev = jax.devices()[0]
@@ -53,10 +85,21 @@ class StreamSync:
             except Exception:  # noqa: BLE001 - a client without the stream extension
                 self._ext_stream = None
             self._import = self._make_importer()
+            self._xla_stream = None
+            if mode == "stream":
+                self._setup_stream()
         else:
             self.device = torch.device("cpu")
             self._fence_t = torch.zeros(16, dtype=torch.int32)
         self._fence_j = jax.dlpack.from_dlpack(self._fence_t, copy=False)
+
+    def _setup_stream(self):
+        ptr = xla_compute_stream(self._jdev)
+        if ptr is None:
+            raise RuntimeError("sync='stream': XLA's compute stream could not be read "
+                               "(needs jax.experimental.buffer_callback); use sync='event'")
+        self._xla_stream = torch.cuda.ExternalStream(ptr, device=self.device)
+        self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
 
     def _make_importer(self):
         """The cheapest import that still runs the DLPack stream protocol."""
@@ -97,6 +140,12 @@ class StreamSync:
         if self.mode == "host":
             torch.cuda.current_stream(self.device).synchronize()
             return self._fence_j
+        if self.mode == "stream":
+            if self._xla_stream is None:  # mode switched after construction
+                self._setup_stream()
+            self._ev_in.record()  # torch's current stream
+            self._xla_stream.wait_event(self._ev_in)
+            return self._fence_j
         return self._import()
 
     def after_jax(self, out: jax.Array) -> None:
@@ -108,6 +157,10 @@ class StreamSync:
             return
         if self.mode == "host":
             out.block_until_ready()
+            return
+        if self.mode == "stream":
+            self._ev_out.record(self._xla_stream)
+            torch.cuda.current_stream(self.device).wait_event(self._ev_out)
             return
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         out.__dlpack__(stream=ptr if ptr else 1)  # 1: the legacy default stream

@@ -151,12 +151,13 @@ def test_jax_writer_refused_on_cpu():
 # ----------------------------------------------------------------------------- MHA
 
 
-def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sinks=False, seed=0):
+def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sinks=False, seed=0,
+                    sync="event"):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hq, hkv, d, ps = 4, 2, 32, 4
     cfg, pool = mha_setup(kv_dtype, hq, hkv, d, ps)
-    be = TorchMHABackend(cfg, kv_writer=kv_writer)
+    be = TorchMHABackend(cfg, kv_writer=kv_writer, sync=sync)
     scale = 0.05 if kv_dtype == torch.float8_e4m3fn else None
     layers = [AttentionLayer(i, hq, hkv, d, sliding_window_size=window, logit_cap=cap,
                              k_scale=scale, v_scale=scale and 0.03) for i in range(2)]
@@ -441,6 +442,22 @@ def test_gpu_engine_jax_writer_in_place(kv_dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_engine_stream_sync():
+    """The engine loop with fences on XLA's compute stream (sync="stream")."""
+    be = _run_mha_engine(torch.bfloat16, kv_writer="jax", sync="stream")
+    assert be.sync.mode == "stream"
+
+
+def test_stream_sync_mode_accepted_on_every_platform():
+    """sync="stream" is a valid mode; on the CPU it orders like "event" (torch CPU ops
+    are synchronous and the output export waits for the result)."""
+    if not ON_GPU:
+        _run_mha_engine(torch.bfloat16, sync="stream")
+    with pytest.raises(ValueError, match="'stream'"):
+        TorchMHABackend(mha_setup()[0], sync="streams")
+
+
+@pytest.mark.gpu
 def test_gpu_torch_writer_engine():
     _run_mha_engine(torch.bfloat16, kv_writer="torch")
 
@@ -469,11 +486,12 @@ def test_gpu_no_memory_growth():
 
 
 @pytest.mark.gpu
-def test_gpu_stream_order_torch_write_then_jattn_read():
+@pytest.mark.parametrize("sync", ["event", "stream"])
+def test_gpu_stream_order_torch_write_then_jattn_read(sync):
     """Large torch write into the pool immediately followed by a jattn read (no sync)."""
     big = 1 << 15
     cfg, pool = mha_setup(num_pages=big, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
-    be = TorchMHABackend(cfg)
+    be = TorchMHABackend(cfg, sync=sync)
     layer = AttentionLayer(0, 8, 8, 128)
     r2p = torch.arange(1, 257, dtype=torch.int32).view(1, 256)
     be.init_forward_metadata(1, 0, torch.tensor([0]), torch.tensor([4096]), r2p, ForwardMode.DECODE)
@@ -486,10 +504,11 @@ def test_gpu_stream_order_torch_write_then_jattn_read():
 
 
 @pytest.mark.gpu
-def test_gpu_stream_order_jattn_write_then_torch_read():
+@pytest.mark.parametrize("sync", ["event", "stream"])
+def test_gpu_stream_order_jattn_write_then_torch_read(sync):
     """A jattn in-place write immediately followed by a torch read of the pool (no sync)."""
     cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
-    be = TorchMHABackend(cfg)
+    be = TorchMHABackend(cfg, sync=sync)
     layer = AttentionLayer(0, 8, 8, 128)
     n = 32
     r2p = torch.arange(1, 1 + 256 * n, dtype=torch.int32).view(n, 256)

@@ -138,7 +138,7 @@ def bench_host(sync="event", device="cuda", seqlen=4096, n=300):
     parts = {}
     parts["forward_decode, save_kv_cache=False (read-only)"] = _host_us(
         lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
-    for mode in ("none", "host", "event"):
+    for mode in ("none", "host", "event") + (("stream",) if jax.default_backend() == "gpu" else ()):
         if mode == sync:
             continue
         be.sync.mode = mode
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--sync", default="event", choices=["event", "host", "none"])
+    ap.add_argument("--sync", default="event", choices=["event", "stream", "host", "none"])
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                     help="cpu: host-time part only, small shapes (the Python overhead; JAX on the CPU)")
     ap.add_argument("--host-seqlen", type=int, default=None, help="context of the batch-1 host-time call")
@@ -222,8 +222,13 @@ def main(argv=None) -> int:
         rel = t_torch / t_native - 1
         shape = f"B{a.bs} L{a.seqlen} GQA 32/8 D128 page 16 bf16, {a.calls} calls / {a.layers} layers"
         rows += [(f"decode {shape}: JAX native, us/call", t_native * 1e6),
-                 (f"decode {shape}: torch bridge, us/call", t_torch * 1e6),
-                 ("decode overhead vs native, % (target <= +5)", rel * 100)]
+                 (f"decode {shape}: torch bridge sync={a.sync}, us/call", t_torch * 1e6),
+                 (f"decode overhead vs native, sync={a.sync}, % (target <= +5)", rel * 100)]
+        if a.sync != "stream":
+            t_s, t_n2 = bench_throughput(a.bs, a.seqlen, a.layers, a.calls, "stream")
+            rows += [(f"decode {shape}: torch bridge sync=stream, us/call", t_s * 1e6),
+                     ("decode overhead vs native, sync=stream, % (target <= +5)",
+                      (t_s / t_n2 - 1) * 100)]
     w = max(len(r[0]) for r in rows)
     print(f"\nbench bridge ({jax.default_backend()}, jax {jax.__version__})")
     print(f"{'what'.ljust(w)}  {'us':>8}")
