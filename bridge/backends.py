@@ -103,7 +103,7 @@ class _BridgeBase:
 
     _jbackend: MHABackend | MLABackend
 
-    def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "event"):
+    def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
         self.config = config
         self.platform = jax.default_backend()
         if device is None:
@@ -417,7 +417,8 @@ class TorchMHABackend(_BridgeBase):
         dtypes, ``spec_num_tokens``, ``kernel_backend``, batch buckets).
       device: torch device of the pool (default: the current CUDA device, else CPU).
       kv_writer: ``"jax"``, ``"torch"`` or ``"auto"`` (see the module docstring).
-      sync: stream fences, ``"event"`` (default), ``"stream"`` (on XLA's compute
+      sync: stream fences, ``"auto"`` (default: ``"stream"`` on a GPU where it
+        checks out, else ``"event"``), ``"event"``, ``"stream"`` (on XLA's compute
         stream, no JAX call; see :mod:`jattn.bridge.streams`), ``"host"`` or ``"none"``.
 
     Example (CPU)::
@@ -427,7 +428,7 @@ class TorchMHABackend(_BridgeBase):
         out = backend.forward_decode(q, k, v, layer, out_cache_loc, pool, bs, save_kv_cache=True)
     """
 
-    def __init__(self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "event"):
+    def __init__(self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
         self._jbackend = MHABackend(config)
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
 
@@ -636,7 +637,7 @@ class TorchMLABackend(_BridgeBase):
     """
 
     def __init__(self, config: MLAConfig, token_to_kv_pool=None, *, device=None, kv_writer: str = "auto",
-                 sync: str = "event"):
+                 sync: str = "auto"):
         self._jbackend = MLABackend(config)
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
         self.token_to_kv_pool = token_to_kv_pool

@@ -33,6 +33,8 @@ waiting for the JAX result (torch CPU ops are synchronous).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import torch
 
@@ -65,15 +67,18 @@ class StreamSync:
     """Per-call fences between torch's current stream and JAX (see module docstring).
 
     Args:
-      mode: ``"event"`` (GPU default: device-side waits, host never blocks),
-        ``"stream"`` (device-side waits on XLA's compute stream, no JAX call),
+      mode: ``"auto"`` (default: ``"stream"`` on a GPU where it was checked to be
+        safe, else ``"event"``), ``"event"`` (device-side waits through JAX's
+        DLPack stream protocol, host never blocks), ``"stream"`` (device-side waits
+        on XLA's compute stream, no JAX call),
         ``"host"`` (host synchronisation) or ``"none"`` (caller orders the streams;
         unsafe unless torch and JAX work never overlap).
     """
 
-    def __init__(self, mode: str = "event", device: torch.device | None = None):
-        if mode not in ("event", "stream", "host", "none"):
-            raise ValueError(f"sync mode={mode!r} must be 'event', 'stream', 'host' or 'none'")
+    def __init__(self, mode: str = "auto", device: torch.device | None = None):
+        if mode not in ("auto", "event", "stream", "host", "none"):
+            raise ValueError(f"sync mode={mode!r} must be 'auto', 'event', 'stream', 'host' "
+                             "or 'none'")
         self.platform = jax.default_backend()
         self.mode = mode
         self._jdev = jax.devices()[0]
@@ -86,9 +91,21 @@ class StreamSync:
                 self._ext_stream = None
             self._import = self._make_importer()
             self._xla_stream = None
-            if mode == "stream":
+            if mode == "auto":
+                # "stream" where XLA's stream can be read and a jitted call is on it
+                # when the call returns (checked once here); "event" otherwise.
+                try:
+                    self._setup_stream()
+                    self.mode = "stream" if self._launch_is_synchronous() else "event"
+                except RuntimeError:
+                    self.mode = "event"
+                if self.mode == "event":
+                    warnings.warn("jattn.bridge: XLA's compute stream is not usable for fences "
+                                  "here; using sync='event' (slower host path)")
+            elif mode == "stream":
                 self._setup_stream()
         else:
+            self.mode = "event" if mode == "auto" else mode
             self.device = torch.device("cpu")
             self._fence_t = torch.zeros(16, dtype=torch.int32)
         self._fence_j = jax.dlpack.from_dlpack(self._fence_t, copy=False)
@@ -100,6 +117,24 @@ class StreamSync:
                                "(needs jax.experimental.buffer_callback); use sync='event'")
         self._xla_stream = torch.cuda.ExternalStream(ptr, device=self.device)
         self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
+
+    def _launch_is_synchronous(self) -> bool:
+        """True if a jitted call's work is on XLA's stream when the call returns: an
+        event recorded on that stream right after a ~10 ms call must not complete
+        before the call's result is ready (an asynchronous launch would fail this)."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        x = jax.device_put(jnp.full((2048, 2048), 1e-3, jnp.float32), self._jdev)
+        f = jax.jit(lambda x: lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x), x))
+        jax.block_until_ready(f(x))
+        out = f(x)
+        ev = torch.cuda.Event()
+        ev.record(self._xla_stream)
+        ev.synchronize()
+        ok = out.is_ready()
+        jax.block_until_ready(out)
+        return ok
 
     def _make_importer(self):
         """The cheapest import that still runs the DLPack stream protocol."""

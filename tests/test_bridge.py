@@ -442,6 +442,12 @@ def test_gpu_engine_jax_writer_in_place(kv_dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_auto_sync_resolves_to_stream():
+    """On the GPU the default fences are on XLA's stream once the launch check passes."""
+    assert TorchMHABackend(mha_setup()[0]).sync.mode == "stream"
+
+
+@pytest.mark.gpu
 def test_gpu_engine_stream_sync():
     """The engine loop with fences on XLA's compute stream (sync="stream")."""
     be = _run_mha_engine(torch.bfloat16, kv_writer="jax", sync="stream")
