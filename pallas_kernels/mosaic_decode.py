@@ -477,11 +477,18 @@ def _decode_kernel(cfg: _Cfg, dtype,
       plgpu.commit_smem()
       return kc_smem
 
-    def qk_interpret(k_tile):
-      # The interpreter's wgmma takes neither transposed B nor A in registers:
-      # same product, computed from the shared-memory tiles with a plain dot.
-      return lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+    def qk_sync(k_tile):
+      """S = Q K^T for one K tile, waited for."""
+      if cfg.interpret:
+        # The interpreter's wgmma takes neither transposed B nor A in registers:
+        # same product, computed from the shared-memory tiles with a plain dot.
+        return lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+      def scope(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+        return acc_ref[...]
+      return pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
 
     def softmax_step(s, blk, acc, m_i, l_i):
       """Scale, cap and mask one block's scores; online softmax in base 2."""
@@ -552,14 +559,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
       slot = lax.rem(i, jnp.int32(S))
       blk = start + i
       plgpu.barrier_wait(k_bar.at[slot])
-      k_tile = k_tile_for(slot)
-      if cfg.interpret:
-        s = qk_interpret(k_tile)
-      else:
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC((64, N), jnp.float32))
+      s = qk_sync(k_tile_for(slot))
       plgpu.barrier_arrive(k_free.at[slot])
       p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
       acc = pv_step(acc, p16, slot, blk)
@@ -581,7 +581,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
         plgpu.barrier_wait(k_bar.at[nslot])
       k_next = k_tile_for(nslot)
       if cfg.interpret:
-        s_next = qk_interpret(k_next)
+        s_next = qk_sync(k_next)
         p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
         acc = pv_step(acc, p16, slot, blk)
       else:
@@ -603,14 +603,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
       @pl.when(count > 0)
       def _():
         plgpu.barrier_wait(k_bar.at[0])
-      k0 = k_tile_for(0)
-      if cfg.interpret:
-        s0 = qk_interpret(k0)
-      else:
-        def qk0(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k0, (1, 0)))
-          return acc_ref[...]
-        s0 = pl.run_scoped(qk0, plgpu.ACC((64, N), jnp.float32))
+      s0 = qk_sync(k_tile_for(0))
 
       @pl.when(count > 0)
       def _():

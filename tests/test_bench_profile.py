@@ -1,0 +1,48 @@
+"""The profile reader's arithmetic (jattn/bench/profile.py) on synthetic kernel events."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn.bench.profile import CallProfile, Kernel, _split_calls, profile_calls, summarize
+
+
+def _k(name, start_us, dur_us):
+  return Kernel(name, start_us * 1e3, dur_us * 1e3)
+
+
+def test_split_calls_at_the_widest_gaps():
+  # three calls: kernels 2 us apart inside a call, 100+ us between calls
+  ev = [_k("a", 0, 5), _k("b", 7, 3), _k("a", 120, 5), _k("b", 127, 3), _k("a", 300, 5),
+        _k("b", 307, 4)]
+  calls = _split_calls(ev, 3)
+  assert [len(c.kernels) for c in calls] == [2, 2, 2]
+  assert calls[0].span_us == 10.0 and calls[2].span_us == 11.0
+  assert calls[0].busy_us == 8.0
+
+
+def test_busy_merges_overlapping_kernels():
+  c = CallProfile((_k("a", 0, 10), _k("b", 5, 10), _k("c", 30, 5)))
+  assert c.span_us == 35.0
+  assert c.busy_us == 20.0  # [0, 15) and [30, 35)
+
+
+def test_summarize_medians_per_name_and_missing_kernels():
+  calls = [CallProfile((_k("dec", 0, 10), _k("comb", 11, 2))),
+           CallProfile((_k("dec", 0, 12), _k("comb", 13, 4))),
+           CallProfile((_k("dec", 0, 11),))]  # no combine in this call
+  s = summarize(calls)
+  names = {n: (c, us) for n, c, us in s.kernels}
+  assert names["dec"] == (1, 11.0)
+  assert names["comb"] == (1, 2.0)  # median of 2, 4 and the missing 0
+  assert s.kernels[0][0] == "dec"
+  assert "dec" in s.table()
+
+
+def test_profile_calls_runs_without_a_device_trace():
+  """On the CPU the trace has no device plane: no calls, an empty summary."""
+  f = jax.jit(lambda x: x * 2)
+  calls = profile_calls(f, [(jnp.ones(4),)] * 2, warmup=1)
+  if jax.default_backend() == "cpu":
+    assert calls == [] and summarize(calls).span_us == 0.0
