@@ -33,6 +33,7 @@ waiting for the JAX result (torch CPU ops are synchronous).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -41,10 +42,13 @@ import torch
 __all__ = ["StreamSync", "xla_compute_stream"]
 
 
+@functools.lru_cache(maxsize=None)
 def xla_compute_stream(device) -> int | None:
     """The CUDA stream XLA runs computations on for ``device`` (a pointer), read
     from inside a jitted ``buffer_callback``; None where that API is missing or two
-    executions report different streams."""
+    executions report different streams. Read once per device."""
+    if device.platform not in ("gpu", "cuda"):
+        return None
     try:
         import jax.numpy as jnp
         from jax.experimental.buffer_callback import buffer_callback
@@ -56,11 +60,34 @@ def xla_compute_stream(device) -> int | None:
         del out, x
         seen.append(int(ctx.stream))
 
-    f = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32),
-                                has_side_effect=True))
-    for v in (0, 1):
-        jax.block_until_ready(f(jax.device_put(jnp.full((1,), v, jnp.int32), device)))
+    try:
+        f = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                    has_side_effect=True))
+        for v in (0, 1):
+            jax.block_until_ready(f(jax.device_put(jnp.full((1,), v, jnp.int32), device)))
+    except Exception:  # noqa: BLE001 - no FFI stream here: no stream fences
+        return None
     return seen[0] if len(seen) == 2 and seen[0] == seen[1] and seen[0] else None
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_is_synchronous(device, stream_ptr: int) -> bool:
+    """True if a jitted call's work is on XLA's stream when the call returns: an event
+    recorded on that stream right after a ~10 ms call must not complete before the
+    call's result is ready (a grossly asynchronous launch fails this). Once per device."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    x = jax.device_put(jnp.full((2048, 2048), 1e-3, jnp.float32), device)
+    f = jax.jit(lambda x: lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x), x))
+    jax.block_until_ready(f(x))
+    out = f(x)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.ExternalStream(stream_ptr))
+    ev.synchronize()
+    ok = out.is_ready()
+    jax.block_until_ready(out)
+    return ok
 
 
 class StreamSync:
@@ -119,22 +146,7 @@ class StreamSync:
         self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
 
     def _launch_is_synchronous(self) -> bool:
-        """True if a jitted call's work is on XLA's stream when the call returns: an
-        event recorded on that stream right after a ~10 ms call must not complete
-        before the call's result is ready (an asynchronous launch would fail this)."""
-        import jax.numpy as jnp
-        from jax import lax
-
-        x = jax.device_put(jnp.full((2048, 2048), 1e-3, jnp.float32), self._jdev)
-        f = jax.jit(lambda x: lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x), x))
-        jax.block_until_ready(f(x))
-        out = f(x)
-        ev = torch.cuda.Event()
-        ev.record(self._xla_stream)
-        ev.synchronize()
-        ok = out.is_ready()
-        jax.block_until_ready(out)
-        return ok
+        return _launch_is_synchronous(self._jdev, self._xla_stream.cuda_stream)
 
     def _make_importer(self):
         """The cheapest import that still runs the DLPack stream protocol."""

@@ -454,6 +454,16 @@ def test_gpu_engine_stream_sync():
     assert be.sync.mode == "stream"
 
 
+def test_xla_compute_stream_reads_once_per_device():
+    """The stream probe runs a jitted buffer_callback; on the CPU there is no CUDA
+    stream (None), on the GPU a nonzero pointer; the answer is cached per device."""
+    from jattn.bridge.streams import xla_compute_stream
+    dev = jax.devices()[0]
+    a = xla_compute_stream(dev)
+    assert xla_compute_stream(dev) == a
+    assert (a is not None and a != 0) if ON_GPU else a is None
+
+
 def test_stream_sync_mode_accepted_on_every_platform():
     """sync="stream" is a valid mode; on the CPU it orders like "event" (torch CPU ops
     are synchronous and the output export waits for the result)."""
