@@ -63,19 +63,11 @@ NUM_SMS = 132  # H200 / H100 SXM
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
-# Token masks only on a request's edge blocks (lax.cond); interior blocks take
-# the loop-invariant GQA head mask alone. Off: every block takes every mask.
-# Off by default: on the H200 (2026-11-29, two A/B runs) it was no faster at batch 1
-# and one run showed 64x4096 at 323 us against 266-272 us with it off.
-_EDGE_MASKS = False
 # num_kv_heads not a multiple of 8: a page's tail box is shifted back by a whole
 # number of 8-row tiles only, so it can hold up to 7 rows of the page's unused
 # tail; the compute warpgroup zeroes those V rows in shared memory (last block
 # of a request only). GPU-tested 2026-11-29 (H200, jax 0.11.2): Hkv 2, 3, 4, FP8.
 _SMALL_HKV = True
-# Split combine as one variadic reduction (on) or max pass + einsum + sum (off).
-# Off by default for the same A/B (see _EDGE_MASKS and docs/PERF.md).
-_ONE_PASS_COMBINE = False
 # Split combine as one Pallas (Triton-lowered) kernel (on) or XLA ops (off): at
 # batch 1 each of the XLA combine's five kernels is a launch (docs/PERF.md).
 _KERNEL_COMBINE = True
@@ -371,19 +363,23 @@ def _decode_kernel(cfg: _Cfg, dtype,
     row0 = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV
     return ps0 - lax.div(row0 - piece_src_row(blk, j), jnp.int32(HKV))
 
-  def col_tokens(blk, cols):
-    """Token of each column (row of the KV tile), and whether it is valid."""
+  def col_parts(cols):
+    """Piece (None with one piece per block), token offset in the piece, and KV
+    head of each column (row of the KV tile)."""
     j = lax.div(cols, jnp.int32(PR)) if PPB > 1 else None
     rr = cols - j * PR if PPB > 1 else cols
     t_in = lax.div(rr, jnp.int32(HKV))
-    head = rr - t_in * HKV
+    return j, t_in, rr - t_in * HKV
+
+  def col_tokens(blk, j, t_in):
+    """Token of each column of block ``blk``, and whether it is in range."""
     first = piece_first_token(blk, 0)
     lo = piece_start(blk, 0)
     for jj in range(1, PPB):
       first = jnp.where(j == jj, piece_first_token(blk, jj), first)
       lo = jnp.where(j == jj, piece_start(blk, jj), lo)
     tok = first + t_in
-    return tok, head, (tok >= lo) & (tok < seq_len)
+    return tok, (tok >= lo) & (tok < seq_len)
 
   @pl.when(wg == C)
   def _producer():
@@ -446,22 +442,14 @@ def _decode_kernel(cfg: _Cfg, dtype,
     grow = row_ids + mt * 64
     qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
     kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
-    col_j = lax.div(col_ids, jnp.int32(PR)) if PPB > 1 else None
-    col_rr = col_ids - col_j * PR if PPB > 1 else col_ids
-    col_t = lax.div(col_rr, jnp.int32(HKV))
-    head_ok = kvh == (col_rr - col_t * HKV)
+    col_j, col_t, col_head = col_parts(col_ids)
+    head_ok = kvh == col_head
     # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
     xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
 
     def token_ok(blk):
       """Token masks (range, causal, window) of one block's columns."""
-      first = piece_first_token(blk, 0)
-      lo = piece_start(blk, 0)
-      for jj in range(1, PPB):
-        first = jnp.where(col_j == jj, piece_first_token(blk, jj), first)
-        lo = jnp.where(col_j == jj, piece_start(blk, jj), lo)
-      tok = first + col_t
-      ok = (tok >= lo) & (tok < seq_len)
+      tok, ok = col_tokens(blk, col_j, col_t)
       qpos = seq_len - n + qi  # absolute position of query i
       if cfg.is_causal:
         ok = ok & (tok <= qpos)
@@ -495,19 +483,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
       x = s * xscale
       if cfg.logit_cap > 0:
         x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
-      if _EDGE_MASKS:
-        # Only a block that holds a token past a query's causal limit, before
-        # its window, or past the length needs the token masks; the rest of the
-        # blocks take the (hoisted) head mask alone.
-        blk_lo, blk_hi = blk * BTB, blk * BTB + BTB  # tokens [lo, hi)
-        interior = blk_hi <= seq_len - (n - 1 if cfg.is_causal else 0)
-        if cfg.window_left >= 0:
-          interior = interior & (blk_lo >= seq_len - 1 - cfg.window_left)
-        x = lax.cond(interior,
-                     lambda x: jnp.where(head_ok, x, -jnp.inf),
-                     lambda x: jnp.where(head_ok & token_ok(blk), x, -jnp.inf), x)
-      else:
-        x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
+      x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
       m_new = jnp.maximum(m_i, x.max(axis=1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_use)
@@ -535,14 +511,14 @@ def _decode_kernel(cfg: _Cfg, dtype,
         def _():
           vrows = (lax.broadcasted_iota(jnp.int32, (N, D), 0) if cfg.interpret else
                    plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA))
-          _, _, vvalid = col_tokens(blk, vrows)
+          _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
           vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
           plgpu.commit_smem()
 
       if cfg.interpret:
         # Here the last block may hold the page's unused tail (no TMA zero fill
         # when clamped at the page start): zero those rows as TMA would have.
-        _, _, vvalid = col_tokens(blk, lax.broadcasted_iota(jnp.int32, (N, D), 0))
+        _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
         vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
         acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
       else:
@@ -680,16 +656,6 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
   return kernel(page_table, lens, scale, q3, k2, v2)
 
 
-def _merge(x, y):
-  """Associative merge of two (max, weight, weighted sum) partials (log2 domain)."""
-  mx, lx, ox = x
-  my, ly, oy = y
-  m = jnp.maximum(mx, my)
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  ax, ay = jnp.exp2(mx - m_safe), jnp.exp2(my - m_safe)  # 0 for an empty side
-  return m, lx * ax + ly * ay, ox * ax + oy * ay
-
-
 def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
   """Merge split partials (log2-domain LSE); apply sinks and v_scale.
 
@@ -713,16 +679,10 @@ def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
   else:
     o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
     lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
-    if not _ONE_PASS_COMBINE:
-      mx = jnp.max(lse2, axis=0)
-      mx_safe = jnp.where(jnp.isneginf(mx), 0.0, mx)
-      w = jnp.exp2(lse2 - mx_safe[None])              # 0 for empty splits
-      wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
-      mx = mx_safe
-    else:
-      mx, wsum, o = lax.reduce((lse2, jnp.ones_like(o), o),
-                               (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)),
-                               _merge, (0,))
+    mx = jnp.max(lse2, axis=0)
+    mx = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    w = jnp.exp2(lse2 - mx[None])                      # 0 for empty splits
+    wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
     mx, wsum = mx[..., 0], wsum[..., 0]
     empty = wsum == 0.0
     o = o / jnp.where(empty, 1.0, wsum)[..., None]
@@ -779,7 +739,7 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
 
 def _switches():
   """The module's switches, part of the jit key: flipping one retraces."""
-  return (_EDGE_MASKS, _SMALL_HKV, _ONE_PASS_COMBINE, _KERNEL_COMBINE, _OVERLAP_QK)
+  return (_SMALL_HKV, _KERNEL_COMBINE, _OVERLAP_QK)
 
 
 @functools.partial(

@@ -194,6 +194,16 @@ def test_interpreted_overlap_qk(name):
 
 
 @needs_interp
+@pytest.mark.parametrize("name", ["three_splits_qlen2", "logit_cap_sinks", "fp8_kv_scales"])
+def test_interpreted_xla_combine(name):
+  """The other setting of _KERNEL_COMBINE (XLA ops instead of the merge kernel)."""
+  if on_gpu():
+    pytest.skip("interpreter tests run on the CPU")
+  with _switch("_KERNEL_COMBINE", not md._KERNEL_COMBINE):
+    _check(CPU_CASES[name], interpret=True)
+
+
+@needs_interp
 def test_interpreted_deterministic():
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")

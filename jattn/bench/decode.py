@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--graph", action="store_true",
                   help="also time with XLA command buffers (CUDA graphs), as the engine runs")
   ap.add_argument("--set", default="",
-                  help="kernel switches, e.g. _EDGE_MASKS=0,_ONE_PASS_COMBINE=0 (A/B runs)")
+                  help="kernel switches, e.g. _OVERLAP_QK=0,_KERNEL_COMBINE=0 (A/B runs)")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
   from jattn.pallas_kernels import mosaic_decode as md
