@@ -88,9 +88,9 @@ def _non_layer_weight(cfg, name: str, x: np.ndarray, out: dict) -> bool:
     return True
 
 
-def llama_params_from_hf(cfg: LlamaConfig, sd: Mapping[str, Any]) -> dict[Path, np.ndarray]:
-    """HF Llama / Qwen2 / Qwen3 / SmolLM2 state dict -> nnx paths of :class:`Llama`."""
-    out: dict[Path, np.ndarray] = {}
+def _layer_weights(cfg, sd: Mapping[str, Any], out: dict[Path, np.ndarray]):
+    """Puts the non-layer weights of ``sd`` into ``out`` and yields each layer weight
+    as ``(name, array, layer index, name parts after the index, base path)``."""
     for name, value in sd.items():
         x = _np(value)
         if _non_layer_weight(cfg, name, x, out):
@@ -98,9 +98,14 @@ def llama_params_from_hf(cfg: LlamaConfig, sd: Mapping[str, Any]) -> dict[Path, 
         m = _LAYER.match(name)
         if not m:
             raise KeyError(f"unexpected weight {name!r}")
-        i, rest = int(m.group(1)), m.group(2)
-        parts = rest.split(".")
-        base = ("layers", i)
+        i = int(m.group(1))
+        yield name, x, i, m.group(2).split("."), ("layers", i)
+
+
+def llama_params_from_hf(cfg: LlamaConfig, sd: Mapping[str, Any]) -> dict[Path, np.ndarray]:
+    """HF Llama / Qwen2 / Qwen3 / SmolLM2 state dict -> nnx paths of :class:`Llama`."""
+    out: dict[Path, np.ndarray] = {}
+    for name, x, _, parts, base in _layer_weights(cfg, sd, out):
         if parts[0] in ("input_layernorm", "post_attention_layernorm"):
             out[base + (parts[0], "weight")] = x
         elif parts[0] == "self_attn" and parts[1] in ("q_norm", "k_norm"):
@@ -118,15 +123,7 @@ def deepseek_params_from_hf(cfg: DeepseekConfig, sd: Mapping[str, Any]) -> dict[
     fused ``experts.gate_up_proj`` [E, 2I, D] or per expert ``experts.{e}.gate_proj``)."""
     out: dict[Path, np.ndarray] = {}
     per_expert: dict[tuple, dict[int, np.ndarray]] = {}
-    for name, value in sd.items():
-        x = _np(value)
-        if _non_layer_weight(cfg, name, x, out):
-            continue
-        m = _LAYER.match(name)
-        if not m:
-            raise KeyError(f"unexpected weight {name!r}")
-        i, parts = int(m.group(1)), m.group(2).split(".")
-        base = ("layers", i)
+    for name, x, i, parts, base in _layer_weights(cfg, sd, out):
         if parts[0] in ("input_layernorm", "post_attention_layernorm"):
             out[base + (parts[0], "weight")] = x
         elif parts[0] == "self_attn":
