@@ -167,6 +167,14 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
     ptrs = [(pool.get_key_buffer(i).data_ptr(), pool.get_value_buffer(i).data_ptr()) for i in range(2)]
     kv_hist = {i: [([], []) for _ in lens] for i in range(2)}  # all K/V of each request (bf16)
 
+    def remember(layer, k, v, n_new_per_req):
+        """Append each request's new K/V rows (request-major) to its history."""
+        row = 0
+        for r, n in enumerate(n_new_per_req):
+            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
+            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
+            row += n
+
     def check(out, q, layer, n_new_per_req, lens_now):
         o = out.float().cpu().view(-1, hq, d)
         row = 0
@@ -191,11 +199,7 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
     T = sum(ext)
     for layer in layers:
         q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
-        row = 0
-        for r, n in enumerate(ext):
-            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
-            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
-            row += n
+        remember(layer, k, v, ext)
         loc = torch.tensor(sum((eng.slots(r, 0, n) for r, n in enumerate(ext)), []), dtype=torch.int64, device=DEV)
         out = be.forward_extend(q, k, v, layer, loc, pool, 3, save_kv_cache=True, sinks=sinks)
         assert out.shape == (T, hq * d) and out.dtype == torch.bfloat16
@@ -208,11 +212,7 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
     for layer in layers:
         T = sum(ext2)
         q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
-        row = 0
-        for r, n in enumerate(ext2):
-            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
-            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
-            row += n
+        remember(layer, k, v, ext2)
         out = be.forward_extend(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sinks)
         check(out, q, layer, ext2, lens)
     # decode steps
@@ -221,9 +221,7 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
         be.init_forward_metadata(3, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.DECODE)
         for layer in layers:
             q, k, v = rand(3, hq * d), rand(3, hkv * d), rand(3, hkv * d)
-            for r in range(3):
-                kv_hist[layer.layer_id][r][0].append(k[r:r + 1].cpu().view(1, hkv, d))
-                kv_hist[layer.layer_id][r][1].append(v[r:r + 1].cpu().view(1, hkv, d))
+            remember(layer, k, v, [1, 1, 1])
             out = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sinks)
             assert out.shape == (3, hq * d)
             check(out, q, layer, [1, 1, 1], lens)
