@@ -123,7 +123,8 @@ class StreamSync:
                 # when the call returns (checked once here); "event" otherwise.
                 try:
                     self._setup_stream()
-                    self.mode = "stream" if self._launch_is_synchronous() else "event"
+                    synchronous = _launch_is_synchronous(self._jdev, self._xla_stream.cuda_stream)
+                    self.mode = "stream" if synchronous else "event"
                 except Exception:  # noqa: BLE001 - any failure of the probe: the safe mode
                     self.mode = "event"
                 if self.mode == "event":
@@ -144,9 +145,6 @@ class StreamSync:
                                "(needs jax.experimental.buffer_callback); use sync='event'")
         self._xla_stream = torch.cuda.ExternalStream(ptr, device=self.device)
         self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
-
-    def _launch_is_synchronous(self) -> bool:
-        return _launch_is_synchronous(self._jdev, self._xla_stream.cuda_stream)
 
     def _make_importer(self):
         """The cheapest import that still runs the DLPack stream protocol."""
