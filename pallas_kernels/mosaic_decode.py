@@ -428,33 +428,46 @@ def _decode_kernel(cfg: _Cfg, dtype,
     def cast(x, layout):  # layout hints mean nothing to the interpreter
       return x if cfg.interpret else plgpu.layout_cast(x, layout)
 
-    def iota(dim):
+    def vec_iota(size, dim):
+      """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in the
+      layouts that broadcast to the WGMMA tile by reusing registers: per-row and
+      per-column work is done once per row or column, not per element (each op
+      on a [64, N] tile is ~N/2 instructions in the serialized kernel, and the
+      kernel's size is a per-launch host cost, docs/PERF.md)."""
       if cfg.interpret:
-        return lax.broadcasted_iota(jnp.int32, (64, N), dim)
-      return plgpu.broadcasted_iota(jnp.int32, (64, N), dim, layout=plgpu.Layout.WGMMA)
-    row_ids, col_ids = iota(0), iota(1)
+        return lax.broadcasted_iota(jnp.int32, (size,), 0)
+      layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+      return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+    def rows2d(x):
+      return lax.broadcast_in_dim(x, (64, N), [0])
+
+    def cols2d(x):
+      return lax.broadcast_in_dim(x, (64, N), [1])
+
     m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = cast(jnp.full((64, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
     # Loop-invariant parts of the mask, computed once: the GQA head match of
     # every (query row, KV row) pair, and each column's token offset in its piece.
-    grow = row_ids + mt * 64
+    grow = vec_iota(64, 0) + mt * 64                      # [64] per row
     qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
     kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
-    col_j, col_t, col_head = col_parts(col_ids)
-    head_ok = kvh == col_head
+    qpos = seq_len - n + qi  # absolute position of each row's query
+    col_j, col_t, col_head = col_parts(vec_iota(N, 1))    # [N] per column
+    head_ok = rows2d(kvh) == cols2d(col_head)
     # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
     xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
 
     def token_ok(blk):
-      """Token masks (range, causal, window) of one block's columns."""
-      tok, ok = col_tokens(blk, col_j, col_t)
-      qpos = seq_len - n + qi  # absolute position of query i
-      if cfg.is_causal:
-        ok = ok & (tok <= qpos)
+      """Token masks (range, causal, window) of one block's columns, [64, N]."""
+      tok, ok = col_tokens(blk, col_j, col_t)             # [N]
+      ok = cols2d(ok)
+      if cfg.is_causal and n > 1:  # with one query, token < seq_len is the causal bound
+        ok = ok & (cols2d(tok) <= rows2d(qpos))
       if cfg.window_left >= 0:
-        ok = ok & (tok >= qpos - cfg.window_left)
+        ok = ok & (cols2d(tok) >= rows2d(qpos - cfg.window_left))
       return ok
 
     def k_tile_for(slot):
