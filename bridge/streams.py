@@ -26,6 +26,11 @@ each way. The "after" event is correct only if the jitted call's kernels are on
 XLA's stream when the Python call returns (a synchronous launch, as the GPU
 client does on the H200 with jax 0.11.2; checked by the stream-race GPU tests).
 
+When torch's current stream *is* XLA's stream (an engine that runs its model under
+``with torch.cuda.stream(backend.stream):``), ``mode="stream"`` makes no fence at
+all: one stream orders everything (measured on the H200: the two cross-stream waits
+per call cost more host time than the rest of the bridge, docs/PERF.md).
+
 ``mode="host"`` instead blocks the host (``synchronize`` / ``block_until_ready``):
 simple and safe, but it serialises host and GPU. On the CPU both fences reduce to
 waiting for the JAX result (torch CPU ops are synchronous).
@@ -72,22 +77,31 @@ def xla_compute_stream(device) -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def _launch_is_synchronous(device, stream_ptr: int) -> bool:
-    """True if a jitted call's work is on XLA's stream when the call returns: an event
-    recorded on that stream right after a ~10 ms call must not complete before the
-    call's result is ready (a grossly asynchronous launch fails this). Once per device."""
+    """True if a jitted call's work is on XLA's stream when the call returns. Once per
+    device: right after a ~20 ms call returns, an event recorded on that stream must
+    still be pending (the work is ahead of it), and once the event completes the
+    result must be ready within a few ms (a launch made later, by another thread,
+    fails one or the other).
+
+    (``out.is_ready()`` right after the event cannot be the test: JAX marks a result
+    ready from the host a little after the GPU finishes; seen on the H200.)"""
+    import time
+
     import jax.numpy as jnp
     from jax import lax
 
     x = jax.device_put(jnp.full((2048, 2048), 1e-3, jnp.float32), device)
-    f = jax.jit(lambda x: lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x), x))
+    f = jax.jit(lambda x: lax.fori_loop(0, 80, lambda i, y: jnp.tanh(y @ x), x))
     jax.block_until_ready(f(x))
     out = f(x)
     ev = torch.cuda.Event()
     ev.record(torch.cuda.ExternalStream(stream_ptr))
+    pending = not ev.query()
     ev.synchronize()
-    ok = out.is_ready()
+    t0 = time.perf_counter()
     jax.block_until_ready(out)
-    return ok
+    late = time.perf_counter() - t0
+    return pending and late < 5e-3
 
 
 class StreamSync:
@@ -145,6 +159,33 @@ class StreamSync:
                                "(needs jax.experimental.buffer_callback); use sync='event'")
         self._xla_stream = torch.cuda.ExternalStream(ptr, device=self.device)
         self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._cur_ptr, self._cur_stream = None, None
+        self._xla_ptr = ptr
+
+    def _torch_stream(self):
+        """torch's current stream as a cached stream object. ``torch.cuda.current_stream()``
+        builds a new Python object per call (7 us on the H200 host, as much as the
+        four CUDA calls of both fences); the raw handle is cheap to read and compare."""
+        if self._raw_stream is None:
+            return torch.cuda.current_stream(self.device)
+        ptr = self._raw_stream(self._dev_index)
+        if ptr != self._cur_ptr:
+            if ptr == self._xla_ptr:
+                self._cur_stream = self._xla_stream
+            else:
+                self._cur_stream = (torch.cuda.ExternalStream(ptr, device=self.device) if ptr
+                                    else torch.cuda.default_stream(self.device))
+            self._cur_ptr = ptr
+        return self._cur_stream
+
+    @property
+    def stream(self):
+        """XLA's compute stream as a torch stream (``mode="stream"`` on a GPU, else
+        None). Torch work enqueued on it (``with torch.cuda.stream(sync.stream):``)
+        is ordered with jattn's calls by the stream itself: no fence is made."""
+        return self._xla_stream if self.platform == "gpu" and self.mode == "stream" else None
 
     def _make_importer(self):
         """The cheapest import that still runs the DLPack stream protocol."""
@@ -174,6 +215,14 @@ class StreamSync:
             fence = self._fence_t
             return lambda: jax.dlpack.from_dlpack(fence, copy=False)
 
+    @property
+    def jax_fence(self) -> bool:
+        """Whether the jitted call takes the torch->JAX fence as an argument and
+        returns a token for the JAX->torch fence (``"event"`` on the GPU). The
+        other modes order the streams outside the call (or not at all), and each
+        extra argument and output is host time (~3 and ~5 us on the H200 host)."""
+        return self.platform == "gpu" and self.mode == "event"
+
     def before_jax(self) -> jax.Array:
         """Call right before dispatching the jitted call; pass the result to it.
 
@@ -188,8 +237,10 @@ class StreamSync:
         if self.mode == "stream":
             if self._xla_stream is None:  # mode switched after construction
                 self._setup_stream()
-            self._ev_in.record()  # torch's current stream
-            self._xla_stream.wait_event(self._ev_in)
+            ts = self._torch_stream()
+            if ts is not self._xla_stream:  # one stream for both: already in order
+                self._ev_in.record(ts)
+                self._xla_stream.wait_event(self._ev_in)
             return self._fence_j
         return self._import()
 
@@ -204,8 +255,10 @@ class StreamSync:
             out.block_until_ready()
             return
         if self.mode == "stream":
-            self._ev_out.record(self._xla_stream)
-            torch.cuda.current_stream(self.device).wait_event(self._ev_out)
+            ts = self._torch_stream()
+            if ts is not self._xla_stream:
+                self._ev_out.record(self._xla_stream)
+                ts.wait_event(self._ev_out)
             return
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         out.__dlpack__(stream=ptr if ptr else 1)  # 1: the legacy default stream

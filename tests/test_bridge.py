@@ -5,6 +5,7 @@ zero-copy). GPU (marked ``gpu``): zero-copy, in-place JAX writes into the torch
 pool, stream ordering in both directions with large buffers, bf16 and FP8.
 """
 
+import contextlib
 import math
 
 import jax
@@ -462,6 +463,15 @@ def test_xla_compute_stream_reads_once_per_device():
     assert (a is not None and a != 0) if ON_GPU else a is None
 
 
+def test_backend_stream_only_in_stream_mode():
+    """``backend.stream`` (XLA's stream for torch work, no fences) exists only where
+    the fences are on XLA's stream: never on the CPU, never in event/host modes."""
+    cfg, _ = mha_setup()
+    assert TorchMHABackend(cfg, sync="event").stream is None
+    be = TorchMHABackend(cfg)
+    assert (be.stream is not None) == (ON_GPU and be.sync.mode == "stream")
+
+
 def test_stream_sync_mode_accepted_on_every_platform():
     """sync="stream" is a valid mode; on the CPU it orders like "event" (torch CPU ops
     are synchronous and the output export waits for the result)."""
@@ -499,43 +509,53 @@ def test_gpu_no_memory_growth():
     assert torch.cuda.memory_allocated() - t0 < pool_bytes // 4
 
 
+def _on_stream(be, sync):
+    """``shared``: the torch side runs on XLA's stream (``backend.stream``), no fences."""
+    if sync == "shared":
+        assert be.stream is not None
+        return torch.cuda.stream(be.stream)
+    return contextlib.nullcontext()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["event", "stream"])
+@pytest.mark.parametrize("sync", ["event", "stream", "shared"])
 def test_gpu_stream_order_torch_write_then_jattn_read(sync):
     """Large torch write into the pool immediately followed by a jattn read (no sync)."""
     big = 1 << 15
     cfg, pool = mha_setup(num_pages=big, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
-    be = TorchMHABackend(cfg, sync=sync)
+    be = TorchMHABackend(cfg, sync="stream" if sync == "shared" else sync)
     layer = AttentionLayer(0, 8, 8, 128)
     r2p = torch.arange(1, 257, dtype=torch.int32).view(1, 256)
     be.init_forward_metadata(1, 0, torch.tensor([0]), torch.tensor([4096]), r2p, ForwardMode.DECODE)
     q = torch.ones(1, 8 * 128, dtype=torch.bfloat16, device=DEV)
     for val in (1.0, -2.0, 3.0):
-        torch.cuda._sleep(20_000_000)  # keep torch's stream busy: JAX must wait for it
-        pool.get_value_buffer(0).fill_(val)  # ~1 GiB written by torch
-        out = be.forward_decode(q, None, None, layer, None, pool, 1)
-        assert torch.allclose(out.float(), torch.full_like(out.float(), val)), (val, out.float().mean())
+        with _on_stream(be, sync):
+            torch.cuda._sleep(20_000_000)  # keep torch's stream busy: JAX must wait for it
+            pool.get_value_buffer(0).fill_(val)  # ~1 GiB written by torch
+            out = be.forward_decode(q, None, None, layer, None, pool, 1)
+            assert torch.allclose(out.float(), torch.full_like(out.float(), val)), (val, out.float().mean())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["event", "stream"])
+@pytest.mark.parametrize("sync", ["event", "stream", "shared"])
 def test_gpu_stream_order_jattn_write_then_torch_read(sync):
     """A jattn in-place write immediately followed by a torch read of the pool (no sync)."""
     cfg, pool = mha_setup(num_pages=1 << 14, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=4096)
-    be = TorchMHABackend(cfg, sync=sync)
+    be = TorchMHABackend(cfg, sync="stream" if sync == "shared" else sync)
     layer = AttentionLayer(0, 8, 8, 128)
     n = 32
     r2p = torch.arange(1, 1 + 256 * n, dtype=torch.int32).view(n, 256)
     be.init_cuda_graph_state(32)
     be.init_forward_metadata(n, 0, torch.arange(n), torch.full((n,), 4096), r2p, ForwardMode.DECODE)
     for val in (1.0, -2.0):
-        k = torch.full((n, 8 * 128), val, dtype=torch.bfloat16, device=DEV)
-        be.forward_decode(torch.ones(n, 8 * 128, dtype=torch.bfloat16, device=DEV), k, k, layer, None, pool, n,
-                          save_kv_cache=True)
-        # the read is enqueued on torch's stream right away
-        slots = (r2p[:, 255] * 16 + 15).long().to(DEV)
-        got = pool.get_key_buffer(0).index_select(0, slots)
-        assert torch.all(got == val)
+        with _on_stream(be, sync):
+            k = torch.full((n, 8 * 128), val, dtype=torch.bfloat16, device=DEV)
+            be.forward_decode(torch.ones(n, 8 * 128, dtype=torch.bfloat16, device=DEV), k, k, layer, None, pool,
+                              n, save_kv_cache=True)
+            # the read is enqueued on torch's stream right away
+            slots = (r2p[:, 255] * 16 + 15).long().to(DEV)
+            got = pool.get_key_buffer(0).index_select(0, slots)
+            assert torch.all(got == val)
 
 
 def test_output_alias_fallback_exports():
