@@ -75,6 +75,40 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   return Timing(per, spread, n_lo, n_hi)
 
 
+# Command buffers that also take the loop itself (CUDA conditional nodes): a
+# whole ``fori_loop`` of calls runs as one graph launch, no host work per call.
+LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"}
+
+
+def time_loop(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 8, n_hi: int = 64,
+              reps: int = 7, graph: bool = True) -> Timing:
+  """Time ``step(i, *args)`` (``i`` a traced int32) called ``n`` times by a
+  ``lax.fori_loop`` inside one jit; per-call time is differential as in
+  :func:`time_rotated`.
+
+  With ``graph=True`` the loop and its body are one XLA command buffer (CUDA
+  graph with conditional nodes): the host launches once per jit call, so the
+  per-call figure is the device's time per call, launch latency between kernels
+  included, as a serving engine that replays a captured decode step sees it.
+  Without graphs every iteration is launched from the host.
+  """
+  kw = {"compiler_options": LOOP_GRAPH_OPTIONS} if graph else {}
+
+  def make(n):
+    def many(*a):
+      out0 = jax.eval_shape(lambda: step(jnp.int32(0), *a))
+      init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
+      return jax.lax.fori_loop(0, n, lambda i, _: step(i, *a), init)
+    return jax.jit(many, **kw)
+
+  lo, lo_ts = _median_wall(make(n_lo), args, reps)
+  hi, hi_ts = _median_wall(make(n_hi), args, reps)
+  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
+  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
+  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
+  return Timing(per, spread, n_lo, n_hi)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
   """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
 

@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jattn.bench import common
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                   help="also profile one call per row: device span, kernel time, kernels")
   ap.add_argument("--graph", action="store_true",
                   help="also time with XLA command buffers (CUDA graphs), as the engine runs")
+  ap.add_argument("--loop", action="store_true",
+                  help="also time the calls inside one jitted fori_loop run as one command "
+                       "buffer (CUDA graph with conditional nodes): device time per call")
   ap.add_argument("--set", default="",
                   help="kernel switches, e.g. _OVERLAP_QK=0,_KERNEL_COMBINE=0 (A/B runs)")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
@@ -154,6 +158,22 @@ def main(argv: list[str] | None = None) -> None:
       except Exception as e:  # noqa: BLE001
         sweep.append(f"page {ps} {bs}x{L} graph: failed {type(e).__name__}: {str(e)[:120]}")
       print(sweep[-1], flush=True)
+    if args.loop:
+      nrot = qs.shape[0]
+
+      def lstep(i, qs, k, v, tables, lens):
+        return md.mha_decode(qs[lax.rem(i, nrot)], k, v, tables[lax.rem(i, NUM_ROT)], lens,
+                             max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+      for lg in (True, False):
+        try:
+          tl = common.time_loop(lstep, (qs, k, v, tables, lens), graph=lg)
+          sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} loop graph={lg}: "
+                       f"{tl.seconds * 1e6:.1f} us {kv_bytes / tl.seconds / 1e12:.2f} TB/s "
+                       f"(spread {tl.spread:.2f})")
+        except Exception as e:  # noqa: BLE001
+          sweep.append(f"page {ps} {bs}x{L} loop graph={lg}: failed {type(e).__name__}: "
+                       f"{str(e)[:160]}")
+        print(sweep[-1], flush=True)
     if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
       import dataclasses
       for sp in [int(x) for x in args.splits_sweep.split(",")]:
