@@ -46,3 +46,18 @@ def test_profile_calls_runs_without_a_device_trace():
   calls = profile_calls(f, [(jnp.ones(4),)] * 2, warmup=1)
   if jax.default_backend() == "cpu":
     assert calls == [] and summarize(calls).span_us == 0.0
+
+
+def test_time_loop_runs_each_call_with_a_traced_index():
+    """``time_loop`` calls ``step(i, ...)`` with a traced loop index inside one jit (the
+    per-call figure on the CPU means nothing; the calls and their indices must be right)."""
+    from jattn.bench import common
+    seen = []
+
+    def step(i, x):
+        seen.append(type(i))
+        return x[i % 4] * 2
+    t = common.time_loop(step, (jnp.arange(32, dtype=jnp.float32).reshape(4, 8),), n_lo=2, n_hi=4,
+                         reps=1, graph=False)
+    assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
+    assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
