@@ -25,14 +25,21 @@ import numpy as np
 
 
 def host_us(fn, n=300, warm=30):
-  for _ in range(warm):
-    fn()
-  ts = []
-  for i in range(n):
+  from jattn.bench.bridge import _host_us
+  return _host_us(fn, n, warm)
+
+
+def dispatch_us(step, args, n=50):
+  """Host time until ``jit(step(0, *args))`` returns, the GPU idle before each call."""
+  jf = jax.jit(lambda *a: step(0, *a))
+  jax.block_until_ready(jf(*args))
+  ds = []
+  for _ in range(n):
     t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) * 1e6
+    o = jf(*args)
+    ds.append(time.perf_counter() - t0)
+    jax.block_until_ready(o)
+  return statistics.median(ds) * 1e6
 
 
 def timeline(fn, args, label, reps=3):
@@ -201,16 +208,8 @@ def parts_diag():
     for name, fn, args in (("full op", full, (qs, k, v, tables, lens)),
                            ("decode kernel only", kern, (qs, k, v, tables, lens)),
                            ("combine only", comb, (ops_, lp))):
-      jf = jax.jit(lambda *a, fn=fn: fn(0, *a))
-      jax.block_until_ready(jf(*args))
-      ds = []
-      for _ in range(50):
-        t0 = time.perf_counter()
-        o = jf(*args)
-        ds.append(time.perf_counter() - t0)
-        jax.block_until_ready(o)
       print(f"1x{L} {name:20s} host dispatch of one call (GPU idle): "
-            f"{statistics.median(ds) * 1e6:.1f} us", flush=True)
+            f"{dispatch_us(fn, args):.1f} us", flush=True)
     for name, fn, args in (("full op", full, (qs, k, v, tables, lens)),
                            ("decode kernel only", kern, (qs, k, v, tables, lens)),
                            ("combine only", comb, (ops_, lp))):

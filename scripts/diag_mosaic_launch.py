@@ -67,9 +67,10 @@ if __name__ == "__main__":
       except Exception as e:
         print(name, "FAILS", type(e).__name__, str(e)[:300])
     sys.exit()
-  import time, statistics
+
   sys.path.insert(0, ".")
   from jattn.bench import common
+  from diag_launch import dispatch_us
   k0, k1, k5 = k_notma(), k_tma(1), k_tma(5)
   kb1, kb2 = k_notma(100), k_notma(250)
   xs = [x + i for i in range(48)]
@@ -90,13 +91,5 @@ if __name__ == "__main__":
     for graph in (False, True):
       t = common.time_rotated(step, args, n_hi=48, graph=graph)
       if not graph:
-        jf = jax.jit(lambda *a, step=step: step(0, *a))
-        jax.block_until_ready(jf(*args))
-        ds = []
-        for _ in range(50):
-          t0 = time.perf_counter()
-          o = jf(*args)
-          ds.append(time.perf_counter() - t0)
-          jax.block_until_ready(o)
-        print(f"{name:30s} host dispatch of one call: {statistics.median(ds) * 1e6:.1f} us")
+        print(f"{name:30s} host dispatch of one call: {dispatch_us(step, args):.1f} us")
       print(f"{name:30s} graph={graph}: {t.seconds*1e6:6.1f} us/call", flush=True)

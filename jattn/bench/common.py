@@ -49,6 +49,18 @@ def _median_wall(fn, args, reps: int) -> tuple[float, list[float]]:
   return statistics.median(ts), ts
 
 
+def _differential(make: Callable[[int], Callable], args: Sequence, n_lo: int, n_hi: int,
+                  reps: int) -> Timing:
+  """Per-call time from the median walls of ``make(n_lo)`` and ``make(n_hi)`` (jitted
+  functions of n calls): the fixed dispatch and sync cost cancels."""
+  lo, lo_ts = _median_wall(make(n_lo), args, reps)
+  hi, hi_ts = _median_wall(make(n_hi), args, reps)
+  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
+  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
+  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
+  return Timing(per, spread, n_lo, n_hi)
+
+
 def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
                  n_hi: int = 12, reps: int = 7, graph: bool = False) -> Timing:
   """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
@@ -67,12 +79,7 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
       return tuple(step(i, *a) for i in range(n))
     return jax.jit(many, **kw)
 
-  lo, lo_ts = _median_wall(make(n_lo), args, reps)
-  hi, hi_ts = _median_wall(make(n_hi), args, reps)
-  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
-  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
-  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
-  return Timing(per, spread, n_lo, n_hi)
+  return _differential(make, args, n_lo, n_hi, reps)
 
 
 # Command buffers that also take the loop itself (CUDA conditional nodes): a
@@ -101,12 +108,7 @@ def time_loop(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 8, 
       return jax.lax.fori_loop(0, n, lambda i, _: step(i, *a), init)
     return jax.jit(many, **kw)
 
-  lo, lo_ts = _median_wall(make(n_lo), args, reps)
-  hi, hi_ts = _median_wall(make(n_hi), args, reps)
-  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
-  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
-  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
-  return Timing(per, spread, n_lo, n_hi)
+  return _differential(make, args, n_lo, n_hi, reps)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
