@@ -61,3 +61,13 @@ def test_time_loop_runs_each_call_with_a_traced_index():
                          reps=1, graph=False)
     assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
     assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
+
+
+def test_time_rotated_command_buffer_modes_compile():
+    """XLA's defaults, command buffers on, and off entirely: each compiles and times the
+    calls (``graph="off"`` passes an empty command-buffer list, which XLA accepts)."""
+    from jattn.bench import common
+    for graph in (False, True, "off"):
+        t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
+                                reps=1, graph=graph)
+        assert t.n_hi == 2 and t.seconds > 0

@@ -28,6 +28,9 @@ L2_BYTES = 60 * 1024 * 1024
 # XLA command buffers (CUDA graphs) for fusions and custom calls (the Mosaic GPU
 # kernels), the setting jattn.models.engine uses for its serving step.
 GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}
+# No command buffers at all: every kernel launched by XLA's thunks from the host
+# (XLA's defaults put some op types in command buffers).
+NO_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ def _differential(make: Callable[[int], Callable], args: Sequence, n_lo: int, n_
 
 
 def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
-                 n_hi: int = 12, reps: int = 7, graph: bool = False) -> Timing:
+                 n_hi: int = 12, reps: int = 7, graph: bool | str = False) -> Timing:
   """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
 
   Every call's outputs are returned from the jit (so nothing is dead code and no
@@ -70,9 +73,11 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   add a kernel and a launch gap per call, a large share of a batch-1 decode.
 
   ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
-  serving engine runs its step: launch gaps between kernels shrink.
+  serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
+  turns command buffers off entirely; ``False`` keeps XLA's defaults.
   """
-  kw = {"compiler_options": GRAPH_OPTIONS} if graph else {}
+  kw = ({"compiler_options": NO_GRAPH_OPTIONS} if graph == "off" else
+        {"compiler_options": GRAPH_OPTIONS} if graph else {})
 
   def make(n):
     def many(*a):

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
                   help="also profile one call per row: device span, kernel time, kernels")
   ap.add_argument("--graph", action="store_true",
                   help="also time with XLA command buffers (CUDA graphs), as the engine runs")
+  ap.add_argument("--no-cmd-buffers", action="store_true",
+                  help="also time with XLA command buffers turned off entirely (every kernel "
+                       "launched from the host; XLA's defaults capture some op types)")
   ap.add_argument("--loop", action="store_true",
                   help="also time the calls inside one jitted fori_loop run as one command "
                        "buffer (CUDA graph with conditional nodes): device time per call")
@@ -157,6 +160,15 @@ def main(argv: list[str] | None = None) -> None:
                      f"{kv_bytes / tg.seconds / 1e12:.2f} TB/s")
       except Exception as e:  # noqa: BLE001
         sweep.append(f"page {ps} {bs}x{L} graph: failed {type(e).__name__}: {str(e)[:120]}")
+      print(sweep[-1], flush=True)
+    if args.no_cmd_buffers:
+      try:
+        tn = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, graph="off")
+        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} no command buffers: "
+                     f"{tn.seconds * 1e6:.1f} us {kv_bytes / tn.seconds / 1e12:.2f} TB/s")
+      except Exception as e:  # noqa: BLE001
+        sweep.append(f"page {ps} {bs}x{L} no command buffers: failed {type(e).__name__}: "
+                     f"{str(e)[:160]}")
       print(sweep[-1], flush=True)
     if args.loop:
       nrot = qs.shape[0]
