@@ -432,8 +432,8 @@ def _decode_kernel(cfg: _Cfg, dtype,
       """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in the
       layouts that broadcast to the WGMMA tile by reusing registers: per-row and
       per-column work is done once per row or column, not per element (each op
-      on a [64, N] tile is ~N/2 instructions in the serialized kernel, and the
-      kernel's size is a per-launch host cost, docs/PERF.md)."""
+      on a [64, N] tile is ~N/2 instructions per thread; FP8's register-bound loop
+      gained 10-14%, docs/PERF.md)."""
       if cfg.interpret:
         return lax.broadcasted_iota(jnp.int32, (size,), 0)
       layout = plgpu.Layout.WGMMA.reduce(1 - dim)

@@ -153,39 +153,31 @@ def main(argv: list[str] | None = None) -> None:
         del pargs
       except Exception as e:  # noqa: BLE001
         peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
+    # Other timing methods of the same calls, each one line of the sweep.
+    targs = (qs, k, v, tables, lens)
+    methods = []
     if args.graph:
-      try:
-        tg = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, graph=True)
-        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} graph: {tg.seconds * 1e6:.1f} us "
-                     f"{kv_bytes / tg.seconds / 1e12:.2f} TB/s")
-      except Exception as e:  # noqa: BLE001
-        sweep.append(f"page {ps} {bs}x{L} graph: failed {type(e).__name__}: {str(e)[:120]}")
-      print(sweep[-1], flush=True)
+      methods.append(("graph", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph=True)))
     if args.no_cmd_buffers:
-      try:
-        tn = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, graph="off")
-        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} no command buffers: "
-                     f"{tn.seconds * 1e6:.1f} us {kv_bytes / tn.seconds / 1e12:.2f} TB/s")
-      except Exception as e:  # noqa: BLE001
-        sweep.append(f"page {ps} {bs}x{L} no command buffers: failed {type(e).__name__}: "
-                     f"{str(e)[:160]}")
-      print(sweep[-1], flush=True)
+      methods.append(("no command buffers",
+                      lambda: common.time_rotated(step, targs, n_hi=n_hi, graph="off")))
     if args.loop:
       nrot = qs.shape[0]
 
       def lstep(i, qs, k, v, tables, lens):
         return md.mha_decode(qs[lax.rem(i, nrot)], k, v, tables[lax.rem(i, NUM_ROT)], lens,
                              max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
-      for lg in (True, False):
-        try:
-          tl = common.time_loop(lstep, (qs, k, v, tables, lens), graph=lg)
-          sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} loop graph={lg}: "
-                       f"{tl.seconds * 1e6:.1f} us {kv_bytes / tl.seconds / 1e12:.2f} TB/s "
-                       f"(spread {tl.spread:.2f})")
-        except Exception as e:  # noqa: BLE001
-          sweep.append(f"page {ps} {bs}x{L} loop graph={lg}: failed {type(e).__name__}: "
-                       f"{str(e)[:160]}")
-        print(sweep[-1], flush=True)
+      methods += [(f"loop graph={lg}", lambda lg=lg: common.time_loop(lstep, targs, graph=lg))
+                  for lg in (True, False)]
+    for label, timed in methods:
+      try:
+        t = timed()
+        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} {label}: "
+                     f"{t.seconds * 1e6:.1f} us {kv_bytes / t.seconds / 1e12:.2f} TB/s "
+                     f"(spread {t.spread:.2f})")
+      except Exception as e:  # noqa: BLE001
+        sweep.append(f"page {ps} {bs}x{L} {label}: failed {type(e).__name__}: {str(e)[:160]}")
+      print(sweep[-1], flush=True)
     if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
       import dataclasses
       for sp in [int(x) for x in args.splits_sweep.split(",")]:
