@@ -179,27 +179,22 @@ def _switch(name, value):
     setattr(md, name, old)
 
 
-OVERLAP_CPU = ["lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail",
-               "one_split_bf16", "window"]
+# (switch, case): each case runs under the other setting of the switch.
+# _OVERLAP_QK: the software-pipelined block loop; _KERNEL_COMBINE: XLA ops instead
+# of the merge kernel.
+OTHER_SETTING_CPU = (
+    [("_OVERLAP_QK", n) for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal",
+                                  "hkv2_group4_tail", "one_split_bf16", "window")]
+    + [("_KERNEL_COMBINE", n) for n in ("three_splits_qlen2", "logit_cap_sinks", "fp8_kv_scales")])
 
 
 @needs_interp
-@pytest.mark.parametrize("name", OVERLAP_CPU)
-def test_interpreted_overlap_qk(name):
-  """The other setting of the software-pipelined block loop (_OVERLAP_QK)."""
+@pytest.mark.parametrize("switch,name", OTHER_SETTING_CPU)
+def test_interpreted_other_switch_setting(switch, name):
+  """A kernel switch's other setting gives the same answers."""
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")
-  with _switch("_OVERLAP_QK", not md._OVERLAP_QK):
-    _check(CPU_CASES[name], interpret=True)
-
-
-@needs_interp
-@pytest.mark.parametrize("name", ["three_splits_qlen2", "logit_cap_sinks", "fp8_kv_scales"])
-def test_interpreted_xla_combine(name):
-  """The other setting of _KERNEL_COMBINE (XLA ops instead of the merge kernel)."""
-  if on_gpu():
-    pytest.skip("interpreter tests run on the CPU")
-  with _switch("_KERNEL_COMBINE", not md._KERNEL_COMBINE):
+  with _switch(switch, not getattr(md, switch)):
     _check(CPU_CASES[name], interpret=True)
 
 
