@@ -329,14 +329,9 @@ class _BridgeBase:
                 donate = (1,) if writes else ()
             fn = self._fns[fkey + (fenced,)] = jax.jit(wrapped, donate_argnums=donate, keep_unused=True)
         kvs = [v.jax for v in kv_views]
-        fence = (self.sync.before_jax(),) if fenced else ()
-        if not fenced:
-            self.sync.before_jax()
         if self.alias_out:
             ov = self._out(layer_key, out_rows, out_width, out_dtype)
-            out, new_kvs, *tok = fn(stage, kvs, ov.jax, md, tuple(extra), *fence)
-            done = tok[0] if tok else out
-            ov.jax = out
+            out, new_kvs, done = self._invoke(fn, fenced, stage, kvs, ov, md, tuple(extra))
             if not ov.verified:
                 if out.unsafe_buffer_pointer() != ov.torch.data_ptr():
                     # Not a pool: fall back to exporting outputs (one DLPack export per call).
@@ -351,8 +346,7 @@ class _BridgeBase:
                     return torch.from_dlpack(out)
                 ov.verified = True
         else:
-            out, new_kvs, *tok = fn(stage, kvs, md, tuple(extra), *fence)
-            done = tok[0] if tok else out
+            out, new_kvs, done = self._invoke(fn, fenced, stage, kvs, None, md, tuple(extra))
         for v, a in zip(kv_views, new_kvs):
             v.jax = a
             if not v.verified:
@@ -365,6 +359,19 @@ class _BridgeBase:
             return ov.torch
         return torch.from_dlpack(out)
 
+    def _invoke(self, fn, fenced: bool, stage, kvs, ov: _View | None, md, extra):
+        """One jitted call with the torch->JAX fence before it: the fence goes in as the
+        last argument when ``fenced`` (event mode) and a token comes back to fence on;
+        otherwise the output is what the JAX->torch fence waits for. With ``ov`` (the
+        aliased output view) its buffer is passed (donated) and re-pointed. Returns
+        ``(out, new_kvs, done)``."""
+        f = self.sync.before_jax()
+        args = (stage, kvs, md, extra) if ov is None else (stage, kvs, ov.jax, md, extra)
+        out, new_kvs, *tok = fn(*args, *((f,) if fenced else ()))
+        if ov is not None:
+            ov.jax = out
+        return out, new_kvs, (tok[0] if tok else out)
+
     def _make_plan(self, fkey, layer_key, stage_t: torch.Tensor, stage_j, n: int, out_rows: int, out_width: int,
                    out_dtype, kv_views: list[_View], extra_head: tuple, ro_views: list[_View], prep, checks):
         """The hot path of one (layer, pool, call signature, plan structure): a closure
@@ -375,19 +382,19 @@ class _BridgeBase:
         a moved buffer returns None and the caller takes the slow path (re-import).
         Built only after a slow-path call of the same key verified every alias."""
         sync = self.sync
-        fn = self._fns.get(fkey + (sync.jax_fence,))
+        fenced = sync.jax_fence
+        fn = self._fns.get(fkey + (fenced,))
         if fn is None or any(not v.verified for v in kv_views):
             return None
-        before, after = sync.before_jax, sync.after_jax
+        after, invoke = sync.after_jax, self._invoke
         on_gpu = self.platform == "gpu"
+        ov = None
         if self.alias_out:
             ov = self._outs.get((layer_key, out_rows, out_width, out_dtype))
             if ov is None or not ov.verified:
                 return None
             out_t = ov.torch[:n]
         nkv = len(kv_views)
-
-        fenced = sync.jax_fence
 
         def plan(*inputs):
             if sync.jax_fence != fenced:
@@ -398,21 +405,7 @@ class _BridgeBase:
             prep(*inputs)
             extra = extra_head + tuple(v.jax for v in ro_views)
             kvs = [v.jax for v in kv_views]
-            md = self._md_call
-            if fenced:
-                if self.alias_out:
-                    out, new_kvs, done = fn(stage_j, kvs, ov.jax, md, extra, before())
-                    ov.jax = out
-                else:
-                    out, new_kvs, done = fn(stage_j, kvs, md, extra, before())
-            else:
-                before()
-                if self.alias_out:
-                    out, new_kvs = fn(stage_j, kvs, ov.jax, md, extra)
-                    ov.jax = out
-                else:
-                    out, new_kvs = fn(stage_j, kvs, md, extra)
-                done = out
+            out, new_kvs, done = invoke(fn, fenced, stage_j, kvs, ov, self._md_call, extra)
             if nkv:
                 for v, a in zip(kv_views, new_kvs):
                     v.jax = a
