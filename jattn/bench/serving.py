@@ -91,7 +91,7 @@ def _profile_step(engine: Engine, bs: int, seq_len: int, n: int = 6) -> dict:
     """Kernel times of one decode step (profiler): span, busy, attention share."""
     from jattn.bench import profile as prof
     call = _decode_step_call(engine, bs, seq_len)
-    summ = prof.summarize(prof.profile_calls(lambda: call(), [()] * n))
+    summ = prof.summarize(prof.profile_calls(call, [()] * n))
     attn = sum(us for name, _, us in summ.kernels if _attention_kernel(name))
     kernel_sum = sum(us for _, _, us in summ.kernels)
     count = sum(c for _, c, _ in summ.kernels)
