@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from jattn.bench.profile import CallProfile, Kernel, _split_calls, profile_calls, summarize
@@ -71,3 +72,31 @@ def test_time_rotated_command_buffer_modes_compile():
         t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
                                 reps=1, graph=graph)
         assert t.n_hi == 2 and t.seconds > 0
+
+
+def test_joined_outputs_keep_every_value_one_array_per_dtype():
+    """The harness joins all calls' outputs into one array per dtype: nothing dropped
+    (so no call is dead code), values in call order."""
+    from jattn.bench import common
+    rng = np.random.default_rng(0)
+    outs = tuple((jnp.asarray(rng.standard_normal((2, 3)), jnp.bfloat16),
+                  jnp.asarray(rng.standard_normal((3,)), jnp.float32)) for _ in range(4))
+    joined = common._joined(outs)
+    assert [j.dtype for j in joined] == [jnp.bfloat16, jnp.float32]
+    np.testing.assert_array_equal(np.asarray(joined[0], np.float32),
+                                  np.concatenate([np.asarray(o[0], np.float32).ravel() for o in outs]))
+    np.testing.assert_array_equal(np.asarray(joined[1]),
+                                  np.concatenate([np.asarray(o[1]).ravel() for o in outs]))
+
+
+def test_time_rotated_join_modes_run_every_call():
+    """Both output modes run all n calls: the step is traced once per call index."""
+    from jattn.bench import common
+    for join in (True, False):
+        seen = []
+
+        def step(i, x):
+            seen.append(i)
+            return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
+        t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
+        assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]

@@ -64,13 +64,29 @@ def _differential(make: Callable[[int], Callable], args: Sequence, n_lo: int, n_
   return Timing(per, spread, n_lo, n_hi)
 
 
+def _joined(outs):
+  """All calls' outputs as one array per dtype (one concatenate per jit call)."""
+  by_dtype: dict = {}
+  for x in jax.tree_util.tree_leaves(outs):
+    by_dtype.setdefault(jnp.dtype(x.dtype), []).append(x.reshape(-1))
+  return tuple(jnp.concatenate(xs) for xs in by_dtype.values())
+
+
 def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
-                 n_hi: int = 12, reps: int = 7, graph: bool | str = False) -> Timing:
+                 n_hi: int = 12, reps: int = 7, graph: bool | str = False,
+                 join: bool = True) -> Timing:
   """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
 
-  Every call's outputs are returned from the jit (so nothing is dead code and no
-  call is deduplicated) without any extra work on them: a reduction per call would
-  add a kernel and a launch gap per call, a large share of a batch-1 decode.
+  Every call's outputs leave the jit (so nothing is dead code and no call is
+  deduplicated) without per-call work on them: a reduction per call would add a
+  kernel and a launch gap per call, a large share of a batch-1 decode. With
+  ``join=True`` (default) they leave as one concatenated array per dtype, one
+  copy kernel per jit call, which the differential cancels; the calls' outputs
+  are then buffers inside the program, as a layer's attention output is inside a
+  serving step. ``join=False`` returns every output as its own array: each then
+  costs host time in the runtime (a fresh output buffer, ~3-13 us on the H200
+  hosts) and, under command buffers, a re-record of the call that writes it
+  (measured, docs/PERF.md "fourth session"): that times the harness, not the op.
 
   ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
   serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
@@ -81,7 +97,8 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
 
   def make(n):
     def many(*a):
-      return tuple(step(i, *a) for i in range(n))
+      outs = tuple(step(i, *a) for i in range(n))
+      return _joined(outs) if join else outs
     return jax.jit(many, **kw)
 
   return _differential(make, args, n_lo, n_hi, reps)

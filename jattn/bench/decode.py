@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--no-cmd-buffers", action="store_true",
                   help="also time with XLA command buffers turned off entirely (every kernel "
                        "launched from the host; XLA's defaults capture some op types)")
+  ap.add_argument("--separate-outputs", action="store_true",
+                  help="also time with every call's output returned as its own array "
+                       "(the harness before the fourth session)")
   ap.add_argument("--loop", action="store_true",
                   help="also time the calls inside one jitted fori_loop run as one command "
                        "buffer (CUDA graph with conditional nodes): device time per call")
@@ -158,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     methods = []
     if args.graph:
       methods.append(("graph", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph=True)))
+    if args.separate_outputs:
+      methods.append(("every output its own array",
+                      lambda: common.time_rotated(step, targs, n_hi=n_hi, join=False)))
     if args.no_cmd_buffers:
       methods.append(("no command buffers",
                       lambda: common.time_rotated(step, targs, n_hi=n_hi, graph="off")))
@@ -169,14 +175,14 @@ def main(argv: list[str] | None = None) -> None:
                              max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
       methods += [(f"loop graph={lg}", lambda lg=lg: common.time_loop(lstep, targs, graph=lg))
                   for lg in (True, False)]
-    for label, timed in methods:
+    for how_timed, timed in methods:
       try:
         t = timed()
-        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} {label}: "
+        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} {how_timed}: "
                      f"{t.seconds * 1e6:.1f} us {kv_bytes / t.seconds / 1e12:.2f} TB/s "
                      f"(spread {t.spread:.2f})")
       except Exception as e:  # noqa: BLE001
-        sweep.append(f"page {ps} {bs}x{L} {label}: failed {type(e).__name__}: {str(e)[:160]}")
+        sweep.append(f"page {ps} {bs}x{L} {how_timed}: failed {type(e).__name__}: {str(e)[:160]}")
       print(sweep[-1], flush=True)
     if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
       import dataclasses
