@@ -1,0 +1,244 @@
+"""Diagnostics (GPU): is XLA's command buffer what costs the batch-1 decode its host time?
+
+For the batch-1 mosaic decode, n calls in one jit, under XLA's default command-buffer
+setting, under ``FUSION,CUSTOM_CALL`` and with command buffers off:
+
+1. whether the compiled program holds command buffers, and how many;
+2. host dispatch (until the call returns) and wall time to ready;
+3. the host-side trace events of those calls, summed by name (what XLA's runtime
+   spends the dispatch on: thunk execution, command-buffer recording/update, the
+   Mosaic GPU FFI handler, kernel launches);
+4. per-call time by the benchmark's differential method (48 calls).
+
+    python scripts/diag_cmdbuf.py [4096,32768]
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+
+def _options(name):
+  from jattn.bench import common
+  return {"default": {}, "FUSION,CUSTOM_CALL": {"compiler_options": common.GRAPH_OPTIONS},
+          "off": {"compiler_options": common.NO_GRAPH_OPTIONS}}[name]
+
+
+def host_events(fn, args, reps=3, top=22):
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  logdir = tempfile.mkdtemp(prefix="cmdbuf_")
+  with jax.profiler.trace(logdir):
+    for _ in range(reps):
+      jax.block_until_ready(fn(*args))
+  path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
+                key=os.path.getmtime)[-1]
+  pd = ProfileData.from_file(path)
+  tot = collections.Counter()
+  cnt = collections.Counter()
+  for plane in pd.planes:
+    if not plane.name.startswith("/host"):
+      continue
+    for line in plane.lines:
+      for ev in line.events:
+        name = re.sub(r"\d+", "#", ev.name)[:90]
+        tot[name] += ev.duration_ns
+        cnt[name] += 1
+  for name, ns in tot.most_common(top):
+    print(f"     {ns / reps / 1e3:9.1f} us/jit-call  x{cnt[name] / reps:6.1f}  {name}")
+
+
+def main():
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  lengths = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "4096,32768").split(",")]
+  rng = np.random.default_rng(0)
+  for L in lengths:
+    qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, 48)
+    for name in ("default", "FUSION,CUSTOM_CALL", "off"):
+      kw = _options(name)
+      n = 6
+      many = jax.jit(lambda qs, k, v, t, lens: tuple(
+          md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **kw)
+      txt = many.lower(qs, k, v, tables, lens).compile().as_text()
+      ncb = len(re.findall(r"command_buffer", txt))
+      ncc = len(re.findall(r"custom_call_target=\"([^\"]+)\"", txt))
+      targets = collections.Counter(re.findall(r"custom_call_target=\"([^\"]+)\"", txt))
+      print(f"--- 1x{L}, {n} calls in one jit, command buffers {name}: 'command_buffer' x{ncb} "
+            f"in compiled HLO; custom calls {dict(targets)}", flush=True)
+      jax.block_until_ready(many(qs, k, v, tables, lens))
+      ts = []
+      for _ in range(30):
+        t0 = time.perf_counter()
+        out = many(qs, k, v, tables, lens)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        ts.append(((t1 - t0) * 1e6, (t2 - t0) * 1e6))
+        del out
+      d = statistics.median(t[0] for t in ts)
+      w = statistics.median(t[1] for t in ts)
+      print(f"   host dispatch {d:.1f} us ({d / n:.1f}/call); wall to ready {w:.1f} us "
+            f"({w / n:.1f}/call)", flush=True)
+      print("   host trace events (sum per jit call):")
+      host_events(many, (qs, k, v, tables, lens))
+
+      def step(i, qs, k, v, t, lens):
+        return md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
+      graph = {"default": False, "FUSION,CUSTOM_CALL": True, "off": "off"}[name]
+      for n_hi in (12, 48):
+        t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, graph=graph)
+        print(f"   differential per call (2..{n_hi} calls): {t.seconds * 1e6:.1f} us "
+              f"({kv_bytes / t.seconds / 1e12:.2f} TB/s), spread {t.spread:.2f}", flush=True)
+    del qs, k, v
+
+
+def timelines(lengths=(4096, 32768), n=6):
+  """Host thunk events and device kernels of one n-call jit, on one clock."""
+  from jax.profiler import ProfileData
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  rng = np.random.default_rng(1)
+  for L in lengths:
+    qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
+    for name in ("default", "off"):
+      many = jax.jit(lambda qs, k, v, t, lens: tuple(
+          md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **_options(name))
+      args = (qs, k, v, tables, lens)
+      for _ in range(3):
+        jax.block_until_ready(many(*args))
+      logdir = tempfile.mkdtemp(prefix="cmdbuf_tl_")
+      with jax.profiler.trace(logdir):
+        for _ in range(3):
+          jax.block_until_ready(many(*args))
+          time.sleep(0.002)
+      path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
+                    key=os.path.getmtime)[-1]
+      pd = ProfileData.from_file(path)
+      host, dev = [], []
+      for plane in pd.planes:
+        for line in plane.lines:
+          for ev in line.events:
+            rec = (float(ev.start_ns), float(ev.duration_ns), ev.name)
+            if plane.name.startswith("/host"):
+              host.append(rec)
+            elif plane.name.startswith("/device:") and line.name.startswith("Stream"):
+              dev.append(rec)
+      execs = sorted(e for e in host if "ExecuteThunks" in e[2])
+      if not execs:
+        print("no ExecuteThunks events")
+        continue
+      t0, d0, _ = execs[-1]
+      t_end = t0 + d0 + 2e6
+      keep = [e for e in host if t0 - 50e3 <= e[0] <= t_end and not e[2].startswith("$")]
+      keep += [(s, d, "GPU  " + nm) for s, d, nm in dev if t0 - 50e3 <= s <= t_end]
+      keep.sort()
+      print(f"--- 1x{L}, {n} calls, command buffers {name}: timeline from ExecuteThunks start")
+      for s, d, nm in keep[:140]:
+        print(f"   {(s - t0) / 1e3:9.2f}  dur {d / 1e3:8.2f}  {nm[:80]}")
+    del qs, k, v
+
+
+def spans(lengths=(4096, 32768), ns=(2, 12, 48), modes=("default", "off"), join=False):
+  """Per n-call jit: host ExecuteThunks time, device span and busy time (profiled),
+  beside the unprofiled wall time: which one grows by the benchmark's per-call figure."""
+  from jax.profiler import ProfileData
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  rng = np.random.default_rng(2)
+  for L in lengths:
+    qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
+    args = (qs, k, v, tables, lens)
+    for name in modes:
+      for n in ns:
+        many = jax.jit(lambda qs, k, v, t, lens, n=n: (common._joined if join else tuple)(tuple(
+            md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))),
+            **_options(name))
+        for _ in range(3):
+          jax.block_until_ready(many(*args))
+        walls = []
+        for _ in range(15):
+          t0 = time.perf_counter()
+          jax.block_until_ready(many(*args))
+          walls.append((time.perf_counter() - t0) * 1e6)
+        logdir = tempfile.mkdtemp(prefix="cmdbuf_sp_")
+        reps = 4
+        with jax.profiler.trace(logdir):
+          for _ in range(reps):
+            jax.block_until_ready(many(*args))
+            time.sleep(0.003)
+        path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
+                      key=os.path.getmtime)[-1]
+        pd = ProfileData.from_file(path)
+        host, dev = [], []
+        for plane in pd.planes:
+          for line in plane.lines:
+            for ev in line.events:
+              rec = (float(ev.start_ns), float(ev.duration_ns), ev.name)
+              if plane.name.startswith("/host") and "ExecuteThunks" in ev.name:
+                host.append(rec)
+              elif plane.name.startswith("/device:") and line.name.startswith("Stream"):
+                dev.append(rec)
+        host.sort()
+        dev.sort()
+        rows = []
+        for j, (hs, hd, _) in enumerate(host):
+          nxt = host[j + 1][0] if j + 1 < len(host) else float("inf")
+          ks = [e for e in dev if hs <= e[0] < nxt]
+          if not ks:
+            continue
+          first, last = ks[0][0], max(e[0] + e[1] for e in ks)
+          busy = sum(e[1] for e in ks)
+          dec = [e[1] for e in ks if "paged_decode" in e[2]]
+          rows.append((hd / 1e3, (first - hs) / 1e3, (last - first) / 1e3, busy / 1e3,
+                       statistics.median(dec) / 1e3 if dec else 0.0, len(ks)))
+        med = lambda i: statistics.median(r[i] for r in rows) if rows else float("nan")
+        print(f"1x{L} {name:7s} n={n:2d}: wall {statistics.median(walls):8.1f} us | profiled: "
+              f"host thunks {med(0):7.1f}, GPU starts +{med(1):6.1f}, device span {med(2):7.1f} "
+              f"({med(2) / n:5.1f}/call), busy {med(3):7.1f}, decode kernel {med(4):5.1f}, "
+              f"{med(5):.0f} kernels", flush=True)
+    del qs, k, v
+
+
+def hostbreak(L=32768, ns=(6, 24)):
+  """Which host events grow with the number of calls, outputs joined, XLA defaults."""
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  rng = np.random.default_rng(3)
+  qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
+  args = (qs, k, v, tables, lens)
+  for n in ns:
+    many = jax.jit(lambda qs, k, v, t, lens, n=n: common._joined(tuple(
+        md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))))
+    print(f"--- 1x{L}, {n} calls, outputs joined, XLA defaults: host events per jit call")
+    host_events(many, args, reps=4, top=40)
+
+
+if __name__ == "__main__":
+  print("jax", jax.__version__, jax.devices())
+  print("XLA_FLAGS", os.environ.get("XLA_FLAGS"))
+  if "timeline" in sys.argv[1:]:
+    timelines()
+  elif "hostbreak" in sys.argv[1:]:
+    hostbreak()
+  elif "spans" in sys.argv[1:]:
+    spans()
+  elif "spans-joined" in sys.argv[1:]:
+    spans(modes=("default",), join=True)
+  else:
+    main()
