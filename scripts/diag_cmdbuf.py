@@ -273,11 +273,29 @@ def donated(lengths=(4096, 32768), ns=(2, 48), reps=9):
     del qs, k, v
 
 
+def vlog(L=4096, n=4, execs=4):
+  """A few executions of an n-call joined jit, with markers on stderr, for reading
+  XLA's command-buffer VLOG lines (run with TF_CPP_VMODULE set) between them."""
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  rng = np.random.default_rng(5)
+  qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
+  f = jax.jit(lambda qs, k, v, t, lens: common._joined(tuple(
+      md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))))
+  for e in range(execs):
+    print(f"===== execution {e} begins", file=sys.stderr, flush=True)
+    jax.block_until_ready(f(qs, k, v, tables, lens))
+    print(f"===== execution {e} ends", file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
   print("jax", jax.__version__, jax.devices())
   print("XLA_FLAGS", os.environ.get("XLA_FLAGS"))
   if "timeline" in sys.argv[1:]:
     timelines()
+  elif "vlog" in sys.argv[1:]:
+    vlog()
   elif "donated" in sys.argv[1:]:
     donated()
   elif "hostbreak" in sys.argv[1:]:
