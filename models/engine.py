@@ -59,7 +59,10 @@ class EngineConfig:
     token_buckets: tuple | None = None  # None: powers of two >= 16
     kv_cache_dtype: str | None = None  # None: the model's dtype
     kernel_backend: str | None = None  # None: auto
-    command_buffers: bool = True  # XLA command buffers (CUDA graphs) for the step, GPU only
+    # XLA command buffers (CUDA graphs) for the step, GPU only: True = the engine's choice
+    # (ENGINE_COMMAND_BUFFERS), False or "off" = none, "xla" = XLA's defaults, any other
+    # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").
+    command_buffers: bool | str = True
 
 
 @dataclasses.dataclass
@@ -158,7 +161,28 @@ def _is_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool = True, on_trace=None):
+# XLA's own default command-buffer types. Measured against "FUSION,CUSTOM_CALL" (which
+# leaves cuBLAS GEMMs and the slice-fused Mosaic calls outside the graphs) and against
+# none, SmolLM2 shapes on the H200: engine step 2.99 / 3.53 / 7.32 ms at batch 1 and
+# 2.88 / 3.13 / 7.82 ms at batch 32 (docs/PERF.md, serving, fourth session).
+ENGINE_COMMAND_BUFFERS = "xla"
+
+
+def command_buffer_options(setting: bool | str) -> dict:
+    """The jit ``compiler_options`` for an ``EngineConfig.command_buffers`` setting."""
+    if setting is True:
+        setting = ENGINE_COMMAND_BUFFERS
+    if setting is False or setting == "off":
+        return {"xla_gpu_enable_command_buffer": ""}
+    if setting == "xla":
+        return {}
+    if not isinstance(setting, str):
+        raise TypeError(f"command_buffers: expected a bool or a string, got {setting!r}")
+    return {"xla_gpu_enable_command_buffer": setting}
+
+
+def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True,
+                 on_trace=None):
     """``step(state, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
     greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
 
@@ -181,19 +205,22 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool = True, on
         return nxt, kv_cache
 
     kw = {}
-    if command_buffers and _is_gpu():
-        kw["compiler_options"] = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}
+    if _is_gpu():
+        opts = command_buffer_options(command_buffers)
+        if opts:
+            kw["compiler_options"] = opts
     return jax.jit(step, donate_argnums=(1,), static_argnames=("greedy_only",), **kw)
 
 
 _STEP_FNS: dict = {}
 
 
-def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool = True):
+def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True):
     """``(jitted step, trace counter)`` shared by every engine of the same model structure
     and backend config, so a new engine reuses the programs already compiled."""
     graphdef, _ = nnx.split(model)
-    key = (graphdef, type(backend), backend.config, command_buffers and _is_gpu())
+    key = (graphdef, type(backend), backend.config,
+           str(command_buffer_options(command_buffers)) if _is_gpu() else None)
     if key not in _STEP_FNS:
         counter = [0]
 

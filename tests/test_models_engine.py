@@ -193,3 +193,17 @@ def test_smollm2_gguf_matches_transformers():
                         max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     eng = Engine(model, EngineConfig(page_size=16, num_pages=16, max_context=128))
     assert eng.generate([ids], SamplingParams(max_new_tokens=12))[0].output_tokens == g
+
+
+def test_command_buffer_settings():
+    """Each EngineConfig.command_buffers setting maps to its XLA option; False really turns
+    command buffers off (no options at all would leave XLA's defaults, which have them)."""
+    from jattn.models.engine import ENGINE_COMMAND_BUFFERS, command_buffer_options
+    key = "xla_gpu_enable_command_buffer"
+    assert command_buffer_options(True) == command_buffer_options(ENGINE_COMMAND_BUFFERS)
+    assert command_buffer_options(False) == {key: ""}
+    assert command_buffer_options("off") == {key: ""}
+    assert command_buffer_options("xla") == {}
+    assert command_buffer_options("FUSION,CUBLAS") == {key: "FUSION,CUBLAS"}
+    with pytest.raises(TypeError, match="command_buffers"):
+        command_buffer_options(3)

@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 L2_BYTES = 60 * 1024 * 1024
-# XLA command buffers (CUDA graphs) for fusions and custom calls (the Mosaic GPU
-# kernels), the setting jattn.models.engine uses for its serving step.
+# XLA command buffers (CUDA graphs) for fusions and custom calls only. (XLA's
+# defaults, which the serving engine uses, also hold cuBLAS calls and slice-fused
+# custom calls; under these options a Mosaic call fused with a slice of its input
+# runs outside the graph.)
 GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"}
 # No command buffers at all: every kernel launched by XLA's thunks from the host
 # (XLA's defaults put some op types in command buffers).

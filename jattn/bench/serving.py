@@ -101,13 +101,14 @@ def _profile_step(engine: Engine, bs: int, seq_len: int, n: int = 6) -> dict:
 
 
 def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backend,
-            profile: bool = False) -> dict:
+            profile: bool = False, command_buffers: bool | str = True) -> dict:
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     buckets = tuple(sorted({1, bs}))
     ecfg = EngineConfig(page_size=page_size, num_pages=1 + bs * pages_per, max_context=max_context,
                         max_running=bs, max_prefill_tokens=min(bs, 32) * prompt_len,
-                        batch_buckets=buckets, token_buckets=None, kernel_backend=backend)
+                        batch_buckets=buckets, token_buckets=None, kernel_backend=backend,
+                        command_buffers=command_buffers)
     engine = Engine(model, ecfg)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -145,8 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None, help="attention kernel backend (default auto)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the decode step: kernel-time sum and attention share vs step time")
+    ap.add_argument("--command-buffers", default="engine",
+                    help="XLA command-buffer settings to compare, separated by ';': 'engine' "
+                         "(the engine's choice), 'xla' (XLA's defaults), 'off', or a type list "
+                         "such as FUSION,CUSTOM_CALL")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
+    settings = [True if s == "engine" else s for s in args.command_buffers.split(";") if s]
     dev = jax.devices()[0]
     print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
           f"backend {args.backend or 'auto'}, dtype {args.dtype}", flush=True)
@@ -155,16 +161,17 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model, desc = _model(name, args.dtype)
         print(f"\n{desc}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for bs in [int(b) for b in args.batch.split(",")]:
+        for bs, cb in [(int(b), cb) for b in args.batch.split(",") for cb in settings]:
+            tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             try:
                 r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, args.backend,
-                            profile=args.profile)
+                            profile=args.profile, command_buffers=cb)
             except Exception as e:  # keep going: report what ran
-                print(f"  bs={bs}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"  bs={bs}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            r["model"] = desc
+            r["model"] = desc + tag
             rows.append(r)
-            print(f"  bs={bs:4d}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
+            print(f"  bs={bs:4d}{tag}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
                   f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
                   f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s", flush=True)
         del model
