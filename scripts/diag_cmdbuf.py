@@ -3,31 +3,35 @@
 For the batch-1 mosaic decode, n calls in one jit, under XLA's default command-buffer
 setting, under ``FUSION,CUSTOM_CALL`` and with command buffers off:
 
-1. whether the compiled program holds command buffers, and how many;
+1. the custom calls in the compiled program;
 2. host dispatch (until the call returns) and wall time to ready;
 3. the host-side trace events of those calls, summed by name (what XLA's runtime
    spends the dispatch on: thunk execution, command-buffer recording/update, the
    Mosaic GPU FFI handler, kernel launches);
 4. per-call time by the benchmark's differential method (48 calls).
 
-    python scripts/diag_cmdbuf.py [4096,32768]
+Other modes: ``timeline`` (host thunks and device kernels of one jit on one clock),
+``spans`` / ``spans-joined`` (profiled host and device time against unprofiled wall
+for 2/12/48 calls), ``hostbreak``, ``donated``, ``vlog`` (see each function).
+
+    python scripts/diag_cmdbuf.py [4096,32768 | timeline | spans | ...]
 """
 
 from __future__ import annotations
 
 import collections
-import glob
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.bench.profile import trace_events
+from diag_launch import dispatch_and_wall  # the sibling script (this folder is on sys.path)
 
 
 def _options(name):
@@ -37,28 +41,15 @@ def _options(name):
 
 
 def host_events(fn, args, reps=3, top=22):
-  from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
-  logdir = tempfile.mkdtemp(prefix="cmdbuf_")
-  with jax.profiler.trace(logdir):
-    for _ in range(reps):
-      jax.block_until_ready(fn(*args))
-  path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                key=os.path.getmtime)[-1]
-  pd = ProfileData.from_file(path)
+  host, _ = trace_events(fn, args, reps=reps)
   tot = collections.Counter()
   cnt = collections.Counter()
-  for plane in pd.planes:
-    if not plane.name.startswith("/host"):
-      continue
-    for line in plane.lines:
-      for ev in line.events:
-        name = re.sub(r"\d+", "#", ev.name)[:90]
-        tot[name] += ev.duration_ns
-        cnt[name] += 1
+  for _, dur, name in host:
+    name = re.sub(r"\d+", "#", name)[:90]
+    tot[name] += dur
+    cnt[name] += 1
   for name, ns in tot.most_common(top):
     print(f"     {ns / reps / 1e3:9.1f} us/jit-call  x{cnt[name] / reps:6.1f}  {name}")
-
 
 def main():
   from jattn.bench import common
@@ -73,24 +64,13 @@ def main():
       n = 6
       many = jax.jit(lambda qs, k, v, t, lens: tuple(
           md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **kw)
+      # (Command buffers are formed from the thunks, after the HLO: the compiled HLO
+      # text does not show them; the host events below do, as command_buffer_#.)
       txt = many.lower(qs, k, v, tables, lens).compile().as_text()
-      ncb = len(re.findall(r"command_buffer", txt))
-      ncc = len(re.findall(r"custom_call_target=\"([^\"]+)\"", txt))
       targets = collections.Counter(re.findall(r"custom_call_target=\"([^\"]+)\"", txt))
-      print(f"--- 1x{L}, {n} calls in one jit, command buffers {name}: 'command_buffer' x{ncb} "
-            f"in compiled HLO; custom calls {dict(targets)}", flush=True)
-      jax.block_until_ready(many(qs, k, v, tables, lens))
-      ts = []
-      for _ in range(30):
-        t0 = time.perf_counter()
-        out = many(qs, k, v, tables, lens)
-        t1 = time.perf_counter()
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        ts.append(((t1 - t0) * 1e6, (t2 - t0) * 1e6))
-        del out
-      d = statistics.median(t[0] for t in ts)
-      w = statistics.median(t[1] for t in ts)
+      print(f"--- 1x{L}, {n} calls in one jit, command buffers {name}: custom calls "
+            f"{dict(targets)}", flush=True)
+      d, w = dispatch_and_wall(many, (qs, k, v, tables, lens), reps=30)
       print(f"   host dispatch {d:.1f} us ({d / n:.1f}/call); wall to ready {w:.1f} us "
             f"({w / n:.1f}/call)", flush=True)
       print("   host trace events (sum per jit call):")
@@ -108,7 +88,6 @@ def main():
 
 def timelines(lengths=(4096, 32768), n=6):
   """Host thunk events and device kernels of one n-call jit, on one clock."""
-  from jax.profiler import ProfileData
   from jattn.bench.decode import _setup, NUM_ROT
   from jattn.pallas_kernels import mosaic_decode as md
   rng = np.random.default_rng(1)
@@ -118,25 +97,7 @@ def timelines(lengths=(4096, 32768), n=6):
       many = jax.jit(lambda qs, k, v, t, lens: tuple(
           md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **_options(name))
       args = (qs, k, v, tables, lens)
-      for _ in range(3):
-        jax.block_until_ready(many(*args))
-      logdir = tempfile.mkdtemp(prefix="cmdbuf_tl_")
-      with jax.profiler.trace(logdir):
-        for _ in range(3):
-          jax.block_until_ready(many(*args))
-          time.sleep(0.002)
-      path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                    key=os.path.getmtime)[-1]
-      pd = ProfileData.from_file(path)
-      host, dev = [], []
-      for plane in pd.planes:
-        for line in plane.lines:
-          for ev in line.events:
-            rec = (float(ev.start_ns), float(ev.duration_ns), ev.name)
-            if plane.name.startswith("/host"):
-              host.append(rec)
-            elif plane.name.startswith("/device:") and line.name.startswith("Stream"):
-              dev.append(rec)
+      host, dev = trace_events(many, args, reps=3, warmup=3, pause_s=0.002)
       execs = sorted(e for e in host if "ExecuteThunks" in e[2])
       if not execs:
         print("no ExecuteThunks events")
@@ -155,7 +116,6 @@ def timelines(lengths=(4096, 32768), n=6):
 def spans(lengths=(4096, 32768), ns=(2, 12, 48), modes=("default", "off"), join=False):
   """Per n-call jit: host ExecuteThunks time, device span and busy time (profiled),
   beside the unprofiled wall time: which one grows by the benchmark's per-call figure."""
-  from jax.profiler import ProfileData
   from jattn.bench import common
   from jattn.bench.decode import _setup, NUM_ROT
   from jattn.pallas_kernels import mosaic_decode as md
@@ -175,26 +135,9 @@ def spans(lengths=(4096, 32768), ns=(2, 12, 48), modes=("default", "off"), join=
           t0 = time.perf_counter()
           jax.block_until_ready(many(*args))
           walls.append((time.perf_counter() - t0) * 1e6)
-        logdir = tempfile.mkdtemp(prefix="cmdbuf_sp_")
         reps = 4
-        with jax.profiler.trace(logdir):
-          for _ in range(reps):
-            jax.block_until_ready(many(*args))
-            time.sleep(0.003)
-        path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                      key=os.path.getmtime)[-1]
-        pd = ProfileData.from_file(path)
-        host, dev = [], []
-        for plane in pd.planes:
-          for line in plane.lines:
-            for ev in line.events:
-              rec = (float(ev.start_ns), float(ev.duration_ns), ev.name)
-              if plane.name.startswith("/host") and "ExecuteThunks" in ev.name:
-                host.append(rec)
-              elif plane.name.startswith("/device:") and line.name.startswith("Stream"):
-                dev.append(rec)
-        host.sort()
-        dev.sort()
+        host, dev = trace_events(many, args, reps=reps, warmup=0, pause_s=0.003)
+        host = [e for e in host if "ExecuteThunks" in e[2]]
         rows = []
         for j, (hs, hd, _) in enumerate(host):
           nxt = host[j + 1][0] if j + 1 < len(host) else float("inf")

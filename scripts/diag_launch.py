@@ -12,11 +12,9 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -42,16 +40,24 @@ def dispatch_us(step, args, n=50):
   return statistics.median(ds) * 1e6
 
 
+def dispatch_and_wall(fn, args, reps=20):
+  """Medians (us) of the host time until ``fn(*args)`` returns and until its result is
+  ready, the GPU idle before each call."""
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    ts.append(((t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6))
+    del out
+  return statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+
+
 def timeline(fn, args, label, reps=3):
   from jattn.bench import profile as prof
-  jax.block_until_ready(fn(*args))
-  logdir = tempfile.mkdtemp(prefix="diag_")
-  with jax.profiler.trace(logdir):
-    for _ in range(reps):
-      jax.block_until_ready(fn(*args))
-  path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                key=os.path.getmtime)[-1]
-  calls = prof._split_calls(prof._device_events(path), reps)
+  calls = prof.profile_calls(fn, [args] * reps, warmup=1)
   c = calls[-1]
   t0 = c.kernels[0].start_ns
   print(f"--- {label}: span {c.span_us:.1f} us, busy {c.busy_us:.1f} us, {len(c.kernels)} events")
@@ -77,18 +83,7 @@ def decode_diag():
       many = jax.jit(lambda qs, k, v, t, lens: tuple(
           md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **kw)
       timeline(many, (qs, k, v, tables, lens), f"1x{L} {n} calls in one jit, graph={graph}", reps=2)
-      jax.block_until_ready(many(qs, k, v, tables, lens))
-      ts = []
-      for _ in range(20):
-        jax.block_until_ready(qs)
-        t0 = time.perf_counter()
-        out = many(qs, k, v, tables, lens)
-        t1 = time.perf_counter()
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
-        ts.append(((t1 - t0) * 1e6, (t2 - t0) * 1e6))
-      d = statistics.median(t[0] for t in ts)
-      w = statistics.median(t[1] for t in ts)
+      d, w = dispatch_and_wall(many, (qs, k, v, tables, lens))
       print(f"   host dispatch of the {n}-call jit: {d:.1f} us ({d / n:.1f}/call); wall to ready "
             f"{w:.1f} us ({w / n:.1f}/call)")
     # a single split (no combine kernel) and the combine alone

@@ -100,3 +100,17 @@ def test_time_rotated_join_modes_run_every_call():
             return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
         t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
         assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]
+
+
+def test_trace_events_host_side_on_one_clock():
+    """trace_events returns the host activity of the traced calls, time-sorted; on a
+    machine without a GPU the device list is empty (no stream lines)."""
+    from jattn.bench.profile import trace_events
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    host, dev = trace_events(f, (jnp.ones(8),), reps=2, warmup=1, pause_s=0.001)
+    assert host, "no host events traced"
+    starts = [e[0] for e in host]
+    assert starts == sorted(starts)
+    assert all(len(e) == 3 and e[1] >= 0 for e in host)
+    if jax.default_backend() != "gpu":
+        assert dev == []

@@ -19,6 +19,7 @@ import glob
 import os
 import statistics
 import tempfile
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -56,6 +57,49 @@ class CallProfile:
     if cur_e is not None:
       total += cur_e - cur_s
     return total / 1e3
+
+
+def _trace_file(fn: Callable, args_list: Sequence[Sequence], *, warmup: int,
+                logdir: str | None = None, pause_s: float = 0.0) -> str:
+  """Run ``fn(*args)`` for each args under the profiler, a sync (and ``pause_s`` of
+  sleep) after each, and return the path of the trace it wrote."""
+  for a in list(args_list)[:warmup]:
+    jax.block_until_ready(fn(*a))
+  logdir = logdir or tempfile.mkdtemp(prefix="jattn_prof_")
+  with jax.profiler.trace(logdir):
+    for a in args_list:
+      jax.block_until_ready(fn(*a))
+      if pause_s:
+        time.sleep(pause_s)
+  paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    raise RuntimeError(f"the profiler wrote no .xplane.pb under {logdir}")
+  return paths[-1]
+
+
+Event = tuple  # (start_ns, duration_ns, name)
+
+
+def trace_events(fn: Callable, args: Sequence, *, reps: int = 3, warmup: int = 1,
+                 pause_s: float = 0.0) -> tuple[list[Event], list[Event]]:
+  """``reps`` calls of ``fn(*args)`` under the profiler: (host events, device events),
+  each a time-sorted list of ``(start_ns, duration_ns, name)`` on one clock. Host events
+  are every traced host activity (the runtime's thunks, launches, Python frames);
+  device events are the kernels and copies of the device's stream lines."""
+  from jax.profiler import ProfileData
+  pd = ProfileData.from_file(_trace_file(fn, [args] * reps, warmup=warmup, pause_s=pause_s))
+  host, dev = [], []
+  for plane in pd.planes:
+    is_host = plane.name.startswith("/host")
+    if not is_host and not plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      if not is_host and not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        (host if is_host else dev).append((float(ev.start_ns), float(ev.duration_ns), ev.name))
+  return sorted(host), sorted(dev)
 
 
 def _device_events(xplane_path: str) -> list[Kernel]:
@@ -98,17 +142,8 @@ def _split_calls(events: list[Kernel], n_calls: int) -> list[CallProfile]:
 def profile_calls(fn: Callable, args_list: Sequence[Sequence], *, warmup: int = 2,
                   logdir: str | None = None) -> list[CallProfile]:
   """Run ``fn(*args)`` for each args in ``args_list`` under the profiler, one sync each."""
-  for a in list(args_list)[:warmup]:
-    jax.block_until_ready(fn(*a))
-  logdir = logdir or tempfile.mkdtemp(prefix="jattn_prof_")
-  with jax.profiler.trace(logdir):
-    for a in args_list:
-      jax.block_until_ready(fn(*a))
-  paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                 key=os.path.getmtime)
-  if not paths:
-    raise RuntimeError(f"the profiler wrote no .xplane.pb under {logdir}")
-  return _split_calls(_device_events(paths[-1]), len(args_list))
+  path = _trace_file(fn, args_list, warmup=warmup, logdir=logdir)
+  return _split_calls(_device_events(path), len(args_list))
 
 
 @dataclasses.dataclass(frozen=True)
