@@ -85,10 +85,10 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   ``join=True`` (default) they leave as one concatenated array per dtype, one
   copy kernel per jit call, which the differential cancels; the calls' outputs
   are then buffers inside the program, as a layer's attention output is inside a
-  serving step. ``join=False`` returns every output as its own array: each then
-  costs host time in the runtime (a fresh output buffer, ~3-13 us on the H200
-  hosts) and, under command buffers, a re-record of the call that writes it
-  (measured, docs/PERF.md "fourth session"): that times the harness, not the op.
+  serving step. ``join=False`` returns every output as its own array, a fresh
+  runtime buffer per call and execution: on the H200 hosts that cost the batch-1
+  rows 3-7 us per call (docs/PERF.md, "fourth session"), which times the harness,
+  not the op.
 
   ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
   serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
