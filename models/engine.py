@@ -183,17 +183,21 @@ def command_buffer_options(setting: bool | str) -> dict:
 
 def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True,
                  on_trace=None):
-    """``step(state, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
+    """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
     greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
 
-    ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket). The token
-    sampled for row b is read at the row's last new token."""
-    graphdef, _ = nnx.split(model)
+    ``params`` is the model state's leaves as a flat tuple (:func:`state_leaves`): the
+    jit flattens a tuple of arrays in C++, while flattening the ``nnx.State`` itself is
+    Python work on every call (SmolLM2's 272 leaves: 345 us per call against 74 us, CPU
+    host, docs/PERF.md). ``tokens`` i32[num_tokens] (decode: one per row; extend: the
+    token bucket). The token sampled for row b is read at the row's last new token."""
+    graphdef, state = nnx.split(model)
+    state_def = jax.tree_util.tree_structure(state)
 
-    def step(state, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
+    def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
         if on_trace is not None:
             on_trace(metadata)
-        m = nnx.merge(graphdef, state)
+        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, params))
         hidden, kv_cache = m(tokens, metadata.positions, kv_cache, metadata, backend=backend)
         if hasattr(metadata, "cu_seqlens_q"):
             last = jnp.maximum(metadata.cu_seqlens_q[1:] - 1, 0)
@@ -213,6 +217,11 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
 
 
 _STEP_FNS: dict = {}
+
+
+def state_leaves(state) -> tuple:
+    """The arrays of an ``nnx.State`` as the flat tuple the jitted step takes."""
+    return tuple(jax.tree_util.tree_leaves(state))
 
 
 def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True):
@@ -249,6 +258,7 @@ class Engine:
         self.allocator = PageAllocator(c.num_pages)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
+        self.params = state_leaves(self.state)  # what the step takes (see make_step_fn)
         self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []
@@ -362,7 +372,7 @@ class Engine:
         temp, top_p, seeds, counters, greedy_only = self._sampling_arrays(reqs, md.batch_size)
         before = self._traces[0]
         t0 = time.perf_counter()
-        nxt, self.kv_cache = self._step(self.state, self.kv_cache, tokens, md, temp, top_p, seeds,
+        nxt, self.kv_cache = self._step(self.params, self.kv_cache, tokens, md, temp, top_p, seeds,
                                         counters, greedy_only=greedy_only)
         nxt = np.asarray(nxt)  # waits for the step
         dt = time.perf_counter() - t0

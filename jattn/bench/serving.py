@@ -63,7 +63,7 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     args = (tokens, md, z, z + 1, zi, zi)
 
     def call():
-        out, engine.kv_cache = engine._step(engine.state, engine.kv_cache, *args, greedy_only=True)
+        out, engine.kv_cache = engine._step(engine.params, engine.kv_cache, *args, greedy_only=True)
         return out
     return call
 
