@@ -258,13 +258,23 @@ class Engine:
         self.allocator = PageAllocator(c.num_pages)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
-        self.params = state_leaves(self.state)  # what the step takes (see make_step_fn)
         self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._next_rid = 0
         self.step_count = 0
+
+    @property
+    def state(self):
+        """The model's ``nnx.State``; assigning a new one (e.g. other weights of the same
+        structure) also refreshes :attr:`params`, the flat tuple the jitted step takes."""
+        return self._state
+
+    @state.setter
+    def state(self, state):
+        self._state = state
+        self.params = state_leaves(state)
 
     @staticmethod
     def _default_backend(model, c: EngineConfig):

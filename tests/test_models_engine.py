@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -207,3 +208,18 @@ def test_command_buffer_settings():
     assert command_buffer_options("FUSION,CUBLAS") == {key: "FUSION,CUBLAS"}
     with pytest.raises(TypeError, match="command_buffers"):
         command_buffer_options(3)
+
+
+def test_new_weights_through_engine_state(llama):
+    """The step takes the state's leaves as a flat tuple; assigning engine.state (other
+    weights, same structure) must reach the step: the engine then generates what a fresh
+    engine over a model with those weights generates."""
+    other = Llama(LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2), rngs=nnx.Rngs(7),
+                  std=0.3)
+    prompt, params = _prompts(3)[1], SamplingParams(max_new_tokens=6)
+    want_other, want_own = _solo(other, prompt, params), _solo(llama, prompt, params)
+    assert want_other != want_own, "the two weight sets should generate differently"
+    eng = _engine(llama)
+    eng.state = nnx.split(other)[1]
+    assert len(eng.params) == len(jax.tree_util.tree_leaves(eng.state))
+    assert eng.generate([prompt], params)[0].output_tokens == want_other
