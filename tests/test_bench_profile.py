@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.bench.profile import CallProfile, Kernel, _split_calls, profile_calls, summarize
 
@@ -50,67 +50,67 @@ def test_profile_calls_runs_without_a_device_trace():
 
 
 def test_time_loop_runs_each_call_with_a_traced_index():
-    """``time_loop`` calls ``step(i, ...)`` with a traced loop index inside one jit (the
-    per-call figure on the CPU means nothing; the calls and their indices must be right)."""
-    from jattn.bench import common
-    seen = []
+  """``time_loop`` calls ``step(i, ...)`` with a traced loop index inside one jit (the
+  per-call figure on the CPU means nothing; the calls and their indices must be right)."""
+  from jattn.bench import common
+  seen = []
 
-    def step(i, x):
-        seen.append(type(i))
-        return x[i % 4] * 2
-    t = common.time_loop(step, (jnp.arange(32, dtype=jnp.float32).reshape(4, 8),), n_lo=2, n_hi=4,
-                         reps=1, graph=False)
-    assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
-    assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
+  def step(i, x):
+    seen.append(type(i))
+    return x[i % 4] * 2
+  t = common.time_loop(step, (jnp.arange(32, dtype=jnp.float32).reshape(4, 8),), n_lo=2, n_hi=4,
+                       reps=1, graph=False)
+  assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
+  assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
 
 
 def test_time_rotated_command_buffer_modes_compile():
-    """XLA's defaults, command buffers on, and off entirely: each compiles and times the
-    calls (``graph="off"`` passes an empty command-buffer list, which XLA accepts)."""
-    from jattn.bench import common
-    for graph in (False, True, "off"):
-        t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
-                                reps=1, graph=graph)
-        assert t.n_hi == 2 and t.seconds > 0
+  """XLA's defaults, command buffers on, and off entirely: each compiles and times the
+  calls (``graph="off"`` passes an empty command-buffer list, which XLA accepts)."""
+  from jattn.bench import common
+  for graph in (False, True, "off"):
+    t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
+                            reps=1, graph=graph)
+    assert t.n_hi == 2 and t.seconds > 0
 
 
 def test_joined_outputs_keep_every_value_one_array_per_dtype():
-    """The harness joins all calls' outputs into one array per dtype: nothing dropped
-    (so no call is dead code), values in call order."""
-    from jattn.bench import common
-    rng = np.random.default_rng(0)
-    outs = tuple((jnp.asarray(rng.standard_normal((2, 3)), jnp.bfloat16),
-                  jnp.asarray(rng.standard_normal((3,)), jnp.float32)) for _ in range(4))
-    joined = common._joined(outs)
-    assert [j.dtype for j in joined] == [jnp.bfloat16, jnp.float32]
-    np.testing.assert_array_equal(np.asarray(joined[0], np.float32),
-                                  np.concatenate([np.asarray(o[0], np.float32).ravel() for o in outs]))
-    np.testing.assert_array_equal(np.asarray(joined[1]),
-                                  np.concatenate([np.asarray(o[1]).ravel() for o in outs]))
+  """The harness joins all calls' outputs into one array per dtype: nothing dropped
+  (so no call is dead code), values in call order."""
+  from jattn.bench import common
+  rng = np.random.default_rng(0)
+  outs = tuple((jnp.asarray(rng.standard_normal((2, 3)), jnp.bfloat16),
+                jnp.asarray(rng.standard_normal((3,)), jnp.float32)) for _ in range(4))
+  joined = common._joined(outs)
+  assert [j.dtype for j in joined] == [jnp.bfloat16, jnp.float32]
+  np.testing.assert_array_equal(np.asarray(joined[0], np.float32),
+                                np.concatenate([np.asarray(o[0], np.float32).ravel() for o in outs]))
+  np.testing.assert_array_equal(np.asarray(joined[1]),
+                                np.concatenate([np.asarray(o[1]).ravel() for o in outs]))
 
 
 def test_time_rotated_join_modes_run_every_call():
-    """Both output modes run all n calls: the step is traced once per call index."""
-    from jattn.bench import common
-    for join in (True, False):
-        seen = []
+  """Both output modes run all n calls: the step is traced once per call index."""
+  from jattn.bench import common
+  for join in (True, False):
+    seen = []
 
-        def step(i, x):
-            seen.append(i)
-            return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
-        t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
-        assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]
+    def step(i, x):
+      seen.append(i)
+      return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
+    t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
+    assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]
 
 
 def test_trace_events_host_side_on_one_clock():
-    """trace_events returns the host activity of the traced calls, time-sorted; on a
-    machine without a GPU the device list is empty (no stream lines)."""
-    from jattn.bench.profile import trace_events
-    f = jax.jit(lambda x: jnp.sin(x) * 2)
-    host, dev = trace_events(f, (jnp.ones(8),), reps=2, warmup=1, pause_s=0.001)
-    assert host, "no host events traced"
-    starts = [e[0] for e in host]
-    assert starts == sorted(starts)
-    assert all(len(e) == 3 and e[1] >= 0 for e in host)
-    if jax.default_backend() != "gpu":
-        assert dev == []
+  """trace_events returns the host activity of the traced calls, time-sorted; on a
+  machine without a GPU the device list is empty (no stream lines)."""
+  from jattn.bench.profile import trace_events
+  f = jax.jit(lambda x: jnp.sin(x) * 2)
+  host, dev = trace_events(f, (jnp.ones(8),), reps=2, warmup=1, pause_s=0.001)
+  assert host, "no host events traced"
+  starts = [e[0] for e in host]
+  assert starts == sorted(starts)
+  assert all(len(e) == 3 and e[1] >= 0 for e in host)
+  if jax.default_backend() != "gpu":
+    assert dev == []
