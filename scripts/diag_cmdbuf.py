@@ -232,6 +232,172 @@ def vlog(L=4096, n=4, execs=4):
     print(f"===== execution {e} ends", file=sys.stderr, flush=True)
 
 
+def _variant_call(variant, n, L, rng):
+  """A zero-argument call running one execution of an n-call joined jit, per variant:
+
+  * ``fresh out``: the harness's way (same inputs every execution, a fresh output);
+  * ``donated out``: the output written into a donated buffer (stable address);
+  * ``fresh meta``: page tables and lengths transferred anew every execution, as a
+    serving step's metadata is;
+  * ``staged meta``: the same fresh metadata, copied inside the jit into donated
+    persistent buffers that the kernels read (stable addresses for the Mosaic calls).
+  """
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
+  t_host, l_host = np.asarray(tables), np.asarray(lens)
+
+  def body(qs, k, v, t, lens):
+    return common._joined(tuple(md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
+                                for i in range(n)))[0]
+
+  st = {}
+  if variant == "fresh out":
+    f = jax.jit(body)
+    call = lambda: f(qs, k, v, tables, lens)
+  elif variant == "donated out":
+    g = jax.jit(lambda buf, *a: buf.at[:].set(body(*a)), donate_argnums=0)
+    st["buf"] = jnp.zeros(jax.eval_shape(body, qs, k, v, tables, lens).shape, jnp.bfloat16)
+
+    def call():
+      st["buf"] = g(st["buf"], qs, k, v, tables, lens)
+      return st["buf"]
+  elif variant == "fresh meta":
+    f = jax.jit(body)
+    call = lambda: f(qs, k, v, jax.device_put(t_host), jax.device_put(l_host))
+  elif variant == "staged meta":
+    def staged(tb, lb, t_new, l_new, qs, k, v):
+      tb, lb = tb.at[:].set(t_new), lb.at[:].set(l_new)
+      return tb, lb, body(qs, k, v, tb, lb)
+    g = jax.jit(staged, donate_argnums=(0, 1))
+    st["t"], st["l"] = jnp.zeros_like(tables), jnp.zeros_like(lens)
+
+    def call():
+      st["t"], st["l"], out = g(st["t"], st["l"], jax.device_put(t_host),
+                                jax.device_put(l_host), qs, k, v)
+      return out
+  else:
+    raise ValueError(variant)
+  return call, kv_bytes
+
+
+VARIANTS = ("fresh out", "donated out", "fresh meta", "staged meta")
+
+
+def seq(L=32768, n=12, execs=6, variants=VARIANTS):
+  """Back-to-back executions (each waited for, as the benchmark's reps are), with
+  markers on stderr between them, for XLA's command-buffer VLOG lines (run with
+  TF_CPP_VMODULE set; scripts/vlog_summary.py counts them per execution)."""
+  rng = np.random.default_rng(6)
+  for variant in variants:
+    call, _ = _variant_call(variant, n, L, rng)
+    for e in range(execs):
+      print(f"===== {variant} | execution {e} begins", file=sys.stderr, flush=True)
+      t0 = time.perf_counter()
+      jax.block_until_ready(call())
+      dt = (time.perf_counter() - t0) * 1e6
+      print(f"===== {variant} | execution {e} ends {dt:.0f} us", file=sys.stderr, flush=True)
+
+
+def walls(lengths=(4096, 32768), ns=(2, 24), reps=9, variants=VARIANTS):
+  """Per-call differential (median walls, n calls) of each variant of _variant_call."""
+  rng = np.random.default_rng(7)
+  for L in lengths:
+    for variant in variants:
+      w = {}
+      for n in ns:
+        call, kv_bytes = _variant_call(variant, n, L, rng)
+        for _ in range(3):
+          jax.block_until_ready(call())
+        ts = []
+        for _ in range(reps):
+          t0 = time.perf_counter()
+          jax.block_until_ready(call())
+          ts.append((time.perf_counter() - t0) * 1e6)
+        w[n] = statistics.median(ts)
+      per = (w[ns[1]] - w[ns[0]]) / (ns[1] - ns[0])
+      print(f"1x{L} {variant:12s}: wall n={ns[0]} {w[ns[0]]:.1f} us, n={ns[1]} {w[ns[1]]:.1f}"
+            f" us -> {per:.1f} us/call ({kv_bytes / per / 1e6:.2f} TB/s)", flush=True)
+
+
+def stamps(lengths=(32768, 4096), ns=(2, 6, 12, 24, 48), reps=11, modes=("default", "off")):
+  """Wall time against the device time between two %globaltimer stamps that
+  bracket the n calls (no profiler): per n, and per call by differential."""
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.common import gpu_stamp
+  stamp = gpu_stamp()
+  rng = np.random.default_rng(8)
+  for L in lengths:
+    qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
+    for mode in modes:
+      rows = {}
+      for n in ns:
+        def body(qs, k, v, t, lens, n=n):
+          t0 = stamp(qs)
+          # every call after the first stamp (a select XLA cannot fold away)
+          qd = jnp.where(t0[0] == 12345, qs * 2, qs)
+          out = jnp.concatenate([md.mha_decode(qd[i], k, v, t[i % NUM_ROT], lens).reshape(-1)
+                                 for i in range(n)])
+          return out, jnp.concatenate([t0, stamp(out)])
+        f = jax.jit(body, **_options(mode))
+        for _ in range(3):
+          jax.block_until_ready(f(qs, k, v, tables, lens))
+        walls, devs = [], []
+        for _ in range(reps):
+          t0 = time.perf_counter()
+          out, st = jax.block_until_ready(f(qs, k, v, tables, lens))
+          walls.append((time.perf_counter() - t0) * 1e6)
+          st = np.asarray(st).astype(np.uint32)
+          devs.append(float((int(st[1]) - int(st[0])) % (1 << 32)) / 1e3)
+        rows[n] = (statistics.median(walls), statistics.median(devs), min(devs), max(devs))
+        print(f"1x{L} {mode:8s} n={n:3d}: wall {rows[n][0]:8.1f} us, device (stamps) "
+              f"{rows[n][1]:8.1f} us (min {rows[n][2]:.1f}, max {rows[n][3]:.1f}), "
+              f"wall - device {rows[n][0] - rows[n][1]:7.1f}", flush=True)
+      for a, b in zip(ns, ns[1:]):
+        dw = (rows[b][0] - rows[a][0]) / (b - a)
+        dd = max((rows[b][1] - rows[a][1]) / (b - a), 1e-3)
+        print(f"   n {a}->{b}: per call wall {dw:6.1f} us ({kv_bytes / dw / 1e6:.2f} TB/s), "
+              f"device {dd:6.1f} us ({kv_bytes / dd / 1e6:.2f} TB/s)", flush=True)
+    del qs, k, v
+
+
+def stamphlo(L=32768, n=4):
+  """Where the stamps and the calls sit in XLA's optimized program (command-buffer
+  computations, custom calls, fusions), plain and stamped, XLA's defaults."""
+  from jattn.bench import common
+  from jattn.bench.decode import _setup, NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  rng = np.random.default_rng(9)
+  qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
+  stamp = common.gpu_stamp()
+  for name, st in (("plain", None), ("stamped", stamp)):
+    def many(*a, st=st):
+      if st is not None:
+        t0 = st(a[0])
+        a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
+      outs = common._joined(tuple(md.mha_decode(a[0][i], a[1], a[2], a[3][i % NUM_ROT], a[4])
+                                  for i in range(n)))
+      return outs if st is None else (outs, jnp.concatenate([t0, st(*outs)]))
+    txt = jax.jit(many).lower(qs, k, v, tables, lens).compile().as_text()
+    print(f"--- {name}: {n} calls")
+    comp = None
+    for line in txt.splitlines():
+      m = re.match(r"^(ENTRY )?%?([\w.-]+) .*\{$", line.strip()) if line and not line.startswith(" ") else None
+      if m:
+        comp = m.group(2)
+        continue
+      if comp and ("command_buffer" in comp or comp.startswith("main")) and (
+          "custom-call" in line or " fusion(" in line or " call(" in line
+          or "command_buffer" in line):
+        op = re.search(r"= \S+ (\w[\w-]*)\(", line)
+        tgt = re.search(r'custom_call_target="([^"]+)"', line)
+        calls = re.search(r"to_apply=%?([\w.-]+)|calls=%?([\w.-]+)", line)
+        print(f"   [{comp[:28]}] {op.group(1) if op else '?'} "
+              f"{tgt.group(1) if tgt else ''} {(calls.group(1) or calls.group(2)) if calls else ''}")
+
+
 if __name__ == "__main__":
   print("jax", jax.__version__, jax.devices())
   print("XLA_FLAGS", os.environ.get("XLA_FLAGS"))
@@ -239,6 +405,14 @@ if __name__ == "__main__":
     timelines()
   elif "vlog" in sys.argv[1:]:
     vlog()
+  elif "stamphlo" in sys.argv[1:]:
+    stamphlo()
+  elif "stamps" in sys.argv[1:]:
+    stamps()
+  elif "seq" in sys.argv[1:]:
+    seq()
+  elif "walls" in sys.argv[1:]:
+    walls()
   elif "donated" in sys.argv[1:]:
     donated()
   elif "hostbreak" in sys.argv[1:]:

@@ -41,29 +41,78 @@ class Timing:
   spread: float         # relative spread of the per-call estimate across reps
   n_lo: int
   n_hi: int
+  # Per call, GPU time between two %globaltimer stamps that bracket the calls
+  # (``device=True`` on a GPU), differential of the median spans.
+  device_seconds: float | None = None
 
 
-def _median_wall(fn, args, reps: int) -> tuple[float, list[float]]:
+def _stamp_kernel(*refs):
+  *deps, out = refs
+  d = sum(r[...].astype(jnp.int32) for r in deps)  # loads order the read after them
+  from jax.experimental.pallas import triton as pltriton
+  out[...] = pltriton.elementwise_inline_asm(
+      "mov.u32 $0, %globaltimer_lo;", args=[d], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]
+
+
+def gpu_stamp() -> Callable[..., jax.Array] | None:
+  """``stamp(*deps) -> i32[1]``: the GPU's ``%globaltimer_lo`` (ns, low 32 bits), read
+  by a one-warp Pallas Triton kernel once every array in ``deps`` is ready. XLA
+  runs such a kernel as its own Triton kernel (a plain node of a command buffer,
+  like the split combine), so stamps taken inside one jit, ordered by data
+  dependence, time the device without a profiler, as CUDA events around a
+  CUDA-graph replay do. None without a GPU."""
+  if jax.default_backend() != "gpu":
+    return None
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltriton
+
+  def stamp(*deps):
+    deps = [d.reshape(-1) for d in deps]  # a bitcast: the whole buffer stays the operand
+    one = pl.BlockSpec((1,), lambda: (0,))
+    return pl.pallas_call(
+        _stamp_kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+        in_specs=[one] * len(deps), out_specs=one, grid=(),
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        name="jattn_gpu_stamp")(*deps)
+  return stamp
+
+
+def _span_us(stamps) -> float:
+  """GPU microseconds between the two stamps of one execution (32-bit wrap)."""
+  t0, t1 = (int(x) for x in np.asarray(stamps))
+  return ((t1 - t0) % (1 << 32)) / 1e3
+
+
+def _median_wall(fn, args, reps: int, stamped: bool = False
+                 ) -> tuple[float, list[float], list[float]]:
   out = fn(*args)
   jax.block_until_ready(out)  # compile + warm up
-  ts = []
+  ts, kept = [], []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    r = jax.block_until_ready(fn(*args))
     ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), ts
+    if stamped:
+      kept.append(r[1])
+  spans = [_span_us(st) * 1e-6 for st in kept]
+  return statistics.median(ts), ts, spans
 
 
 def _differential(make: Callable[[int], Callable], args: Sequence, n_lo: int, n_hi: int,
-                  reps: int) -> Timing:
+                  reps: int, stamped: bool = False) -> Timing:
   """Per-call time from the median walls of ``make(n_lo)`` and ``make(n_hi)`` (jitted
-  functions of n calls): the fixed dispatch and sync cost cancels."""
-  lo, lo_ts = _median_wall(make(n_lo), args, reps)
-  hi, hi_ts = _median_wall(make(n_hi), args, reps)
+  functions of n calls): the fixed dispatch and sync cost cancels. With
+  ``stamped``, the functions return ``(outputs, stamps)`` and the per-call device
+  time is the same differential of the median stamp spans."""
+  lo, lo_ts, lo_sp = _median_wall(make(n_lo), args, reps, stamped)
+  hi, hi_ts, hi_sp = _median_wall(make(n_hi), args, reps, stamped)
   per = max(hi - lo, 1e-9) / (n_hi - n_lo)
   diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
   spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
-  return Timing(per, spread, n_lo, n_hi)
+  dev = (max(statistics.median(hi_sp) - statistics.median(lo_sp), 1e-9) / (n_hi - n_lo)
+         if stamped else None)
+  return Timing(per, spread, n_lo, n_hi, dev)
 
 
 def _joined(outs):
@@ -76,7 +125,7 @@ def _joined(outs):
 
 def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
                  n_hi: int = 12, reps: int = 7, graph: bool | str = False,
-                 join: bool = True) -> Timing:
+                 join: bool = True, device: bool = False) -> Timing:
   """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
 
   Every call's outputs leave the jit (so nothing is dead code and no call is
@@ -93,17 +142,40 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
   serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
   turns command buffers off entirely; ``False`` keeps XLA's defaults.
+
+  ``device=True`` (on a GPU) also measures the GPU time per call
+  (:attr:`Timing.device_seconds`): a :func:`gpu_stamp` before the calls, which all
+  read ``args[0]`` (a float array) through an elementwise op on that stamp, and one
+  after them, on all their outputs. This is how CUDA events around a replayed CUDA
+  graph time a kernel (the peers' method): the host's per-execution work is out.
+  The device figure comes from a second pair of programs, so the wall figure is
+  the plain calls'.
   """
   kw = ({"compiler_options": NO_GRAPH_OPTIONS} if graph == "off" else
         {"compiler_options": GRAPH_OPTIONS} if graph else {})
 
-  def make(n):
+  def make(n, stamp=None):
     def many(*a):
+      if stamp is not None:
+        t0 = stamp(a[0])
+        # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
+        # call waits for the first stamp.
+        a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
       outs = tuple(step(i, *a) for i in range(n))
-      return _joined(outs) if join else outs
+      res = _joined(outs) if join else outs
+      if stamp is None:
+        return res
+      return res, jnp.concatenate([t0, stamp(*jax.tree_util.tree_leaves(res))])
     return jax.jit(many, **kw)
 
-  return _differential(make, args, n_lo, n_hi, reps)
+  t = _differential(make, args, n_lo, n_hi, reps)
+  stamp = gpu_stamp() if device else None
+  if stamp is None:
+    return t
+  # A second pair of programs with the stamps: the wall figure above stays the
+  # plain calls' (the stamps and the elementwise op on args[0] are not in it).
+  d = _differential(lambda n: make(n, stamp), args, n_lo, n_hi, reps, stamped=True)
+  return dataclasses.replace(t, device_seconds=d.device_seconds)
 
 
 # Command buffers that also take the loop itself (CUDA conditional nodes): a

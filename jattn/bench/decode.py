@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
 
   rng = np.random.default_rng(0)
   header = ["page", "batch x len", "q_len", "kv", "splits", "jattn us", "TB/s", "% copy",
-            "JAX paged_attention TB/s"] + (["max err"] if args.check else [])
+            "device us", "device TB/s", "JAX paged_attention TB/s (device)"] + (
+                ["max err"] if args.check else [])
   rows, sweep, profiles = [], [], []
   for ps, bs, L, q_len, kv_dtype in rows_spec:
     kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
       continue
     reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
     if reason is not None:
-      rows.append(label + ["-", "n/a", "-", "-", "-"] + ([reason] if args.check else []))
+      rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
       print(f"skip {label}: {reason}")
       continue
     kscale = 0.5 if kvname == "fp8" else 1.0
@@ -140,19 +141,23 @@ def main(argv: list[str] | None = None) -> None:
                                 max_pages=tables.shape[-1], m_rows=q_len * HQ,
                                 kv_itemsize=jnp.dtype(kv_dtype).itemsize)
     try:
-      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi)
+      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
       tbs = kv_bytes / t.seconds / 1e12
       cells = [bsz.num_splits, f"{t.seconds * 1e6:.1f}", f"{tbs:.2f}",
                f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%"]
+      cells += (["-", "-"] if t.device_seconds is None else
+                [f"{t.device_seconds * 1e6:.1f}", f"{kv_bytes / t.device_seconds / 1e12:.2f}"])
     except Exception as e:  # noqa: BLE001
       msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
-      cells = ["-", f"FAILED: {msg}", "-", "-"]
+      cells = ["-", f"FAILED: {msg}", "-", "-", "-", "-"]
     peer = "-"
     if not args.no_peer and q_len == 1 and kvname == "bf16":
       try:
         pstep, pargs = _jax_paged_attention(qs, k, v, tables, lens, ps)
-        pt = common.time_rotated(pstep, pargs, n_hi=n_hi)
+        pt = common.time_rotated(pstep, pargs, n_hi=n_hi, device=True)
         peer = f"{kv_bytes / pt.seconds / 1e12:.2f}"
+        if pt.device_seconds is not None:
+          peer += f" ({kv_bytes / pt.device_seconds / 1e12:.2f})"
         del pargs
       except Exception as e:  # noqa: BLE001
         peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
@@ -228,6 +233,10 @@ def main(argv: list[str] | None = None) -> None:
   print()
   print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
         f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
+  print("jattn us: wall time per call (n calls in one jit, differential of median walls: "
+        "XLA's per-execution host work included); device us: GPU time per call between "
+        "%globaltimer stamps around the calls (as CUDA events around a CUDA-graph replay "
+        "time the peers in DESIGN.md)")
   if profiles:
     print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
     print("\n".join(profiles))
