@@ -1,10 +1,16 @@
 """``python -m jattn bench decode``: paged MHA/GQA decode, Llama-3-8B shape.
 
 32 q heads, 8 kv heads, head_dim 128, bf16 (plus q_len 4 verify and FP8 KV rows).
-For each (page size, batch, length): jattn's mosaic kernel time, achieved TB/s
-(K and V bytes read once), percent of the device copy bandwidth measured in the
-same run, and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention`` on
+For each (page size, batch, length): jattn's mosaic kernel time per call, achieved
+TB/s (K and V bytes read once), percent of the device copy bandwidth measured in
+the same run, and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention`` on
 the same data where it runs. Page tables rotate over a pool larger than L2.
+
+Two times per call: the wall time of many calls inside one jitted program (XLA's
+host work per call included), and the GPU time between two ``%globaltimer``
+stamps around the calls (``common.time_rotated(device=True)``), which is what
+CUDA events around a replayed CUDA graph measure - how DESIGN.md's peers were
+timed.
 """
 
 from __future__ import annotations
