@@ -12,7 +12,10 @@ setting, under ``FUSION,CUSTOM_CALL`` and with command buffers off:
 
 Other modes: ``timeline`` (host thunks and device kernels of one jit on one clock),
 ``spans`` / ``spans-joined`` (profiled host and device time against unprofiled wall
-for 2/12/48 calls), ``hostbreak``, ``donated``, ``vlog`` (see each function).
+for 2/12/48 calls), ``hostbreak``, ``donated``, ``vlog``, ``seq`` (XLA's command-buffer
+log per back-to-back execution; count it with ``vlog_summary.py``), ``walls`` (output
+and metadata variants), ``stamps`` (wall against %globaltimer device spans per n),
+``stamphlo`` (see each function).
 
     python scripts/diag_cmdbuf.py [4096,32768 | timeline | spans | ...]
 """
@@ -176,44 +179,7 @@ def donated(lengths=(4096, 32768), ns=(2, 48), reps=9):
   """Per-call differential under XLA's defaults with the joined outputs written into a
   donated buffer (the same address every execution) against a fresh output buffer:
   does a changed output address make XLA redo the Mosaic calls' recording?"""
-  from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
-  rng = np.random.default_rng(4)
-  for L in lengths:
-    qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
-    args = (qs, k, v, tables, lens)
-    res = {}
-    for mode in ("fresh output", "donated output"):
-      walls = {}
-      for n in ns:
-        def body(qs, k, v, t, lens, n=n):
-          return common._joined(tuple(md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
-                                      for i in range(n)))[0]
-        if mode == "fresh output":
-          f = jax.jit(body)
-          call = lambda f=f: f(*args)
-        else:
-          g = jax.jit(lambda buf, *a, body=body: buf.at[:].set(body(*a)), donate_argnums=0)
-          state = {"buf": jnp.zeros(jax.eval_shape(body, *args).shape, jnp.bfloat16)}
-
-          def call(g=g, state=state):
-            state["buf"] = g(state["buf"], *args)
-            return state["buf"]
-        for _ in range(3):
-          jax.block_until_ready(call())
-        ts = []
-        for _ in range(reps):
-          t0 = time.perf_counter()
-          jax.block_until_ready(call())
-          ts.append((time.perf_counter() - t0) * 1e6)
-        walls[n] = statistics.median(ts)
-      per = (walls[ns[1]] - walls[ns[0]]) / (ns[1] - ns[0])
-      res[mode] = per
-      print(f"1x{L} {mode:15s}: wall n={ns[0]} {walls[ns[0]]:.1f} us, n={ns[1]} "
-            f"{walls[ns[1]]:.1f} us -> {per:.1f} us/call ({kv_bytes / per / 1e6:.2f} TB/s)",
-            flush=True)
-    del qs, k, v
+  walls(lengths, ns, reps, variants=("fresh out", "donated out"))
 
 
 def vlog(L=4096, n=4, execs=4):
