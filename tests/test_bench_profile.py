@@ -142,6 +142,20 @@ def test_time_rotated_device_stamps_wait_for_every_output(monkeypatch):
                              device=True).device_seconds is None
 
 
+def test_time_rotated_keeps_the_wall_time_when_the_stamp_fails(monkeypatch):
+  """A stamp kernel that does not build (the Pallas Triton backend is deprecated)
+  costs the device figure only, with a warning: the wall figure still comes back."""
+  from jattn.bench import common
+
+  def broken_stamp(*deps):
+    raise NotImplementedError("no Triton lowering here")
+  monkeypatch.setattr(common, "gpu_stamp", lambda: broken_stamp)
+  with pytest.warns(UserWarning, match="no device time"):
+    t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
+                            reps=1, device=True)
+  assert t.seconds > 0 and t.device_seconds is None
+
+
 @pytest.mark.gpu
 def test_gpu_stamp_times_the_device():
   """On the GPU the stamps bracket the calls: the per-call device time of a 256 MB
