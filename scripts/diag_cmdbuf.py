@@ -43,6 +43,13 @@ def _options(name):
           "off": {"compiler_options": common.NO_GRAPH_OPTIONS}}[name]
 
 
+def _step(i, qs, k, v, t, lens):
+  """Call i of the rotated harness: bench decode's batch-1 decode, page table i % NUM_ROT."""
+  from jattn.bench.decode import NUM_ROT
+  from jattn.pallas_kernels import mosaic_decode as md
+  return md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
+
+
 def host_events(fn, args, reps=3, top=22):
   host, _ = trace_events(fn, args, reps=reps)
   tot = collections.Counter()
@@ -56,8 +63,7 @@ def host_events(fn, args, reps=3, top=22):
 
 def main():
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   lengths = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "4096,32768").split(",")]
   rng = np.random.default_rng(0)
   for L in lengths:
@@ -65,8 +71,7 @@ def main():
     for name in ("default", "FUSION,CUSTOM_CALL", "off"):
       kw = _options(name)
       n = 6
-      many = jax.jit(lambda qs, k, v, t, lens: tuple(
-          md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **kw)
+      many = common.rotated_program(_step, n, join=False, **kw)
       # (Command buffers are formed from the thunks, after the HLO: the compiled HLO
       # text does not show them; the host events below do, as command_buffer_#.)
       txt = many.lower(qs, k, v, tables, lens).compile().as_text()
@@ -79,11 +84,9 @@ def main():
       print("   host trace events (sum per jit call):")
       host_events(many, (qs, k, v, tables, lens))
 
-      def step(i, qs, k, v, t, lens):
-        return md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
       graph = {"default": False, "FUSION,CUSTOM_CALL": True, "off": "off"}[name]
       for n_hi in (12, 48):
-        t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, graph=graph)
+        t = common.time_rotated(_step, (qs, k, v, tables, lens), n_hi=n_hi, graph=graph)
         print(f"   differential per call (2..{n_hi} calls): {t.seconds * 1e6:.1f} us "
               f"({kv_bytes / t.seconds / 1e12:.2f} TB/s), spread {t.spread:.2f}", flush=True)
     del qs, k, v
@@ -91,14 +94,13 @@ def main():
 
 def timelines(lengths=(4096, 32768), n=6):
   """Host thunk events and device kernels of one n-call jit, on one clock."""
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench import common
+  from jattn.bench.decode import _setup
   rng = np.random.default_rng(1)
   for L in lengths:
     qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
     for name in ("default", "off"):
-      many = jax.jit(lambda qs, k, v, t, lens: tuple(
-          md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n)), **_options(name))
+      many = common.rotated_program(_step, n, join=False, **_options(name))
       args = (qs, k, v, tables, lens)
       host, dev = trace_events(many, args, reps=3, warmup=3, pause_s=0.002)
       execs = sorted(e for e in host if "ExecuteThunks" in e[2])
@@ -120,17 +122,14 @@ def spans(lengths=(4096, 32768), ns=(2, 12, 48), modes=("default", "off"), join=
   """Per n-call jit: host ExecuteThunks time, device span and busy time (profiled),
   beside the unprofiled wall time: which one grows by the benchmark's per-call figure."""
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   rng = np.random.default_rng(2)
   for L in lengths:
     qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
     args = (qs, k, v, tables, lens)
     for name in modes:
       for n in ns:
-        many = jax.jit(lambda qs, k, v, t, lens, n=n: (common._joined if join else tuple)(tuple(
-            md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))),
-            **_options(name))
+        many = common.rotated_program(_step, n, join=join, **_options(name))
         for _ in range(3):
           jax.block_until_ready(many(*args))
         walls = []
@@ -163,14 +162,12 @@ def spans(lengths=(4096, 32768), ns=(2, 12, 48), modes=("default", "off"), join=
 def hostbreak(L=32768, ns=(6, 24)):
   """Which host events grow with the number of calls, outputs joined, XLA defaults."""
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   rng = np.random.default_rng(3)
   qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
   args = (qs, k, v, tables, lens)
   for n in ns:
-    many = jax.jit(lambda qs, k, v, t, lens, n=n: common._joined(tuple(
-        md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))))
+    many = common.rotated_program(_step, n)
     print(f"--- 1x{L}, {n} calls, outputs joined, XLA defaults: host events per jit call")
     host_events(many, args, reps=4, top=40)
 
@@ -186,12 +183,10 @@ def vlog(L=4096, n=4, execs=4):
   """A few executions of an n-call joined jit, with markers on stderr, for reading
   XLA's command-buffer VLOG lines (run with TF_CPP_VMODULE set) between them."""
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   rng = np.random.default_rng(5)
   qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
-  f = jax.jit(lambda qs, k, v, t, lens: common._joined(tuple(
-      md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens) for i in range(n))))
+  f = common.rotated_program(_step, n)
   for e in range(execs):
     print(f"===== execution {e} begins", file=sys.stderr, flush=True)
     jax.block_until_ready(f(qs, k, v, tables, lens))
@@ -209,14 +204,12 @@ def _variant_call(variant, n, L, rng):
     persistent buffers that the kernels read (stable addresses for the Mosaic calls).
   """
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
   t_host, l_host = np.asarray(tables), np.asarray(lens)
 
   def body(qs, k, v, t, lens):
-    return common._joined(tuple(md.mha_decode(qs[i], k, v, t[i % NUM_ROT], lens)
-                                for i in range(n)))[0]
+    return common._joined(tuple(_step(i, qs, k, v, t, lens) for i in range(n)))[0]
 
   st = {}
   if variant == "fresh out":
@@ -289,34 +282,27 @@ def walls(lengths=(4096, 32768), ns=(2, 24), reps=9, variants=VARIANTS):
 
 def stamps(lengths=(32768, 4096), ns=(2, 6, 12, 24, 48), reps=11, modes=("default", "off")):
   """Wall time against the device time between two %globaltimer stamps that
-  bracket the n calls (no profiler): per n, and per call by differential."""
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
-  from jattn.bench.common import gpu_stamp
-  stamp = gpu_stamp()
+  bracket the n calls (no profiler; the program ``bench.common.time_rotated`` times
+  with ``device=True``): per n, and per call by differential."""
+  from jattn.bench import common
+  from jattn.bench.decode import _setup
+  stamp = common.gpu_stamp()
   rng = np.random.default_rng(8)
   for L in lengths:
     qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, max(ns))
+    args = (qs, k, v, tables, lens)
     for mode in modes:
       rows = {}
       for n in ns:
-        def body(qs, k, v, t, lens, n=n):
-          t0 = stamp(qs)
-          # every call after the first stamp (a select XLA cannot fold away)
-          qd = jnp.where(t0[0] == 12345, qs * 2, qs)
-          out = jnp.concatenate([md.mha_decode(qd[i], k, v, t[i % NUM_ROT], lens).reshape(-1)
-                                 for i in range(n)])
-          return out, jnp.concatenate([t0, stamp(out)])
-        f = jax.jit(body, **_options(mode))
+        f = common.rotated_program(_step, n, stamp=stamp, **_options(mode))
         for _ in range(3):
-          jax.block_until_ready(f(qs, k, v, tables, lens))
+          jax.block_until_ready(f(*args))
         walls, devs = [], []
         for _ in range(reps):
           t0 = time.perf_counter()
-          out, st = jax.block_until_ready(f(qs, k, v, tables, lens))
+          _, st = jax.block_until_ready(f(*args))
           walls.append((time.perf_counter() - t0) * 1e6)
-          st = np.asarray(st).astype(np.uint32)
-          devs.append(float((int(st[1]) - int(st[0])) % (1 << 32)) / 1e3)
+          devs.append(common._span_us(st))
         rows[n] = (statistics.median(walls), statistics.median(devs), min(devs), max(devs))
         print(f"1x{L} {mode:8s} n={n:3d}: wall {rows[n][0]:8.1f} us, device (stamps) "
               f"{rows[n][1]:8.1f} us (min {rows[n][2]:.1f}, max {rows[n][3]:.1f}), "
@@ -333,20 +319,12 @@ def stamphlo(L=32768, n=4):
   """Where the stamps and the calls sit in XLA's optimized program (command-buffer
   computations, custom calls, fusions), plain and stamped, XLA's defaults."""
   from jattn.bench import common
-  from jattn.bench.decode import _setup, NUM_ROT
-  from jattn.pallas_kernels import mosaic_decode as md
+  from jattn.bench.decode import _setup
   rng = np.random.default_rng(9)
   qs, k, v, tables, lens, kv_bytes = _setup(1, L, 16, 1, jnp.bfloat16, rng, n)
-  stamp = common.gpu_stamp()
-  for name, st in (("plain", None), ("stamped", stamp)):
-    def many(*a, st=st):
-      if st is not None:
-        t0 = st(a[0])
-        a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
-      outs = common._joined(tuple(md.mha_decode(a[0][i], a[1], a[2], a[3][i % NUM_ROT], a[4])
-                                  for i in range(n)))
-      return outs if st is None else (outs, jnp.concatenate([t0, st(*outs)]))
-    txt = jax.jit(many).lower(qs, k, v, tables, lens).compile().as_text()
+  for name, st in (("plain", None), ("stamped", common.gpu_stamp())):
+    many = common.rotated_program(_step, n, stamp=st)
+    txt = many.lower(qs, k, v, tables, lens).compile().as_text()
     print(f"--- {name}: {n} calls")
     comp = None
     for line in txt.splitlines():
@@ -367,25 +345,8 @@ def stamphlo(L=32768, n=4):
 if __name__ == "__main__":
   print("jax", jax.__version__, jax.devices())
   print("XLA_FLAGS", os.environ.get("XLA_FLAGS"))
-  if "timeline" in sys.argv[1:]:
-    timelines()
-  elif "vlog" in sys.argv[1:]:
-    vlog()
-  elif "stamphlo" in sys.argv[1:]:
-    stamphlo()
-  elif "stamps" in sys.argv[1:]:
-    stamps()
-  elif "seq" in sys.argv[1:]:
-    seq()
-  elif "walls" in sys.argv[1:]:
-    walls()
-  elif "donated" in sys.argv[1:]:
-    donated()
-  elif "hostbreak" in sys.argv[1:]:
-    hostbreak()
-  elif "spans" in sys.argv[1:]:
-    spans()
-  elif "spans-joined" in sys.argv[1:]:
-    spans(modes=("default",), join=True)
-  else:
-    main()
+  modes = {"timeline": timelines, "vlog": vlog, "stamphlo": stamphlo, "stamps": stamps,
+           "seq": seq, "walls": walls, "donated": donated, "hostbreak": hostbreak,
+           "spans": spans, "spans-joined": lambda: spans(modes=("default",), join=True)}
+  picked = [m for m in modes if m in sys.argv[1:]]
+  (modes[picked[0]] if picked else main)()

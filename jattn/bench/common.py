@@ -124,6 +124,27 @@ def _joined(outs):
   return tuple(jnp.concatenate(xs) for xs in by_dtype.values())
 
 
+def rotated_program(step: Callable[..., jax.Array], n: int, *, join: bool = True,
+                    stamp: Callable[..., jax.Array] | None = None, **jit_kw) -> Callable:
+  """The jitted program :func:`time_rotated` times: ``step(i, *args)`` for i < n, the
+  outputs joined per dtype (``join``) or returned one by one. With a ``stamp``
+  (:func:`gpu_stamp`) it returns ``(outputs, i32[2] stamps)``: one stamp before the
+  calls, which all read ``args[0]`` through an elementwise op on it, one after
+  them on every output."""
+  def many(*a):
+    if stamp is not None:
+      t0 = stamp(a[0])
+      # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
+      # call waits for the first stamp.
+      a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
+    outs = tuple(step(i, *a) for i in range(n))
+    res = _joined(outs) if join else outs
+    if stamp is None:
+      return res
+    return res, jnp.concatenate([t0, stamp(*jax.tree_util.tree_leaves(res))])
+  return jax.jit(many, **jit_kw)
+
+
 def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
                  n_hi: int = 12, reps: int = 7, graph: bool | str = False,
                  join: bool = True, device: bool = False) -> Timing:
@@ -154,20 +175,7 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   """
   kw = ({"compiler_options": NO_GRAPH_OPTIONS} if graph == "off" else
         {"compiler_options": GRAPH_OPTIONS} if graph else {})
-
-  def make(n, stamp=None):
-    def many(*a):
-      if stamp is not None:
-        t0 = stamp(a[0])
-        # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
-        # call waits for the first stamp.
-        a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
-      outs = tuple(step(i, *a) for i in range(n))
-      res = _joined(outs) if join else outs
-      if stamp is None:
-        return res
-      return res, jnp.concatenate([t0, stamp(*jax.tree_util.tree_leaves(res))])
-    return jax.jit(many, **kw)
+  make = lambda n, stamp=None: rotated_program(step, n, join=join, stamp=stamp, **kw)
 
   t = _differential(make, args, n_lo, n_hi, reps)
   stamp = gpu_stamp() if device else None
