@@ -119,6 +119,29 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
     return None
 
 
+# kernel backend -> {op: kernel module}; an op missing here has no kernel in that backend yet
+KERNELS = {"mosaic": {"mha_decode": "mosaic_decode"}}
+OPS = ("mha_decode", "mha_extend", "mha_prefill", "mla_decode", "attn_merge_state", "set_kv_buffer",
+       "set_mla_kv_buffer")
+
+
+def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
+    """The backend that runs ``op`` (one of :data:`OPS`) on this device: ``(name, reason)``.
+
+    ``backend`` is the one asked for (None = auto). The answer holds for a call within the
+    kernel's limits (shapes, dtypes, options); auto sends a call outside them to ``xla``.
+    ``reason`` says why a backend asked for by name cannot serve ``op`` here (the op would
+    raise ``NotImplementedError`` with it), else None.
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r} must be one of {OPS}")
+    try:
+        impl = _pick(op, backend, KERNELS["mosaic"].get(op), lambda *a, **k: None)
+    except NotImplementedError as e:
+        return "xla", str(e)
+    return ("mosaic" if impl is not None else "xla"), None
+
+
 # ----------------------------------------------------------------------------- ops
 
 
@@ -187,7 +210,7 @@ def mha_decode_with_kvcache(
     impl = _pick(
         "mha_decode",
         backend,
-        "mosaic_decode",
+        KERNELS["mosaic"]["mha_decode"],
         lambda mod, *a, **k: mod.unsupported_reason(*a, **k)
         or (mod.auto_skip_reason(*a, **k) if backend is None else None),
         q,
