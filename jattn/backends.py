@@ -1,19 +1,24 @@
-"""Attention backends with the seeds' flow, made functional.
+"""Attention backends with the flow of tokenspeed's ``MHAAttnBackend`` and SGLang's
+``TRTLLMMLABackend``, made functional.
 
 ``init_forward_metadata`` returns a metadata pytree (it stores nothing on
 ``self``); ``forward_decode`` / ``forward_extend`` take the KV cache and return
 ``(out, kv_cache)``, so a whole serving step is one ``jax.jit`` with the cache
-donated. The seeds' CUDA-graph trio maps to buckets: ``init_cuda_graph_state``
+donated. The upstream CUDA-graph trio maps to buckets: ``init_cuda_graph_state``
 chooses them, ``init_forward_metadata_capture_cuda_graph`` gives a placeholder
 plan of a bucket (for the first, compiling, call), and
 ``init_forward_metadata_replay_cuda_graph`` fills a new plan of the same bucket
 (a call with it never retraces).
+
+Every decision about what a step computes (which op serves a mode, when the new
+K/V are written, FP8 scales, the padding of draft-extend queries) lives here; the
+torch bridge (``jattn.bridge``) calls these methods on a cache that views the
+torch pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Callable
 
@@ -28,30 +33,28 @@ from jattn.metadata import (
     DUMMY_PAGE,
     DecodeMetadata,
     ExtendMetadata,
+    ForwardMode,
     plan_decode,
     plan_extend,
 )
 
 
-class ForwardMode(enum.Enum):
-    DECODE = "decode"  # one token per request
-    TARGET_VERIFY = "target_verify"  # spec_num_tokens per request, causal
-    DRAFT_BLOCK = "draft_block"  # DFLASH: spec_num_tokens per request, non-causal
-    EXTEND = "extend"  # ragged new tokens over a paged prefix (prefill when no prefix)
-
-    def is_decode(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK)
-
-    def is_extend(self) -> bool:
-        return self is ForwardMode.EXTEND
+def _check_page_size(metadata, cache_page_size: int) -> None:
+    """The plan's slots and the cache's pages must agree (checked at trace time)."""
+    if metadata.page_size != cache_page_size:
+        raise ValueError(
+            f"metadata.page_size={metadata.page_size} differs from the KV cache's page_size="
+            f"{cache_page_size}: the plan's slots would address the wrong tokens"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """What a backend needs to know of one attention layer (the seeds' ``layer``).
+    """What a backend needs to know of one attention layer (the ``layer`` object that
+    tokenspeed and SGLang pass to their backends).
 
     ``sliding_window_size`` uses the kernels' ``window_left`` convention (the
-    seeds' too): ``-1`` off, else the query sees ``window_left + 1`` keys including
+    upstream backends' too): ``-1`` off, else the query sees ``window_left + 1`` keys including
     itself (Hugging Face ``sliding_window = w`` is ``w - 1`` here).
     """
 
@@ -124,8 +127,10 @@ class _PlanningMixin:
 
     config: MHAConfig | MLAConfig
 
-    def _q_len(self, mode: ForwardMode) -> int:
-        return 1 if mode is ForwardMode.DECODE else self.config.spec_num_tokens
+    def q_len(self, mode: ForwardMode) -> int:
+        """New tokens per request of a decode-mode step: 1 for ``DECODE``, else
+        ``config.spec_num_tokens`` (target verify, DFLASH draft block)."""
+        return 1 if ForwardMode.parse(mode) is ForwardMode.DECODE else self.config.spec_num_tokens
 
     def init_forward_metadata(
         self,
@@ -138,7 +143,20 @@ class _PlanningMixin:
         extend_prefix_lens=None,
         **kwargs,
     ) -> DecodeMetadata | ExtendMetadata:
-        """Plans one forward step; returns the metadata pytree every layer reuses."""
+        """Plans one forward step; returns the metadata pytree every layer reuses.
+
+        Args:
+          bs: number of requests; the first ``bs`` entries of the per-request inputs count.
+          req_pool_indices: int[>= bs] rows of ``req_to_page``.
+          seq_lens: int[>= bs], tokens per request, the new ones included.
+          req_to_page: int[pool, max_pages] page ids.
+          forward_mode: a :class:`ForwardMode` (or its value, or another engine's enum
+            member of the same name). Decode modes plan ``q_len(mode)`` tokens per
+            request; ``EXTEND`` / ``DRAFT_EXTEND`` need ``extend_seq_lens`` int[>= bs].
+          extend_prefix_lens: optional int[>= bs], checked against the lengths.
+          kwargs: passed to :func:`jattn.plan_extend` (token buckets) for extends.
+        """
+        mode = ForwardMode.parse(forward_mode)
         cfg = self.config
         common = dict(
             page_size=cfg.page_size,
@@ -149,20 +167,22 @@ class _PlanningMixin:
             num_pages=cfg.num_pages,
         )
         seq_lens = np.asarray(seq_lens)[:bs]
-        if forward_mode.is_extend():
+        if mode.is_extend():
             if extend_seq_lens is None:
-                raise ValueError("extend_seq_lens is required for ForwardMode.EXTEND")
+                raise ValueError(f"extend_seq_lens is required for {mode}")
             return plan_extend(
                 seq_lens,
                 np.asarray(extend_seq_lens)[:bs],
                 extend_prefix_lens=None if extend_prefix_lens is None else np.asarray(extend_prefix_lens)[:bs],
+                forward_mode=mode,
                 **common,
                 **kwargs,
             )
         return plan_decode(
             seq_lens,
-            q_len=self._q_len(forward_mode),
-            is_causal=forward_mode is not ForwardMode.DRAFT_BLOCK,
+            q_len=self.q_len(mode),
+            is_causal=mode is not ForwardMode.DRAFT_BLOCK,
+            forward_mode=mode,
             **common,
         )
 
@@ -173,7 +193,7 @@ class _PlanningMixin:
         return getattr(self, "_batch_buckets", self.config.batch_buckets)
 
     def init_cuda_graph_state(self, max_bs: int, **kwargs) -> tuple:
-        """Chooses the batch buckets (the seeds' captured batch sizes) up to ``max_bs``."""
+        """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
         buckets = tuple(b for b in self.config.batch_buckets if b < max_bs) + (max_bs,)
         self._batch_buckets = buckets
         return buckets
@@ -184,23 +204,20 @@ class _PlanningMixin:
         """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with."""
         if bs not in self.batch_buckets:
             raise ValueError(f"bs={bs} is not one of the buckets {self.batch_buckets}")
-        q_len = self._q_len(forward_mode)
-        md = plan_decode(
-            np.full(1, q_len),
+        mode = ForwardMode.parse(forward_mode)
+        if not mode.is_decode():
+            raise ValueError(f"CUDA-graph plans are decode plans; got {mode}")
+        q_len = self.q_len(mode)
+        # No requests: every row of the bucket is padding (length 0, writes to the dummy page).
+        return plan_decode(
+            np.zeros(0, np.int32),
             page_size=self.config.page_size,
-            page_table=np.full((1, self.config.max_num_pages), 1),
+            page_table=np.zeros((0, self.config.max_num_pages), np.int32),
             q_len=q_len,
-            is_causal=forward_mode is not ForwardMode.DRAFT_BLOCK,
+            is_causal=mode is not ForwardMode.DRAFT_BLOCK,
+            forward_mode=mode,
             batch_buckets=(bs,),
             max_pages=self.config.max_num_pages,
-        )
-        # Everything padding: zero lengths, writes to the dummy page.
-        return dataclasses.replace(
-            md,
-            page_table=np.full_like(md.page_table, DUMMY_PAGE),
-            cache_seqlens=np.zeros_like(md.cache_seqlens),
-            out_cache_loc=np.full_like(md.out_cache_loc, DUMMY_PAGE * self.config.page_size),
-            num_reqs=np.int32(0),
         )
 
     def init_forward_metadata_replay_cuda_graph(
@@ -210,9 +227,32 @@ class _PlanningMixin:
         """A decode plan for the first ``bs`` requests, padded to the smallest bucket."""
         return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, forward_mode)
 
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The length to give padding rows of a bucket: 0 (an empty row: output 0,
+        its new K/V written to the dummy page, no page of its own needed)."""
+        return 0
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list:
+        """Buffers a target-verify plan needs filled after the draft step: none (the
+        verify mask is causal by position, there is no custom mask), so ``[None, None]``."""
+        return [None, None]
+
+    def fill_block_decode_seq_lens(self, metadata: DecodeMetadata, bs, block_seq_lens) -> DecodeMetadata:
+        """DFLASH draft block: the plan with each of the first ``bs`` requests' length set
+        to its block-end length ``block_seq_lens`` i32[>= bs] (prefix + block), clamped
+        to ``[spec_num_tokens, context_len]``. Jittable (``bs`` may be traced): the
+        drafter calls it inside its jitted step; write slots and positions are
+        re-derived on the device, so the page table must already hold the block's pages.
+        """
+        if metadata.forward_mode is not ForwardMode.DRAFT_BLOCK:
+            raise ValueError(f"fill_block_decode_seq_lens needs a DRAFT_BLOCK plan, got {metadata.forward_mode}")
+        lens = jnp.clip(jnp.asarray(block_seq_lens, jnp.int32), self.config.spec_num_tokens, self.config.context_len)
+        return metadata.with_seq_lens(lens, bs)
+
     def support_kv_cache_prewrite(self, forward_mode: ForwardMode | None = None) -> bool:
-        """Decode writes the new K/V before attention reads (they are part of ``L``)."""
-        return forward_mode is not None and forward_mode.is_decode()
+        """Whether the engine may write the new K/V before attention (decode modes: the
+        new tokens are part of ``L`` and attention reads them from the cache)."""
+        return forward_mode is not None and ForwardMode.parse(forward_mode).is_decode()
 
 
 class MHABackend(_PlanningMixin):
@@ -237,9 +277,6 @@ class MHABackend(_PlanningMixin):
             backend=self.config.kernel_backend,
         )
 
-    def _options(self, layer: LayerSpec, kv_cache: PagedKVCache, sinks):
-        return dict(self.attention_options(layer, is_fp8(kv_cache.dtype)), sinks=sinks)
-
     def _save(self, layer, kv_cache: PagedKVCache, loc, k, v) -> PagedKVCache:
         kc, vc = kv_cache.layer(layer.layer_id)
         k = k.reshape(k.shape[0], layer.num_kv_heads, layer.head_dim)
@@ -256,11 +293,18 @@ class MHABackend(_PlanningMixin):
         kv_cache: PagedKVCache,
         metadata: DecodeMetadata,
         save_kv_cache: bool = True,
-        sinks=None,
+        sinks=None,  # f32[Hq] or None
     ):
-        """Returns ``(out [bs * q_len, Hq * Dv], kv_cache)``."""
+        """Paged decode (also target verify and the non-causal DFLASH draft block).
+
+        Writes ``k``/``v`` at the plan's slots first when ``save_kv_cache`` and they are
+        given; otherwise the new tokens' K/V must already be in the cache (the engine
+        wrote them: see :meth:`support_kv_cache_prewrite`).
+        Returns ``(out [bs * q_len, Hq * Dv], kv_cache)``.
+        """
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
+        _check_page_size(metadata, kv_cache.page_size)
         if save_kv_cache and k is not None:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
         q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
@@ -273,7 +317,8 @@ class MHABackend(_PlanningMixin):
             metadata.cache_seqlens,
             max_seqlen_q=metadata.max_seqlen_q,
             is_causal=metadata.is_causal and not layer.non_causal,
-            **self._options(layer, kv_cache, sinks),
+            sinks=sinks,
+            **self.attention_options(layer, is_fp8(kv_cache.dtype)),
         )
         return out.reshape(out.shape[0], -1), kv_cache
 
@@ -286,17 +331,29 @@ class MHABackend(_PlanningMixin):
         kv_cache: PagedKVCache,
         metadata: ExtendMetadata,
         save_kv_cache: bool = True,
-        sinks=None,
+        sinks=None,  # f32[Hq] or None
+        kv_in_cache: bool = False,
     ):
-        """Returns ``(out [num_tokens, Hq * Dv], kv_cache)``; padding tokens give 0."""
+        """Extend over a paged prefix; a ragged prefill on ``k``/``v`` when no request
+        has a prefix and the cache is not FP8 (the new K/V are then read as given,
+        unscaled, not from the cache).
+
+        ``save_kv_cache`` writes ``k``/``v`` at the plan's slots. An extend over a prefix
+        reads the new tokens' K/V from the cache, so without ``save_kv_cache`` the caller
+        must say they are there already with ``kv_in_cache=True`` (e.g. the torch
+        engine wrote them into its pool); otherwise it raises.
+        Returns ``(out [num_tokens, Hq * Dv], kv_cache)``; padding tokens give 0.
+        """
+        _check_page_size(metadata, kv_cache.page_size)
         q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
         k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
         v = v.reshape(-1, layer.num_kv_heads, layer.head_dim_v)
         causal = metadata.is_causal and not layer.non_causal
-        opts = self._options(layer, kv_cache, sinks)
+        fp8 = is_fp8(kv_cache.dtype)
+        opts = dict(self.attention_options(layer, fp8), sinks=sinks)
         if save_kv_cache:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
-        if not metadata.has_prefix and not is_fp8(kv_cache.dtype):
+        if not metadata.has_prefix and not fp8:
             # No cached prefix: ragged prefill on the new K/V, no cache read.
             opts.update(k_scale=1.0, v_scale=1.0)
             out = ops.mha_prefill(
@@ -304,8 +361,11 @@ class MHABackend(_PlanningMixin):
                 max_seqlen_q=metadata.max_seqlen_q, is_causal=causal, **opts,
             )
         else:
-            if not save_kv_cache:
-                raise ValueError("extend over a paged prefix reads the new K/V from the cache: save_kv_cache must be True")
+            if not (save_kv_cache or kv_in_cache):
+                raise ValueError(
+                    "extend over a paged prefix reads the new K/V from the cache: pass "
+                    "save_kv_cache=True, or kv_in_cache=True if they are written already"
+                )
             kc, vc = kv_cache.layer(layer.layer_id)
             out = ops.mha_extend_with_kvcache(
                 q, kc, vc, metadata.page_table, metadata.cache_seqlens, metadata.cu_seqlens_q,
@@ -354,7 +414,7 @@ class MLABackend(_PlanningMixin):
         )
         return kv_cache.replace_layer(layer.layer_id, kv)
 
-    def _absorbed(self, q_nope, q_rope, layer):
+    def _absorbed_query(self, q_nope, q_rope, layer):
         cfg = self.config
         if q_rope is None:  # already the full 576-wide absorbed query
             return q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
@@ -365,26 +425,10 @@ class MLABackend(_PlanningMixin):
     def _scale(self, layer: LayerSpec) -> float:
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
 
-    def forward_decode(
-        self,
-        q,  # [T, H, R] absorbed q_nope (or [T, H, R + r] with q_rope=None)
-        k,  # c_kv [T, R] (or None)
-        v,  # unused (the value is the latent itself); kept for the seeds' signature
-        layer: LayerSpec,
-        kv_cache: MLAKVCache,
-        metadata: DecodeMetadata,
-        save_kv_cache: bool = True,
-        q_rope=None,  # [T, H, r]
-        k_rope=None,  # [T, r]
-    ):
-        """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``."""
-        if save_kv_cache:
-            if k is None or k_rope is None:
-                raise ValueError("save_kv_cache needs both k (c_kv) and k_rope")
-            kv_cache = self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
-        query = self._absorbed(q, q_rope, layer)
-        fp8 = is_fp8(kv_cache.dtype)
-        out = ops.mla_decode_with_kvcache(
+    def _decode(self, query, layer, kv_cache: MLAKVCache, metadata):
+        """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``)."""
+        _check_page_size(metadata, kv_cache.page_size)
+        return ops.mla_decode_with_kvcache(
             query,
             kv_cache.layer(layer.layer_id),
             metadata.page_table,
@@ -393,37 +437,63 @@ class MLABackend(_PlanningMixin):
             softmax_scale=self._scale(layer),
             max_seqlen_q=metadata.max_seqlen_q,
             is_causal=metadata.is_causal,
-            kv_scale=layer.k_scale if fp8 else 1.0,
+            kv_scale=layer.k_scale if is_fp8(kv_cache.dtype) else 1.0,
             backend=self.config.kernel_backend,
         )
+
+    def _write(self, layer, kv_cache, metadata, save_kv_cache, k, k_rope):
+        if not save_kv_cache:
+            return kv_cache
+        if k is None or k_rope is None:
+            raise ValueError("save_kv_cache needs both k (c_kv) and k_rope")
+        return self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
+
+    def forward_decode(
+        self,
+        q,  # [T, H, R] absorbed q_nope (or [T, H, R + r] with q_rope=None)
+        k,  # c_kv [T, R] (or None)
+        v,  # unused (the value is the latent itself); kept for the upstream signature
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata: DecodeMetadata,
+        save_kv_cache: bool = True,
+        q_rope=None,  # [T, H, r]
+        k_rope=None,  # [T, r]
+    ):
+        """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``."""
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
+        out = self._decode(self._absorbed_query(q, q_rope, layer), layer, kv_cache, metadata)
         return out.reshape(out.shape[0], -1), kv_cache
 
     def forward_draft_extend(
         self, q, k, v, layer: LayerSpec, kv_cache: MLAKVCache, metadata: ExtendMetadata,
         save_kv_cache: bool = True, q_rope=None, k_rope=None,
     ):
-        """Absorbed attention with a different number of new tokens per request
-        (draft extend): the queries are padded per request and unpadded after.
-        Padded rows never write the cache and never reach real rows."""
-        if save_kv_cache:
-            kv_cache = self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
-        query = self._absorbed(q, q_rope, layer)
+        """Absorbed attention with a different number of new tokens per request (draft
+        extend, or an extend over a prefix run absorbed): the queries are padded per
+        request to ``max_seqlen_q`` and unpadded after. Padded rows never write the
+        cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``."""
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
+        query = self._absorbed_query(q, q_rope, layer)
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
-        fp8 = is_fp8(kv_cache.dtype)
-        out = ops.mla_decode_with_kvcache(
-            padded,
-            kv_cache.layer(layer.layer_id),
-            metadata.page_table,
-            metadata.cache_seqlens,
-            kv_lora_rank=self.config.kv_lora_rank,
-            softmax_scale=self._scale(layer),
-            max_seqlen_q=metadata.max_seqlen_q,
-            is_causal=metadata.is_causal,
-            kv_scale=layer.k_scale if fp8 else 1.0,
-            backend=self.config.kernel_backend,
-        )
+        out = self._decode(padded, layer, kv_cache, metadata)
         out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
         return out.reshape(out.shape[0], -1), kv_cache
+
+    def forward_absorbed(
+        self, q, k, v, layer: LayerSpec, kv_cache: MLAKVCache, metadata,
+        save_kv_cache: bool = True, q_rope=None, k_rope=None,
+    ):
+        """Absorbed attention for any plan: :meth:`forward_decode` for a decode-mode plan
+        (decode, target verify), :meth:`forward_draft_extend` for an extend-mode plan."""
+        fwd = self.forward_decode if metadata.forward_mode.is_decode() else self.forward_draft_extend
+        return fwd(q, k, v, layer, kv_cache, metadata, save_kv_cache, q_rope=q_rope, k_rope=k_rope)
+
+    @staticmethod
+    def is_absorbed(forward_mode) -> bool:
+        """Whether ``forward_extend`` of SGLang's MLA backend runs a mode absorbed (target
+        verify, draft extend) rather than as the ragged non-absorbed prefill (``EXTEND``)."""
+        return ForwardMode.parse(forward_mode) is not ForwardMode.EXTEND
 
     def forward_extend(
         self,
@@ -432,11 +502,12 @@ class MLABackend(_PlanningMixin):
         v,  # [T, H, v_head_dim]
         layer: LayerSpec,
         metadata: ExtendMetadata,
-        q_rope=None,
-        k_rope=None,
+        q_rope=None,  # [T, H, qk_rope]
+        k_rope=None,  # [T, qk_rope], shared by every head
         return_lse: bool = False,
     ):
-        """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked."""
+        """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked
+        (natural-log LSE f32[T, H])."""
         q, k = self._qk(q, k, q_rope, k_rope)
         return ops.mha_prefill(
             q, k, v, metadata.cu_seqlens_q,

@@ -41,14 +41,13 @@ class PagedKVCache:
     """MHA/GQA paged cache: per-layer ``k[i]``, ``v[i]`` of shape
     ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
-    FP8 caches carry per-layer scalar scales (static: they are model constants).
+    The cache holds data only: FP8 scales are the layer's (``LayerSpec.k_scale`` /
+    ``v_scale``), passed to the writes and the reads by the backend.
     Page :data:`jattn.metadata.DUMMY_PAGE` is reserved for padded rows' writes.
     """
 
     k: tuple
     v: tuple
-    k_scales: tuple = ()
-    v_scales: tuple = ()
 
     @classmethod
     def create(
@@ -61,8 +60,6 @@ class PagedKVCache:
         head_dim: int,
         head_dim_v: int | None = None,
         dtype="bfloat16",
-        k_scale: float | Iterable[float] = 1.0,
-        v_scale: float | Iterable[float] = 1.0,
     ) -> "PagedKVCache":
         dt = cache_dtype(dtype)
         if num_pages < 2:
@@ -70,7 +67,7 @@ class PagedKVCache:
         dv = head_dim if head_dim_v is None else head_dim_v
         k = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dt) for _ in range(num_layers))
         v = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, dv), dt) for _ in range(num_layers))
-        return cls(k=k, v=v, k_scales=_scales(k_scale, num_layers), v_scales=_scales(v_scale, num_layers))
+        return cls(k=k, v=v)
 
     @property
     def num_layers(self) -> int:
@@ -100,11 +97,12 @@ class PagedKVCache:
 @dataclasses.dataclass(frozen=True)
 class MLAKVCache:
     """DeepSeek MLA latent cache: per-layer ``kv[i]`` of shape
-    ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (c_kv then k_pe)."""
+    ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (c_kv then k_pe).
+
+    Data only: the FP8 scale is the layer's (``LayerSpec.k_scale``)."""
 
     kv: tuple
     kv_lora_rank: int = 512
-    kv_scales: tuple = ()
 
     @classmethod
     def create(
@@ -116,7 +114,6 @@ class MLAKVCache:
         kv_lora_rank: int = 512,
         rope_dim: int = 64,
         dtype="bfloat16",
-        kv_scale: float | Iterable[float] = 1.0,
     ) -> "MLAKVCache":
         dt = cache_dtype(dtype)
         if num_pages < 2:
@@ -124,7 +121,7 @@ class MLAKVCache:
         kv = tuple(
             jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dt) for _ in range(num_layers)
         )
-        return cls(kv=kv, kv_lora_rank=kv_lora_rank, kv_scales=_scales(kv_scale, num_layers))
+        return cls(kv=kv, kv_lora_rank=kv_lora_rank)
 
     @property
     def num_layers(self) -> int:
@@ -151,17 +148,8 @@ class MLAKVCache:
         return dataclasses.replace(self, kv=tuple(kvs))
 
 
-def _scales(s, n: int) -> tuple:
-    if isinstance(s, (int, float)):
-        return (float(s),) * n
-    s = tuple(float(x) for x in s)
-    if len(s) != n:
-        raise ValueError(f"got {len(s)} scales for {n} layers")
-    return s
-
-
-jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=["k_scales", "v_scales"])
-jax.tree_util.register_dataclass(MLAKVCache, data_fields=["kv"], meta_fields=["kv_lora_rank", "kv_scales"])
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=[])
+jax.tree_util.register_dataclass(MLAKVCache, data_fields=["kv"], meta_fields=["kv_lora_rank"])
 
 
 class PagePoolExhausted(RuntimeError):

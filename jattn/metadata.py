@@ -22,6 +22,7 @@ to reach a bucket have length 0, write only to the reserved dummy page
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Sequence
 
 import jax
@@ -31,6 +32,50 @@ DUMMY_PAGE = 0
 """Page reserved for padded rows' writes; ``PageAllocator`` never hands it out."""
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ForwardMode(enum.Enum):
+    """What one forward step does; the plan of a step records it (a static field).
+
+    ``DECODE`` one new token per request; ``TARGET_VERIFY`` the same number of draft
+    tokens per request, causal; ``DRAFT_BLOCK`` a DFLASH draft block (that many tokens,
+    non-causal); ``EXTEND`` ragged new tokens over a paged prefix (a prefill when there
+    is no prefix); ``DRAFT_EXTEND`` ragged new draft tokens that MLA runs as absorbed
+    (decode-style) attention, padded per request.
+    """
+
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_BLOCK = "draft_block"
+    EXTEND = "extend"
+    DRAFT_EXTEND = "draft_extend"
+
+    def is_decode(self) -> bool:
+        """A fixed number of new tokens per request (a :class:`DecodeMetadata` plan)."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK)
+
+    def is_extend(self) -> bool:
+        """Ragged new tokens per request (an :class:`ExtendMetadata` plan)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+    @classmethod
+    def parse(cls, mode) -> "ForwardMode":
+        """A :class:`ForwardMode` from itself, its value, or another engine's enum member
+        (matched by name: SGLang's ``MIXED`` / ``PREFILL`` are ``EXTEND``,
+        ``DRAFT_EXTEND_V2`` is ``DRAFT_EXTEND``)."""
+        if isinstance(mode, cls):
+            return mode
+        if isinstance(mode, str):
+            try:
+                return cls(mode.lower())
+            except ValueError:
+                raise ValueError(f"unknown forward_mode {mode!r}; one of {[m.value for m in cls]}") from None
+        name = getattr(mode, "name", None)
+        if isinstance(name, str):
+            n = name.lower()
+            alias = {"mixed": "extend", "prefill": "extend", "draft_extend_v2": "draft_extend"}
+            return cls.parse(alias.get(n, n))
+        raise ValueError(f"unknown forward_mode {mode!r}")
 
 
 def _pytree(cls, data):
@@ -50,6 +95,7 @@ class DecodeMetadata:
     max_seqlen_q: int = 1
     page_size: int = 16
     is_causal: bool = True
+    forward_mode: ForwardMode = ForwardMode.DECODE
 
     @property
     def batch_size(self) -> int:
@@ -58,6 +104,31 @@ class DecodeMetadata:
     @property
     def num_tokens(self) -> int:
         return self.out_cache_loc.shape[0]
+
+    def with_seq_lens(self, seq_lens, num_reqs=None) -> "DecodeMetadata":
+        """The same plan with new per-request lengths (jittable: no host work, no retrace).
+
+        ``seq_lens`` i32[bs] (new tokens included) replaces ``cache_seqlens`` for rows
+        ``< num_reqs`` (default: the plan's ``num_reqs``); positions and write slots of
+        those rows are re-derived from the page table, which must already hold their
+        pages. Rows ``>= num_reqs`` keep length 0 and write to the dummy page.
+        """
+        import jax.numpy as jnp
+
+        bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
+        num_reqs = self.num_reqs if num_reqs is None else num_reqs
+        real = jnp.arange(bs) < num_reqs
+        sl = jnp.asarray(seq_lens, jnp.int32).reshape(-1)[:bs]
+        lens = jnp.where(real, jnp.pad(sl, (0, bs - sl.shape[0])), 0)
+        pos = lens[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None, :]
+        ok = real[:, None] & (pos >= 0)
+        pos = jnp.where(ok, pos, 0)
+        page = jnp.take_along_axis(self.page_table, jnp.clip(pos // ps, 0, self.page_table.shape[1] - 1), axis=1)
+        loc = jnp.where(ok, page * ps + pos % ps, DUMMY_PAGE * ps)
+        return dataclasses.replace(
+            self, cache_seqlens=lens, positions=pos.reshape(-1), out_cache_loc=loc.reshape(-1).astype(jnp.int32),
+            num_reqs=jnp.asarray(num_reqs, jnp.int32),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +146,7 @@ class ExtendMetadata:
     page_size: int = 16
     is_causal: bool = True
     has_prefix: bool = True
+    forward_mode: ForwardMode = ForwardMode.EXTEND
 
     @property
     def batch_size(self) -> int:
@@ -197,6 +269,7 @@ def plan_decode(
     batch_buckets: Sequence[int] | None = DEFAULT_BATCH_BUCKETS,
     max_pages: int | None = None,
     num_pages: int | None = None,
+    forward_mode: ForwardMode | None = None,
 ) -> DecodeMetadata:
     """Builds :class:`DecodeMetadata` from host (numpy) inputs.
 
@@ -220,12 +293,15 @@ def plan_decode(
         raise ValueError(f"page_size={page_size} must be positive")
     if q_len < 1:
         raise ValueError(f"q_len={q_len} must be >= 1")
+    mode = _decode_mode(forward_mode, q_len, is_causal)
     sl = _as_int_array(seq_lens, "seq_lens", 1)
     bs = sl.shape[0]
-    if (sl < q_len).any():
-        b = int(np.argmax(sl < q_len))
+    short = (sl < q_len) & (sl != 0)
+    if short.any() or (sl < 0).any():
+        b = int(np.argmax(short | (sl < 0)))
         raise ValueError(
-            f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens"
+            f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens "
+            "(0 marks a padding row)"
         )
     pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
     _check_pages(pt, sl, page_size, num_pages)
@@ -237,8 +313,9 @@ def plan_decode(
     pos = np.zeros((bs_pad, q_len), np.int64)
     pos[:bs] = sl[:, None] - q_len + np.arange(q_len)[None, :]
     rows = np.repeat(np.arange(bs_pad), q_len).reshape(bs_pad, q_len)
-    loc = _slots(table, rows, pos, page_size)
-    loc[bs:] = DUMMY_PAGE * page_size
+    empty = lens[:, None] == 0  # padding rows (given with length 0, or added for the bucket)
+    pos = np.where(empty, 0, pos)
+    loc = np.where(empty, DUMMY_PAGE * page_size, _slots(table, rows, pos, page_size))
     return DecodeMetadata(
         page_table=np.asarray(table, np.int32),
         cache_seqlens=lens,
@@ -248,7 +325,22 @@ def plan_decode(
         max_seqlen_q=q_len,
         page_size=page_size,
         is_causal=is_causal,
+        forward_mode=mode,
     )
+
+
+def _decode_mode(forward_mode, q_len: int, is_causal: bool) -> ForwardMode:
+    """The decode mode of a plan: given, or read off ``q_len`` and causality."""
+    if forward_mode is None:
+        if q_len == 1 and is_causal:
+            return ForwardMode.DECODE
+        return ForwardMode.TARGET_VERIFY if is_causal else ForwardMode.DRAFT_BLOCK
+    mode = ForwardMode.parse(forward_mode)
+    if not mode.is_decode():
+        raise ValueError(f"plan_decode plans decode modes, not {mode}; use plan_extend")
+    if (mode is ForwardMode.DRAFT_BLOCK) == bool(is_causal):
+        raise ValueError(f"forward_mode={mode} and is_causal={is_causal} disagree (only DRAFT_BLOCK is non-causal)")
+    return mode
 
 
 def plan_extend(
@@ -266,6 +358,7 @@ def plan_extend(
     max_seqlen_q_buckets: Sequence[int] | None = None,
     max_pages: int | None = None,
     num_pages: int | None = None,
+    forward_mode: ForwardMode = ForwardMode.EXTEND,
 ) -> ExtendMetadata:
     """Builds :class:`ExtendMetadata` for an extend/prefill step from host inputs.
 
@@ -281,6 +374,9 @@ def plan_extend(
     """
     if page_size <= 0:
         raise ValueError(f"page_size={page_size} must be positive")
+    forward_mode = ForwardMode.parse(forward_mode)
+    if not forward_mode.is_extend():
+        raise ValueError(f"plan_extend plans extend modes, not {forward_mode}; use plan_decode")
     sl = _as_int_array(seq_lens, "seq_lens", 1)
     ext = _as_int_array(extend_seq_lens, "extend_seq_lens", 1)
     bs = sl.shape[0]
@@ -329,6 +425,7 @@ def plan_extend(
         page_size=page_size,
         is_causal=is_causal,
         has_prefix=bool((prefix > 0).any()),
+        forward_mode=forward_mode,
     )
 
 

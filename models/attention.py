@@ -37,11 +37,10 @@ class RaggedMetadata:
 
 
 def is_decode(metadata) -> bool:
-    return type(metadata).__name__ == "DecodeMetadata"
-
-
-def is_extend(metadata) -> bool:
-    return type(metadata).__name__ == "ExtendMetadata"
+    """A decode-mode plan (``metadata.forward_mode.is_decode()``); cache-free ragged
+    metadata is not."""
+    mode = getattr(metadata, "forward_mode", None)
+    return mode is not None and mode.is_decode()
 
 
 def ragged_prefill(q, k, v, metadata: RaggedMetadata, *, softmax_scale=None):

@@ -81,8 +81,8 @@ class MLAttention(nnx.Module):
         with jax.named_scope("mla_attention"):
             if absorbed:
                 q_abs = jnp.einsum("thp,rhp->thr", q_nope, w_uk)
-                fwd = backend.forward_decode if is_decode(metadata) else backend.forward_draft_extend
-                latent, kv_cache = fwd(q_abs, c_kv, None, s, kv_cache, metadata, q_rope=q_pe, k_rope=k_pe)
+                latent, kv_cache = backend.forward_absorbed(q_abs, c_kv, None, s, kv_cache, metadata,
+                                                            q_rope=q_pe, k_rope=k_pe)
                 out = jnp.einsum("thr,rhv->thv", latent.reshape(t, nh, R).astype(x.dtype), w_uv)
             else:
                 k_nope = jnp.einsum("tr,rhp->thp", c_kv, w_uk)

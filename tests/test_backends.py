@@ -55,7 +55,7 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
     sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32) if fp8 else None
     be = MHABackend(cfg)
     cache = PagedKVCache.create(num_layers=2, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
-                                dtype=cfg.kv_cache_dtype, k_scale=ks, v_scale=vs)
+                                dtype=cfg.kv_cache_dtype)
     # NaN everywhere in layer 1 that no token has written: it must never leak.
     cache = cache.replace_layer(1, jnp.full_like(cache.k[1], jnp.nan), jnp.full_like(cache.v[1], jnp.nan))
     alloc = PageAllocator(num_pages)

@@ -207,8 +207,6 @@ def test_cache_and_backend_bad_inputs():
         PagedKVCache.create(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype="int8")
     with pytest.raises(ValueError, match=r"num_pages=1 must be >= 2"):
         MLAKVCache.create(num_layers=1, num_pages=1, page_size=4)
-    with pytest.raises(ValueError, match=r"got 3 scales for 2 layers"):
-        PagedKVCache.create(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, k_scale=[1, 2, 3])
     with pytest.raises(KeyError, match=r"no attention backend named 'flash'"):
         jattn.get_backend("flash")
     with pytest.raises(ValueError, match=r"backend 'mha' serves \['MHA'\], not 'MLA'"):
@@ -225,8 +223,12 @@ def test_cache_and_backend_bad_inputs():
     cache = PagedKVCache.create(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=8, dtype="float32")
     layer = LayerSpec(0, 2, 1, 8)
     x = jnp.ones((md.num_tokens, 2, 8), F32)
-    with pytest.raises(ValueError, match=r"save_kv_cache must be True"):
+    with pytest.raises(ValueError, match=r"pass save_kv_cache=True, or kv_in_cache=True"):
         be.forward_extend(x, x[:, :1], x[:, :1], layer, cache, md, save_kv_cache=False)
+    # A plan of another page size than the cache's would address the wrong slots.
+    cache8 = PagedKVCache.create(num_layers=1, num_pages=4, page_size=8, num_kv_heads=1, head_dim=8, dtype="float32")
+    with pytest.raises(ValueError, match=r"metadata.page_size=4 differs from the KV cache's page_size=8"):
+        be.forward_extend(x, x[:, :1], x[:, :1], layer, cache8, md)
     dmd = be.init_forward_metadata(1, [0], [6], r2p, ForwardMode.DECODE)
     with pytest.raises(ValueError, match=r"k and v must both be given"):
         be.forward_decode(x[:2], x[:2, :1], None, layer, cache, dmd)

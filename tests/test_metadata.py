@@ -275,8 +275,7 @@ def test_capture_then_replay_metadata_does_not_retrace():
 
     rng = np.random.default_rng(2)
     cache = PagedKVCache(k=(jnp.asarray(rng.standard_normal(cache.k[0].shape), jnp.float32),),
-                         v=(jnp.asarray(rng.standard_normal(cache.v[0].shape), jnp.float32),),
-                         k_scales=cache.k_scales, v_scales=cache.v_scales)
+                         v=(jnp.asarray(rng.standard_normal(cache.v[0].shape), jnp.float32),))
     cap = be.init_forward_metadata_capture_cuda_graph(6)
     assert cap.batch_size == 6 and int(cap.num_reqs) == 0
     out, _ = step(cache, cap, jnp.asarray(rng.standard_normal((6, 64)), jnp.float32))
