@@ -1,8 +1,9 @@
 """A small torch serving loop that uses jattn as its attention backend.
 
-The engine owns a torch KV pool (seeds' layout), allocates pages on the host,
-runs a prefill of several requests and then decode steps, and calls
-``jattn.bridge.TorchMHABackend`` exactly like tokenspeed calls its MHA backend.
+The engine owns a torch KV pool (per layer ``[num_pages * page_size, num_kv_heads, head_dim]``,
+as tokenspeed's and SGLang's pools), allocates pages on the host, runs a prefill of several
+requests and then decode steps, and calls ``jattn.bridge.TorchMHABackend`` exactly like
+tokenspeed calls its MHA backend (``MHAAttnBackend``).
 Every output is checked against a plain torch attention over the K/V the engine
 produced. Runs on the CPU (torch CPU + JAX CPU) or a GPU.
 
@@ -15,7 +16,13 @@ import contextlib
 import math
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:
+    raise SystemExit("examples/torch_bridge.py needs PyTorch: pip install -e \".[torch]\" in the jattn "
+                     "checkout; on a CPU-only machine: pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cpu") from None
 
 from jattn import ForwardMode, MHAConfig
 from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend

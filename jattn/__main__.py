@@ -12,21 +12,56 @@ subcommands:
                              installed, else a tiny random model); --synthetic runs the
                              self-checking continuous-batching attention loop instead
   generate --prompt TEXT     generate from your own prompt
-  bench NAME [...]           GPU benchmarks: decode, bridge, serving
-  info                       devices and the backends jattn would pick
+  bench NAME [...]           GPU benchmarks: decode, bridge, serving (bridge --device cpu:
+                             the torch bridge's host time on the CPU)
+  info                       this device, and the backend each op would run on here
+
+`python -m jattn COMMAND --help` lists a command's options.
 """
+
+# op -> what ``info`` calls it
+_OP_LABELS = {
+    "mha_decode": "mha decode",
+    "mha_extend": "mha extend",
+    "mha_prefill": "mha prefill",
+    "mla_decode": "mla decode",
+    "attn_merge_state": "merge state",
+    "set_kv_buffer": "kv write (mha)",
+    "set_mla_kv_buffer": "kv write (mla)",
+}
+
+_BACKEND_LABELS = {"mosaic": "Pallas Mosaic GPU kernels, Hopper", "xla": "plain JAX, any device"}
 
 
 def _info() -> int:
     import jax
 
-    from jattn import registered_backends
-    from jattn.ops import BACKENDS, device_kind
+    import jattn
+    from jattn.ops import KERNELS, OPS, device_kind, op_backend
 
-    print(f"jax {jax.__version__}, default backend {jax.default_backend()}, devices {jax.devices()}")
-    print(f"device kind: {device_kind()}; kernel backends: {BACKENDS}")
-    print(f"registered attention backends: {registered_backends()}")
+    dev = jax.devices()[0]
+    kind = device_kind()
+    print(f"jattn {jattn.__version__}, jax {jax.__version__}; device: {dev.device_kind} "
+          f"({jax.default_backend()}, {len(jax.devices())} device(s)); jattn device kind: {kind}")
+    print("what each op runs on this device with backend=None (auto):")
+    w = max(len(v) for v in _OP_LABELS.values())
+    for op in OPS:
+        picked, _ = op_backend(op)
+        kernels = [b for b in KERNELS if op in KERNELS[b]]
+        if picked != "xla":
+            note = "calls outside the kernel's limits (shape, dtype, options) run on xla"
+        elif kernels and kind == "cpu":
+            note = f"{' / '.join(kernels)} kernel: needs a GPU (runs on the CPU only interpreted, for tests)"
+        elif kernels:
+            note = "; ".join(op_backend(op, b)[1] or f"{b} kernel: not picked here" for b in kernels)
+        else:
+            note = "plain JAX (no kernel yet)"
+        print(f"  {_OP_LABELS[op].ljust(w)}  {picked:6s}  {note}")
+    print("backends: " + "; ".join(f"{b} ({_BACKEND_LABELS.get(b, 'kernels')})" for b in (*KERNELS, "xla")))
     return 0
+
+
+_BENCHES = ("decode", "bridge", "serving")
 
 
 def main(argv=None) -> int:
@@ -47,12 +82,9 @@ def main(argv=None) -> int:
     if cmd == "info":
         return _info()
     if cmd == "bench":
-        if not rest or rest[0].startswith("-"):
-            ap.error("bench needs a benchmark name: decode, bridge, serving")
-        try:
-            mod = importlib.import_module(f"jattn.bench.{rest[0]}")
-        except ModuleNotFoundError:
-            ap.error(f"no benchmark named {rest[0]!r}")
+        if not rest or rest[0] not in _BENCHES:
+            ap.error(f"bench needs a benchmark name: {', '.join(_BENCHES)} (got {' '.join(rest[:1]) or 'none'})")
+        mod = importlib.import_module(f"jattn.bench.{rest[0]}")
         return mod.main(rest[1:]) or 0
     if cmd == "demo" and "--synthetic" in rest:
         from jattn import demo

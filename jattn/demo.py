@@ -11,6 +11,7 @@ computation over that request's own keys.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -19,7 +20,41 @@ import numpy as np
 
 from jattn.backends import ForwardMode, LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PageAllocator, PagedKVCache, cache_dtype
-from jattn.ops import device_kind
+from jattn.ops import KERNELS, device_kind, op_backend
+
+MHA_OPS = ("mha_decode", "mha_extend", "mha_prefill")  # what an MHA serving loop calls
+MLA_OPS = ("mla_decode", "mha_prefill")  # what an MLA serving loop calls
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What ``--backend`` accepts: auto, the kernel backends with a kernel built, xla."""
+    return ("auto", *KERNELS, "xla")
+
+
+def choose_backend(name: str | None, ops=MHA_OPS) -> tuple[str | None, str | None]:
+    """``(kernel_backend, notice)`` for ``--backend name`` in a loop that calls ``ops``.
+
+    A backend named on the command line is the preference for the ops it serves on this
+    device; the others run on xla, and ``notice`` (one line) says which. Raises
+    ``SystemExit`` with one line when that cannot be expressed by one backend setting (a
+    named backend that auto would not pick for the ops it serves).
+    """
+    if name in (None, "auto", "xla"):
+        return (None if name in (None, "auto") else name), None
+    if device_kind() == "cpu":
+        return None, (f"--backend {name}: its kernels need a GPU (on this CPU they run only under "
+                      "the interpreter, for tests); every op runs on xla")
+    picks = {op: op_backend(op, name) for op in ops}
+    missing = [op for op, (b, _) in picks.items() if b != name]
+    if not missing:
+        return name, None
+    served = [op for op in ops if op not in missing]
+    if any(op_backend(op)[0] != name for op in served):
+        raise SystemExit(f"--backend {name}: serves {', '.join(served)} but not {', '.join(missing)} "
+                         "here, and one loop takes one backend; use --backend auto or xla")
+    reasons = sorted({picks[op][1].split(": ", 1)[-1] for op in missing})
+    where = f"; {', '.join(served)} on {name}" if served else ""
+    return None, f"--backend {name}: {', '.join(missing)} on xla ({'; '.join(reasons)}){where}"
 
 
 class _Request:
@@ -195,12 +230,18 @@ def run(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jattn demo --synthetic", description=__doc__)
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--window", type=int, default=-1, help="window_left (-1: off)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--backend", default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="python -m jattn demo --synthetic", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
+    ap.add_argument("--window", type=int, default=-1, help="sliding window, window_left (-1: off)")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="KV cache dtype: bfloat16 (default), float16, float32 or float8_e4m3fn")
+    ap.add_argument("--backend", default="auto", choices=backend_choices(),
+                    help="kernel backend preferred for the ops it serves (default auto)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the requests")
     a = ap.parse_args(argv)
-    ok, _, _ = run(num_requests=a.requests, window_left=a.window, dtype=a.dtype, backend=a.backend, seed=a.seed)
+    backend, notice = choose_backend(a.backend, MHA_OPS)
+    if notice:
+        print(notice, file=sys.stderr)
+    ok, _, _ = run(num_requests=a.requests, window_left=a.window, dtype=a.dtype, backend=backend, seed=a.seed)
     return 0 if ok else 1

@@ -42,15 +42,12 @@ class ByteTokenizer:
         return ()
 
 
-def describe_backend(kernel_backend: str | None) -> str:
-    from jattn.ops import device_kind
+def describe_backend(kernel_backend: str | None, ops) -> str:
+    """Which backend each of ``ops`` runs on here, e.g. ``"mha_decode mosaic, mha_prefill xla"``."""
+    from jattn.ops import op_backend
 
-    kind = device_kind()
-    if kernel_backend:
-        return kernel_backend
-    if kind == "hopper":
-        return "auto: mosaic kernels where one serves the call, xla reference otherwise"
-    return "auto: xla (plain-JAX reference; the Pallas kernels need a Hopper GPU)"
+    picks = ", ".join(f"{op} {op_backend(op, kernel_backend)[0]}" for op in ops)
+    return f"{kernel_backend or 'auto'} ({picks})"
 
 
 def _default_dtype() -> str:
@@ -114,37 +111,52 @@ class _HFDirTokenizer:
 
 
 def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog)
+    from jattn.demo import backend_choices
+
+    ap = argparse.ArgumentParser(prog=prog, description="Text generation served by jattn's continuous-batching engine.")
+    if not need_prompt:  # the demo; ``python -m jattn`` routes --synthetic to jattn.demo
+        ap.add_argument("--synthetic", action="store_true",
+                        help="run the self-checking continuous-batching attention loop instead (no "
+                             "model; options: python -m jattn demo --synthetic --help)")
     ap.add_argument("--prompt", action="append", required=need_prompt,
                     help="prompt text (repeat for several concurrent requests)")
-    ap.add_argument("--model", choices=["auto", "smollm2", "tiny"], default="auto")
+    ap.add_argument("--model", choices=["auto", "smollm2", "tiny"], default="auto",
+                    help="auto (default): SmolLM2-135M when installed, else a tiny random Llama")
     ap.add_argument("--gguf", help="path of a llama-architecture GGUF file")
     ap.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt text")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    ap.add_argument("--backend", choices=["mosaic", "triton", "xla"], default=None,
-                    help="attention kernel backend (default: auto)")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (and the random model's)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="model and KV cache dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    ap.add_argument("--backend", choices=backend_choices(), default="auto",
+                    help="attention kernel backend, preferred for the ops it serves (default: auto)")
+    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+    ap.add_argument("--max-context", type=int, default=1024, help="longest prompt + output per request (default 1024)")
     return ap
 
 
 def _run(args, prompts) -> int:
+    from jattn.demo import MHA_OPS, MLA_OPS, choose_backend
+    from jattn.models.deepseek import Deepseek
+
     model, tok, desc = load_model(args)
+    ops = MLA_OPS if isinstance(model, Deepseek) else MHA_OPS
+    backend, notice = choose_backend(args.backend, ops)
+    if notice:
+        print(notice, file=sys.stderr)
     ecfg = EngineConfig(page_size=args.page_size, max_context=args.max_context,
                         num_pages=1 + len(prompts) * (-(-args.max_context // args.page_size)),
-                        kernel_backend=args.backend)
+                        kernel_backend=backend)
     engine = Engine(model, ecfg)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_ids())
     ids = [tok.encode(p) if args.raw else tok.chat_prompt(p) for p in prompts]
     print(f"model:   {desc}")
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
-    print(f"backend: {describe_backend(args.backend)}")
+    print(f"backend: {describe_backend(backend, ops)}")
     sampling = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
     print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size "
           f"{args.page_size}, {sampling}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import jax
@@ -30,6 +31,10 @@ def _host_us(fn, n=300, warm=20):
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e6
+
+
+TORCH_MISSING = ("bench bridge needs PyTorch: pip install -e \".[torch]\" in the jattn checkout; on a "
+                 "CPU-only machine: pip install torch --index-url https://download.pytorch.org/whl/cpu")
 
 
 def _setup(bs, seqlen, layers, sync, kv_writer="auto", device="cuda", heads=(32, 8, 128), **bekw):
@@ -205,17 +210,24 @@ def bench_host(sync="auto", device="cuda", seqlen=4096, n=300):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench bridge")
-    ap.add_argument("--bs", type=int, default=64)
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--calls", type=int, default=64)
-    ap.add_argument("--sync", default="auto", choices=["auto", "event", "stream", "host", "none"])
+    ap = argparse.ArgumentParser(prog="python -m jattn bench bridge", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bs", type=int, default=64, help="batch of the throughput part (GPU; default 64)")
+    ap.add_argument("--seqlen", type=int, default=4096, help="context of the throughput part (default 4096)")
+    ap.add_argument("--layers", type=int, default=4, help="layers (pools) the calls rotate over (default 4)")
+    ap.add_argument("--calls", type=int, default=64, help="back-to-back calls per timing (default 64)")
+    ap.add_argument("--sync", default="auto", choices=["auto", "event", "stream", "host", "none"],
+                    help="the bridge's torch/JAX ordering mode (default auto)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                     help="cpu: host-time part only, small shapes (the Python overhead; JAX on the CPU)")
     ap.add_argument("--host-seqlen", type=int, default=None, help="context of the batch-1 host-time call")
     ap.add_argument("--reps", type=int, default=300, help="timed calls per host-time figure")
     a = ap.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print(TORCH_MISSING, file=sys.stderr)
+        return 1
     on_gpu = jax.default_backend() == "gpu"
     device = a.device if a.device != "auto" else ("cuda" if on_gpu else "cpu")
     if (device == "cuda") != on_gpu:

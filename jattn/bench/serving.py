@@ -136,26 +136,44 @@ def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backe
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench serving")
-    ap.add_argument("--models", default="smollm2,llama3-8b")
-    ap.add_argument("--batch", default="1,32,128")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--backend", default=None, help="attention kernel backend (default auto)")
+    from jattn.demo import backend_choices
+
+    ap = argparse.ArgumentParser(prog="python -m jattn bench serving", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,llama3-8b",
+                    help="comma-separated: smollm2 (SmolLM2-135M), llama3-8b (its shapes, random "
+                         "weights), tiny (default: smollm2,llama3-8b)")
+    ap.add_argument("--batch", default="1,32,128", help="comma-separated batch sizes (default 1,32,128)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    ap.add_argument("--gen-len", type=int, default=64, help="generated tokens per request (default 64)")
+    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+    ap.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype (default bfloat16)")
+    ap.add_argument("--backend", default="auto", choices=backend_choices(),
+                    help="attention kernel backend, preferred for the ops it serves (default auto)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="run on the CPU anyway (minutes with the default models; try --models tiny)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the decode step: kernel-time sum and attention share vs step time")
     ap.add_argument("--command-buffers", default="engine",
                     help="XLA command-buffer settings to compare, separated by ';': 'engine' "
                          "(the engine's choice), 'xla' (XLA's defaults), 'off', or a type list "
                          "such as FUSION,CUSTOM_CALL")
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default=None,
+                    help="write the rows to this file (default: $OUT/serving.json when OUT is set)")
     args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu" and not args.cpu:
+        print(f"bench serving needs a GPU (jax default backend is {jax.default_backend()}); nothing to do "
+              "(--cpu runs it anyway)")
+        return 1
+    from jattn.demo import MHA_OPS, choose_backend
+
+    backend, notice = choose_backend(args.backend, MHA_OPS)
+    if notice:
+        print(notice)
     settings = [True if s == "engine" else s for s in args.command_buffers.split(";") if s]
     dev = jax.devices()[0]
     print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"backend {args.backend or 'auto'}, dtype {args.dtype}", flush=True)
+          f"backend {args.backend}, dtype {args.dtype}", flush=True)
     rows = []
     for name in args.models.split(","):
         t0 = time.perf_counter()
@@ -164,7 +182,7 @@ def main(argv=None) -> int:
         for bs, cb in [(int(b), cb) for b in args.batch.split(",") for cb in settings]:
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             try:
-                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, args.backend,
+                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, backend,
                             profile=args.profile, command_buffers=cb)
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

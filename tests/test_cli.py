@@ -1,0 +1,150 @@
+"""``python -m jattn`` as a newcomer meets it: one-line answers, never a traceback (CPU, fast)."""
+
+from __future__ import annotations
+
+import pathlib
+import runpy
+import sys
+import types
+
+import pytest
+
+import jattn.demo
+import jattn.ops
+from jattn.__main__ import main
+
+
+def _lines(text):
+    return [l for l in text.splitlines() if l.strip()]
+
+
+def test_info_says_what_each_op_runs_here(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for label in ("mha decode", "mha extend", "mha prefill", "mla decode", "merge state", "kv write (mha)",
+                  "kv write (mla)"):
+        row = next(l for l in out.splitlines() if l.strip().startswith(label))
+        assert row.split()[len(label.split())] == "xla", row  # the CPU runs every op on xla
+    assert "mosaic kernel: needs a GPU" in out
+    assert "triton" not in out
+
+
+def test_op_backend_follows_the_dispatch(monkeypatch):
+    assert jattn.ops.op_backend("mha_decode") == ("xla", None)  # auto on the CPU
+    assert jattn.ops.op_backend("mha_extend", "xla") == ("xla", None)
+    name, why = jattn.ops.op_backend("mha_prefill", "mosaic")
+    assert name == "xla" and "no mosaic kernel" in why
+    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
+    assert jattn.ops.op_backend("mha_decode") == ("mosaic", None)
+    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
+    name, why = jattn.ops.op_backend("mha_decode", "mosaic")
+    assert name == "xla" and "Hopper" in why
+    with pytest.raises(ValueError, match="must be one of"):
+        jattn.ops.op_backend("mha_decod")
+
+
+def test_named_backend_is_a_preference(monkeypatch):
+    """--backend NAME: the ops NAME serves here run on it, the others on xla, said in one line."""
+    assert jattn.demo.backend_choices() == ("auto", "mosaic", "xla")  # no triton kernel is built
+    assert jattn.demo.choose_backend("auto") == (None, None)
+    assert jattn.demo.choose_backend("xla") == ("xla", None)
+    backend, note = jattn.demo.choose_backend("mosaic")  # on this CPU
+    assert backend is None and "every op runs on xla" in note and "\n" not in note
+    for target in (jattn.ops, jattn.demo):
+        monkeypatch.setattr(target, "device_kind", lambda: "hopper")
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
+    assert backend is None  # auto: mosaic decode, xla elsewhere
+    assert note == ("--backend mosaic: mha_extend, mha_prefill on xla (no mosaic kernel is built for this "
+                    "op yet); mha_decode on mosaic")
+    for target in (jattn.ops, jattn.demo):
+        monkeypatch.setattr(target, "device_kind", lambda: "ampere")
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
+    assert backend is None and note == ("--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (no "
+                                        "mosaic kernel is built for this op yet; the mosaic backend needs a "
+                                        "Hopper (sm90+) GPU)")
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)  # no MLA kernel yet
+    assert backend is None and note.startswith("--backend mosaic: mla_decode, mha_prefill on xla (no mosaic")
+
+
+def test_demo_help_mentions_synthetic(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0 and "--synthetic" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--synthetic", "--help"])
+    assert e.value.code == 0 and "--requests" in capsys.readouterr().out
+
+
+def test_cli_refuses_triton_and_unknown_bench(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--backend", "triton"])
+    assert e.value.code == 2 and "invalid choice: 'triton'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "nope"])
+    assert e.value.code == 2 and "decode, bridge, serving" in capsys.readouterr().err
+
+
+def test_synthetic_demo_with_mosaic_on_cpu(capsys):
+    assert main(["demo", "--synthetic", "--backend", "mosaic", "--requests", "2"]) == 0
+    cap = capsys.readouterr()
+    assert _lines(cap.err) == [
+        "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
+        "for tests); every op runs on xla"] and "PASSED" in cap.out
+
+
+def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
+    """The 55-line traceback of old (prefill has no mosaic kernel) is one line now, and the
+    engine gets a backend every op can run on (model and engine are stubbed: no compiles)."""
+    import jattn.models.demo as models_demo
+
+    seen = []
+
+    class Engine:
+        metrics = types.SimpleNamespace(generated_tokens=0, tokens_per_s=0.0, decode_tokens_per_s=0.0,
+                                        median_decode_step_ms=0.0, compilations=0)
+
+        def __init__(self, model, config):
+            seen.append(config.kernel_backend)
+
+        def generate(self, ids, params):
+            return []
+
+    monkeypatch.setattr(models_demo, "Engine", Engine)
+    monkeypatch.setattr(models_demo, "load_model", lambda args: (object(), models_demo.ByteTokenizer(), "stub"))
+    assert main(["generate", "--prompt", "hi", "--backend", "mosaic"]) == 0
+    cap = capsys.readouterr()
+    assert seen == [None]  # auto: xla everywhere on the CPU
+    assert "Traceback" not in cap.err
+    assert [l for l in cap.err.splitlines() if l.startswith("--backend")] == [
+        "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
+        "for tests); every op runs on xla"]
+    assert "backend: auto (mha_decode xla, mha_extend xla, mha_prefill xla)" in cap.out
+
+
+def test_bench_serving_refuses_on_cpu(capsys):
+    assert main(["bench", "serving"]) == 1
+    assert _lines(capsys.readouterr().out) == [
+        "bench serving needs a GPU (jax default backend is cpu); nothing to do (--cpu runs it anyway)"]
+
+
+def test_bench_serving_options_have_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", "--help"])
+    out = capsys.readouterr().out
+    opts = out.split("options:", 1)[1]
+    # every option line is followed (same line or next) by its help text
+    for line in [l for l in opts.splitlines() if l.lstrip().startswith("--")]:
+        text = line.strip().split("  ", 1)
+        assert len(text) == 2 or opts.splitlines()[opts.splitlines().index(line) + 1].startswith(" " * 10), line
+
+
+def test_without_torch_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    assert main(["bench", "bridge"]) == 1
+    err = _lines(capsys.readouterr().err)
+    assert len(err) == 1 and "pip install torch --index-url https://download.pytorch.org/whl/cpu" in err[0]
+    monkeypatch.setattr(sys, "argv", ["torch_bridge.py"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"),
+                       run_name="__main__")
+    assert "\n" not in str(e.value.code) and 'pip install -e ".[torch]"' in str(e.value.code)
