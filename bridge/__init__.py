@@ -2,16 +2,27 @@
 
 * :func:`to_jax` / :func:`to_torch`: checked zero-copy DLPack conversions.
 * :class:`TorchKVPool` / :class:`TorchMLAKVPool`: reference torch KV pools in the
-  seeds' layout; :class:`TorchAttentionLayer`: the ``layer`` protocol.
-* :class:`TorchMHABackend` / :class:`TorchMLABackend`: the seeds' backend methods,
-  torch tensors in and out, the work in jattn's jitted JAX functions, the KV pool
-  viewed (never copied) and written in place.
+  layout of tokenspeed's and SGLang's pools; :class:`TorchAttentionLayer`: the
+  ``layer`` protocol.
+* :class:`TorchMHABackend` (tokenspeed's ``MHAAttnBackend`` methods) and
+  :class:`TorchMLABackend` (SGLang's ``TRTLLMMLABackend`` methods): torch tensors in
+  and out, the work in jattn's core backends under ``jax.jit``, the KV pool viewed
+  (never copied) and written in place.
+
+Modules: ``call`` (staging, views, jit cache, fences, per-layer plans), ``mha`` and
+``mla`` (the adapters), ``pool``, ``convert``, ``streams``.
 """
 
-from .backends import DRAFT_EXTEND, TorchMHABackend, TorchMLABackend
-from .convert import BridgeError, SUPPORTED_DTYPES, check_shareable, to_jax, to_torch
+from jattn.metadata import ForwardMode
+
+from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, to_jax, to_torch
+from .mha import TorchMHABackend
+from .mla import TorchMLABackend
 from .pool import AttentionLayer, TorchAttentionLayer, TorchKVPool, TorchMLAKVPool, layer_spec
 from .streams import StreamSync
+
+#: MLA draft-extend mode (per-request query lengths vary): ``ForwardMode.DRAFT_EXTEND``.
+DRAFT_EXTEND = ForwardMode.DRAFT_EXTEND
 
 __all__ = [
     "AttentionLayer",

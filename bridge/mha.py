@@ -1,0 +1,197 @@
+"""``TorchMHABackend``: tokenspeed's ``MHAAttnBackend`` interface over jattn's
+:class:`~jattn.backends.MHABackend`, on a torch engine's own KV pool.
+
+An adapter only: its jitted bodies unpack the staged inputs, view the pool's layer
+as a one-layer :class:`~jattn.kv_cache.PagedKVCache` and call the core backend's
+``forward_decode`` / ``forward_extend``. The call machinery (staging, views, jit
+cache, fences, per-layer plans) is :mod:`jattn.bridge.call`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from jattn.backends import LayerSpec, MHABackend, MHAConfig
+from jattn.kv_cache import PagedKVCache
+
+from .call import _BridgeBase, _View
+
+__all__ = ["TorchMHABackend"]
+
+
+class TorchMHABackend(_BridgeBase):
+    """jattn paged MHA/GQA for a torch engine (tokenspeed's ``MHAAttnBackend`` methods).
+
+    Args:
+      config: :class:`jattn.MHAConfig` (heads, head_dim, page_size, context_len,
+        dtypes, ``spec_num_tokens``, ``kernel_backend``, batch buckets).
+      device: torch device of the pool (default: the current CUDA device, else CPU).
+      kv_writer: ``"jax"``, ``"torch"`` or ``"auto"`` (see :mod:`jattn.bridge.call`).
+      sync: stream fences, ``"auto"`` (default: ``"stream"`` on a GPU where it
+        checks out, else ``"event"``), ``"event"``, ``"stream"`` (on XLA's compute
+        stream, no JAX call; see :mod:`jattn.bridge.streams`), ``"host"`` or ``"none"``.
+
+    Example (CPU)::
+
+        backend = TorchMHABackend(MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4))
+        backend.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, ForwardMode.DECODE)
+        out = backend.forward_decode(q, k, v, layer, out_cache_loc, pool, bs, save_kv_cache=True)
+    """
+
+    def __init__(self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
+        self._jbackend = MHABackend(config)
+        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
+
+    def _pool_views(self, pool, spec: LayerSpec) -> list[_View]:
+        i, ps = spec.layer_id, self.page_size
+        kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
+        if kb.dtype != self.kv_cache_dtype:
+            raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+        return [
+            self._view((id(pool), i, "k"), kb, (-1, ps, spec.num_kv_heads, spec.head_dim)),
+            self._view((id(pool), i, "v"), vb, (-1, ps, spec.num_kv_heads, spec.head_dim_v)),
+        ]
+
+    def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
+        pkey = (kind, id(layer), id(pool), self._md_sig, bool(save_kv_cache), q.shape, q.dtype,
+                None if k is None else (k.shape, k.dtype), None if v is None else (v.shape, v.dtype),
+                None if sinks is None else (sinks.data_ptr(), sinks.shape))
+        plan = self._plans.get(pkey) if self.fast_path else None
+        if plan is not None:
+            out = plan(q, k, v, out_cache_loc)
+            if out is not None:
+                return out
+            del self._plans[pkey]  # a pool buffer moved: re-import on the slow path
+        return self._run_slow(kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, pkey)
+
+    def _run_slow(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, pkey):
+        spec = self._spec(layer)
+        md = self._md_call
+        if md is None:
+            raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+        hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        n = q.shape[0] if q.dim() == 2 else q.reshape(-1, hq * d).shape[0]
+        rows = md.num_tokens
+        has_kv = k is not None
+        if (k is None) != (v is None):
+            raise ValueError("k and v must both be given or both be None")
+        views = self._pool_views(pool, spec)
+        jax_writes = save_kv_cache and has_kv and self.kv_writer == "jax"
+        torch_writes = save_kv_cache and has_kv and self.kv_writer == "torch"
+        if torch_writes:
+            loc = (self._loc_t if out_cache_loc is None else out_cache_loc)[:n]
+            pool.set_kv_buffer(layer, loc, k.reshape(n, hkv, d), v.reshape(n, hkv, dv), spec.k_scale, spec.v_scale)
+        # Staged: q, and the new K/V where the core may read them (a JAX-side write; an
+        # extend, which runs as a ragged prefill on them when no request has a prefix).
+        with_kv = has_kv and (jax_writes or kind == "extend")
+        parts = [q.reshape(n, hq * d)] + ([k.reshape(n, hkv * d), v.reshape(n, hkv * dv)] if with_kv else [])
+        stage = self._staged(("mha", kind, hq, hkv, d), parts, rows)
+        sinks_j = self._param(sinks)
+        core, spec0 = self._jbackend, self._shape_spec(layer)
+
+        def build():
+            def body(stage, kvs, md, *extra):
+                t = stage.shape[0]
+                qa = stage[:, : hq * d].reshape(t, hq, d)
+                ka = va = None
+                if with_kv:
+                    ka = stage[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
+                    va = stage[:, (hq + hkv) * d:].reshape(t, hkv, dv)
+                kc, vc = kvs if jax_writes else extra[1:3]
+                cache = PagedKVCache(k=(kc,), v=(vc,))
+                if kind == "decode":
+                    o, cache = core.forward_decode(qa, ka, va, spec0, cache, md, save_kv_cache=jax_writes,
+                                                   sinks=extra[0])
+                else:
+                    o, cache = core.forward_extend(qa, ka, va, spec0, cache, md, save_kv_cache=jax_writes,
+                                                   sinks=extra[0], kv_in_cache=not jax_writes)
+                return o.astype(stage.dtype), ((cache.k[0], cache.v[0]) if jax_writes else ())
+            return body
+
+        # Read-only calls pass the pool views as extra (non-donated) arguments.
+        extra = (sinks_j,)
+        if not jax_writes:
+            extra = extra + (views[0].jax, views[1].jax)
+        fkey = ("mha", kind, spec0, jax_writes, with_kv, sinks_j is not None, self.kv_cache_dtype)
+        layer_key = ("mha", kind, spec.layer_id)
+        out = self._call(fkey, build, layer_key, stage, views if jax_writes else [], rows, hq * dv, q.dtype, md,
+                         extra)
+        if (self.fast_path and self._md_sig is not None and q.dim() == 2
+                and (not has_kv or (k.dim() == 2 and v.dim() == 2))):
+            self._plans[pkey] = self._mha_plan(kind, fkey, layer_key, layer, pool, spec, n, rows, with_kv,
+                                               jax_writes, torch_writes, views, extra[:1], q.dtype)
+        return out[:n]
+
+    def _mha_plan(self, kind, fkey, layer_key, layer, pool, spec, n, rows, with_kv, jax_writes, torch_writes,
+                  views, extra_head, dtype):
+        hkv, d, dv, hq = spec.num_kv_heads, spec.head_dim, spec.head_dim_v, spec.num_q_heads
+        width = hq * d + (hkv * (d + dv) if with_kv else 0)
+        ent = self._stage.get((("mha", kind, hq, hkv, d), rows, width, dtype))
+        if ent is None:
+            return None
+        stage_n, stage_j = ent[0][:n], ent[1]
+        i, ks, vs = spec.layer_id, spec.k_scale, spec.v_scale
+        get_k, get_v = functools.partial(pool.get_key_buffer, i), functools.partial(pool.get_value_buffer, i)
+        checks = ((get_k, views[0].torch.data_ptr()), (get_v, views[1].torch.data_ptr()))
+        cat = torch.cat
+
+        def prep(q, k, v, loc):
+            if torch_writes:
+                loc = (self._loc_t if loc is None else loc)[:n]
+                pool.set_kv_buffer(layer, loc, k.view(n, hkv, d), v.view(n, hkv, dv), ks, vs)
+            if with_kv:
+                cat((q, k, v), dim=1, out=stage_n)
+            else:
+                stage_n.copy_(q)  # only q is staged: one copy, no torch.cat
+
+        return self._make_plan(fkey, layer_key, ent[0], stage_j, n, rows, hq * dv, dtype,
+                               views if jax_writes else [], extra_head, [] if jax_writes else views, prep, checks)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer,
+                       out_cache_loc: torch.Tensor | None = None, token_to_kv_pool=None, bs: int | None = None,
+                       save_kv_cache: bool = False, **kwargs) -> torch.Tensor:
+        """Paged decode (also multi-token: target verify, DFLASH draft block).
+
+        Args:
+          q: [bs * q_len, tp_q_head_num * head_dim] (or [.., heads, head_dim]).
+          k, v: the new tokens' K/V [bs * q_len, tp_k_head_num * head_dim], or None
+            (then they must be in the pool already).
+          layer: see :class:`jattn.bridge.TorchAttentionLayer`.
+          out_cache_loc: slots of the new tokens (used by ``kv_writer="torch"``; the
+            JAX writer uses the plan's slots, which are the same for a consistent
+            ``req_to_page``). token_to_kv_pool: the torch pool. bs: requests.
+          save_kv_cache: write k/v into the pool first (in place).
+          kwargs: ``sinks`` f32[tp_q_head_num] (gpt-oss).
+
+        Returns:
+          [bs * q_len, tp_q_head_num * v_head_dim] torch tensor in q's dtype.
+        """
+        if token_to_kv_pool is None:
+            raise ValueError("token_to_kv_pool is required")
+        return self._run("decode", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache,
+                         kwargs.get("sinks"))
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
+                       out_cache_loc: torch.Tensor | None = None, token_to_kv_pool=None, bs: int | None = None,
+                       save_kv_cache: bool = False, **kwargs) -> torch.Tensor:
+        """Extend (ragged new tokens over a paged prefix; prefill when no prefix).
+
+        q/k/v are token-major [num_tokens, heads * head_dim]; returns
+        [num_tokens, tp_q_head_num * v_head_dim]. Over a cached prefix the new K/V are
+        read from the pool: ``save_kv_cache=True`` writes them first; with
+        ``save_kv_cache=False`` the engine must have written them.
+        """
+        if token_to_kv_pool is None:
+            raise ValueError("token_to_kv_pool is required")
+        if k is None or v is None:
+            raise ValueError("forward_extend needs k and v")
+        return self._run("extend", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache,
+                         kwargs.get("sinks"))
+
+    def _precompile_call(self, layer, spec: LayerSpec, n: int, pool, save_kv_cache: bool):
+        if pool is None:
+            raise ValueError("token_to_kv_pool is required")
+        q, kv = self._zeros(n, spec.num_q_heads * spec.head_dim), self._zeros(n, spec.num_kv_heads * spec.head_dim)
+        self.forward_decode(q, kv, kv, layer, None, pool, n, save_kv_cache=save_kv_cache)

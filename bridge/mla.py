@@ -1,0 +1,242 @@
+"""``TorchMLABackend``: SGLang's ``TRTLLMMLABackend`` interface over jattn's
+:class:`~jattn.backends.MLABackend`, on a torch engine's own latent pool.
+
+An adapter only: its jitted bodies unpack the staged inputs, view the pool's layer
+as a one-layer :class:`~jattn.kv_cache.MLAKVCache` and call the core backend
+(``forward_absorbed`` for decode, target verify and draft extend;
+``forward_extend`` for the ragged prefill; ``forward_prefix_chunk`` and
+``merge_state`` for the chunked prefix cache). The call machinery is
+:mod:`jattn.bridge.call`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jattn.backends import MLABackend, MLAConfig
+from jattn.kv_cache import MLAKVCache
+from jattn.metadata import bucket
+
+from .call import _BridgeBase, _host
+from .convert import to_jax
+
+__all__ = ["TorchMLABackend"]
+
+
+class TorchMLABackend(_BridgeBase):
+    """jattn DeepSeek MLA for a torch engine (SGLang's ``TRTLLMMLABackend`` methods).
+
+    Modes (set by ``init_forward_metadata``): ``DECODE`` absorbed decode;
+    ``TARGET_VERIFY`` (``forward_extend`` with ``spec_num_tokens`` per request,
+    causal); ``DRAFT_EXTEND`` (``forward_extend``, per-request query lengths
+    ``extend_seq_lens``, padded and unpadded inside the jitted call); ``EXTEND``
+    (``forward_extend``: ragged non-absorbed prefill, q/k 192 wide, v 128, causal).
+
+    The pool is ``token_to_kv_pool`` (given here, as SGLang binds it at
+    construction, or per call). Outputs: absorbed modes ``[T, H * kv_lora_rank]``
+    latent (the caller applies ``W_UV``); prefill ``[T, H * v_head_dim]``.
+    """
+
+    def __init__(self, config: MLAConfig, token_to_kv_pool=None, *, device=None, kv_writer: str = "auto",
+                 sync: str = "auto"):
+        self._jbackend = MLABackend(config)
+        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
+        self.token_to_kv_pool = token_to_kv_pool
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.kv_cache_dim = config.kv_lora_rank + config.qk_rope_head_dim
+
+    def _pool(self, kwargs):
+        pool = kwargs.get("token_to_kv_pool") or self.token_to_kv_pool
+        if pool is None:
+            raise ValueError("no token_to_kv_pool: pass it to the constructor or the call")
+        return pool
+
+    def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs):
+        spec = self._spec(layer)
+        md = self._md_call
+        if md is None:
+            raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+        pool = self._pool(kwargs)
+        R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
+        n = q.reshape(-1, H * (R if q_rope is not None else R + r)).shape[0]
+        buf = pool.get_key_buffer(spec.layer_id)
+        if buf.dtype != self.kv_cache_dtype:
+            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+        view = self._view((id(pool), spec.layer_id, "kv"), buf, (-1, self.page_size, self.kv_cache_dim))
+        jax_writes = save_kv_cache and self.kv_writer == "jax"
+        if save_kv_cache and (k is None or k_rope is None):
+            raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
+        if save_kv_cache and not jax_writes:
+            loc = kwargs.get("out_cache_loc")
+            loc = (self._loc_t if loc is None else loc)[:n]
+            pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
+        parts = [q.reshape(n, -1)]
+        if q_rope is not None:
+            parts.append(q_rope.reshape(n, H * r).to(q.dtype))
+        if jax_writes:
+            parts += [k.reshape(n, R).to(q.dtype), k_rope.reshape(n, r).to(q.dtype)]
+        has_rope = q_rope is not None
+        rows = md.num_tokens
+        stage = self._staged(("mla", self.forward_mode, H), parts, rows)
+        core, spec0 = self._jbackend, self._shape_spec(layer)
+
+        def build():
+            def body(stage, kvs, md, *extra):
+                t = stage.shape[0]
+                w = H * R + (H * r if has_rope else 0)
+                if has_rope:
+                    qa, qr = stage[:, : H * R].reshape(t, H, R), stage[:, H * R: w].reshape(t, H, r)
+                else:
+                    qa, qr = stage[:, :w].reshape(t, H, R + r), None
+                c_kv = k_pe = None
+                if jax_writes:
+                    c_kv, k_pe = stage[:, w: w + R], stage[:, w + R:]
+                cache = MLAKVCache(kv=(kvs[0] if jax_writes else extra[0],), kv_lora_rank=R)
+                o, cache = core.forward_absorbed(qa, c_kv, None, spec0, cache, md, save_kv_cache=jax_writes,
+                                                 q_rope=qr, k_rope=k_pe)
+                return o.astype(stage.dtype), ((cache.kv[0],) if jax_writes else ())
+            return body
+
+        extra = () if jax_writes else (view.jax,)
+        fkey = ("mla", self.forward_mode, spec0, jax_writes, len(parts), has_rope)
+        out = self._call(fkey, build, ("mla", str(self.forward_mode), spec.layer_id), stage,
+                         [view] if jax_writes else [], rows, H * R, q.dtype, md, extra)
+        return out[:n]
+
+    def forward_decode(self, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, q_rope=None,
+                       k_rope=None, cos_sin_cache=None, is_neox: bool = False, llama_4_scaling=None, **kwargs):
+        """Absorbed decode.
+
+        Args:
+          q: absorbed q_nope [T, H * kv_lora_rank] with ``q_rope`` [T, H * rope], or the
+            full [T, H * (kv_lora_rank + rope)] with ``q_rope=None``.
+          k: c_kv [T, kv_lora_rank]; k_rope: [T, rope] (written when ``save_kv_cache``).
+          v: unused (the value is the latent). forward_batch: unused (the plan of
+            ``init_forward_metadata`` is used).
+        Returns: [T, H * kv_lora_rank] in q's dtype.
+        """
+        if cos_sin_cache is not None or llama_4_scaling is not None:
+            raise NotImplementedError("fused rope (cos_sin_cache) and llama_4_scaling are not supported")
+        return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, q_rope=None,
+                       k_rope=None, cos_sin_cache=None, is_neox: bool = False, llama_4_scaling=None,
+                       return_lse: bool = False, **kwargs):
+        """Target verify / draft extend (absorbed, as :meth:`forward_decode`) or ragged
+        prefill (``EXTEND``): q [T, H * 192] (or q_nope [T, H * 128] with q_rope
+        [T, H * 64]), k [T, H * 192] (or k_nope [T, H * 128] with k_rope [T, 64]),
+        v [T, H * 128]; returns [T, H * 128] (and f32 LSE [T, H] with ``return_lse``).
+        Prefill writes no cache (the latent is not among its inputs): pass
+        ``save_kv_cache=False`` and write it with the pool's ``set_mla_kv_buffer``.
+        """
+        if cos_sin_cache is not None or llama_4_scaling is not None:
+            raise NotImplementedError("fused rope (cos_sin_cache) and llama_4_scaling are not supported")
+        if self._jbackend.is_absorbed(self.forward_mode):
+            return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
+        if save_kv_cache:
+            raise ValueError("ragged MLA prefill cannot write the latent cache from per-head k/v: pass "
+                             "save_kv_cache=False and write c_kv/k_pe with set_mla_kv_buffer")
+        if forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False):
+            return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
+        return self._prefill(q, k, v, layer, q_rope, k_rope, return_lse)
+
+    def _prefix_chunk(self, q, k, v, layer, q_rope, k_rope, forward_batch):
+        """The chunked-prefix-cache path of SGLang's MLA backend: the new tokens attend,
+        non-causally, to one chunk of their cached prefixes (K/V already gathered and
+        up-projected by the model, ``[chunk_tokens, H, 192]`` / ``[.., H, 128]``).
+        Returns ``(o [T, H * 128], lse f32[T, H])``; a request with no keys in the chunk
+        gets ``o = 0, lse = -inf`` (SGLang's zero-KV fixup is built in). Merge the
+        chunks' results with :meth:`merge_state`. The chunk K/V are imported per call
+        (they are fresh tensors each chunk; this is a prefill path, not the decode hot path).
+        """
+        idx = forward_batch.prefix_chunk_idx
+        if idx is None:
+            raise ValueError("forward_batch.attn_attend_prefix_cache needs prefix_chunk_idx")
+        spec = self._spec(layer)
+        md = self.forward_metadata
+        H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
+        cu_kv = _host(forward_batch.prefix_chunk_cu_seq_lens[idx]).astype(np.int32)
+        bs_pad = md.cu_seqlens_q.shape[0] - 1
+        if cu_kv.shape[0] - 1 > bs_pad:
+            raise ValueError(f"prefix_chunk_cu_seq_lens has {cu_kv.shape[0] - 1} requests, the plan {bs_pad}")
+        cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
+        max_kv = bucket(max(int(forward_batch.prefix_chunk_max_seq_lens[idx]), 1))
+        n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
+        qj = to_jax(q.reshape(n, H, -1).contiguous())
+        kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
+        kj, vj = to_jax(kt.contiguous()), to_jax(v.reshape(-1, H, V).contiguous())
+        qr = None if q_rope is None else to_jax(q_rope.reshape(n, H, r).contiguous())
+        kr = None if k_rope is None else to_jax(k_rope.reshape(-1, r).contiguous())
+        # (the DLPack imports above order torch's pending work before JAX's)
+        o, lse = self._jbackend.forward_prefix_chunk(
+            qj, kj, vj, self._shape_spec(layer), md.cu_seqlens_q, jnp.asarray(cu_kv),
+            max_seqlen_q=md.max_seqlen_q, max_seqlen_kv=max_kv, q_rope=qr, k_rope=kr,
+        )
+        self.sync.after_jax(o)
+        return torch.from_dlpack(o.reshape(n, H * V)), torch.from_dlpack(lse)
+
+    def merge_state(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+        """``attn_merge_state`` on torch tensors: o [T, H, D] (or [T, H * D] with lse [T, H]),
+        natural-log LSE. Returns ``(o, lse)`` as torch tensors."""
+        t, h = lse_a.shape
+        o, lse = self._jbackend.merge_state(
+            to_jax(o_a.reshape(t, h, -1).contiguous()), to_jax(lse_a.float().contiguous()),
+            to_jax(o_b.reshape(t, h, -1).contiguous()), to_jax(lse_b.float().contiguous()),
+        )
+        self.sync.after_jax(o)
+        return torch.from_dlpack(o).reshape(o_a.shape), torch.from_dlpack(lse)
+
+    def _prefill(self, q, k, v, layer, q_rope, k_rope, return_lse):
+        spec = self._spec(layer)
+        md = self.forward_metadata
+        H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
+        n = v.reshape(-1, H * V).shape[0]
+        parts = [q.reshape(n, -1)]
+        if q_rope is not None:
+            parts.append(q_rope.reshape(n, H * r))
+        parts.append(k.reshape(n, -1))
+        if k_rope is not None:
+            parts.append(k_rope.reshape(n, r))
+        parts.append(v.reshape(n, H * V))
+        widths = [p.shape[1] for p in parts]
+        has_qr, has_kr = q_rope is not None, k_rope is not None
+        stage = self._staged(("mla_prefill", H, tuple(widths)), [p.to(q.dtype) for p in parts], md.num_tokens)
+        core, spec0 = self._jbackend, self._shape_spec(layer)
+
+        def build():
+            def body(stage, kvs, md, *extra):
+                t = stage.shape[0]
+                offs = np.cumsum([0] + widths)
+                cols = iter(stage[:, offs[i]: offs[i + 1]] for i in range(len(widths)))
+                qa = next(cols).reshape(t, H, -1)
+                qr = next(cols).reshape(t, H, r) if has_qr else None
+                ka = next(cols).reshape(t, H, -1)
+                kr = next(cols) if has_kr else None
+                va = next(cols).reshape(t, H, V)
+                o, lse = core.forward_extend(qa, ka, va, spec0, md, q_rope=qr, k_rope=kr, return_lse=True)
+                return o.reshape(t, H * V).astype(stage.dtype), (lse,)
+            return body
+
+        # The LSE rides in the (non-donated) second output slot.
+        fn_key = ("mla_prefill", spec0, tuple(widths))
+        fn = self._fns.get(fn_key)
+        if fn is None:
+            b = build()
+            fn = self._fns[fn_key] = jax.jit(lambda s, md, fence: b(s, (), md), keep_unused=True)
+        fence = self.sync.before_jax()
+        out, (lse,) = fn(stage, md, fence)
+        self.sync.after_jax(out)
+        o_t = torch.from_dlpack(out)[:n]
+        if return_lse:
+            return o_t, torch.from_dlpack(lse)[:n]
+        return o_t
+
+    def _precompile_call(self, layer, spec, n: int, pool, save_kv_cache: bool):
+        R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
+        z = self._zeros
+        self.forward_decode(z(n, H * R), z(n, R), None, layer, save_kv_cache=save_kv_cache, q_rope=z(n, H * r),
+                            k_rope=z(n, r), token_to_kv_pool=pool)
