@@ -1,8 +1,11 @@
 """jattn: JAX-native attention backends for LLM serving.
 
-Paged MHA/GQA and DeepSeek-MLA attention with Pallas Mosaic GPU kernels, a
-plain-JAX reference for every op, metadata pytrees so a serving step is one
-``jax.jit``, and a DLPack bridge for PyTorch engines (``jattn.bridge``).
+Paged MHA/GQA and DeepSeek-MLA attention ops with backend dispatch (Pallas Mosaic GPU
+kernels, a plain-JAX reference for every op), metadata pytrees so a serving
+step is one ``jax.jit``, paged KV caches, and backends with the upstream engines' flow.
+Flax models live in ``jattn.models`` and the DLPack bridge for PyTorch engines in
+``jattn.bridge`` (neither is imported here). What the ops compute is in
+docs/SEMANTICS.md; a map of the code in docs/DESIGN.md.
 """
 
 from jattn.backends import (

@@ -1,9 +1,11 @@
 """Public attention ops with backend dispatch.
 
-Every op takes ``backend=None`` (auto: the fastest backend that serves the call on
-this device) or a name from :data:`BACKENDS`. A named backend that cannot serve
-the call raises ``NotImplementedError`` naming what is missing; auto never picks
-a backend that cannot serve the call (it falls back to ``xla``).
+Every op takes ``backend=None`` (auto) or a name from :data:`BACKENDS`. Auto tries
+``mosaic`` (Hopper GPUs), then ``triton``, then ``xla`` (the plain-JAX reference, which
+serves every call), skipping a kernel that cannot serve the call or that was measured
+slower than ``xla`` for its shapes. A named backend that cannot serve the call raises
+``NotImplementedError`` naming what is missing; it never falls back silently.
+What each op computes (masks, window, cap, sinks, FP8, LSE) is in docs/SEMANTICS.md.
 
 Shapes and dtypes are checked at trace time with errors that name the argument;
 values (page ids, lengths) are checked by the host-side planners.
@@ -166,22 +168,28 @@ def mha_decode_with_kvcache(
     """Paged decode attention (``max_seqlen_q`` tokens per request: spec verify, draft blocks).
 
     Args:
-      q: [bs * max_seqlen_q, num_q_heads, head_dim] bf16/fp16/f32, request-major.
-      k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] bf16/fp16/f32/fp8 e4m3.
-      page_table: i32[bs, max_pages]; entries past a request's last page are never read.
-      cache_seqlens: i32[bs], KV length per request including the new tokens.
-      max_seqlen_q: query tokens per request.
+      q: [bs * max_seqlen_q, num_q_heads, head_dim] bf16/fp16/f32, request-major
+        (request ``b``'s tokens are rows ``b * max_seqlen_q ...``, oldest first).
+      k_cache: [num_pages, page_size, num_kv_heads, head_dim] bf16/fp16/f32/fp8 e4m3.
+      v_cache: [num_pages, page_size, num_kv_heads, head_dim_v], k_cache's dtype.
+      page_table: i32[bs, max_pages]; token ``t`` of request ``b`` is in page
+        ``page_table[b, t // page_size]``; entries past a request's last page are never read.
+      cache_seqlens: i32[bs], KV length ``L`` per request including the new tokens
+        (already written to the cache); 0 for an empty or padded row (output 0).
+      max_seqlen_q: query tokens per request (static).
       is_causal: query ``i`` sees keys ``j <= L - max_seqlen_q + i``; else all ``L``.
-      window_left: sliding window (``-1`` off); sees ``j >= pos - window_left``.
-      logit_cap: ``c * tanh(x / c)`` on scores; 0 disables.
-      sinks: f32[num_q_heads] per-head sink logits (denominator only), or None.
-      softmax_scale: defaults to ``1/sqrt(head_dim)``.
-      k_scale, v_scale: FP8 dequantisation scales (1.0 for bf16 caches).
-      return_lse: also return the natural-log LSE f32[bs * max_seqlen_q, num_q_heads].
+      window_left: sliding window (``-1`` off): also ``j >= L - max_seqlen_q + i - window_left``.
+      logit_cap: ``c * tanh(x / c)`` on the scaled scores; 0 disables.
+      sinks: f32[num_q_heads] per-head sink logits (denominator only, not scaled), or None.
+      softmax_scale: python float or f32 scalar; defaults to ``1/sqrt(head_dim)``.
+      k_scale, v_scale: FP8 dequantisation scales (python float or f32 scalar), applied
+        whatever the cache dtype: pass 1.0 for bf16/fp16/f32 caches.
+      return_lse: also return the natural-log LSE f32[bs * max_seqlen_q, num_q_heads]
+        (``-inf`` for rows that see no key; the sink is not included).
       backend: None (auto), "mosaic", "triton" or "xla".
 
     Returns:
-      out [bs * max_seqlen_q, num_q_heads, head_dim] in q's dtype (and lse).
+      out [bs * max_seqlen_q, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -249,7 +257,13 @@ def mha_extend_with_kvcache(
       cu_seqlens_q: i32[bs + 1] query offsets; request ``b`` has
         ``n_b = cu[b+1] - cu[b] <= max_seqlen_q`` new tokens, already in the cache.
       cache_seqlens: i32[bs], prefix + new tokens.
-      Other arguments as in :func:`mha_decode_with_kvcache`.
+      max_seqlen_q: static bound on any request's new tokens.
+      Other arguments as in :func:`mha_decode_with_kvcache`; query ``i`` of request ``b``
+      sits at position ``cache_seqlens[b] - n_b + i``.
+
+    Returns:
+      out [num_tokens, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)`` with the
+      natural-log lse f32[num_tokens, num_q_heads].
     """
     _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
     _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
@@ -301,11 +315,19 @@ def mha_prefill(
     """Ragged attention without a cache (prefill; MLA prefill with 192/128 head dims).
 
     Args:
-      q: [num_tokens, num_q_heads, head_dim_qk]; k: [num_kv_tokens, num_kv_heads, head_dim_qk];
+      q: [num_tokens, num_q_heads, head_dim_qk] bf16/fp16/f32;
+        k: [num_kv_tokens, num_kv_heads, head_dim_qk] bf16/fp16/f32/fp8 e4m3;
         v: [num_kv_tokens, num_kv_heads, head_dim_v].
       cu_seqlens_q, cu_seqlens_kv: i32[bs + 1] (kv defaults to q's). Causal masks
         are bottom-right aligned: query ``i`` of ``n`` sees keys ``j <= L - n + i``.
+        Query rows past ``cu_seqlens_q[-1]`` come out as 0 (LSE ``-inf``).
+      max_seqlen_q, max_seqlen_kv: static bounds on the per-request lengths;
+        ``max_seqlen_kv`` is required with ``cu_seqlens_kv`` (default: ``max_seqlen_q``).
       Other arguments as in :func:`mha_decode_with_kvcache`.
+
+    Returns:
+      out [num_tokens, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)`` with the
+      natural-log lse f32[num_tokens, num_q_heads].
     """
     _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim_qk]")
     _check_ndim(k, "k", 3, "[kv_tokens, num_kv_heads, head_dim_qk]")
@@ -364,11 +386,15 @@ def mla_decode_with_kvcache(
     """DeepSeek MLA absorbed decode over the latent paged cache.
 
     Args:
-      q: [bs * max_seqlen_q, H, R + r]: ``W_UK^T q_nope`` (R) then rope(q_pe) (r).
-      kv_cache: [num_pages, page_size, R + r] latent rows ``[c_kv, k_pe]``.
+      q: [bs * max_seqlen_q, H, R + r] bf16/fp16/f32, request-major:
+        ``W_UK^T q_nope`` (R) then rope(q_pe) (r).
+      kv_cache: [num_pages, page_size, R + r] bf16/fp16/f32/fp8 e4m3, latent rows ``[c_kv, k_pe]``.
+      page_table: i32[bs, max_pages]; cache_seqlens: i32[bs], new tokens included.
       kv_lora_rank: R (512 for DeepSeek-V2/V3); the value is the first R columns.
       softmax_scale: ``1/sqrt(qk_nope + qk_rope)`` (times YaRN mscale^2) - never 1/sqrt(576).
-      kv_scale: FP8 dequantisation scale of the cache.
+      max_seqlen_q, is_causal: as in :func:`mha_decode_with_kvcache`.
+      kv_scale: FP8 dequantisation scale of the cache (1.0 for other dtypes).
+      return_lse, backend: as in :func:`mha_decode_with_kvcache`.
 
     Returns:
       latent out [bs * max_seqlen_q, H, R] in q's dtype (and natural-log lse f32[.., H]).
@@ -410,7 +436,8 @@ def mla_decode_with_kvcache(
 def attn_merge_state(o_a, lse_a, o_b, lse_b):
     """Merges partial attentions over disjoint keys: ``(o, lse)`` (natural-log LSE).
 
-    o_*: [tokens, heads, head_dim]; lse_*: f32[tokens, heads]. See SEMANTICS.md.
+    o_*: [tokens, heads, head_dim] (result in o_a's dtype); lse_*: f32[tokens, heads].
+    Both ``-inf`` gives ``o = 0, lse = -inf``; the formula is in docs/SEMANTICS.md.
     """
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
         raise ValueError(
@@ -423,9 +450,12 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b):
 def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):
     """Writes new tokens' K/V into the paged caches; returns ``(k_cache, v_cache)``.
 
-    k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, head_dim_v]; out_cache_loc: i32[T]
-    slots (``page * page_size + offset``). FP8 caches store ``clamp(x / scale, ±448)``.
-    Under ``jit`` with the caches donated the update is in place.
+    k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, head_dim_v] (any float dtype);
+    out_cache_loc: i32[T] slots (``page * page_size + offset``), no two real tokens on one
+    slot. FP8 caches store ``clamp(x / scale, -448, 448)`` (scale None = 1.0); other caches
+    store ``x`` cast to their dtype and ignore the scales. Slots ``>= num_pages * page_size``
+    are dropped; negative slots wrap around. Under ``jit`` with the caches donated the
+    update is in place.
     """
     _check_int(out_cache_loc, "out_cache_loc")
     if k.shape[0] != out_cache_loc.shape[0] or v.shape[0] != out_cache_loc.shape[0]:
@@ -438,7 +468,11 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
 
 
 def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
-    """Writes latent rows ``[c_kv, k_pe]`` at ``out_cache_loc``; returns the cache."""
+    """Writes latent rows ``[c_kv, k_pe]`` at ``out_cache_loc``; returns the cache.
+
+    kv_cache: [num_pages, page_size, R + r]; out_cache_loc: i32[T]; c_kv: [T, R] or
+    [T, 1, R]; k_pe: [T, r] or [T, 1, r]. FP8 caches store ``clamp(row / kv_scale, -448, 448)``.
+    """
     _check_int(out_cache_loc, "out_cache_loc")
     t = out_cache_loc.shape[0]
     width = c_kv.size // max(t, 1) + k_pe.size // max(t, 1)

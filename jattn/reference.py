@@ -1,7 +1,9 @@
 """Plain-JAX reference implementations of every jattn op (the ``xla`` backend).
 
-These are the oracle for every kernel test and the CPU fallback. They follow
-SEMANTICS.md exactly: f32 accumulation, natural-log LSE, empty rows give 0 and -inf.
+These are the oracle for every kernel test and the CPU fallback. They implement
+docs/SEMANTICS.md exactly: f32 accumulation, natural-log LSE, empty rows give 0 and -inf.
+The public wrappers with argument checks and backend dispatch are in :mod:`jattn.ops`;
+the arguments here are the same.
 
 All attention ops funnel into one chunked online-softmax core, ``_attend``: the keys
 of request ``b`` are addressed by a function ``slot(b, j)`` into a flat key array
@@ -24,6 +26,7 @@ _NEG_INF = float("-inf")
 
 
 def default_softmax_scale(head_dim_qk: int) -> float:
+    """``1 / sqrt(head_dim_qk)``, the scale used when ``softmax_scale`` is None."""
     return 1.0 / math.sqrt(head_dim_qk)
 
 
@@ -197,7 +200,14 @@ def mha_decode(
     v_scale=1.0,
     return_lse: bool = False,
 ):
-    """Paged decode, ``max_seqlen_q`` query tokens per request (request-major)."""
+    """Paged decode, ``max_seqlen_q`` query tokens per request (request-major).
+
+    q is ``[bs * max_seqlen_q, Hq, D]`` (bf16/fp16/f32), request ``b``'s tokens in rows
+    ``b * max_seqlen_q ...``; the caches are ``[num_pages, page_size, Hkv, D|Dv]`` (bf16/fp16/
+    f32/fp8 e4m3), k_scale and v_scale dequantise them (1.0 for non-FP8 caches). Returns out
+    ``[bs * max_seqlen_q, Hq, Dv]`` in q's dtype, and with ``return_lse`` the natural-log LSE
+    ``f32[bs * max_seqlen_q, Hq]``.
+    """
     bs = page_table.shape[0]
     hq, d = q.shape[1:]
     scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
@@ -218,9 +228,7 @@ def mha_decode(
         scale=scale * k_scale,
         v_scale=v_scale,
     )
-    return _finish(
-        o.reshape(bs * max_seqlen_q, hq, -1), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse
-    )
+    return _finish(o.reshape(bs * max_seqlen_q, hq, -1), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen_q",) + _OPTS)
@@ -242,7 +250,13 @@ def mha_extend(
     v_scale=1.0,
     return_lse: bool = False,
 ):
-    """New tokens attend to the paged prefix and (causally) to themselves."""
+    """New tokens attend to the paged prefix and (causally) to themselves.
+
+    q is ragged ``[num_tokens, Hq, D]``: request ``b`` owns rows ``cu_seqlens_q[b] :
+    cu_seqlens_q[b + 1]`` (at most ``max_seqlen_q``), whose K/V are already in the cache;
+    rows past ``cu_seqlens_q[-1]`` give 0 (LSE ``-inf``). Other arguments and the result
+    as in :func:`mha_decode` (out ``[num_tokens, Hq, Dv]``, LSE ``f32[num_tokens, Hq]``).
+    """
     d = q.shape[-1]
     scale = default_softmax_scale(d) if softmax_scale is None else softmax_scale
     kv_len = cache_seqlens.astype(jnp.int32)
@@ -284,7 +298,15 @@ def mha_prefill(
     v_scale=1.0,
     return_lse: bool = False,
 ):
-    """Ragged attention without a cache; ``head_dim_qk`` may differ from ``head_dim_v``."""
+    """Ragged attention without a cache; ``head_dim_qk`` may differ from ``head_dim_v``.
+
+    Request ``b`` has queries ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` and keys
+    ``cu_seqlens_kv[b] : cu_seqlens_kv[b + 1]`` (``L`` of them); the causal mask is aligned
+    bottom-right (query ``i`` of ``n`` sees ``j <= L - n + i``). ``max_seqlen_q`` /
+    ``max_seqlen_kv`` bound the per-request lengths. Returns out ``[num_tokens, Hq, Dv]`` in
+    q's dtype (rows past ``cu_seqlens_q[-1]`` are 0), and with ``return_lse`` the
+    natural-log LSE ``f32[num_tokens, Hq]``.
+    """
     if cu_seqlens_kv is None:
         cu_seqlens_kv = cu_seqlens_q
     if max_seqlen_kv is None:
@@ -313,9 +335,7 @@ def mha_prefill(
     return _finish(o, lse, q.dtype, return_lse)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse")
-)
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse"))
 def mla_decode(
     q,  # [bs * q_len, H, R + r]: absorbed q_nope then rope(q_pe)
     kv_cache,  # [num_pages, page_size, R + r]: c_kv then k_pe
@@ -329,7 +349,13 @@ def mla_decode(
     kv_scale=1.0,
     return_lse: bool = False,
 ):
-    """MLA absorbed decode: one shared latent KV head; output is the latent [.., H, R]."""
+    """MLA absorbed decode: one shared latent KV head; output is the latent [.., H, R].
+
+    Scores are taken against the whole ``R + r`` row, the value is its first ``R`` columns.
+    ``kv_scale`` dequantises an FP8 cache (folded into the scale and the output). Returns out
+    ``[bs * max_seqlen_q, H, R]`` in q's dtype, and with ``return_lse`` the natural-log LSE
+    ``f32[bs * max_seqlen_q, H]``.
+    """
     bs = page_table.shape[0]
     num_pages, page_size, width = kv_cache.shape
     h = q.shape[1]
@@ -364,7 +390,8 @@ def mla_decode(
 def attn_merge_state(o_a, lse_a, o_b, lse_b):
     """Merge two partial attentions over disjoint key sets (natural-log LSE).
 
-    o_*: [T, H, D]; lse_*: f32[T, H]. Both ``-inf`` gives ``o = 0, lse = -inf``.
+    o_*: [T, H, D] (any float dtype; the result has o_a's); lse_*: f32[T, H]. Both
+    ``-inf`` gives ``o = 0, lse = -inf``. Returns ``(o [T, H, D], lse f32[T, H])``.
     """
     lse_a = lse_a.astype(jnp.float32)
     lse_b = lse_b.astype(jnp.float32)
@@ -375,7 +402,7 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b):
     w_b = jnp.exp(lse_b - m_safe)
     tot = w_a + w_b
     safe_tot = jnp.where(both_empty, 1.0, tot)
-    o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32))
+    o = w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)
     o = jnp.where(both_empty[..., None], 0.0, o / safe_tot[..., None])
     lse = jnp.where(both_empty, _NEG_INF, m_safe + jnp.log(safe_tot))
     return o.astype(o_a.dtype), lse
@@ -401,8 +428,10 @@ def _store(cache, loc, x, scale):
 def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale=None, v_scale=None):
     """Write new tokens' K/V at slots ``out_cache_loc`` (i32[T]); returns the caches.
 
-    k: [T, Hkv, D], v: [T, Hkv, Dv]. FP8 caches store ``clamp(x / scale)``; slots out
-    of range are dropped (the planner rejects them up front).
+    k: [T, Hkv, D], v: [T, Hkv, Dv] (any float dtype). FP8 caches store
+    ``clamp(x / scale, -448, 448)`` (scale None = 1.0); other caches store ``x`` cast to
+    their dtype and ignore the scales. Slots ``>= num_pages * page_size`` are dropped;
+    negative slots wrap around (Python indexing). The planners produce neither.
     """
     loc = out_cache_loc.astype(jnp.int32)
     return _store(k_cache, loc, k, k_scale), _store(v_cache, loc, v, v_scale)
@@ -412,10 +441,9 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale=None, v_scale=N
 def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=None):
     """Write latent rows ``[c_kv (R), k_pe (r)]`` at ``out_cache_loc``; returns the cache.
 
-    c_kv: [T, R] or [T, 1, R]; k_pe: [T, r] or [T, 1, r].
+    c_kv: [T, R] or [T, 1, R]; k_pe: [T, r] or [T, 1, r] (any float dtype); kv_cache
+    [num_pages, page_size, R + r]. FP8 caches store ``clamp(row / kv_scale, -448, 448)``.
     """
     t = out_cache_loc.shape[0]
-    row = jnp.concatenate(
-        [c_kv.reshape(t, -1).astype(jnp.float32), k_pe.reshape(t, -1).astype(jnp.float32)], axis=-1
-    )
+    row = jnp.concatenate([c_kv.reshape(t, -1).astype(jnp.float32), k_pe.reshape(t, -1).astype(jnp.float32)], axis=-1)
     return _store(kv_cache, out_cache_loc.astype(jnp.int32), row, kv_scale)

@@ -1,4 +1,4 @@
-"""Naive float64 attention written from /work/shared/SEMANTICS.md, independently of
+"""Naive float64 attention written from docs/SEMANTICS.md, independently of
 ``jattn.reference``: explicit loops over requests, queries and heads; numpy only.
 
 Everything here is deliberately slow and literal. Inputs may be numpy or JAX arrays
@@ -68,8 +68,22 @@ def gather_paged(cache, page_table_row, length):
     return f64(np.stack(rows))
 
 
-def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1, is_causal=True,
-               window_left=-1, logit_cap=0.0, sinks=None, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+def mha_decode(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    max_seqlen_q=1,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+):
     q = f64(q)
     page_table = np.asarray(page_table)
     lens = np.asarray(cache_seqlens)
@@ -82,14 +96,36 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
     for b in range(bs):
         k = gather_paged(k_cache, page_table[b], int(lens[b])) * k_scale
         v = gather_paged(v_cache, page_table[b], int(lens[b])) * v_scale
-        o_b, l_b = attend_one(q[b * n:(b + 1) * n], k, v, causal=is_causal, window_left=window_left,
-                              logit_cap=logit_cap, sinks=sinks, scale=scale)
-        out[b * n:(b + 1) * n], lse[b * n:(b + 1) * n] = o_b, l_b
+        o_b, l_b = attend_one(
+            q[b * n : (b + 1) * n],
+            k,
+            v,
+            causal=is_causal,
+            window_left=window_left,
+            logit_cap=logit_cap,
+            sinks=sinks,
+            scale=scale,
+        )
+        out[b * n : (b + 1) * n], lse[b * n : (b + 1) * n] = o_b, l_b
     return out, lse
 
 
-def mha_extend(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, is_causal=True,
-               window_left=-1, logit_cap=0.0, sinks=None, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+def mha_extend(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+):
     """Ragged queries; rows past cu_seqlens_q[-1] are 0 with LSE -inf."""
     q = f64(q)
     page_table = np.asarray(page_table)
@@ -105,13 +141,27 @@ def mha_extend(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, 
             continue
         k = gather_paged(k_cache, page_table[b], int(lens[b])) * k_scale
         v = gather_paged(v_cache, page_table[b], int(lens[b])) * v_scale
-        out[lo:hi], lse[lo:hi] = attend_one(q[lo:hi], k, v, causal=is_causal, window_left=window_left,
-                                            logit_cap=logit_cap, sinks=sinks, scale=scale)
+        out[lo:hi], lse[lo:hi] = attend_one(
+            q[lo:hi], k, v, causal=is_causal, window_left=window_left, logit_cap=logit_cap, sinks=sinks, scale=scale
+        )
     return out, lse
 
 
-def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, is_causal=True, window_left=-1,
-                logit_cap=0.0, sinks=None, softmax_scale=None, k_scale=1.0, v_scale=1.0):
+def mha_prefill(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+):
     q, k, v = f64(q), f64(k) * k_scale, f64(v) * v_scale
     cu = np.asarray(cu_seqlens_q)
     cukv = cu if cu_seqlens_kv is None else np.asarray(cu_seqlens_kv)
@@ -123,14 +173,22 @@ def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, is_causal=True, wi
         if hi == lo:
             continue
         klo, khi = int(cukv[b]), int(cukv[b + 1])
-        out[lo:hi], lse[lo:hi] = attend_one(q[lo:hi], k[klo:khi], v[klo:khi], causal=is_causal,
-                                            window_left=window_left, logit_cap=logit_cap, sinks=sinks,
-                                            scale=scale)
+        out[lo:hi], lse[lo:hi] = attend_one(
+            q[lo:hi],
+            k[klo:khi],
+            v[klo:khi],
+            causal=is_causal,
+            window_left=window_left,
+            logit_cap=logit_cap,
+            sinks=sinks,
+            scale=scale,
+        )
     return out, lse
 
 
-def mla_decode(q, kv_cache, page_table, cache_seqlens, *, kv_lora_rank, softmax_scale, max_seqlen_q=1,
-               is_causal=True, kv_scale=1.0):
+def mla_decode(
+    q, kv_cache, page_table, cache_seqlens, *, kv_lora_rank, softmax_scale, max_seqlen_q=1, is_causal=True, kv_scale=1.0
+):
     """Absorbed MLA: one latent KV head [R + r]; value = first R columns of the same row."""
     q = f64(q)
     page_table = np.asarray(page_table)
@@ -143,8 +201,9 @@ def mla_decode(q, kv_cache, page_table, cache_seqlens, *, kv_lora_rank, softmax_
         rows = gather_paged(kv_cache, page_table[b], int(lens[b])) * kv_scale  # [L, R + r]
         k = rows[:, None, :]
         v = rows[:, None, :kv_lora_rank]
-        out[b * n:(b + 1) * n], lse[b * n:(b + 1) * n] = attend_one(
-            q[b * n:(b + 1) * n], k, v, causal=is_causal, scale=softmax_scale)
+        out[b * n : (b + 1) * n], lse[b * n : (b + 1) * n] = attend_one(
+            q[b * n : (b + 1) * n], k, v, causal=is_causal, scale=softmax_scale
+        )
     return out, lse
 
 
@@ -216,12 +275,12 @@ class Pool:
         perm = rng.permutation(np.arange(1, self.num_pages))
         width = max(max(need, default=1), 1) if max_pages is None else max_pages
         # Entries past a request's last page point at NaN-filled unused pages (or page 0).
-        spare = perm[sum(need):]
+        spare = perm[sum(need) :]
         fill = np.concatenate([spare, [0]])
         self.page_table = rng.choice(fill, size=(len(lens), width)).astype(np.int32)
         i = 0
         for b, nb in enumerate(need):
-            self.page_table[b, :nb] = perm[i:i + nb]
+            self.page_table[b, :nb] = perm[i : i + nb]
             i += nb
         self.lens = np.array(lens, np.int32)
         self.valid = np.zeros((self.num_pages, page_size), bool)
@@ -231,7 +290,7 @@ class Pool:
 
     def fill(self, rng, tail_shape, dtype=np.float32, scale=1.0):
         """A [num_pages, page_size, *tail_shape] array: random where valid, NaN elsewhere."""
-        x = (rng.standard_normal((self.num_pages, self.page_size) + tuple(tail_shape)) * scale)
+        x = rng.standard_normal((self.num_pages, self.page_size) + tuple(tail_shape)) * scale
         x = x.astype(np.float32)
         x[~self.valid] = np.nan
         return x.astype(dtype) if dtype is not np.float32 else x
