@@ -162,58 +162,116 @@ class LlamaConfig:
     # ---- presets -------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_q_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-                    name="tiny-llama")
+        base = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            name="tiny-llama",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def smollm2_135m(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_q_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                    max_position_embeddings=8192, tie_word_embeddings=True, name="SmolLM2-135M")
+        base = dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=30,
+            num_q_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            rope_theta=100000.0,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            name="SmolLM2-135M",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def llama2_7b(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-                    num_q_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
-                    max_position_embeddings=4096, name="Llama-2-7B")
+        base = dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_layers=32,
+            num_q_heads=32,
+            num_kv_heads=32,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=4096,
+            name="Llama-2-7B",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def llama3_8b(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                    num_q_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                    max_position_embeddings=8192, name="Llama-3-8B")
+        base = dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=500000.0,
+            max_position_embeddings=8192,
+            name="Llama-3-8B",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def llama3_1_8b(cls, **kw) -> "LlamaConfig":
-        scaling = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192)
-        return cls.llama3_8b(rope_scaling=scaling, max_position_embeddings=131072,
-                             name="Llama-3.1-8B", **kw)
+        scaling = RopeScaling(
+            "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        )
+        return cls.llama3_8b(rope_scaling=scaling, max_position_embeddings=131072, name="Llama-3.1-8B", **kw)
 
     @classmethod
     def qwen2_0_5b(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                    num_q_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0,
-                    rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True,
-                    qkv_bias=True, name="Qwen2-0.5B")
+        base = dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_layers=24,
+            num_q_heads=14,
+            num_kv_heads=2,
+            head_dim=64,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            qkv_bias=True,
+            name="Qwen2-0.5B",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def qwen3_0_6b(cls, **kw) -> "LlamaConfig":
-        base = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-                    num_q_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
-                    rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
-                    qk_norm=True, name="Qwen3-0.6B")
+        base = dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_q_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            name="Qwen3-0.6B",
+        )
         base.update(kw)
         return cls(**base)
 
@@ -298,12 +356,12 @@ class DeepseekConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def rope(self) -> tuple[np.ndarray, float]:
-        return rope_inv_freq(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling,
-                             self.max_position_embeddings)
+        return rope_inv_freq(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
 
     def softmax_scale(self) -> float:
-        """``1/sqrt(P + r)``, times ``mscale^2`` under YaRN with ``mscale_all_dim`` (SEMANTICS.md)."""
-        scale = self.qk_head_dim ** -0.5
+        """``1/sqrt(P + r)``, times ``mscale^2`` when the rope scaling (YaRN) sets ``mscale_all_dim``,
+        ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (docs/SEMANTICS.md, DeepSeek MLA)."""
+        scale = self.qk_head_dim**-0.5
         s = self.rope_scaling
         if s.rope_type != "default" and s.mscale_all_dim:
             m = _yarn_mscale(s.factor, s.mscale_all_dim)
@@ -316,38 +374,95 @@ class DeepseekConfig:
     # ---- presets -------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **kw) -> "DeepseekConfig":
-        base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512,
-                    first_k_dense_replace=2, name="tiny-deepseek")
+        base = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            max_position_embeddings=512,
+            first_k_dense_replace=2,
+            name="tiny-deepseek",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def deepseek_v3(cls, **kw) -> "DeepseekConfig":
-        scaling = RopeScaling("yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0,
-                              mscale_all_dim=1.0, original_max_position_embeddings=4096)
-        base = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61,
-                    num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, rope_scaling=scaling,
-                    max_position_embeddings=163840, first_k_dense_replace=3,
-                    moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-                    num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-                    name="DeepSeek-V3")
+        scaling = RopeScaling(
+            "yarn",
+            factor=40.0,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=4096,
+        )
+        base = dict(
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            num_layers=61,
+            num_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_scaling=scaling,
+            max_position_embeddings=163840,
+            first_k_dense_replace=3,
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            name="DeepSeek-V3",
+        )
         base.update(kw)
         return cls(**base)
 
     @classmethod
     def deepseek_v2_lite(cls, **kw) -> "DeepseekConfig":
-        scaling = RopeScaling("yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=0.707,
-                              mscale_all_dim=0.707, original_max_position_embeddings=4096)
-        base = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
-                    num_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, rope_scaling=scaling,
-                    max_position_embeddings=163840, first_k_dense_replace=1,
-                    moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
-                    num_experts_per_tok=6, n_group=1, topk_group=1, norm_topk_prob=False,
-                    name="DeepSeek-V2-Lite")
+        scaling = RopeScaling(
+            "yarn",
+            factor=40.0,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            original_max_position_embeddings=4096,
+        )
+        base = dict(
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            num_layers=27,
+            num_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_scaling=scaling,
+            max_position_embeddings=163840,
+            first_k_dense_replace=1,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            name="DeepSeek-V2-Lite",
+        )
         base.update(kw)
         return cls(**base)
 

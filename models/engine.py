@@ -18,6 +18,12 @@ page pool exhausted) finishes with ``status="error"`` and a message; the others 
 
 Example::
 
+    from flax import nnx
+    from jattn.models.config import LlamaConfig
+    from jattn.models.engine import Engine, EngineConfig, SamplingParams
+    from jattn.models.llama import Llama
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     engine = Engine(model, EngineConfig(page_size=16, num_pages=256, max_context=512))
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=8))
     engine.run()
@@ -130,11 +136,13 @@ class EngineMetrics:
         return 1e3 * float(np.median(self.decode_step_times)) if self.decode_step_times else 0.0
 
     def summary(self) -> str:
-        return (f"{self.generated_tokens} tokens in {self.steps} steps ({self.prefill_steps} prefill, "
-                f"{self.decode_steps} decode); {self.tokens_per_s:.1f} tok/s overall, "
-                f"{self.decode_tokens_per_s:.1f} tok/s decode; median decode step "
-                f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
-                f"({self.compile_time:.1f} s in compiling steps)")
+        return (
+            f"{self.generated_tokens} tokens in {self.steps} steps ({self.prefill_steps} prefill, "
+            f"{self.decode_steps} decode); {self.tokens_per_s:.1f} tok/s overall, "
+            f"{self.decode_tokens_per_s:.1f} tok/s decode; median decode step "
+            f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
+            f"({self.compile_time:.1f} s in compiling steps)"
+        )
 
 
 def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):
@@ -161,10 +169,9 @@ def _is_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-# XLA's own default command-buffer types. Measured against "FUSION,CUSTOM_CALL" (which
-# leaves cuBLAS GEMMs and the slice-fused Mosaic calls outside the graphs) and against
-# none, SmolLM2 shapes on the H200: engine step 2.99 / 3.53 / 7.32 ms at batch 1 and
-# 2.88 / 3.13 / 7.82 ms at batch 32 (docs/PERF.md, serving, fourth session).
+# The command buffers the engine asks for: XLA's own default types ("xla"). Their list
+# holds cuBLAS GEMMs and Mosaic calls fed by a slice, which "FUSION,CUSTOM_CALL" leaves
+# outside the graphs; the step-time comparison is in docs/PERF.md (serving loop).
 ENGINE_COMMAND_BUFFERS = "xla"
 
 
@@ -181,16 +188,17 @@ def command_buffer_options(setting: bool | str) -> dict:
     return {"xla_gpu_enable_command_buffer": setting}
 
 
-def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True,
-                 on_trace=None):
+def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True, on_trace=None):
     """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
     greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
 
     ``params`` is the model state's leaves as a flat tuple (:func:`state_leaves`): the
     jit flattens a tuple of arrays in C++, while flattening the ``nnx.State`` itself is
-    Python work on every call (SmolLM2's 272 leaves: 345 us per call against 74 us, CPU
-    host, docs/PERF.md). ``tokens`` i32[num_tokens] (decode: one per row; extend: the
-    token bucket). The token sampled for row b is read at the row's last new token."""
+    Python work on every call (host time compared in docs/PERF.md, serving loop).
+    ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
+    a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
+    ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
+    for row b is read at the row's last new token."""
     graphdef, state = nnx.split(model)
     state_def = jax.tree_util.tree_structure(state)
 
@@ -228,16 +236,14 @@ def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = 
     """``(jitted step, trace counter)`` shared by every engine of the same model structure
     and backend config, so a new engine reuses the programs already compiled."""
     graphdef, _ = nnx.split(model)
-    key = (graphdef, type(backend), backend.config,
-           str(command_buffer_options(command_buffers)) if _is_gpu() else None)
+    key = (graphdef, type(backend), backend.config, str(command_buffer_options(command_buffers)) if _is_gpu() else None)
     if key not in _STEP_FNS:
         counter = [0]
 
         def on_trace(_):
             counter[0] += 1
 
-        _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers,
-                                       on_trace=on_trace), counter)
+        _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers, on_trace=on_trace), counter)
     return _STEP_FNS[key]
 
 
@@ -253,8 +259,9 @@ class Engine:
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend
-        self.kv_cache = model.make_cache(num_pages=c.num_pages, page_size=c.page_size,
-                                         dtype=c.kv_cache_dtype or mcfg.dtype)
+        self.kv_cache = model.make_cache(
+            num_pages=c.num_pages, page_size=c.page_size, dtype=c.kv_cache_dtype or mcfg.dtype
+        )
         self.allocator = PageAllocator(c.num_pages)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
@@ -298,15 +305,21 @@ class Engine:
         if n == 0:
             self._fail(req, "empty prompt: at least one token is needed")
         elif n >= self.config.max_context:
-            self._fail(req, f"prompt of {n} tokens does not fit the context of "
-                            f"{self.config.max_context} tokens (prompt + at least one generated token)")
+            self._fail(
+                req,
+                f"prompt of {n} tokens does not fit the context of "
+                f"{self.config.max_context} tokens (prompt + at least one generated token)",
+            )
         elif min(req.prompt) < 0 or max(req.prompt) >= vocab:
             self._fail(req, f"prompt token ids must be in [0, {vocab})")
         elif params.max_new_tokens < 1:
             self._fail(req, f"max_new_tokens={params.max_new_tokens} must be >= 1")
         elif self._pages_for(n) > self.allocator.num_pages - 1:
-            self._fail(req, f"page pool exhausted: the prompt needs {self._pages_for(n)} pages, "
-                            f"the pool has {self.allocator.num_pages - 1}")
+            self._fail(
+                req,
+                f"page pool exhausted: the prompt needs {self._pages_for(n)} pages, "
+                f"the pool has {self.allocator.num_pages - 1}",
+            )
         else:
             self.waiting.append(req)
         return rid
@@ -382,8 +395,9 @@ class Engine:
         temp, top_p, seeds, counters, greedy_only = self._sampling_arrays(reqs, md.batch_size)
         before = self._traces[0]
         t0 = time.perf_counter()
-        nxt, self.kv_cache = self._step(self.params, self.kv_cache, tokens, md, temp, top_p, seeds,
-                                        counters, greedy_only=greedy_only)
+        nxt, self.kv_cache = self._step(
+            self.params, self.kv_cache, tokens, md, temp, top_p, seeds, counters, greedy_only=greedy_only
+        )
         nxt = np.asarray(nxt)  # waits for the step
         dt = time.perf_counter() - t0
         compiled = self._traces[0] > before
@@ -395,9 +409,16 @@ class Engine:
 
     def _extend_step(self, batch: list[Request]):
         lens = np.array([len(r.prompt) for r in batch])
-        md = plan_extend(lens, lens, page_size=self.page_size, page_table=self._page_table(batch),
-                         batch_buckets=self.config.batch_buckets, token_buckets=self.config.token_buckets,
-                         max_pages=self.max_pages, num_pages=self.config.num_pages)
+        md = plan_extend(
+            lens,
+            lens,
+            page_size=self.page_size,
+            page_table=self._page_table(batch),
+            batch_buckets=self.config.batch_buckets,
+            token_buckets=self.config.token_buckets,
+            max_pages=self.max_pages,
+            num_pages=self.config.num_pages,
+        )
         tokens = np.zeros(md.num_tokens, np.int32)
         tokens[: lens.sum()] = np.concatenate([r.prompt for r in batch])
         nxt, dt, compiled = self._run(tokens, md, batch)
@@ -428,9 +449,14 @@ class Engine:
         if not reqs:
             return StepInfo("idle")
         lens = np.array([r.seq_len + 1 for r in reqs])
-        md = plan_decode(lens, page_size=self.page_size, page_table=self._page_table(reqs),
-                         batch_buckets=self.config.batch_buckets, max_pages=self.max_pages,
-                         num_pages=self.config.num_pages)
+        md = plan_decode(
+            lens,
+            page_size=self.page_size,
+            page_table=self._page_table(reqs),
+            batch_buckets=self.config.batch_buckets,
+            max_pages=self.max_pages,
+            num_pages=self.config.num_pages,
+        )
         tokens = np.zeros(md.num_tokens, np.int32)
         tokens[: len(reqs)] = [r.output_tokens[-1] for r in reqs]
         nxt, dt, compiled = self._run(tokens, md, reqs)
@@ -478,8 +504,9 @@ class Engine:
             self.step()
             n += 1
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-                 = SamplingParams()) -> list[Request]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+    ) -> list[Request]:
         """Runs ``prompts`` to completion together; returns their requests (in order)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

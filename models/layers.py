@@ -19,8 +19,17 @@ def _init(std: float):
 class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)``; kernel ``[in, out]`` (the transpose of a torch weight)."""
 
-    def __init__(self, din: int, dout: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        *,
+        use_bias: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
         self.kernel = nnx.Param(_init(std)(rngs.params(), (din, dout), param_dtype))
         self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None
         self.dtype = dtype
@@ -54,8 +63,7 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], tokens, axis=0)
 
     def attend(self, x):  # [T, D] -> f32[T, V]
-        return jnp.einsum("td,vd->tv", x, self.embedding[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum("td,vd->tv", x, self.embedding[...].astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def rope_cos_sin(positions, inv_freq: np.ndarray, attn_factor: float):
@@ -86,8 +94,17 @@ def apply_rope(x, cos, sin, *, interleaved: bool = False):
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, dim: int, hidden: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        use_bias: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
         kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, std=std, rngs=rngs)
         self.gate_proj = Linear(dim, hidden, **kw)
         self.up_proj = Linear(dim, hidden, **kw)
@@ -106,17 +123,34 @@ class MoE(nnx.Module):
     simple, meant for small models and tests, not for serving a 256-expert model.
     """
 
-    def __init__(self, dim: int, hidden: int, *, num_experts: int, top_k: int, num_shared: int,
-                 n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
-                 dtype=jnp.float32, param_dtype=jnp.float32, std: float = 0.02, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        num_shared: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
         init = _init(std)
         self.gate_weight = nnx.Param(init(rngs.params(), (num_experts, dim), jnp.float32))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
         self.w_gate = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
         self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
-        self.shared = (SwiGLU(dim, hidden * num_shared, dtype=dtype, param_dtype=param_dtype,
-                              std=std, rngs=rngs) if num_shared > 0 else None)
+        self.shared = (
+            SwiGLU(dim, hidden * num_shared, dtype=dtype, param_dtype=param_dtype, std=std, rngs=rngs)
+            if num_shared > 0
+            else None
+        )
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
@@ -179,9 +213,13 @@ class CausalLM(nnx.Module):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=pdt, std=std, rngs=rngs)
         self.layers = nnx.List([self.block_cls(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype),
-                               param_dtype=pdt, std=std, rngs=rngs))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(
+                cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, std=std, rngs=rngs
+            )
+        )
         inv_freq, attn_factor = cfg.rope()
         self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
         self._attn_factor = attn_factor

@@ -4,13 +4,20 @@ Covers Llama 2 / 3 (GQA, llama3 / linear / yarn RoPE scaling), SmolLM2, Qwen2 (q
 and Qwen3 (per-head q/k RMSNorm). Activations are token-major ``[T, D]``: one forward
 serves cache-free ragged prefill, extend through the paged cache, and decode.
 
-Example::
+Example (two prompts of 5 and 3 tokens, cache-free)::
 
-    cfg = LlamaConfig.tiny()
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    import numpy as np
+    from flax import nnx
+    from jattn.models.attention import RaggedMetadata
+    from jattn.models.config import LlamaConfig
+    from jattn.models.llama import Llama
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     md = RaggedMetadata.from_lengths([5, 3])
-    hidden, _ = model(tokens, positions, None, md)   # tokens i32[8]
-    logits = model.logits(hidden)                    # f32[8, vocab]
+    tokens = np.arange(8, dtype=np.int32)                 # i32[8], both prompts packed
+    positions = RaggedMetadata.positions([5, 3])          # i32[8]: 0..4, 0..2
+    hidden, _ = model(tokens, positions, None, md)        # [8, hidden_size]
+    logits = model.logits(hidden)                         # f32[8, vocab]
 """
 
 from __future__ import annotations
@@ -26,9 +33,15 @@ from jattn.models.layers import CausalLM, DecoderBlock, Linear, RMSNorm, SwiGLU,
 
 
 def default_mha_backend(cfg: LlamaConfig, page_size: int = 16, kernel_backend: str | None = None) -> MHABackend:
-    return MHABackend(MHAConfig(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, page_size=page_size,
-                                kernel_backend=kernel_backend))
+    return MHABackend(
+        MHAConfig(
+            num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=page_size,
+            kernel_backend=kernel_backend,
+        )
+    )
 
 
 class LlamaAttention(nnx.Module):
@@ -45,8 +58,7 @@ class LlamaAttention(nnx.Module):
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
         else:
             self.q_norm = self.k_norm = None
-        self.spec = LayerSpec(layer_id=layer_id, num_q_heads=cfg.num_q_heads,
-                              num_kv_heads=cfg.num_kv_heads, head_dim=d)
+        self.spec = LayerSpec(layer_id=layer_id, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=d)
 
     def __call__(self, x, cos, sin, kv_cache, metadata, backend):
         t = x.shape[0]
@@ -74,8 +86,15 @@ class LlamaBlock(DecoderBlock):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
         self.self_attn = LlamaAttention(cfg, layer_id, std=std, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, use_bias=cfg.mlp_bias,
-                          dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, std=std, rngs=rngs)
+        self.mlp = SwiGLU(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            use_bias=cfg.mlp_bias,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=pdt,
+            std=std,
+            rngs=rngs,
+        )
 
 
 class Llama(CausalLM):
@@ -90,6 +109,11 @@ class Llama(CausalLM):
         from jattn.kv_cache import PagedKVCache
 
         cfg = self.config
-        return PagedKVCache.create(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
-                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                   dtype=dtype or cfg.dtype)
+        return PagedKVCache.create(
+            num_layers=cfg.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype or cfg.dtype,
+        )

@@ -22,10 +22,12 @@ class GGUFTokenizer:
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
         tk.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
         if specials:
@@ -43,8 +45,7 @@ class GGUFTokenizer:
         return self._tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)],
-                               skip_special_tokens=skip_special_tokens)
+        return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
@@ -54,8 +55,7 @@ class GGUFTokenizer:
         if self.token_id("<|im_start|>") is None:
             return self.encode(user)
         system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-        text = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                f"<|im_start|>assistant\n")
+        text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
         return self.encode(text)
 
     def stop_ids(self) -> tuple[int, ...]:
