@@ -211,8 +211,8 @@ class _BridgeBase:
         """DFLASH draft block: sets the installed plan's first ``bs`` lengths to the
         block-end lengths ``block_seq_lens`` int[>= bs] (the core's
         :meth:`~jattn.backends.MHABackend.fill_block_decode_seq_lens`, one small jitted
-        call on the device plan, no replanning). The plan's page table must already
-        hold the block's pages."""
+        call on the device plan, no replanning). The block's pages must be in the
+        ``req_to_page`` rows the plan was made from."""
         if self._fill_fn is None:
             self._fill_fn = jax.jit(self._jbackend.fill_block_decode_seq_lens)
         lens = _host(block_seq_lens).astype(np.int32)

@@ -242,7 +242,9 @@ class _PlanningMixin:
         to its block-end length ``block_seq_lens`` i32[>= bs] (prefix + block), clamped
         to ``[spec_num_tokens, context_len]``. Jittable (``bs`` may be traced): the
         drafter calls it inside its jitted step; write slots and positions are
-        re-derived on the device, so the page table must already hold the block's pages.
+        re-derived on the device from the plan's page table, which for a DRAFT_BLOCK
+        plan keeps each request's whole ``req_to_page`` row (the block's pages must be
+        there, as they must be in the upstream engine's table).
         """
         if metadata.forward_mode is not ForwardMode.DRAFT_BLOCK:
             raise ValueError(f"fill_block_decode_seq_lens needs a DRAFT_BLOCK plan, got {metadata.forward_mode}")

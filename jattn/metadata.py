@@ -308,6 +308,12 @@ def plan_decode(
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
     width = _width(sl, page_size, max_pages)
     table = _pad_table(pt, sl, page_size, bs_pad, width)
+    if mode is ForwardMode.DRAFT_BLOCK:
+        # Keep each request's whole row of valid page ids: fill_block_decode_seq_lens
+        # may move the block's end on the device, past the pages of today's length.
+        full = _pad_table(pt, np.full_like(sl, width * page_size), page_size, bs_pad, width)
+        hi = np.iinfo(np.int32).max if num_pages is None else num_pages
+        table = np.where((full > DUMMY_PAGE) & (full < hi), full, DUMMY_PAGE).astype(np.int32)
     lens = np.zeros(bs_pad, np.int32)
     lens[:bs] = sl
     pos = np.zeros((bs_pad, q_len), np.int64)

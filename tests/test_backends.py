@@ -341,6 +341,117 @@ def test_mla_backend_chunked_prefix_equals_full_attention():
         np.testing.assert_allclose(lse[cu[b]:cu[b + 1]], tl, atol=1e-4, rtol=1e-5)
 
 
+# ----------------------------------------------------------------------------- modes, padding rows, DFLASH fill
+
+
+def test_forward_mode_parse_and_one_decode_rule():
+    import enum
+
+    class Other(enum.Enum):  # another engine's enum, matched by name
+        DECODE = 1
+        TARGET_VERIFY = 2
+        MIXED = 3
+        DRAFT_EXTEND_V2 = 4
+
+    assert ForwardMode.parse("target_verify") is ForwardMode.TARGET_VERIFY
+    assert ForwardMode.parse(Other.MIXED) is ForwardMode.EXTEND
+    assert ForwardMode.parse(Other.DRAFT_EXTEND_V2) is ForwardMode.DRAFT_EXTEND
+    with pytest.raises(ValueError, match=r"unknown forward_mode 'idle'"):
+        ForwardMode.parse("idle")
+    be = MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, spec_num_tokens=3))
+    decode_modes = {m for m in ForwardMode if be.support_kv_cache_prewrite(m)}
+    assert decode_modes == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_BLOCK}
+    assert not be.support_kv_cache_prewrite(None)
+    assert [be.q_len(m) for m in decode_modes] and be.q_len(ForwardMode.DECODE) == 1
+    assert be.q_len(ForwardMode.DRAFT_BLOCK) == 3
+    assert be.get_cuda_graph_seq_len_fill_value() == 0
+    assert be.get_verify_buffers_to_fill_after_draft() == [None, None]
+    # plans record their mode; the mode and causality must agree
+    md = jattn.plan_decode([4], page_size=4, page_table=[[1]], q_len=2, is_causal=False)
+    assert md.forward_mode is ForwardMode.DRAFT_BLOCK
+    with pytest.raises(ValueError, match=r"disagree"):
+        jattn.plan_decode([4], page_size=4, page_table=[[1]], q_len=2, forward_mode=ForwardMode.DRAFT_BLOCK)
+    with pytest.raises(ValueError, match=r"use plan_extend"):
+        jattn.plan_decode([4], page_size=4, page_table=[[1]], forward_mode="extend")
+
+
+def _decode_setup(rng, *, ps=4, num_pages=40, hq=4, hkv=2, d=16, q_len=2, spec=None):
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=40,
+                    num_pages=num_pages, kv_cache_dtype="float32", kernel_backend="xla",
+                    spec_num_tokens=spec or q_len, batch_buckets=(4,))
+    cache = PagedKVCache(
+        k=(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), jnp.float32),),
+        v=(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), jnp.float32),))
+    r2p = np.zeros((3, cfg.max_num_pages), np.int32)
+    r2p[:, :10] = rng.permutation(np.arange(1, num_pages))[:30].reshape(3, 10)  # permuted pages
+    return cfg, MHABackend(cfg), LayerSpec(0, hq, hkv, d), cache, r2p
+
+
+def test_zero_length_rows_are_padding():
+    """A row given with length 0 (the CUDA-graph fill value) is padding: exactly 0 out, its
+    new K/V written to the dummy page only, other rows unchanged."""
+    rng = np.random.default_rng(7)
+    cfg, be, layer, cache, r2p = _decode_setup(rng, q_len=2)
+    lens = np.array([9, be.get_cuda_graph_seq_len_fill_value(), 17])
+    md = be.init_forward_metadata(3, [0, 1, 2], lens, r2p, ForwardMode.TARGET_VERIFY)
+    assert (md.out_cache_loc.reshape(4, 2)[[1, 3]] // cfg.page_size == DUMMY_PAGE).all()
+    q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((8, 2, 16)), jnp.float32)
+    out, new = jax.jit(lambda c, m: be.forward_decode(q, kv, kv, layer, c, m))(cache, md)
+    out = np.asarray(out).reshape(4, 2, -1)
+    assert (out[1] == 0).all() and (out[3] == 0).all()
+    changed = np.argwhere(np.asarray(new.k[0] != cache.k[0]).any(axis=(1, 2, 3)))[:, 0]
+    real_pages = {int(r2p[b, p // cfg.page_size]) for b, n in ((0, 9), (2, 17)) for p in (n - 2, n - 1)}
+    assert set(changed.tolist()) <= real_pages | {DUMMY_PAGE}
+    ref, _ = naive.mha_decode(np.asarray(q).reshape(4, 2, 4, 16)[[0, 2]].reshape(4, 4, 16), new.k[0], new.v[0],
+                              md.page_table[[0, 2]], md.cache_seqlens[[0, 2]], max_seqlen_q=2)
+    np.testing.assert_allclose(out[[0, 2]].reshape(4, 4, 16), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fill_block_decode_seq_lens_matches_replanning():
+    """DFLASH: refilling a draft-block plan's lengths inside jit equals planning the new
+    lengths on the host (slots, positions, output), clamped to [spec, context_len]."""
+    rng = np.random.default_rng(8)
+    cfg, be, layer, cache, r2p = _decode_setup(rng, q_len=3)
+    md0 = be.init_forward_metadata(3, [0, 1, 2], [5, 12, 3], r2p, ForwardMode.DRAFT_BLOCK)
+    new_lens = np.array([11, 1, 60])  # 1 -> spec_num_tokens (3), 60 -> context_len (40)
+    q = jnp.asarray(rng.standard_normal((12, 4, 16)), jnp.float32)
+
+    @jax.jit
+    def step(c, md, lens):
+        md = be.fill_block_decode_seq_lens(md, 3, lens)
+        return md, be.forward_decode(q, None, None, layer, c, md, save_kv_cache=False)[0]
+
+    filled, out = step(cache, md0, new_lens)
+    want = be.init_forward_metadata(3, [0, 1, 2], [11, 3, 40], r2p, ForwardMode.DRAFT_BLOCK)
+    for f in ("cache_seqlens", "out_cache_loc", "positions", "page_table"):
+        np.testing.assert_array_equal(np.asarray(getattr(filled, f)), getattr(want, f), err_msg=f)
+    ref, _ = be.forward_decode(q, None, None, layer, cache, want, save_kv_cache=False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(ValueError, match=r"needs a DRAFT_BLOCK plan"):
+        be.fill_block_decode_seq_lens(be.init_forward_metadata(1, [0], [5], r2p), 1, [6])
+
+
+def test_extend_reads_new_kv_written_by_the_caller():
+    """kv_in_cache: an extend over a prefix whose new K/V the caller wrote equals one that
+    writes them itself; without either it refuses."""
+    rng = np.random.default_rng(9)
+    cfg, be, layer, cache, r2p = _decode_setup(rng)
+    md = be.init_forward_metadata(2, [0, 1], [13, 6], r2p, ForwardMode.EXTEND, extend_seq_lens=[5, 2])
+    t = md.num_tokens
+    q = jnp.asarray(rng.standard_normal((t, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((t, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((t, 2, 16)), jnp.float32)
+    out_a, cache_a = be.forward_extend(q, k, v, layer, cache, md)
+    kc, vc = jattn.set_kv_buffer(*cache.layer(0), md.out_cache_loc, k, v)
+    written = cache.replace_layer(0, kc, vc)
+    out_b, _ = be.forward_extend(q, k, v, layer, written, md, save_kv_cache=False, kv_in_cache=True)
+    np.testing.assert_array_equal(np.asarray(out_a), np.asarray(out_b))
+    assert np.abs(np.asarray(out_a)[:7]).sum() > 0
+    with pytest.raises(ValueError, match=r"kv_in_cache=True"):
+        be.forward_extend(q, k, v, layer, written, md, save_kv_cache=False)
+
+
 # ----------------------------------------------------------------------------- registry, demo, CLI
 
 

@@ -673,3 +673,53 @@ def test_mla_chunked_prefix_cache_merge_equals_full_attention():
         exp = ref_attention(qq, kk, vv, n_new=n, scale=cfg.softmax_scale)
         torch.testing.assert_close(o[row:row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
         row += n
+
+
+def test_bridge_holds_no_attention_semantics():
+    """The adapters call the core backends: no bridge module imports the ops, the
+    reference, the planners' privates or any private name of the core."""
+    import ast
+    import pathlib
+
+    import jattn.bridge
+
+    root = pathlib.Path(jattn.bridge.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jattn"):
+                assert node.module not in ("jattn.ops", "jattn.reference"), (path.name, node.module)
+                bad = [a.name for a in node.names if a.name.startswith("_")]
+                assert not bad, (path.name, node.module, bad)
+            if isinstance(node, ast.ImportFrom) and node.module is None and node.level == 0:
+                continue
+            if isinstance(node, ast.Import):
+                assert not any(a.name in ("jattn.ops", "jattn.reference") for a in node.names), path.name
+
+
+def test_bridge_cuda_graph_helpers_and_draft_block_fill():
+    """The upstream CUDA-graph helpers come from the core; fill_block_decode_seq_lens
+    refills the installed DFLASH plan and the next call attends over the new lengths."""
+    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, context_len=32, num_pages=24,
+                    kv_cache_dtype="float32", dtype="float32", spec_num_tokens=2, kernel_backend="xla",
+                    batch_buckets=(2,))
+    be = TorchMHABackend(cfg)
+    assert be.get_cuda_graph_seq_len_fill_value() == 0
+    assert be.get_verify_buffers_to_fill_after_draft() == [None, None]
+    assert be.support_kv_cache_prewrite(ForwardMode.DRAFT_BLOCK)
+    assert not be.support_kv_cache_prewrite(DRAFT_EXTEND)
+    g = torch.Generator().manual_seed(3)
+    pool = TorchKVPool(num_layers=1, num_pages=24, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
+    pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
+    layer = AttentionLayer(0, 4, 2, 16, non_causal=True)
+    r2p = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]], dtype=torch.int32)
+    q = torch.randn(4, 64, generator=g)
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 9]), r2p, ForwardMode.DRAFT_BLOCK)
+    be.fill_block_decode_seq_lens(2, torch.tensor([21, 4]))
+    filled = be.forward_decode(q, None, None, layer, None, pool, 2).clone()
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([21, 4]), r2p, ForwardMode.DRAFT_BLOCK)
+    fresh = be.forward_decode(q, None, None, layer, None, pool, 2)
+    torch.testing.assert_close(filled, fresh, rtol=0, atol=0)
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 9]), r2p, ForwardMode.DRAFT_BLOCK)
+    old = be.forward_decode(q, None, None, layer, None, pool, 2)
+    assert not torch.equal(old, fresh)
