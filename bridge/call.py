@@ -67,7 +67,7 @@ def _host(x):
 def _slim(md):
     """``md`` without the fields the bridge's jitted bodies never read (positions,
     request count, prefix lengths): each array argument of a jitted call is host
-    time on every call (~3 us on the H200 host)."""
+    time on every call."""
     drop = {f: None for f in ("positions", "num_reqs", "prefix_lens") if hasattr(md, f)}
     return dataclasses.replace(md, **drop)
 
@@ -340,7 +340,7 @@ class _BridgeBase:
                 self._check_alias(a, v.torch, "KV pool buffer")
                 v.verified = True
         # Fence on the token, not on ``out``: an exported-then-donated buffer makes
-        # XLA block the host at the next donation (measured on the H200: +250 us/call).
+        # XLA block the host at the next donation (docs/PERF.md).
         self.sync.after_jax(done)
         if self.alias_out:
             return ov.torch

@@ -5,7 +5,7 @@ be shared (strided view, misaligned offset, unsupported dtype, a device JAX does
 not drive) raises :class:`BridgeError` naming the reason, unless the caller
 passed ``copy=True``: then an explicit copy is made, and only then.
 
-Facts these checks encode (measured; DESIGN.md "The torch bridge"):
+Facts these checks encode (measured, docs/PERF.md):
 
 * JAX refuses non-compact (strided) DLPack tensors; a view with a storage offset
   is fine if its pointer is aligned. JAX's CPU client needs 64-byte alignment,
@@ -13,7 +13,7 @@ Facts these checks encode (measured; DESIGN.md "The torch bridge"):
 * ``jax.dlpack.from_dlpack(t)`` makes JAX's stream wait for torch's pending work;
   ``torch.from_dlpack(a)`` makes torch's current stream wait for ``a``. Views kept
   and reused across calls get no such ordering: see :mod:`jattn.bridge.streams`.
-* Each conversion costs 85-100 us of host time on the H200 host, so the hot path
+* Each conversion costs more host time than a jitted call, so the hot path
   (``TorchMHABackend`` / ``TorchMLABackend``) converts persistent buffers once.
 
 Example:

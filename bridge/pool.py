@@ -1,4 +1,4 @@
-"""Reference torch KV pools (the seeds' layout) and the ``layer`` protocol.
+"""Reference torch KV pools (the layout of tokenspeed's and SGLang's pools) and the ``layer`` protocol.
 
 The pools are what an SGLang / tokenspeed engine owns: per layer a K and a V
 buffer ``[num_slots, num_kv_heads, head_dim]`` (MHA) or one latent buffer
@@ -25,7 +25,7 @@ FP8_MAX = 448.0
 
 @runtime_checkable
 class TorchAttentionLayer(Protocol):
-    """What the torch backends read from the ``layer`` object the seeds pass
+    """What the torch backends read from the ``layer`` object tokenspeed and SGLang pass
     (SGLang's ``RadixAttention``, tokenspeed's ``PagedAttention``).
 
     Attributes:
@@ -56,7 +56,7 @@ class TorchAttentionLayer(Protocol):
 
 @dataclasses.dataclass
 class AttentionLayer:
-    """A minimal ``layer`` object with the seeds' attribute names (tests, examples)."""
+    """A minimal ``layer`` object with the upstream attribute names (tests, examples)."""
 
     layer_id: int
     tp_q_head_num: int
@@ -96,7 +96,7 @@ def _scale(layer, name: str) -> float:
 
 
 def layer_spec(layer) -> LayerSpec:
-    """The jattn :class:`~jattn.backends.LayerSpec` of a seeds-style ``layer`` object."""
+    """The jattn :class:`~jattn.backends.LayerSpec` of an upstream-style ``layer`` object."""
     missing = [a for a in ("layer_id", "tp_q_head_num", "tp_k_head_num", "qk_head_dim") if not hasattr(layer, a)]
     if missing:
         raise TypeError(f"layer object {type(layer).__name__} lacks {missing} (see TorchAttentionLayer)")
@@ -121,7 +121,7 @@ def layer_spec(layer) -> LayerSpec:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``clamp(x / scale, -448, 448)`` cast to float8_e4m3fn (SEMANTICS.md)."""
+    """``clamp(x / scale, -448, 448)`` cast to float8_e4m3fn (docs/SEMANTICS.md)."""
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
@@ -136,7 +136,7 @@ def _store(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale) -> None
 
 
 class TorchKVPool:
-    """MHA/GQA KV pool of the seeds: per layer K and V ``[num_slots, num_kv_heads, head_dim]``.
+    """MHA/GQA KV pool as tokenspeed keeps it: per layer K and V ``[num_slots, num_kv_heads, head_dim]``.
 
     Example:
       >>> pool = TorchKVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16)

@@ -24,12 +24,12 @@ on its stream and makes XLA's stream wait on it (before), then records an event
 on XLA's stream and makes its own stream wait on that (after). Two CUDA calls
 each way. The "after" event is correct only if the jitted call's kernels are on
 XLA's stream when the Python call returns (a synchronous launch, as the GPU
-client does on the H200 with jax 0.11.2; checked by the stream-race GPU tests).
+client does; checked by the stream-race GPU tests).
 
 When torch's current stream *is* XLA's stream (an engine that runs its model under
 ``with torch.cuda.stream(backend.stream):``), ``mode="stream"`` makes no fence at
-all: one stream orders everything (measured on the H200: the two cross-stream waits
-per call cost more host time than the rest of the bridge, docs/PERF.md).
+all: one stream orders everything (the two cross-stream waits per call cost more
+host time than the rest of the bridge, docs/PERF.md).
 
 ``mode="host"`` instead blocks the host (``synchronize`` / ``block_until_ready``):
 simple and safe, but it serialises host and GPU. On the CPU both fences reduce to
@@ -84,7 +84,7 @@ def _launch_is_synchronous(device, stream_ptr: int) -> bool:
     fails one or the other).
 
     (``out.is_ready()`` right after the event cannot be the test: JAX marks a result
-    ready from the host a little after the GPU finishes; seen on the H200.)"""
+    ready from the host a little after the GPU finishes.)"""
     import time
 
     import jax.numpy as jnp
@@ -166,8 +166,8 @@ class StreamSync:
 
     def _torch_stream(self):
         """torch's current stream as a cached stream object. ``torch.cuda.current_stream()``
-        builds a new Python object per call (7 us on the H200 host, as much as the
-        four CUDA calls of both fences); the raw handle is cheap to read and compare."""
+        builds a new Python object per call (as costly as the four CUDA calls of both
+        fences); the raw handle is cheap to read and compare."""
         if self._raw_stream is None:
             return torch.cuda.current_stream(self.device)
         ptr = self._raw_stream(self._dev_index)
@@ -220,7 +220,7 @@ class StreamSync:
         """Whether the jitted call takes the torch->JAX fence as an argument and
         returns a token for the JAX->torch fence (``"event"`` on the GPU). The
         other modes order the streams outside the call (or not at all), and each
-        extra argument and output is host time (~3 and ~5 us on the H200 host)."""
+        extra argument and output is host time per call."""
         return self.platform == "gpu" and self.mode == "event"
 
     def before_jax(self) -> jax.Array:
