@@ -15,6 +15,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jattn.ops import mha_prefill
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +46,9 @@ def is_decode(metadata) -> bool:
 
 
 def ragged_prefill(q, k, v, metadata: RaggedMetadata, *, softmax_scale=None):
-    """Causal ragged attention without a cache: q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv]."""
-    from jattn import reference
+    """Causal ragged attention without a cache (``jattn.mha_prefill``, auto backend).
 
-    try:  # the public op dispatches to the best backend; the reference is the same math
-        from jattn import mha_prefill
-    except ImportError:  # pragma: no cover - core not installed yet
-        mha_prefill = reference.mha_prefill
-    return mha_prefill(q, k, v, metadata.cu_seqlens_q, max_seqlen_q=metadata.max_seqlen_q,
-                       softmax_scale=softmax_scale)
+    q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv]; ``softmax_scale`` defaults to
+    ``1/sqrt(Dqk)``. Returns [T, Hq, Dv] in q's dtype.
+    """
+    return mha_prefill(q, k, v, metadata.cu_seqlens_q, max_seqlen_q=metadata.max_seqlen_q, softmax_scale=softmax_scale)

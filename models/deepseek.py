@@ -11,7 +11,9 @@ Attention per layer (``R = kv_lora_rank``, ``r = qk_rope_head_dim``, ``P = qk_no
 * prefill (no cached prefix): non-absorbed ragged MHA, q/k ``[T, H, P + r]``, v ``[T, H, V]``,
   and the latent rows ``[c_kv, k_pe]`` written to the paged cache.
 * decode, and extend over a cached prefix: absorbed, ``q = [W_UK^T q_nope, rope(q_pe)]``
-  ``[T, H, R + r]`` against the 576-wide latent rows; the latent output times ``W_UV``.
+  ``[T, H, R + r]`` against the ``R + r``-wide latent rows (576 for DeepSeek-V2/V3); the
+  latent output times ``W_UV``. An extend over a prefix runs as a draft extend (each
+  request's queries padded to ``max_seqlen_q``, docs/SEMANTICS.md).
 
 The softmax scale is ``1/sqrt(P + r)`` times ``mscale^2`` under YaRN (``DeepseekConfig.softmax_scale``).
 """
@@ -29,14 +31,25 @@ from jattn.models.layers import CausalLM, DecoderBlock, Linear, MoE, RMSNorm, Sw
 
 
 def default_mla_backend(cfg: DeepseekConfig, page_size: int = 64, kernel_backend: str | None = None) -> MLABackend:
-    return MLABackend(MLAConfig(num_heads=cfg.num_heads, kv_lora_rank=cfg.kv_lora_rank,
-                                qk_nope_head_dim=cfg.qk_nope_head_dim,
-                                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                                page_size=page_size, scaling=cfg.softmax_scale(),
-                                kernel_backend=kernel_backend))
+    return MLABackend(
+        MLAConfig(
+            num_heads=cfg.num_heads,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            page_size=page_size,
+            scaling=cfg.softmax_scale(),
+            kernel_backend=kernel_backend,
+        )
+    )
 
 
 class MLAttention(nnx.Module):
+    """MLA attention of one layer. ``__call__(x [T, D], cos, sin f32[T, r // 2], kv_cache,
+    metadata, backend) -> (out [T, D], kv_cache)``: ``kv_cache`` an ``MLAKVCache`` with a
+    Decode/Extend plan, or None with a :class:`~jattn.models.attention.RaggedMetadata` (cache-free prefill)."""
+
     def __init__(self, cfg: DeepseekConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         kw = dict(dtype=dt, param_dtype=pdt, std=std, rngs=rngs)
@@ -49,15 +62,19 @@ class MLAttention(nnx.Module):
             self.q_a_proj = Linear(h, cfg.q_lora_rank, use_bias=cfg.attention_bias, **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, param_dtype=pdt)
             self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, **kw)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                         use_bias=cfg.attention_bias, **kw)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, use_bias=cfg.attention_bias, **kw)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, param_dtype=pdt)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), **kw)
         self.o_proj = Linear(nh * cfg.v_head_dim, h, use_bias=cfg.attention_bias, **kw)
         self.cfg = cfg
-        self.spec = LayerSpec(layer_id=layer_id, num_q_heads=nh, num_kv_heads=1,
-                              head_dim=cfg.qk_head_dim, v_head_dim=cfg.v_head_dim,
-                              scaling=cfg.softmax_scale())
+        self.spec = LayerSpec(
+            layer_id=layer_id,
+            num_q_heads=nh,
+            num_kv_heads=1,
+            head_dim=cfg.qk_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            scaling=cfg.softmax_scale(),
+        )
 
     def __call__(self, x, cos, sin, kv_cache, metadata, backend):
         cfg, s = self.cfg, self.spec
@@ -81,8 +98,9 @@ class MLAttention(nnx.Module):
         with jax.named_scope("mla_attention"):
             if absorbed:
                 q_abs = jnp.einsum("thp,rhp->thr", q_nope, w_uk)
-                latent, kv_cache = backend.forward_absorbed(q_abs, c_kv, None, s, kv_cache, metadata,
-                                                            q_rope=q_pe, k_rope=k_pe)
+                latent, kv_cache = backend.forward_absorbed(
+                    q_abs, c_kv, None, s, kv_cache, metadata, q_rope=q_pe, k_rope=k_pe
+                )
                 out = jnp.einsum("thr,rhv->thv", latent.reshape(t, nh, R).astype(x.dtype), w_uv)
             else:
                 k_nope = jnp.einsum("tr,rhp->thp", c_kv, w_uk)
@@ -104,15 +122,23 @@ class DeepseekBlock(DecoderBlock):
         self.self_attn = MLAttention(cfg, layer_id, std=std, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, num_experts=cfg.n_routed_experts,
-                           top_k=cfg.num_experts_per_tok, num_shared=cfg.n_shared_experts,
-                           n_group=cfg.n_group, topk_group=cfg.topk_group,
-                           norm_topk_prob=cfg.norm_topk_prob,
-                           routed_scaling_factor=cfg.routed_scaling_factor,
-                           dtype=dt, param_dtype=pdt, std=std, rngs=rngs)
+            self.mlp = MoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                num_experts=cfg.n_routed_experts,
+                top_k=cfg.num_experts_per_tok,
+                num_shared=cfg.n_shared_experts,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                dtype=dt,
+                param_dtype=pdt,
+                std=std,
+                rngs=rngs,
+            )
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dt, param_dtype=pdt,
-                              std=std, rngs=rngs)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dt, param_dtype=pdt, std=std, rngs=rngs)
 
 
 class Deepseek(CausalLM):
@@ -127,6 +153,11 @@ class Deepseek(CausalLM):
         from jattn.kv_cache import MLAKVCache
 
         cfg = self.config
-        return MLAKVCache.create(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page_size,
-                                 kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
-                                 dtype=dtype or cfg.dtype)
+        return MLAKVCache.create(
+            num_layers=cfg.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            dtype=dtype or cfg.dtype,
+        )

@@ -45,6 +45,10 @@ def default_mha_backend(cfg: LlamaConfig, page_size: int = 16, kernel_backend: s
 
 
 class LlamaAttention(nnx.Module):
+    """GQA attention of one layer. ``__call__(x [T, D], cos, sin f32[T, head_dim // 2],
+    kv_cache, metadata, backend) -> (out [T, D], kv_cache)``: ``kv_cache`` a ``PagedKVCache``
+    with a Decode/Extend plan, or None with a :class:`~jattn.models.attention.RaggedMetadata` (cache-free prefill)."""
+
     def __init__(self, cfg: LlamaConfig, layer_id: int, *, std: float, rngs: nnx.Rngs):
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         kw = dict(dtype=dt, param_dtype=pdt, std=std, rngs=rngs)
