@@ -13,10 +13,11 @@ One request ``b`` in a batch, in token positions::
 different ``n`` per request (``cu_seqlens_q``).
 
 Arrays are pytree data; everything that shapes the compiled program (bucketed
-sizes, ``max_seqlen_q``, ``page_size``, causality, ``has_prefix``) is static, so
-feeding new values of the same bucket to a jitted step never retraces. Rows added
-to reach a bucket have length 0, write only to the reserved dummy page
-(:data:`DUMMY_PAGE`), and their outputs are zero and ignored.
+sizes, ``max_seqlen_q``, ``page_size``, causality, ``has_prefix``, ``forward_mode``)
+is static, so feeding new values of the same bucket to a jitted step never retraces.
+Rows added to reach a bucket (and rows given with length 0) have length 0, write
+only to the reserved dummy page (:data:`DUMMY_PAGE`), and their outputs are zero
+and ignored. The exact rules are in docs/SEMANTICS.md.
 """
 
 from __future__ import annotations
@@ -85,13 +86,17 @@ def _pytree(cls, data):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMetadata:
-    """Metadata of a decode step (``max_seqlen_q`` tokens per request)."""
+    """Metadata of a decode step (``max_seqlen_q`` tokens per request, request-major).
+
+    The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal`` and
+    ``forward_mode`` are static (a new value compiles a new program).
+    """
 
     page_table: jax.Array  # i32[bs, max_pages]
     cache_seqlens: jax.Array  # i32[bs], new tokens included
     out_cache_loc: jax.Array  # i32[bs * max_seqlen_q], slots of the new tokens
     positions: jax.Array  # i32[bs * max_seqlen_q], absolute positions of the new tokens
-    num_reqs: jax.Array  # i32[], real requests (rows >= num_reqs are padding)
+    num_reqs: jax.Array  # i32[], requests given to the planner (rows >= num_reqs are bucket padding)
     max_seqlen_q: int = 1
     page_size: int = 16
     is_causal: bool = True
@@ -126,14 +131,21 @@ class DecodeMetadata:
         page = jnp.take_along_axis(self.page_table, jnp.clip(pos // ps, 0, self.page_table.shape[1] - 1), axis=1)
         loc = jnp.where(ok, page * ps + pos % ps, DUMMY_PAGE * ps)
         return dataclasses.replace(
-            self, cache_seqlens=lens, positions=pos.reshape(-1), out_cache_loc=loc.reshape(-1).astype(jnp.int32),
+            self,
+            cache_seqlens=lens,
+            positions=pos.reshape(-1),
+            out_cache_loc=loc.reshape(-1).astype(jnp.int32),
             num_reqs=jnp.asarray(num_reqs, jnp.int32),
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class ExtendMetadata:
-    """Metadata of an extend / prefill step (ragged new tokens over a paged prefix)."""
+    """Metadata of an extend / prefill step (ragged new tokens over a paged prefix).
+
+    The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
+    ``has_prefix`` (some request has a cached prefix) and ``forward_mode`` are static.
+    """
 
     page_table: jax.Array  # i32[bs, max_pages]
     cache_seqlens: jax.Array  # i32[bs]: prefix + new
@@ -201,9 +213,7 @@ def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> n
         bad = (idx < 0) | (idx >= r2p.shape[0])
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(
-                f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page"
-            )
+            raise ValueError(f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page")
         pt = r2p[idx]
     if pt.shape[0] != bs:
         raise ValueError(f"page_table has {pt.shape[0]} rows but seq_lens has {bs} requests")
@@ -224,15 +234,11 @@ def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages
     bad = used & ((ids < 0) | (ids >= hi))
     if bad.any():
         b, i = map(int, np.argwhere(bad)[0])
-        raise ValueError(
-            f"page_table[{b}, {i}]={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)"
-        )
+        raise ValueError(f"page_table[{b}, {i}]={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)")
     dummy = used & (ids == DUMMY_PAGE)
     if dummy.any():
         b, i = map(int, np.argwhere(dummy)[0])
-        raise ValueError(
-            f"page_table[{b}, {i}] is the reserved dummy page {DUMMY_PAGE}: padded rows write there"
-        )
+        raise ValueError(f"page_table[{b}, {i}] is the reserved dummy page {DUMMY_PAGE}: padded rows write there")
 
 
 def _pad_table(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, bs_pad: int, width: int):
@@ -274,15 +280,22 @@ def plan_decode(
     """Builds :class:`DecodeMetadata` from host (numpy) inputs.
 
     Args:
-      seq_lens: int[bs], each request's length including its ``q_len`` new tokens.
+      seq_lens: int[bs], each request's length including its ``q_len`` new tokens
+        (``>= q_len``), or 0 for a padding row.
       page_size: tokens per page.
       page_table: int[bs, >= pages needed] page ids, or give ``req_to_page``
-        int[pool, max_pages] with ``req_pool_indices`` int[bs] (the seeds' form).
+        int[pool, max_pages] with ``req_pool_indices`` int[bs] (the request-to-page
+        pool and per-request indices that SGLang and tokenspeed keep). A real
+        request's pages must not be :data:`DUMMY_PAGE`.
       q_len: new tokens per request (1; draft tokens for spec verify; the block
         size for a non-causal DFLASH draft block with ``is_causal=False``).
-      batch_buckets: the batch is padded to the smallest bucket >= bs.
+      is_causal: False only for a DFLASH draft block.
+      batch_buckets: the batch is padded to the smallest bucket >= bs (powers of two
+        when None).
       max_pages: page-table width (default: power-of-two bucket of the need).
       num_pages: pool size, to validate page ids.
+      forward_mode: a decode mode (``DECODE``, ``TARGET_VERIFY``, ``DRAFT_BLOCK``) or
+        None to read it off ``q_len`` and ``is_causal``.
 
     Example:
       >>> md = plan_decode(np.array([5, 17]), page_size=16, page_table=np.array([[3, 0], [1, 2]]))
@@ -300,8 +313,7 @@ def plan_decode(
     if short.any() or (sl < 0).any():
         b = int(np.argmax(short | (sl < 0)))
         raise ValueError(
-            f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens "
-            "(0 marks a padding row)"
+            f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens (0 marks a padding row)"
         )
     pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
     _check_pages(pt, sl, page_size, num_pages)
@@ -376,6 +388,7 @@ def plan_extend(
         (powers of two, at least 16, when None).
       max_seqlen_q_buckets: the longest request's new tokens are padded to a
         bucket (powers of two when None); it is static in the compiled program.
+      forward_mode: ``EXTEND`` (prefill / extend) or ``DRAFT_EXTEND``.
       Other arguments as in :func:`plan_decode`.
     """
     if page_size <= 0:
