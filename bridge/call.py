@@ -92,7 +92,9 @@ class _BridgeBase:
         self.config = config
         self.platform = jax.default_backend()
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.platform == "gpu" else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if self.platform == "gpu" else torch.device("cpu")
+            )
         self.device = torch.device(device)
         if kv_writer == "auto":
             kv_writer = "jax" if self.platform == "gpu" else "torch"
@@ -157,9 +159,15 @@ class _BridgeBase:
         """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
         return self._jbackend.init_cuda_graph_state(max_bs)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int | None = None,
-                                                 req_pool_indices=None, seq_lens=None,
-                                                 forward_mode=ForwardMode.DECODE, **kwargs):
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int | None = None,
+        req_pool_indices=None,
+        seq_lens=None,
+        forward_mode=ForwardMode.DECODE,
+        **kwargs,
+    ):
         """Installs an all-padding plan of bucket ``bs``: the layer calls that follow
         compile the bucket (CUDA-graph capture). Their outputs are zero."""
         md = self._jbackend.init_forward_metadata_capture_cuda_graph(bs, forward_mode)
@@ -167,15 +175,26 @@ class _BridgeBase:
         self.cuda_graph_metadata[bs] = md_dev
         return md_dev
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, req_to_page=None,
-                                                forward_mode=ForwardMode.DECODE, **kwargs):
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices, seq_lens, req_to_page=None, forward_mode=ForwardMode.DECODE, **kwargs
+    ):
         """Plans new values into the bucket of ``bs`` (CUDA-graph replay: no retrace)."""
         return self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
 
-    def init_forward_metadata(self, bs: int, num_extends: int = 0, req_pool_indices=None, seq_lens=None,
-                              req_to_page=None, forward_mode=ForwardMode.DECODE, extend_seq_lens=None,
-                              extend_seq_lens_cpu=None, extend_prefix_lens=None, extend_prefix_lens_cpu=None,
-                              **kwargs):
+    def init_forward_metadata(
+        self,
+        bs: int,
+        num_extends: int = 0,
+        req_pool_indices=None,
+        seq_lens=None,
+        req_to_page=None,
+        forward_mode=ForwardMode.DECODE,
+        extend_seq_lens=None,
+        extend_seq_lens_cpu=None,
+        extend_prefix_lens=None,
+        extend_prefix_lens_cpu=None,
+        **kwargs,
+    ):
         """Plans one step with the core backend (host side) and puts the plan on the
         device once.
 
@@ -194,8 +213,13 @@ class _BridgeBase:
         ext = _host(extend_seq_lens_cpu if extend_seq_lens_cpu is not None else extend_seq_lens)
         pre = _host(extend_prefix_lens_cpu if extend_prefix_lens_cpu is not None else extend_prefix_lens)
         md = self._jbackend.init_forward_metadata(
-            bs, _host(req_pool_indices), _host(seq_lens), _host(req_to_page), forward_mode,
-            extend_seq_lens=ext, extend_prefix_lens=pre,
+            bs,
+            _host(req_pool_indices),
+            _host(seq_lens),
+            _host(req_to_page),
+            forward_mode,
+            extend_seq_lens=ext,
+            extend_prefix_lens=pre,
         )
         return self._install(md, int(ext[:bs].sum()) if md.forward_mode.is_extend() else bs * md.max_seqlen_q)
 
@@ -291,8 +315,19 @@ class _BridgeBase:
 
     # ---------------------------------------------------------------- the call
 
-    def _call(self, fkey, build, layer_key, stage, kv_views: list[_View], out_rows: int, out_width: int,
-              out_dtype, md, extra=()):
+    def _call(
+        self,
+        fkey,
+        build,
+        layer_key,
+        stage,
+        kv_views: list[_View],
+        out_rows: int,
+        out_width: int,
+        out_dtype,
+        md,
+        extra=(),
+    ):
         """Runs the jitted function of ``fkey`` (built by ``build`` once) and returns
         the torch output ``[out_rows, out_width]``. Donates (and then re-points) the KV
         views when they are written; aliases the output on the GPU."""
@@ -304,15 +339,19 @@ class _BridgeBase:
             # Event fences: the call takes the torch->JAX fence and returns a token for
             # the JAX->torch one. Other modes pass and return nothing extra.
             if self.alias_out:
+
                 def wrapped(stage, kvs, out_buf, md, extra, *fence):
                     del out_buf
                     o, kv = body(stage, kvs, md, *extra)
                     return (o, kv, fence[0][0] + 1) if fence else (o, kv)  # a never-donated token
+
                 donate = (1, 2) if writes else (2,)
             else:
+
                 def wrapped(stage, kvs, md, extra, *fence):
                     o, kv = body(stage, kvs, md, *extra)
                     return (o, kv, fence[0][0] + 1) if fence else (o, kv)
+
                 donate = (1,) if writes else ()
             fn = self._fns[fkey + (fenced,)] = jax.jit(wrapped, donate_argnums=donate, keep_unused=True)
         kvs = [v.jax for v in kv_views]
@@ -359,8 +398,22 @@ class _BridgeBase:
             ov.jax = out
         return out, new_kvs, (tok[0] if tok else out)
 
-    def _make_plan(self, fkey, layer_key, stage_t: torch.Tensor, stage_j, n: int, out_rows: int, out_width: int,
-                   out_dtype, kv_views: list[_View], extra_head: tuple, ro_views: list[_View], prep, checks):
+    def _make_plan(
+        self,
+        fkey,
+        layer_key,
+        stage_t: torch.Tensor,
+        stage_j,
+        n: int,
+        out_rows: int,
+        out_width: int,
+        out_dtype,
+        kv_views: list[_View],
+        extra_head: tuple,
+        ro_views: list[_View],
+        prep,
+        checks,
+    ):
         """The hot path of one (layer, pool, call signature, plan structure): a closure
         that re-derives nothing (no specs, keys, views or closures per call).
 
@@ -404,6 +457,7 @@ class _BridgeBase:
             # CPU: the export below waits for the result (DLPack on the CPU blocks until
             # the buffer is ready; outputs become ready together), so it is the fence.
             return torch.from_dlpack(out)[:n]
+
         return plan
 
     @staticmethod
@@ -415,8 +469,14 @@ class _BridgeBase:
                 "with a copy. Use kv_writer='torch'."
             )
 
-    def precompile(self, layers, buckets: Sequence[int] | None = None, forward_mode=ForwardMode.DECODE,
-                   token_to_kv_pool=None, save_kv_cache: bool = True):
+    def precompile(
+        self,
+        layers,
+        buckets: Sequence[int] | None = None,
+        forward_mode=ForwardMode.DECODE,
+        token_to_kv_pool=None,
+        save_kv_cache: bool = True,
+    ):
         """Compiles the decode-mode call of each distinct layer shape for each batch bucket
         (capture ahead of time) by running it once on an all-padding plan (writes go to
         the dummy page only)."""
@@ -436,5 +496,3 @@ class _BridgeBase:
 
     def _zeros(self, n: int, width: int) -> torch.Tensor:
         return torch.zeros(n, width, dtype=self.q_dtype, device=self.device)
-
-

@@ -55,9 +55,18 @@ class TorchMHABackend(_BridgeBase):
         ]
 
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
-        pkey = (kind, id(layer), id(pool), self._md_sig, bool(save_kv_cache), q.shape, q.dtype,
-                None if k is None else (k.shape, k.dtype), None if v is None else (v.shape, v.dtype),
-                None if sinks is None else (sinks.data_ptr(), sinks.shape))
+        pkey = (
+            kind,
+            id(layer),
+            id(pool),
+            self._md_sig,
+            bool(save_kv_cache),
+            q.shape,
+            q.dtype,
+            None if k is None else (k.shape, k.dtype),
+            None if v is None else (v.shape, v.dtype),
+            None if sinks is None else (sinks.data_ptr(), sinks.shape),
+        )
         plan = self._plans.get(pkey) if self.fast_path else None
         if plan is not None:
             out = plan(q, k, v, out_cache_loc)
@@ -97,17 +106,28 @@ class TorchMHABackend(_BridgeBase):
                 qa = stage[:, : hq * d].reshape(t, hq, d)
                 ka = va = None
                 if with_kv:
-                    ka = stage[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
-                    va = stage[:, (hq + hkv) * d:].reshape(t, hkv, dv)
+                    ka = stage[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+                    va = stage[:, (hq + hkv) * d :].reshape(t, hkv, dv)
                 kc, vc = kvs if jax_writes else extra[1:3]
                 cache = PagedKVCache(k=(kc,), v=(vc,))
                 if kind == "decode":
-                    o, cache = core.forward_decode(qa, ka, va, spec0, cache, md, save_kv_cache=jax_writes,
-                                                   sinks=extra[0])
+                    o, cache = core.forward_decode(
+                        qa, ka, va, spec0, cache, md, save_kv_cache=jax_writes, sinks=extra[0]
+                    )
                 else:
-                    o, cache = core.forward_extend(qa, ka, va, spec0, cache, md, save_kv_cache=jax_writes,
-                                                   sinks=extra[0], kv_in_cache=not jax_writes)
+                    o, cache = core.forward_extend(
+                        qa,
+                        ka,
+                        va,
+                        spec0,
+                        cache,
+                        md,
+                        save_kv_cache=jax_writes,
+                        sinks=extra[0],
+                        kv_in_cache=not jax_writes,
+                    )
                 return o.astype(stage.dtype), ((cache.k[0], cache.v[0]) if jax_writes else ())
+
             return body
 
         # Read-only calls pass the pool views as extra (non-donated) arguments.
@@ -116,16 +136,48 @@ class TorchMHABackend(_BridgeBase):
             extra = extra + (views[0].jax, views[1].jax)
         fkey = ("mha", kind, spec0, jax_writes, with_kv, sinks_j is not None, self.kv_cache_dtype)
         layer_key = ("mha", kind, spec.layer_id)
-        out = self._call(fkey, build, layer_key, stage, views if jax_writes else [], rows, hq * dv, q.dtype, md,
-                         extra)
-        if (self.fast_path and self._md_sig is not None and q.dim() == 2
-                and (not has_kv or (k.dim() == 2 and v.dim() == 2))):
-            self._plans[pkey] = self._mha_plan(kind, fkey, layer_key, layer, pool, spec, n, rows, with_kv,
-                                               jax_writes, torch_writes, views, extra[:1], q.dtype)
+        out = self._call(fkey, build, layer_key, stage, views if jax_writes else [], rows, hq * dv, q.dtype, md, extra)
+        if (
+            self.fast_path
+            and self._md_sig is not None
+            and q.dim() == 2
+            and (not has_kv or (k.dim() == 2 and v.dim() == 2))
+        ):
+            self._plans[pkey] = self._mha_plan(
+                kind,
+                fkey,
+                layer_key,
+                layer,
+                pool,
+                spec,
+                n,
+                rows,
+                with_kv,
+                jax_writes,
+                torch_writes,
+                views,
+                extra[:1],
+                q.dtype,
+            )
         return out[:n]
 
-    def _mha_plan(self, kind, fkey, layer_key, layer, pool, spec, n, rows, with_kv, jax_writes, torch_writes,
-                  views, extra_head, dtype):
+    def _mha_plan(
+        self,
+        kind,
+        fkey,
+        layer_key,
+        layer,
+        pool,
+        spec,
+        n,
+        rows,
+        with_kv,
+        jax_writes,
+        torch_writes,
+        views,
+        extra_head,
+        dtype,
+    ):
         hkv, d, dv, hq = spec.num_kv_heads, spec.head_dim, spec.head_dim_v, spec.num_q_heads
         width = hq * d + (hkv * (d + dv) if with_kv else 0)
         ent = self._stage.get((("mha", kind, hq, hkv, d), rows, width, dtype))
@@ -146,12 +198,34 @@ class TorchMHABackend(_BridgeBase):
             else:
                 stage_n.copy_(q)  # only q is staged: one copy, no torch.cat
 
-        return self._make_plan(fkey, layer_key, ent[0], stage_j, n, rows, hq * dv, dtype,
-                               views if jax_writes else [], extra_head, [] if jax_writes else views, prep, checks)
+        return self._make_plan(
+            fkey,
+            layer_key,
+            ent[0],
+            stage_j,
+            n,
+            rows,
+            hq * dv,
+            dtype,
+            views if jax_writes else [],
+            extra_head,
+            [] if jax_writes else views,
+            prep,
+            checks,
+        )
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer,
-                       out_cache_loc: torch.Tensor | None = None, token_to_kv_pool=None, bs: int | None = None,
-                       save_kv_cache: bool = False, **kwargs) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer,
+        out_cache_loc: torch.Tensor | None = None,
+        token_to_kv_pool=None,
+        bs: int | None = None,
+        save_kv_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
         """Paged decode (also multi-token: target verify, DFLASH draft block).
 
         Args:
@@ -170,12 +244,20 @@ class TorchMHABackend(_BridgeBase):
         """
         if token_to_kv_pool is None:
             raise ValueError("token_to_kv_pool is required")
-        return self._run("decode", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache,
-                         kwargs.get("sinks"))
+        return self._run("decode", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache, kwargs.get("sinks"))
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer,
-                       out_cache_loc: torch.Tensor | None = None, token_to_kv_pool=None, bs: int | None = None,
-                       save_kv_cache: bool = False, **kwargs) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer,
+        out_cache_loc: torch.Tensor | None = None,
+        token_to_kv_pool=None,
+        bs: int | None = None,
+        save_kv_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
         """Extend (ragged new tokens over a paged prefix; prefill when no prefix).
 
         q/k/v are token-major [num_tokens, heads * head_dim]; returns
@@ -187,8 +269,7 @@ class TorchMHABackend(_BridgeBase):
             raise ValueError("token_to_kv_pool is required")
         if k is None or v is None:
             raise ValueError("forward_extend needs k and v")
-        return self._run("extend", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache,
-                         kwargs.get("sinks"))
+        return self._run("extend", q, k, v, layer, out_cache_loc, token_to_kv_pool, save_kv_cache, kwargs.get("sinks"))
 
     def _precompile_call(self, layer, spec: LayerSpec, n: int, pool, save_kv_cache: bool):
         if pool is None:

@@ -40,8 +40,9 @@ class TorchMLABackend(_BridgeBase):
     latent (the caller applies ``W_UV``); prefill ``[T, H * v_head_dim]``.
     """
 
-    def __init__(self, config: MLAConfig, token_to_kv_pool=None, *, device=None, kv_writer: str = "auto",
-                 sync: str = "auto"):
+    def __init__(
+        self, config: MLAConfig, token_to_kv_pool=None, *, device=None, kv_writer: str = "auto", sync: str = "auto"
+    ):
         self._jbackend = MLABackend(config)
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
         self.token_to_kv_pool = token_to_kv_pool
@@ -89,26 +90,51 @@ class TorchMLABackend(_BridgeBase):
                 t = stage.shape[0]
                 w = H * R + (H * r if has_rope else 0)
                 if has_rope:
-                    qa, qr = stage[:, : H * R].reshape(t, H, R), stage[:, H * R: w].reshape(t, H, r)
+                    qa, qr = stage[:, : H * R].reshape(t, H, R), stage[:, H * R : w].reshape(t, H, r)
                 else:
                     qa, qr = stage[:, :w].reshape(t, H, R + r), None
                 c_kv = k_pe = None
                 if jax_writes:
-                    c_kv, k_pe = stage[:, w: w + R], stage[:, w + R:]
+                    c_kv, k_pe = stage[:, w : w + R], stage[:, w + R :]
                 cache = MLAKVCache(kv=(kvs[0] if jax_writes else extra[0],), kv_lora_rank=R)
-                o, cache = core.forward_absorbed(qa, c_kv, None, spec0, cache, md, save_kv_cache=jax_writes,
-                                                 q_rope=qr, k_rope=k_pe)
+                o, cache = core.forward_absorbed(
+                    qa, c_kv, None, spec0, cache, md, save_kv_cache=jax_writes, q_rope=qr, k_rope=k_pe
+                )
                 return o.astype(stage.dtype), ((cache.kv[0],) if jax_writes else ())
+
             return body
 
         extra = () if jax_writes else (view.jax,)
         fkey = ("mla", self.forward_mode, spec0, jax_writes, len(parts), has_rope)
-        out = self._call(fkey, build, ("mla", str(self.forward_mode), spec.layer_id), stage,
-                         [view] if jax_writes else [], rows, H * R, q.dtype, md, extra)
+        out = self._call(
+            fkey,
+            build,
+            ("mla", str(self.forward_mode), spec.layer_id),
+            stage,
+            [view] if jax_writes else [],
+            rows,
+            H * R,
+            q.dtype,
+            md,
+            extra,
+        )
         return out[:n]
 
-    def forward_decode(self, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, q_rope=None,
-                       k_rope=None, cos_sin_cache=None, is_neox: bool = False, llama_4_scaling=None, **kwargs):
+    def forward_decode(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch=None,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        llama_4_scaling=None,
+        **kwargs,
+    ):
         """Absorbed decode.
 
         Args:
@@ -123,9 +149,22 @@ class TorchMLABackend(_BridgeBase):
             raise NotImplementedError("fused rope (cos_sin_cache) and llama_4_scaling are not supported")
         return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
 
-    def forward_extend(self, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, q_rope=None,
-                       k_rope=None, cos_sin_cache=None, is_neox: bool = False, llama_4_scaling=None,
-                       return_lse: bool = False, **kwargs):
+    def forward_extend(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        forward_batch=None,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        llama_4_scaling=None,
+        return_lse: bool = False,
+        **kwargs,
+    ):
         """Target verify / draft extend (absorbed, as :meth:`forward_decode`) or ragged
         prefill (``EXTEND``): q [T, H * 192] (or q_nope [T, H * 128] with q_rope
         [T, H * 64]), k [T, H * 192] (or k_nope [T, H * 128] with k_rope [T, 64]),
@@ -138,8 +177,10 @@ class TorchMLABackend(_BridgeBase):
         if self._jbackend.is_absorbed(self.forward_mode):
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
         if save_kv_cache:
-            raise ValueError("ragged MLA prefill cannot write the latent cache from per-head k/v: pass "
-                             "save_kv_cache=False and write c_kv/k_pe with set_mla_kv_buffer")
+            raise ValueError(
+                "ragged MLA prefill cannot write the latent cache from per-head k/v: pass "
+                "save_kv_cache=False and write c_kv/k_pe with set_mla_kv_buffer"
+            )
         if forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False):
             return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
         return self._prefill(q, k, v, layer, q_rope, k_rope, return_lse)
@@ -173,8 +214,16 @@ class TorchMLABackend(_BridgeBase):
         kr = None if k_rope is None else to_jax(k_rope.reshape(-1, r).contiguous())
         # (the DLPack imports above order torch's pending work before JAX's)
         o, lse = self._jbackend.forward_prefix_chunk(
-            qj, kj, vj, self._shape_spec(layer), md.cu_seqlens_q, jnp.asarray(cu_kv),
-            max_seqlen_q=md.max_seqlen_q, max_seqlen_kv=max_kv, q_rope=qr, k_rope=kr,
+            qj,
+            kj,
+            vj,
+            self._shape_spec(layer),
+            md.cu_seqlens_q,
+            jnp.asarray(cu_kv),
+            max_seqlen_q=md.max_seqlen_q,
+            max_seqlen_kv=max_kv,
+            q_rope=qr,
+            k_rope=kr,
         )
         self.sync.after_jax(o)
         return torch.from_dlpack(o.reshape(n, H * V)), torch.from_dlpack(lse)
@@ -184,8 +233,10 @@ class TorchMLABackend(_BridgeBase):
         natural-log LSE. Returns ``(o, lse)`` as torch tensors."""
         t, h = lse_a.shape
         o, lse = self._jbackend.merge_state(
-            to_jax(o_a.reshape(t, h, -1).contiguous()), to_jax(lse_a.float().contiguous()),
-            to_jax(o_b.reshape(t, h, -1).contiguous()), to_jax(lse_b.float().contiguous()),
+            to_jax(o_a.reshape(t, h, -1).contiguous()),
+            to_jax(lse_a.float().contiguous()),
+            to_jax(o_b.reshape(t, h, -1).contiguous()),
+            to_jax(lse_b.float().contiguous()),
         )
         self.sync.after_jax(o)
         return torch.from_dlpack(o).reshape(o_a.shape), torch.from_dlpack(lse)
@@ -211,7 +262,7 @@ class TorchMLABackend(_BridgeBase):
             def body(stage, kvs, md, *extra):
                 t = stage.shape[0]
                 offs = np.cumsum([0] + widths)
-                cols = iter(stage[:, offs[i]: offs[i + 1]] for i in range(len(widths)))
+                cols = iter(stage[:, offs[i] : offs[i + 1]] for i in range(len(widths)))
                 qa = next(cols).reshape(t, H, -1)
                 qr = next(cols).reshape(t, H, r) if has_qr else None
                 ka = next(cols).reshape(t, H, -1)
@@ -219,6 +270,7 @@ class TorchMLABackend(_BridgeBase):
                 va = next(cols).reshape(t, H, V)
                 o, lse = core.forward_extend(qa, ka, va, spec0, md, q_rope=qr, k_rope=kr, return_lse=True)
                 return o.reshape(t, H * V).astype(stage.dtype), (lse,)
+
             return body
 
         # The LSE rides in the (non-donated) second output slot.
@@ -238,5 +290,13 @@ class TorchMLABackend(_BridgeBase):
     def _precompile_call(self, layer, spec, n: int, pool, save_kv_cache: bool):
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
         z = self._zeros
-        self.forward_decode(z(n, H * R), z(n, R), None, layer, save_kv_cache=save_kv_cache, q_rope=z(n, H * r),
-                            k_rope=z(n, r), token_to_kv_pool=pool)
+        self.forward_decode(
+            z(n, H * R),
+            z(n, R),
+            None,
+            layer,
+            save_kv_cache=save_kv_cache,
+            q_rope=z(n, H * r),
+            k_rope=z(n, r),
+            token_to_kv_pool=pool,
+        )

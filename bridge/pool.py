@@ -144,8 +144,18 @@ class TorchKVPool:
       torch.Size([32, 2, 16])
     """
 
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, head_dim_v: int | None = None, dtype=torch.bfloat16, device=None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        dtype=torch.bfloat16,
+        device=None,
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the dummy page)")
         self.page_size, self.num_pages = page_size, num_pages
@@ -165,8 +175,9 @@ class TorchKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                      k_scale=None, v_scale=None) -> None:
+    def set_kv_buffer(
+        self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None, v_scale=None
+    ) -> None:
         """Writes new tokens' K/V at slots ``loc`` (FP8 pools quantise with the scales)."""
         i = layer.layer_id
         _store(self.k_buffer[i], loc, cache_k, k_scale)
@@ -176,8 +187,17 @@ class TorchKVPool:
 class TorchMLAKVPool:
     """DeepSeek MLA latent pool: per layer ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]``."""
 
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int = 512,
-                 qk_rope_head_dim: int = 64, dtype=torch.bfloat16, device=None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int = 512,
+        qk_rope_head_dim: int = 64,
+        dtype=torch.bfloat16,
+        device=None,
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the dummy page)")
         self.page_size, self.num_pages = page_size, num_pages
@@ -198,8 +218,9 @@ class TorchMLAKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
-    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor,
-                          cache_k_rope: torch.Tensor) -> None:
+    def set_mla_kv_buffer(
+        self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
+    ) -> None:
         """Writes latent rows ``[c_kv, k_pe]`` at slots ``loc`` (FP8: ``layer.k_scale``)."""
         t = cache_k_nope.shape[0]
         row = torch.cat([cache_k_nope.reshape(t, -1), cache_k_rope.reshape(t, -1)], dim=-1)

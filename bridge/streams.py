@@ -66,8 +66,7 @@ def xla_compute_stream(device) -> int | None:
         seen.append(int(ctx.stream))
 
     try:
-        f = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32),
-                                    has_side_effect=True))
+        f = jax.jit(buffer_callback(record, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True))
         for v in (0, 1):
             jax.block_until_ready(f(jax.device_put(jnp.full((1,), v, jnp.int32), device)))
     except Exception:  # noqa: BLE001 - no FFI stream here: no stream fences
@@ -118,8 +117,7 @@ class StreamSync:
 
     def __init__(self, mode: str = "auto", device: torch.device | None = None):
         if mode not in ("auto", "event", "stream", "host", "none"):
-            raise ValueError(f"sync mode={mode!r} must be 'auto', 'event', 'stream', 'host' "
-                             "or 'none'")
+            raise ValueError(f"sync mode={mode!r} must be 'auto', 'event', 'stream', 'host' or 'none'")
         self.platform = jax.default_backend()
         self.mode = mode
         self._jdev = jax.devices()[0]
@@ -142,8 +140,10 @@ class StreamSync:
                 except Exception:  # noqa: BLE001 - any failure of the probe: the safe mode
                     self.mode = "event"
                 if self.mode == "event":
-                    warnings.warn("jattn.bridge: XLA's compute stream is not usable for fences "
-                                  "here; using sync='event' (slower host path)")
+                    warnings.warn(
+                        "jattn.bridge: XLA's compute stream is not usable for fences "
+                        "here; using sync='event' (slower host path)"
+                    )
             elif mode == "stream":
                 self._setup_stream()
         else:
@@ -155,8 +155,10 @@ class StreamSync:
     def _setup_stream(self):
         ptr = xla_compute_stream(self._jdev)
         if ptr is None:
-            raise RuntimeError("sync='stream': XLA's compute stream could not be read "
-                               "(needs jax.experimental.buffer_callback); use sync='event'")
+            raise RuntimeError(
+                "sync='stream': XLA's compute stream could not be read "
+                "(needs jax.experimental.buffer_callback); use sync='event'"
+            )
         self._xla_stream = torch.cuda.ExternalStream(ptr, device=self.device)
         self._ev_in, self._ev_out = torch.cuda.Event(), torch.cuda.Event()
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -175,8 +177,11 @@ class StreamSync:
             if ptr == self._xla_ptr:
                 self._cur_stream = self._xla_stream
             else:
-                self._cur_stream = (torch.cuda.ExternalStream(ptr, device=self.device) if ptr
-                                    else torch.cuda.default_stream(self.device))
+                self._cur_stream = (
+                    torch.cuda.ExternalStream(ptr, device=self.device)
+                    if ptr
+                    else torch.cuda.default_stream(self.device)
+                )
             self._cur_ptr = ptr
         return self._cur_stream
 
@@ -209,6 +214,7 @@ class StreamSync:
                 ev.record()  # torch's current stream
                 ext.wait_event(ev)
                 return _jax.dlpack_managed_tensor_to_buffer(fence.__dlpack__(stream=-1), dev, stream, False, *tail)
+
             imp()  # probe once; fall back to the public API on any failure
             return imp
         except Exception:  # noqa: BLE001

@@ -22,7 +22,6 @@ import dataclasses
 import math
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,7 +29,6 @@ from jattn import ops
 from jattn.kv_cache import MLAKVCache, PagedKVCache, is_fp8
 from jattn.metadata import (
     DEFAULT_BATCH_BUCKETS,
-    DUMMY_PAGE,
     DecodeMetadata,
     ExtendMetadata,
     ForwardMode,
@@ -221,8 +219,7 @@ class _PlanningMixin:
         )
 
     def init_forward_metadata_replay_cuda_graph(
-        self, bs: int, req_pool_indices, seq_lens, req_to_page,
-        forward_mode: ForwardMode = ForwardMode.DECODE, **kwargs
+        self, bs: int, req_pool_indices, seq_lens, req_to_page, forward_mode: ForwardMode = ForwardMode.DECODE, **kwargs
     ) -> DecodeMetadata:
         """A decode plan for the first ``bs`` requests, padded to the smallest bucket."""
         return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, forward_mode)
@@ -359,8 +356,13 @@ class MHABackend(_PlanningMixin):
             # No cached prefix: ragged prefill on the new K/V, no cache read.
             opts.update(k_scale=1.0, v_scale=1.0)
             out = ops.mha_prefill(
-                q, k, v, metadata.cu_seqlens_q,
-                max_seqlen_q=metadata.max_seqlen_q, is_causal=causal, **opts,
+                q,
+                k,
+                v,
+                metadata.cu_seqlens_q,
+                max_seqlen_q=metadata.max_seqlen_q,
+                is_causal=causal,
+                **opts,
             )
         else:
             if not (save_kv_cache or kv_in_cache):
@@ -370,8 +372,15 @@ class MHABackend(_PlanningMixin):
                 )
             kc, vc = kv_cache.layer(layer.layer_id)
             out = ops.mha_extend_with_kvcache(
-                q, kc, vc, metadata.page_table, metadata.cache_seqlens, metadata.cu_seqlens_q,
-                max_seqlen_q=metadata.max_seqlen_q, is_causal=causal, **opts,
+                q,
+                kc,
+                vc,
+                metadata.page_table,
+                metadata.cache_seqlens,
+                metadata.cu_seqlens_q,
+                max_seqlen_q=metadata.max_seqlen_q,
+                is_causal=causal,
+                **opts,
             )
         return out.reshape(out.shape[0], -1), kv_cache
 
@@ -411,9 +420,7 @@ class MLABackend(_PlanningMixin):
 
     def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
         """Writes ``[c_kv, k_pe]`` rows (``set_mla_kv_buffer``) into layer ``layer.layer_id``."""
-        kv = ops.set_mla_kv_buffer(
-            kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale
-        )
+        kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
     def _absorbed_query(self, q_nope, q_rope, layer):
@@ -468,8 +475,16 @@ class MLABackend(_PlanningMixin):
         return out.reshape(out.shape[0], -1), kv_cache
 
     def forward_draft_extend(
-        self, q, k, v, layer: LayerSpec, kv_cache: MLAKVCache, metadata: ExtendMetadata,
-        save_kv_cache: bool = True, q_rope=None, k_rope=None,
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata: ExtendMetadata,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
     ):
         """Absorbed attention with a different number of new tokens per request (draft
         extend, or an extend over a prefix run absorbed): the queries are padded per
@@ -483,8 +498,16 @@ class MLABackend(_PlanningMixin):
         return out.reshape(out.shape[0], -1), kv_cache
 
     def forward_absorbed(
-        self, q, k, v, layer: LayerSpec, kv_cache: MLAKVCache, metadata,
-        save_kv_cache: bool = True, q_rope=None, k_rope=None,
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
     ):
         """Absorbed attention for any plan: :meth:`forward_decode` for a decode-mode plan
         (decode, target verify), :meth:`forward_draft_extend` for an extend-mode plan."""
@@ -512,23 +535,45 @@ class MLABackend(_PlanningMixin):
         (natural-log LSE f32[T, H])."""
         q, k = self._qk(q, k, q_rope, k_rope)
         return ops.mha_prefill(
-            q, k, v, metadata.cu_seqlens_q,
-            max_seqlen_q=metadata.max_seqlen_q, is_causal=metadata.is_causal,
-            softmax_scale=self._scale(layer), return_lse=return_lse,
+            q,
+            k,
+            v,
+            metadata.cu_seqlens_q,
+            max_seqlen_q=metadata.max_seqlen_q,
+            is_causal=metadata.is_causal,
+            softmax_scale=self._scale(layer),
+            return_lse=return_lse,
             backend=self.config.kernel_backend,
         )
 
     def forward_prefix_chunk(
-        self, q, k, v, layer: LayerSpec, cu_seqlens_q, cu_seqlens_kv, *,
-        max_seqlen_q: int, max_seqlen_kv: int, q_rope=None, k_rope=None,
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        *,
+        max_seqlen_q: int,
+        max_seqlen_kv: int,
+        q_rope=None,
+        k_rope=None,
     ):
         """Non-causal attention of the new tokens to one cached prefix chunk, with LSE.
         A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op)."""
         q, k = self._qk(q, k, q_rope, k_rope)
         return ops.mha_prefill(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv,
-            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, is_causal=False,
-            softmax_scale=self._scale(layer), return_lse=True,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            is_causal=False,
+            softmax_scale=self._scale(layer),
+            return_lse=True,
             backend=self.config.kernel_backend,
         )
 

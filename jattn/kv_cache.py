@@ -118,9 +118,7 @@ class MLAKVCache:
         dt = cache_dtype(dtype)
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
-        kv = tuple(
-            jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dt) for _ in range(num_layers)
-        )
+        kv = tuple(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dt) for _ in range(num_layers))
         return cls(kv=kv, kv_lora_rank=kv_lora_rank)
 
     @property
@@ -175,8 +173,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate n={n} pages")
         if n > len(self._free):
             raise PagePoolExhausted(
-                f"page pool exhausted: asked for {n} pages, {len(self._free)} of "
-                f"{self.num_pages - 1} free"
+                f"page pool exhausted: asked for {n} pages, {len(self._free)} of {self.num_pages - 1} free"
             )
         pages = [self._free.pop() for _ in range(n)]
         self._used[pages] = True

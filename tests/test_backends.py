@@ -8,12 +8,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import naive  # tests/naive.py
 import numpy as np
 import pytest
 
 import jattn
 import jattn.demo
-import naive  # tests/naive.py
 from jattn import (
     DUMMY_PAGE,
     ForwardMode,
@@ -46,16 +46,27 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
     rng = np.random.default_rng(0 if variant == "f32" else 1)
     fp8 = variant.startswith("fp8")
     hq, hkv, d, ps, num_pages = 8, 2, 32, 16, 40
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=256,
-                    num_pages=num_pages, kv_cache_dtype="fp8" if fp8 else "float32", spec_num_tokens=3,
-                    kernel_backend="xla", batch_buckets=(2, 4))
+    cfg = MHAConfig(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        context_len=256,
+        num_pages=num_pages,
+        kv_cache_dtype="fp8" if fp8 else "float32",
+        spec_num_tokens=3,
+        kernel_backend="xla",
+        batch_buckets=(2, 4),
+    )
     ks, vs = (0.5, 0.25) if fp8 else (1.0, 1.0)
-    layer = LayerSpec(1, hq, hkv, d, sliding_window_size=21 if fp8 else -1, logit_cap=8.0 if fp8 else 0.0,
-                      k_scale=ks, v_scale=vs)
+    layer = LayerSpec(
+        1, hq, hkv, d, sliding_window_size=21 if fp8 else -1, logit_cap=8.0 if fp8 else 0.0, k_scale=ks, v_scale=vs
+    )
     sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32) if fp8 else None
     be = MHABackend(cfg)
-    cache = PagedKVCache.create(num_layers=2, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
-                                dtype=cfg.kv_cache_dtype)
+    cache = PagedKVCache.create(
+        num_layers=2, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d, dtype=cfg.kv_cache_dtype
+    )
     # NaN everywhere in layer 1 that no token has written: it must never leak.
     cache = cache.replace_layer(1, jnp.full_like(cache.k[1], jnp.nan), jnp.full_like(cache.v[1], jnp.nan))
     alloc = PageAllocator(num_pages)
@@ -69,23 +80,31 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
         if fp8:
             k = naive.f64(naive.quantize_fp8(k, ks)) * ks
             v = naive.f64(naive.quantize_fp8(v, vs)) * vs
-        o, _ = naive.attend_one(naive.f64(r.q[lo:hi]), naive.f64(k), naive.f64(v), causal=True,
-                                window_left=layer.sliding_window_size, logit_cap=layer.logit_cap,
-                                sinks=None if sinks is None else np.asarray(sinks), scale=1 / math.sqrt(d))
+        o, _ = naive.attend_one(
+            naive.f64(r.q[lo:hi]),
+            naive.f64(k),
+            naive.f64(v),
+            causal=True,
+            window_left=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
+            sinks=None if sinks is None else np.asarray(sinks),
+            scale=1 / math.sqrt(d),
+        )
         return o
 
     def grow(i, r, n):
         need = PageAllocator.pages_for(r.len + n, ps) - len(r.pages)
         r.pages += alloc.alloc(need)
-        r2p[i, :len(r.pages)] = r.pages
+        r2p[i, : len(r.pages)] = r.pages
 
     def extend(new):
         nonlocal cache
         for i, (r, n) in enumerate(zip(reqs, new)):
             grow(i, r, n)
         lens = [r.len + n for r, n in zip(reqs, new)]
-        md = be.init_forward_metadata(3, np.arange(3), np.array(lens), r2p, ForwardMode.EXTEND,
-                                      extend_seq_lens=np.array(new))
+        md = be.init_forward_metadata(
+            3, np.arange(3), np.array(lens), r2p, ForwardMode.EXTEND, extend_seq_lens=np.array(new)
+        )
         t = md.num_tokens
         q = np.full((t, hq, d), np.nan, np.float32)  # padding tokens: NaN
         k = np.full((t, hkv, d), np.nan, np.float32)
@@ -93,12 +112,12 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
         cu = np.asarray(md.cu_seqlens_q)
         for i, (r, n) in enumerate(zip(reqs, new)):
             sl = slice(cu[i], cu[i + 1])
-            q[sl], k[sl], v[sl] = r.q[r.len:r.len + n], r.k[r.len:r.len + n], r.v[r.len:r.len + n]
+            q[sl], k[sl], v[sl] = r.q[r.len : r.len + n], r.k[r.len : r.len + n], r.v[r.len : r.len + n]
         out, cache = extend_step(cache, md, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
         out = np.asarray(out).reshape(t, hq, d)
-        assert (out[cu[3]:] == 0).all(), "padding tokens must give exactly 0"
+        assert (out[cu[3] :] == 0).all(), "padding tokens must give exactly 0"
         for i, (r, n) in enumerate(zip(reqs, new)):
-            np.testing.assert_allclose(out[cu[i]:cu[i + 1]], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(out[cu[i] : cu[i + 1]], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
             r.len += n
 
     def decode(mode, n):
@@ -111,14 +130,14 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
         k = np.full((4 * n, hkv, d), np.nan, np.float32)
         v = np.full((4 * n, hkv, d), np.nan, np.float32)
         for i, r in enumerate(reqs):
-            q[i * n:(i + 1) * n] = r.q[r.len:r.len + n]
-            k[i * n:(i + 1) * n] = r.k[r.len:r.len + n]
-            v[i * n:(i + 1) * n] = r.v[r.len:r.len + n]
+            q[i * n : (i + 1) * n] = r.q[r.len : r.len + n]
+            k[i * n : (i + 1) * n] = r.k[r.len : r.len + n]
+            v[i * n : (i + 1) * n] = r.v[r.len : r.len + n]
         out, cache = decode_step(cache, md, jnp.asarray(q).reshape(4 * n, hq * d), jnp.asarray(k), jnp.asarray(v))
         out = np.asarray(out).reshape(4 * n, hq, d)
-        assert (out[3 * n:] == 0).all(), "padded rows must give exactly 0"
+        assert (out[3 * n :] == 0).all(), "padded rows must give exactly 0"
         for i, r in enumerate(reqs):
-            np.testing.assert_allclose(out[i * n:(i + 1) * n], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(out[i * n : (i + 1) * n], truth(r, r.len, r.len + n), atol=1e-4, rtol=1e-4)
             r.len += n
 
     extend([37, 16, 1])  # prefill, no prefix
@@ -138,12 +157,24 @@ def test_mha_backend_prefill_extend_decode_verify(variant):
 
 
 def _mla_setup(rng, *, big_r=64, r=16, h=4, ps=16, num_pages=32, spec=1, dtype="float32"):
-    cfg = MLAConfig(num_heads=h, kv_lora_rank=big_r, qk_nope_head_dim=32, qk_rope_head_dim=r, v_head_dim=24,
-                    page_size=ps, context_len=256, num_pages=num_pages, kv_cache_dtype=dtype,
-                    spec_num_tokens=spec, kernel_backend="xla", batch_buckets=(4, 8))
+    cfg = MLAConfig(
+        num_heads=h,
+        kv_lora_rank=big_r,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=r,
+        v_head_dim=24,
+        page_size=ps,
+        context_len=256,
+        num_pages=num_pages,
+        kv_cache_dtype=dtype,
+        spec_num_tokens=spec,
+        kernel_backend="xla",
+        batch_buckets=(4, 8),
+    )
     layer = LayerSpec(0, h, 1, big_r + r)
-    cache = MLAKVCache.create(num_layers=1, num_pages=num_pages, page_size=ps, kv_lora_rank=big_r,
-                              rope_dim=r, dtype=dtype)
+    cache = MLAKVCache.create(
+        num_layers=1, num_pages=num_pages, page_size=ps, kv_lora_rank=big_r, rope_dim=r, dtype=dtype
+    )
     cache = cache.replace_layer(0, jnp.full_like(cache.kv[0], jnp.nan))
     return cfg, MLABackend(cfg), layer, cache
 
@@ -154,7 +185,7 @@ def _mla_pages(rng, lens, ps, num_pages, width):
     r2p = np.zeros((len(lens), width), np.int32)
     i = 0
     for b, n in enumerate(need):
-        r2p[b, :n] = perm[i:i + n]
+        r2p[b, :n] = perm[i : i + n]
         i += n
     return r2p
 
@@ -170,27 +201,36 @@ def test_mla_backend_forward_decode_absorbed_with_save(mode, n):
     md = be.init_forward_metadata(3, np.arange(3), np.array(lens), r2p, mode)
     rows = {b: rng.standard_normal((L, big_r + r)).astype(np.float32) for b, L in enumerate(lens)}
     hist_loc = [r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L - n)]
-    hist = np.concatenate([rows[b][:L - n] for b, L in enumerate(lens)])
-    kv = jattn.set_mla_kv_buffer(cache.kv[0], jnp.asarray(np.array(hist_loc, np.int32)),
-                                 jnp.asarray(hist[:, :big_r]), jnp.asarray(hist[:, big_r:]))
+    hist = np.concatenate([rows[b][: L - n] for b, L in enumerate(lens)])
+    kv = jattn.set_mla_kv_buffer(
+        cache.kv[0],
+        jnp.asarray(np.array(hist_loc, np.int32)),
+        jnp.asarray(hist[:, :big_r]),
+        jnp.asarray(hist[:, big_r:]),
+    )
     cache = cache.replace_layer(0, kv)
     t = md.num_tokens  # 4 * n (bucket 4)
     q_nope = rng.standard_normal((t, h, big_r)).astype(np.float32)
     q_rope = rng.standard_normal((t, h, r)).astype(np.float32)
     c_kv = np.full((t, big_r), np.nan, np.float32)
     k_rope = np.full((t, r), np.nan, np.float32)
-    q_nope[3 * n:] = np.nan
+    q_nope[3 * n :] = np.nan
     for b, L in enumerate(lens):
-        c_kv[b * n:(b + 1) * n], k_rope[b * n:(b + 1) * n] = rows[b][L - n:, :big_r], rows[b][L - n:, big_r:]
+        c_kv[b * n : (b + 1) * n], k_rope[b * n : (b + 1) * n] = rows[b][L - n :, :big_r], rows[b][L - n :, big_r:]
     step = jax.jit(lambda c, md, *a: be.forward_decode(a[0], a[1], None, layer, c, md, q_rope=a[2], k_rope=a[3]))
     out, new_cache = step(cache, md, *map(jnp.asarray, (q_nope, c_kv, q_rope, k_rope)))
     out = np.asarray(out).reshape(t, h, big_r)
-    assert (out[3 * n:] == 0).all()
+    assert (out[3 * n :] == 0).all()
     q = np.concatenate([q_nope, q_rope], -1)
     for b, L in enumerate(lens):
-        o, _ = naive.attend_one(naive.f64(q[b * n:(b + 1) * n]), naive.f64(rows[b])[:, None, :],
-                                naive.f64(rows[b])[:, None, :big_r], causal=True, scale=cfg.softmax_scale)
-        np.testing.assert_allclose(out[b * n:(b + 1) * n], o, atol=1e-4, rtol=1e-4)
+        o, _ = naive.attend_one(
+            naive.f64(q[b * n : (b + 1) * n]),
+            naive.f64(rows[b])[:, None, :],
+            naive.f64(rows[b])[:, None, :big_r],
+            causal=True,
+            scale=cfg.softmax_scale,
+        )
+        np.testing.assert_allclose(out[b * n : (b + 1) * n], o, atol=1e-4, rtol=1e-4)
     assert cfg.softmax_scale == pytest.approx(1 / math.sqrt(32 + 16))
     # The cache holds exactly the rows written; only page 0 took the padding row's writes.
     got = np.asarray(new_cache.kv[0])
@@ -204,8 +244,15 @@ def test_mla_backend_forward_decode_absorbed_with_save(mode, n):
 
 def test_mla_backend_forward_decode_real_576():
     rng = np.random.default_rng(5)
-    cfg = MLAConfig(num_heads=16, page_size=64, context_len=512, num_pages=8, kv_cache_dtype="bfloat16",
-                    kernel_backend="xla", batch_buckets=(2,))
+    cfg = MLAConfig(
+        num_heads=16,
+        page_size=64,
+        context_len=512,
+        num_pages=8,
+        kv_cache_dtype="bfloat16",
+        kernel_backend="xla",
+        batch_buckets=(2,),
+    )
     be = MLABackend(cfg)
     layer = LayerSpec(0, 16, 1, 576)
     cache = MLAKVCache.create(num_layers=1, num_pages=8, page_size=64, dtype="bfloat16")
@@ -221,9 +268,14 @@ def test_mla_backend_forward_decode_real_576():
     out = np.asarray(out.astype(jnp.float32)).reshape(2, 16, 512)
     assert cfg.softmax_scale == pytest.approx(1 / math.sqrt(192))
     for b in range(2):
-        o, _ = naive.attend_one(naive.f64(q[b:b + 1]), naive.f64(rows[b])[:, None], naive.f64(rows[b])[:, None, :512],
-                                causal=True, scale=1 / math.sqrt(192))
-        naive.assert_close_lowp(out[b:b + 1], o, naive.bf16_round(o), atol=2e-3)
+        o, _ = naive.attend_one(
+            naive.f64(q[b : b + 1]),
+            naive.f64(rows[b])[:, None],
+            naive.f64(rows[b])[:, None, :512],
+            causal=True,
+            scale=1 / math.sqrt(192),
+        )
+        naive.assert_close_lowp(out[b : b + 1], o, naive.bf16_round(o), atol=2e-3)
 
 
 def test_mla_backend_forward_draft_extend_padding_is_inert():
@@ -235,11 +287,17 @@ def test_mla_backend_forward_draft_extend_padding_is_inert():
     r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
     rows = {b: rng.standard_normal((L, big_r + r)).astype(np.float32) for b, L in enumerate(lens)}
     hist_loc = [r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L - new[b])]
-    hist = np.concatenate([rows[b][:L - new[b]] for b, L in enumerate(lens)])
-    cache = be.save_kv(layer, cache, jnp.asarray(np.array(hist_loc, np.int32)), jnp.asarray(hist[:, :big_r]),
-                       jnp.asarray(hist[:, big_r:]))
-    md = be.init_forward_metadata(4, np.arange(4), np.array(lens), r2p, ForwardMode.EXTEND,
-                                  extend_seq_lens=np.array(new))
+    hist = np.concatenate([rows[b][: L - new[b]] for b, L in enumerate(lens)])
+    cache = be.save_kv(
+        layer,
+        cache,
+        jnp.asarray(np.array(hist_loc, np.int32)),
+        jnp.asarray(hist[:, :big_r]),
+        jnp.asarray(hist[:, big_r:]),
+    )
+    md = be.init_forward_metadata(
+        4, np.arange(4), np.array(lens), r2p, ForwardMode.EXTEND, extend_seq_lens=np.array(new)
+    )
     assert md.max_seqlen_q == 8 and md.num_tokens == 16
     cu = np.asarray(md.cu_seqlens_q)
     t, real = md.num_tokens, int(cu[4])
@@ -251,8 +309,8 @@ def test_mla_backend_forward_draft_extend_padding_is_inert():
         qs = rng.standard_normal((real, h, big_r + r)).astype(np.float32)
         q[:real] = qs
         for b in range(4):
-            c_kv[cu[b]:cu[b + 1]] = rows[b][lens[b] - new[b]:, :big_r]
-            k_rope[cu[b]:cu[b + 1]] = rows[b][lens[b] - new[b]:, big_r:]
+            c_kv[cu[b] : cu[b + 1]] = rows[b][lens[b] - new[b] :, :big_r]
+            k_rope[cu[b] : cu[b + 1]] = rows[b][lens[b] - new[b] :, big_r:]
         return q, c_kv, k_rope
 
     step = jax.jit(lambda c, md, q, c_kv, k_rope: be.forward_draft_extend(q, c_kv, None, layer, c, md, k_rope=k_rope))
@@ -266,9 +324,14 @@ def test_mla_backend_forward_draft_extend_padding_is_inert():
     np.testing.assert_array_equal(out1, np.asarray(out2).reshape(t, h, big_r))
     assert (out1[real:] == 0).all()
     for b in range(4):
-        o, _ = naive.attend_one(naive.f64(q1[cu[b]:cu[b + 1]]), naive.f64(rows[b])[:, None],
-                                naive.f64(rows[b])[:, None, :big_r], causal=True, scale=cfg.softmax_scale)
-        np.testing.assert_allclose(out1[cu[b]:cu[b + 1]], o, atol=1e-4, rtol=1e-4)
+        o, _ = naive.attend_one(
+            naive.f64(q1[cu[b] : cu[b + 1]]),
+            naive.f64(rows[b])[:, None],
+            naive.f64(rows[b])[:, None, :big_r],
+            causal=True,
+            scale=cfg.softmax_scale,
+        )
+        np.testing.assert_allclose(out1[cu[b] : cu[b + 1]], o, atol=1e-4, rtol=1e-4)
     g1, g2 = np.asarray(cache1.kv[0]), np.asarray(cache2.kv[0])
     np.testing.assert_array_equal(g1[1:], g2[1:])  # padding writes only touch the dummy page
     for b, L in enumerate(lens):
@@ -284,8 +347,9 @@ def test_mla_backend_chunked_prefix_equals_full_attention():
     h, p, r, dv = 4, 32, 16, 24
     prefix, new = [50, 0, 20], [7, 5, 3]
     chunk = 32
-    md = jattn.plan_extend(np.add(prefix, new), np.array(new), page_size=16,
-                           page_table=np.ones((3, 8), np.int32), batch_buckets=(4,))
+    md = jattn.plan_extend(
+        np.add(prefix, new), np.array(new), page_size=16, page_table=np.ones((3, 8), np.int32), batch_buckets=(4,)
+    )
     t = md.num_tokens
     cu = np.asarray(md.cu_seqlens_q)
     layer = LayerSpec(0, h, 1, p + r)
@@ -299,14 +363,14 @@ def test_mla_backend_chunked_prefix_equals_full_attention():
     def ragged(parts, rows, tail):
         out = np.full((rows,) + tail, np.nan, np.float32)
         cat = np.concatenate(parts) if parts else np.zeros((0,) + tail)
-        out[:len(cat)] = cat
+        out[: len(cat)] = cat
         return jnp.asarray(out)
 
     qn = ragged(q_nope, t, (h, p))
     qr = ragged(q_pe, t, (h, r))
-    kn = ragged([k_nope[b][prefix[b]:] for b in range(3)], t, (h, p))
-    kr = ragged([k_pe[b][prefix[b]:] for b in range(3)], t, (r,))
-    vn = ragged([vv[b][prefix[b]:] for b in range(3)], t, (h, dv))
+    kn = ragged([k_nope[b][prefix[b] :] for b in range(3)], t, (h, p))
+    kr = ragged([k_pe[b][prefix[b] :] for b in range(3)], t, (r,))
+    vn = ragged([vv[b][prefix[b] :] for b in range(3)], t, (h, dv))
     o, lse = be.forward_extend(qn, kn, vn, layer, md, q_rope=qr, k_rope=kr, return_lse=True)
     assert np.isfinite(np.asarray(o)).all()
     for c in range(2):
@@ -320,25 +384,31 @@ def test_mla_backend_chunked_prefix_equals_full_attention():
         cukv[4] = cukv[3]
         rows_kv = int(cukv[-1]) + 3
         oc, lc = be.forward_prefix_chunk(
-            qn, ragged([k_nope[b][sl[b]] for b in range(3)], rows_kv, (h, p)),
-            ragged([vv[b][sl[b]] for b in range(3)], rows_kv, (h, dv)), layer, md.cu_seqlens_q,
-            jnp.asarray(cukv), max_seqlen_q=md.max_seqlen_q, max_seqlen_kv=chunk, q_rope=qr,
-            k_rope=ragged([k_pe[b][sl[b]] for b in range(3)], rows_kv, (r,)))
+            qn,
+            ragged([k_nope[b][sl[b]] for b in range(3)], rows_kv, (h, p)),
+            ragged([vv[b][sl[b]] for b in range(3)], rows_kv, (h, dv)),
+            layer,
+            md.cu_seqlens_q,
+            jnp.asarray(cukv),
+            max_seqlen_q=md.max_seqlen_q,
+            max_seqlen_kv=chunk,
+            q_rope=qr,
+            k_rope=ragged([k_pe[b][sl[b]] for b in range(3)], rows_kv, (r,)),
+        )
         lc_np = np.asarray(lc)
         for b in range(3):
             if nkv[b] == 0:
-                assert (np.asarray(oc)[cu[b]:cu[b + 1]] == 0).all()
-                assert np.isneginf(lc_np[cu[b]:cu[b + 1]]).all()
+                assert (np.asarray(oc)[cu[b] : cu[b + 1]] == 0).all()
+                assert np.isneginf(lc_np[cu[b] : cu[b + 1]]).all()
         o, lse = be.merge_state(o, lse, oc, lc)
     o, lse = np.asarray(o), np.asarray(lse)
-    assert (o[cu[3]:] == 0).all() and np.isneginf(lse[cu[3]:]).all()
+    assert (o[cu[3] :] == 0).all() and np.isneginf(lse[cu[3] :]).all()
     for b in range(3):
         q = np.concatenate([q_nope[b], q_pe[b]], -1)
         k = np.concatenate([k_nope[b], np.broadcast_to(k_pe[b][:, None], (toks[b], h, r))], -1)
-        to, tl = naive.attend_one(naive.f64(q), naive.f64(k), naive.f64(vv[b]), causal=True,
-                                  scale=1 / math.sqrt(p + r))
-        np.testing.assert_allclose(o[cu[b]:cu[b + 1]], to, atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(lse[cu[b]:cu[b + 1]], tl, atol=1e-4, rtol=1e-5)
+        to, tl = naive.attend_one(naive.f64(q), naive.f64(k), naive.f64(vv[b]), causal=True, scale=1 / math.sqrt(p + r))
+        np.testing.assert_allclose(o[cu[b] : cu[b + 1]], to, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(lse[cu[b] : cu[b + 1]], tl, atol=1e-4, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- modes, padding rows, DFLASH fill
@@ -376,12 +446,22 @@ def test_forward_mode_parse_and_one_decode_rule():
 
 
 def _decode_setup(rng, *, ps=4, num_pages=40, hq=4, hkv=2, d=16, q_len=2, spec=None):
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=40,
-                    num_pages=num_pages, kv_cache_dtype="float32", kernel_backend="xla",
-                    spec_num_tokens=spec or q_len, batch_buckets=(4,))
+    cfg = MHAConfig(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        context_len=40,
+        num_pages=num_pages,
+        kv_cache_dtype="float32",
+        kernel_backend="xla",
+        spec_num_tokens=spec or q_len,
+        batch_buckets=(4,),
+    )
     cache = PagedKVCache(
         k=(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), jnp.float32),),
-        v=(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), jnp.float32),))
+        v=(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), jnp.float32),),
+    )
     r2p = np.zeros((3, cfg.max_num_pages), np.int32)
     r2p[:, :10] = rng.permutation(np.arange(1, num_pages))[:30].reshape(3, 10)  # permuted pages
     return cfg, MHABackend(cfg), LayerSpec(0, hq, hkv, d), cache, r2p
@@ -403,8 +483,14 @@ def test_zero_length_rows_are_padding():
     changed = np.argwhere(np.asarray(new.k[0] != cache.k[0]).any(axis=(1, 2, 3)))[:, 0]
     real_pages = {int(r2p[b, p // cfg.page_size]) for b, n in ((0, 9), (2, 17)) for p in (n - 2, n - 1)}
     assert set(changed.tolist()) <= real_pages | {DUMMY_PAGE}
-    ref, _ = naive.mha_decode(np.asarray(q).reshape(4, 2, 4, 16)[[0, 2]].reshape(4, 4, 16), new.k[0], new.v[0],
-                              md.page_table[[0, 2]], md.cache_seqlens[[0, 2]], max_seqlen_q=2)
+    ref, _ = naive.mha_decode(
+        np.asarray(q).reshape(4, 2, 4, 16)[[0, 2]].reshape(4, 4, 16),
+        new.k[0],
+        new.v[0],
+        md.page_table[[0, 2]],
+        md.cache_seqlens[[0, 2]],
+        max_seqlen_q=2,
+    )
     np.testing.assert_allclose(out[[0, 2]].reshape(4, 4, 16), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -462,8 +548,9 @@ def test_registry():
 
 
 def test_synthetic_demo_passes():
-    ok, worst, compiles = jattn.demo.run(num_requests=5, num_q_heads=4, num_kv_heads=2, head_dim=32,
-                                         num_pages=48, max_new=6, verbose=False)
+    ok, worst, compiles = jattn.demo.run(
+        num_requests=5, num_q_heads=4, num_kv_heads=2, head_dim=32, num_pages=48, max_new=6, verbose=False
+    )
     assert ok, worst
     assert compiles <= 8, compiles
 

@@ -89,16 +89,35 @@ class Engine:
         self.req_pool_indices = torch.arange(1, num_reqs + 1, dtype=torch.int32)
 
     def slots(self, r, start, n):
-        return [self.pages[r][t // self.page_size] * self.page_size + t % self.page_size for t in range(start, start + n)]
+        return [
+            self.pages[r][t // self.page_size] * self.page_size + t % self.page_size for t in range(start, start + n)
+        ]
 
 
-def mha_setup(kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1,
-              context_len=64, **cfgkw):
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size, context_len=context_len,
-                    num_pages=num_pages, kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
-                    spec_num_tokens=spec, kernel_backend="xla", **cfgkw)
-    pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
-                       dtype=kv_dtype, device=DEV)
+def mha_setup(
+    kv_dtype=torch.bfloat16, hq=4, hkv=2, d=32, page_size=4, num_pages=64, layers=2, spec=1, context_len=64, **cfgkw
+):
+    cfg = MHAConfig(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        context_len=context_len,
+        num_pages=num_pages,
+        kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
+        spec_num_tokens=spec,
+        kernel_backend="xla",
+        **cfgkw,
+    )
+    pool = TorchKVPool(
+        num_layers=layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=kv_dtype,
+        device=DEV,
+    )
     return cfg, pool
 
 
@@ -152,16 +171,17 @@ def test_jax_writer_refused_on_cpu():
 # ----------------------------------------------------------------------------- MHA
 
 
-def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sinks=False, seed=0,
-                    sync="event"):
+def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sinks=False, seed=0, sync="event"):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hq, hkv, d, ps = 4, 2, 32, 4
     cfg, pool = mha_setup(kv_dtype, hq, hkv, d, ps)
     be = TorchMHABackend(cfg, kv_writer=kv_writer, sync=sync)
     scale = 0.05 if kv_dtype == torch.float8_e4m3fn else None
-    layers = [AttentionLayer(i, hq, hkv, d, sliding_window_size=window, logit_cap=cap,
-                             k_scale=scale, v_scale=scale and 0.03) for i in range(2)]
+    layers = [
+        AttentionLayer(i, hq, hkv, d, sliding_window_size=window, logit_cap=cap, k_scale=scale, v_scale=scale and 0.03)
+        for i in range(2)
+    ]
     sinks = torch.randn(hq, device=DEV) if with_sinks else None
     eng = Engine(3, 16, ps, rng, cfg.num_pages)
     lens = [5, 0, 13]
@@ -172,8 +192,8 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
         """Append each request's new K/V rows (request-major) to its history."""
         row = 0
         for r, n in enumerate(n_new_per_req):
-            kv_hist[layer.layer_id][r][0].append(k[row:row + n].cpu().view(n, hkv, d))
-            kv_hist[layer.layer_id][r][1].append(v[row:row + n].cpu().view(n, hkv, d))
+            kv_hist[layer.layer_id][r][0].append(k[row : row + n].cpu().view(n, hkv, d))
+            kv_hist[layer.layer_id][r][1].append(v[row : row + n].cpu().view(n, hkv, d))
             row += n
 
     def check(out, q, layer, n_new_per_req, lens_now):
@@ -187,16 +207,31 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
             if kv_dtype == torch.float8_e4m3fn:  # the reference reads what the pool holds
                 K = gather(pool.get_key_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.k_scale
                 V = gather(pool.get_value_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.v_scale
-            exp = ref_attention(q[row:row + n_new].float().cpu().view(n_new, hq, d), K, V, n_new=n_new,
-                                window=window, cap=cap, sinks=None if sinks is None else sinks.cpu())
+            exp = ref_attention(
+                q[row : row + n_new].float().cpu().view(n_new, hq, d),
+                K,
+                V,
+                n_new=n_new,
+                window=window,
+                cap=cap,
+                sinks=None if sinks is None else sinks.cpu(),
+            )
             tol = 6e-2 if kv_dtype == torch.float8_e4m3fn else 2e-2
-            torch.testing.assert_close(o[row:row + n_new], exp, atol=tol, rtol=tol)
+            torch.testing.assert_close(o[row : row + n_new], exp, atol=tol, rtol=tol)
             row += n_new
 
     # prefill (EXTEND, no prefix)
     ext = [5, 0, 13]
-    be.init_forward_metadata(3, 3, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.EXTEND,
-                             extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.zeros(3, dtype=torch.int32))
+    be.init_forward_metadata(
+        3,
+        3,
+        eng.req_pool_indices,
+        torch.tensor(lens),
+        eng.req_to_page,
+        ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor(ext),
+        extend_prefix_lens=torch.zeros(3, dtype=torch.int32),
+    )
     T = sum(ext)
     for layer in layers:
         q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
@@ -208,8 +243,15 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
     # an extend over a prefix (second chunk of request 0, first of request 1)
     ext2 = [3, 2, 0]
     lens = [a + b for a, b in zip(lens, ext2)]
-    be.init_forward_metadata(3, 3, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.EXTEND,
-                             extend_seq_lens=torch.tensor(ext2))
+    be.init_forward_metadata(
+        3,
+        3,
+        eng.req_pool_indices,
+        torch.tensor(lens),
+        eng.req_to_page,
+        ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor(ext2),
+    )
     for layer in layers:
         T = sum(ext2)
         q, k, v = rand(T, hq * d), rand(T, hkv * d), rand(T, hkv * d)
@@ -265,8 +307,10 @@ def test_mha_views_are_persistent_and_zero_copy():
     assert be._views.keys() == views.keys()
     for k, v in views.items():
         assert be._views[k] is v  # not re-imported
-        assert v.jax.unsafe_buffer_pointer() == v.torch.data_ptr() == pool.get_key_buffer(0).data_ptr() or \
-            v.jax.unsafe_buffer_pointer() == pool.get_value_buffer(0).data_ptr()
+        assert (
+            v.jax.unsafe_buffer_pointer() == v.torch.data_ptr() == pool.get_key_buffer(0).data_ptr()
+            or v.jax.unsafe_buffer_pointer() == pool.get_value_buffer(0).data_ptr()
+        )
     assert stages.keys() == be._stage.keys()
     (fn,) = be._fns.values()
     assert fn._cache_size() == 1  # new values, same bucket: no retrace
@@ -300,8 +344,16 @@ def test_mha_target_verify_and_cuda_graph_capture_replay():
     assert be.init_cuda_graph_state(4) == (1, 2, 4)
     # capture: an all-padding plan of bucket 4; the call compiles
     be.init_forward_metadata_capture_cuda_graph(4, 4 * spec, forward_mode=ForwardMode.TARGET_VERIFY)
-    out = be.forward_decode(rand(4 * spec, hq * d), rand(4 * spec, hkv * d), rand(4 * spec, hkv * d), layer, None,
-                            pool, 4, save_kv_cache=True)
+    out = be.forward_decode(
+        rand(4 * spec, hq * d),
+        rand(4 * spec, hkv * d),
+        rand(4 * spec, hkv * d),
+        layer,
+        None,
+        pool,
+        4,
+        save_kv_cache=True,
+    )
     assert out.shape == (4 * spec, hq * d)
     (fn,) = be._fns.values()
     assert fn._cache_size() == 1
@@ -309,9 +361,12 @@ def test_mha_target_verify_and_cuda_graph_capture_replay():
     K = [rand(L, hkv, d) for L in (6, 10, 3)]
     V = [rand(L, hkv, d) for L in (6, 10, 3)]
     for r, L in enumerate((6, 10, 3)):
-        pool.set_kv_buffer(layer, torch.tensor(eng.slots(r, 0, L - spec), device=DEV), K[r][: L - spec], V[r][: L - spec])
-    be.init_forward_metadata_replay_cuda_graph(3, eng.req_pool_indices, torch.tensor([6, 10, 3]), eng.req_to_page,
-                                               ForwardMode.TARGET_VERIFY)
+        pool.set_kv_buffer(
+            layer, torch.tensor(eng.slots(r, 0, L - spec), device=DEV), K[r][: L - spec], V[r][: L - spec]
+        )
+    be.init_forward_metadata_replay_cuda_graph(
+        3, eng.req_pool_indices, torch.tensor([6, 10, 3]), eng.req_to_page, ForwardMode.TARGET_VERIFY
+    )
     q = rand(3 * spec, hq * d)
     k = torch.cat([x[-spec:] for x in K]).view(3 * spec, -1)
     v = torch.cat([x[-spec:] for x in V]).view(3 * spec, -1)
@@ -319,10 +374,15 @@ def test_mha_target_verify_and_cuda_graph_capture_replay():
     out = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True)
     assert fn._cache_size() == 1
     for r in range(3):
-        exp = ref_attention(q[r * spec:(r + 1) * spec].float().cpu().view(spec, hq, d), K[r].float().cpu(),
-                            V[r].float().cpu(), n_new=spec)
-        torch.testing.assert_close(out[r * spec:(r + 1) * spec].float().cpu().view(spec, hq, d), exp,
-                                   atol=2e-2, rtol=2e-2)
+        exp = ref_attention(
+            q[r * spec : (r + 1) * spec].float().cpu().view(spec, hq, d),
+            K[r].float().cpu(),
+            V[r].float().cpu(),
+            n_new=spec,
+        )
+        torch.testing.assert_close(
+            out[r * spec : (r + 1) * spec].float().cpu().view(spec, hq, d), exp, atol=2e-2, rtol=2e-2
+        )
     assert be.support_kv_cache_prewrite(ForwardMode.DECODE) and not be.support_kv_cache_prewrite(ForwardMode.EXTEND)
 
 
@@ -345,11 +405,21 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
     rng = np.random.default_rng(4)
     torch.manual_seed(4)
     R, r, H, ps = 64, 16, 4, 8
-    cfg = MLAConfig(num_heads=H, kv_lora_rank=R, qk_nope_head_dim=32, qk_rope_head_dim=r, v_head_dim=32,
-                    page_size=ps, context_len=64, num_pages=24, spec_num_tokens=2,
-                    kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16")
-    pool = TorchMLAKVPool(num_layers=1, num_pages=24, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r,
-                          dtype=kv_dtype, device=DEV)
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=r,
+        v_head_dim=32,
+        page_size=ps,
+        context_len=64,
+        num_pages=24,
+        spec_num_tokens=2,
+        kv_cache_dtype="float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else "bfloat16",
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=24, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=kv_dtype, device=DEV
+    )
     kscale = 0.02 if kv_dtype == torch.float8_e4m3fn else None
     layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, k_scale=kscale)
     be = TorchMLABackend(cfg, pool)
@@ -358,8 +428,12 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
     ptr = pool.get_key_buffer(0).data_ptr()
     hist = [[], []]
     lens = [0, 0]
-    steps = [(ForwardMode.DECODE, [7, 12]), (ForwardMode.DECODE, [1, 1]), (ForwardMode.TARGET_VERIFY, [2, 2]),
-             (DRAFT_EXTEND, [3, 1])]
+    steps = [
+        (ForwardMode.DECODE, [7, 12]),
+        (ForwardMode.DECODE, [1, 1]),
+        (ForwardMode.TARGET_VERIFY, [2, 2]),
+        (DRAFT_EXTEND, [3, 1]),
+    ]
     # first fill some history with the pool's own writer (an engine's prefill)
     for rr, L in enumerate((6, 11)):
         c, kp = rand(L, R), rand(L, r)
@@ -368,13 +442,14 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
         lens[rr] = L
     for mode, news in steps[1:]:
         lens = [a + b for a, b in zip(lens, news)]
-        be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, mode,
-                                 extend_seq_lens=torch.tensor(news))
+        be.init_forward_metadata(
+            2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, mode, extend_seq_lens=torch.tensor(news)
+        )
         T = sum(news)
         q, qr, c, kp = rand(T, H * R), rand(T, H * r), rand(T, R), rand(T, r)
         row = 0
         for rr, n in enumerate(news):
-            hist[rr].append(torch.cat([c[row:row + n], kp[row:row + n]], -1).float().cpu())
+            hist[rr].append(torch.cat([c[row : row + n], kp[row : row + n]], -1).float().cpu())
             row += n
         fwd = be.forward_decode if mode is ForwardMode.DECODE else be.forward_extend
         out = fwd(q, c, None, layer, None, save_kv_cache=True, q_rope=qr, k_rope=kp)
@@ -384,10 +459,10 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
             kv = torch.cat(hist[rr])
             if kv_dtype == torch.float8_e4m3fn:
                 kv = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[rr], lens[rr], ps) * kscale
-            qq = torch.cat([q[row:row + n].view(n, H, R), qr[row:row + n].view(n, H, r)], -1).float().cpu()
+            qq = torch.cat([q[row : row + n].view(n, H, R), qr[row : row + n].view(n, H, r)], -1).float().cpu()
             exp = mla_ref(qq, kv, n, R, scale)
             tol = 8e-2 if kv_dtype == torch.float8_e4m3fn else 3e-2
-            torch.testing.assert_close(out[row:row + n].float().cpu().view(n, H, R), exp, atol=tol, rtol=tol)
+            torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, R), exp, atol=tol, rtol=tol)
             row += n
     assert pool.get_key_buffer(0).data_ptr() == ptr
     got = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[1], lens[1], ps)
@@ -399,8 +474,16 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
 
 def _small_mla(H, P, r, Vd):
     """A small MLA config, its torch pool and backend, and one layer (prefill tests)."""
-    cfg = MLAConfig(num_heads=H, kv_lora_rank=64, qk_nope_head_dim=P, qk_rope_head_dim=r, v_head_dim=Vd,
-                    page_size=8, context_len=64, num_pages=16)
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=64,
+        qk_nope_head_dim=P,
+        qk_rope_head_dim=r,
+        v_head_dim=Vd,
+        page_size=8,
+        context_len=64,
+        num_pages=16,
+    )
     pool = TorchMLAKVPool(num_layers=1, num_pages=16, page_size=8, kv_lora_rank=64, qk_rope_head_dim=r, device=DEV)
     return cfg, TorchMLABackend(cfg, pool), AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
 
@@ -411,18 +494,23 @@ def test_mla_ragged_prefill_with_lse():
     cfg, be, layer = _small_mla(H, P, r, Vd)
     ext = [5, 9]
     r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
-    be.init_forward_metadata(2, 2, torch.tensor([0, 1]), torch.tensor(ext), r2p, ForwardMode.EXTEND,
-                             extend_seq_lens=torch.tensor(ext))
+    be.init_forward_metadata(
+        2, 2, torch.tensor([0, 1]), torch.tensor(ext), r2p, ForwardMode.EXTEND, extend_seq_lens=torch.tensor(ext)
+    )
     T = sum(ext)
     qn, qr, kn, kr, v = rand(T, H * P), rand(T, H * r), rand(T, H * P), rand(T, r), rand(T, H * Vd)
     out, lse = be.forward_extend(qn, kn, v, layer, save_kv_cache=False, q_rope=qr, k_rope=kr, return_lse=True)
     assert out.shape == (T, H * Vd) and lse.shape == (T, H)
     row = 0
     for n in ext:
-        q = torch.cat([qn[row:row + n].view(n, H, P), qr[row:row + n].view(n, H, r)], -1).float().cpu()
-        k = torch.cat([kn[row:row + n].view(n, H, P), kr[row:row + n].view(n, 1, r).expand(n, H, r)], -1).float().cpu()
-        exp = ref_attention(q, k, v[row:row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale)
-        torch.testing.assert_close(out[row:row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        q = torch.cat([qn[row : row + n].view(n, H, P), qr[row : row + n].view(n, H, r)], -1).float().cpu()
+        k = (
+            torch.cat([kn[row : row + n].view(n, H, P), kr[row : row + n].view(n, 1, r).expand(n, H, r)], -1)
+            .float()
+            .cpu()
+        )
+        exp = ref_attention(q, k, v[row : row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale)
+        torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
         row += n
     with pytest.raises(ValueError, match="save_kv_cache"):
         be.forward_extend(qn, kn, v, layer, save_kv_cache=True, q_rope=qr, k_rope=kr)
@@ -457,6 +545,7 @@ def test_xla_compute_stream_reads_once_per_device():
     """The stream probe runs a jitted buffer_callback; on the CPU there is no CUDA
     stream (None), on the GPU a nonzero pointer; the answer is cached per device."""
     from jattn.bridge.streams import xla_compute_stream
+
     dev = jax.devices()[0]
     a = xla_compute_stream(dev)
     assert xla_compute_stream(dev) == a
@@ -493,8 +582,9 @@ def test_gpu_no_memory_growth():
     be = TorchMHABackend(cfg)
     layer = AttentionLayer(0, 8, 2, 128)
     eng = Engine(4, 4, 16, rng, 4096)
-    be.init_forward_metadata(4, 0, eng.req_pool_indices, torch.tensor([20, 30, 40, 50]), eng.req_to_page,
-                             ForwardMode.DECODE)
+    be.init_forward_metadata(
+        4, 0, eng.req_pool_indices, torch.tensor([20, 30, 40, 50]), eng.req_to_page, ForwardMode.DECODE
+    )
     args = (rand(4, 8 * 128), rand(4, 2 * 128), rand(4, 2 * 128), layer, None, pool, 4)
     be.forward_decode(*args, save_kv_cache=True)
     torch.cuda.synchronize()
@@ -550,8 +640,9 @@ def test_gpu_stream_order_jattn_write_then_torch_read(sync):
     for val in (1.0, -2.0):
         with _on_stream(be, sync):
             k = torch.full((n, 8 * 128), val, dtype=torch.bfloat16, device=DEV)
-            be.forward_decode(torch.ones(n, 8 * 128, dtype=torch.bfloat16, device=DEV), k, k, layer, None, pool,
-                              n, save_kv_cache=True)
+            be.forward_decode(
+                torch.ones(n, 8 * 128, dtype=torch.bfloat16, device=DEV), k, k, layer, None, pool, n, save_kv_cache=True
+            )
             # the read is enqueued on torch's stream right away
             slots = (r2p[:, 255] * 16 + 15).long().to(DEV)
             got = pool.get_key_buffer(0).index_select(0, slots)
@@ -578,8 +669,9 @@ def test_output_alias_fallback_exports():
 
 
 def test_example_runs():
-    import runpy
     import pathlib
+    import runpy
+
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"
     mod = runpy.run_path(str(path))
     assert mod["main"]() == 0
@@ -599,8 +691,9 @@ def test_fast_path_plans_match_slow_path_and_follow_pool_moves():
     eng = Engine(2, 16, 4, rng, cfg.num_pages)
     for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
         for be in (be_a, be_b):
-            be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page,
-                                     ForwardMode.DECODE)
+            be.init_forward_metadata(
+                2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.DECODE
+            )
         for layer in layers:
             q, k, v = rand(2, hq * d), rand(2, hkv * d), rand(2, hkv * d)
             loc = torch.tensor([eng.slots(0, lens[0] - 1, 1)[0], eng.slots(1, lens[1] - 1, 1)[0]], device=DEV)
@@ -638,8 +731,16 @@ def test_mla_chunked_prefix_cache_merge_equals_full_attention():
     ext, pre, chunk = [3, 5], [10, 0], 4
     seq = [e + p for e, p in zip(ext, pre)]
     r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
-    be.init_forward_metadata(2, 2, torch.tensor([0, 1]), torch.tensor(seq), r2p, ForwardMode.EXTEND,
-                             extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre))
+    be.init_forward_metadata(
+        2,
+        2,
+        torch.tensor([0, 1]),
+        torch.tensor(seq),
+        r2p,
+        ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor(ext),
+        extend_prefix_lens=torch.tensor(pre),
+    )
     T = sum(ext)
     q, k, v = rand(T, H * (P + r)), rand(T, H * (P + r)), rand(T, H * Vd)
     kp = [rand(p, H * (P + r)) for p in pre]  # the model's up-projected prefix K/V per request
@@ -658,20 +759,20 @@ def test_mla_chunked_prefix_cache_merge_equals_full_attention():
         fb.prefix_chunk_max_seq_lens.append(max(lens))
     for c in range(nchunks):
         fb.prefix_chunk_idx = c
-        kc = torch.cat([kp[b][c * chunk:(c + 1) * chunk] for b in range(2)])
-        vc = torch.cat([vp[b][c * chunk:(c + 1) * chunk] for b in range(2)])
+        kc = torch.cat([kp[b][c * chunk : (c + 1) * chunk] for b in range(2)])
+        vc = torch.cat([vp[b][c * chunk : (c + 1) * chunk] for b in range(2)])
         oc, lc = be.forward_extend(q, kc, vc, layer, forward_batch=fb, save_kv_cache=False)
         assert oc.shape == (T, H * Vd) and lc.shape == (T, H)
         if c * chunk >= pre[1]:  # request 1 has no keys in this chunk: zero-KV rows
-            assert torch.all(oc[ext[0]:] == 0) and torch.all(torch.isneginf(lc[ext[0]:]))
+            assert torch.all(oc[ext[0] :] == 0) and torch.all(torch.isneginf(lc[ext[0] :]))
         o, lse = be.merge_state(o, lse, oc, lc)
     row = 0
     for b, n in enumerate(ext):
-        qq = q[row:row + n].view(n, H, P + r).float().cpu()
-        kk = torch.cat([kp[b], k[row:row + n]]).view(-1, H, P + r).float().cpu()
-        vv = torch.cat([vp[b], v[row:row + n]]).view(-1, H, Vd).float().cpu()
+        qq = q[row : row + n].view(n, H, P + r).float().cpu()
+        kk = torch.cat([kp[b], k[row : row + n]]).view(-1, H, P + r).float().cpu()
+        vv = torch.cat([vp[b], v[row : row + n]]).view(-1, H, Vd).float().cpu()
         exp = ref_attention(qq, kk, vv, n_new=n, scale=cfg.softmax_scale)
-        torch.testing.assert_close(o[row:row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(o[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
         row += n
 
 
@@ -699,9 +800,19 @@ def test_bridge_holds_no_attention_semantics():
 def test_bridge_cuda_graph_helpers_and_draft_block_fill():
     """The upstream CUDA-graph helpers come from the core; fill_block_decode_seq_lens
     refills the installed DFLASH plan and the next call attends over the new lengths."""
-    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, context_len=32, num_pages=24,
-                    kv_cache_dtype="float32", dtype="float32", spec_num_tokens=2, kernel_backend="xla",
-                    batch_buckets=(2,))
+    cfg = MHAConfig(
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        context_len=32,
+        num_pages=24,
+        kv_cache_dtype="float32",
+        dtype="float32",
+        spec_num_tokens=2,
+        kernel_backend="xla",
+        batch_buckets=(2,),
+    )
     be = TorchMHABackend(cfg)
     assert be.get_cuda_graph_seq_len_fill_value() == 0
     assert be.get_verify_buffers_to_fill_after_draft() == [None, None]

@@ -32,18 +32,58 @@ def _decode(**over):
 SHAPE_CASES = [
     ("q-2d", dict(q=jnp.ones((2, 32), F32)), ValueError, r"q must be \[tokens, num_q_heads, head_dim\]"),
     ("k_cache-3d", dict(k_cache=jnp.ones((4, 4, 8), F32)), ValueError, r"k_cache must be \[num_pages"),
-    ("page_table-1d", dict(page_table=jnp.ones((2,), jnp.int32)), ValueError, r"page_table must be \[batch, max_pages\]"),
-    ("cache_seqlens-2d", dict(cache_seqlens=jnp.ones((2, 1), jnp.int32)), ValueError, r"cache_seqlens must be \[batch\]"),
+    (
+        "page_table-1d",
+        dict(page_table=jnp.ones((2,), jnp.int32)),
+        ValueError,
+        r"page_table must be \[batch, max_pages\]",
+    ),
+    (
+        "cache_seqlens-2d",
+        dict(cache_seqlens=jnp.ones((2, 1), jnp.int32)),
+        ValueError,
+        r"cache_seqlens must be \[batch\]",
+    ),
     ("head_dim", dict(q=jnp.ones((2, 4, 16), F32)), ValueError, r"q head_dim=16 must equal k_cache head_dim=8"),
     ("kv-heads-differ", dict(v_cache=jnp.ones((4, 4, 1, 8), F32)), ValueError, r"k_cache .* and v_cache .* differ"),
     ("q-dtype", dict(q=jnp.ones((2, 4, 8), jnp.int32)), TypeError, r"q\.dtype=int32 must be one of"),
-    ("kv-dtype-mismatch", dict(v_cache=jnp.ones((4, 4, 2, 8), jnp.bfloat16)), TypeError, r"v_cache\.dtype=bfloat16 must equal k_cache\.dtype"),
-    ("k_cache-dtype", dict(k_cache=jnp.ones((4, 4, 2, 8), jnp.int8), v_cache=jnp.ones((4, 4, 2, 8), jnp.int8)), TypeError, r"k_cache\.dtype=int8"),
+    (
+        "kv-dtype-mismatch",
+        dict(v_cache=jnp.ones((4, 4, 2, 8), jnp.bfloat16)),
+        TypeError,
+        r"v_cache\.dtype=bfloat16 must equal k_cache\.dtype",
+    ),
+    (
+        "k_cache-dtype",
+        dict(k_cache=jnp.ones((4, 4, 2, 8), jnp.int8), v_cache=jnp.ones((4, 4, 2, 8), jnp.int8)),
+        TypeError,
+        r"k_cache\.dtype=int8",
+    ),
     ("page_table-dtype", dict(page_table=jnp.ones((2, 2), F32)), TypeError, r"page_table\.dtype=float32 must be int32"),
-    ("cache_seqlens-int64", dict(cache_seqlens=np.full(2, 3, np.int64)), TypeError, r"cache_seqlens\.dtype=int64 must be int32"),
-    ("rows-vs-batch", dict(cache_seqlens=jnp.ones((3,), jnp.int32)), ValueError, r"page_table has 2 rows but cache_seqlens has 3"),
-    ("heads-divisible", dict(q=jnp.ones((2, 3, 8), F32)), ValueError, r"num_q_heads=3 must be divisible by num_kv_heads=2"),
-    ("q-rows", dict(q=jnp.ones((3, 4, 8), F32)), ValueError, r"q has 3 rows; it must be batch \(2\) \* max_seqlen_q \(1\)"),
+    (
+        "cache_seqlens-int64",
+        dict(cache_seqlens=np.full(2, 3, np.int64)),
+        TypeError,
+        r"cache_seqlens\.dtype=int64 must be int32",
+    ),
+    (
+        "rows-vs-batch",
+        dict(cache_seqlens=jnp.ones((3,), jnp.int32)),
+        ValueError,
+        r"page_table has 2 rows but cache_seqlens has 3",
+    ),
+    (
+        "heads-divisible",
+        dict(q=jnp.ones((2, 3, 8), F32)),
+        ValueError,
+        r"num_q_heads=3 must be divisible by num_kv_heads=2",
+    ),
+    (
+        "q-rows",
+        dict(q=jnp.ones((3, 4, 8), F32)),
+        ValueError,
+        r"q has 3 rows; it must be batch \(2\) \* max_seqlen_q \(1\)",
+    ),
     ("q-rows-multi", dict(max_seqlen_q=2), ValueError, r"q has 2 rows; it must be batch \(2\) \* max_seqlen_q \(2\)"),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("window", dict(window_left=-2), ValueError, r"window_left=-2 must be an int >= -1"),
@@ -61,23 +101,32 @@ def test_decode_bad_inputs(over, exc, msg):
 
 def _extend(**kw):
     q, kc, vc, pt, sl = _decode_args()
-    args = dict(q=q, k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=sl,
-                cu_seqlens_q=jnp.array([0, 1, 2], jnp.int32))
+    args = dict(
+        q=q, k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=sl, cu_seqlens_q=jnp.array([0, 1, 2], jnp.int32)
+    )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
     return jattn.mha_extend_with_kvcache(*args.values(), max_seqlen_q=1, **kw)
 
 
 def _prefill(**kw):
     rng = np.random.default_rng(0)
-    args = dict(q=jnp.asarray(rng.standard_normal((5, 4, 8)), F32), k=jnp.asarray(rng.standard_normal((5, 2, 8)), F32),
-                v=jnp.asarray(rng.standard_normal((5, 2, 8)), F32), cu_seqlens_q=jnp.array([0, 2, 5], jnp.int32))
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((5, 4, 8)), F32),
+        k=jnp.asarray(rng.standard_normal((5, 2, 8)), F32),
+        v=jnp.asarray(rng.standard_normal((5, 2, 8)), F32),
+        cu_seqlens_q=jnp.array([0, 2, 5], jnp.int32),
+    )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
     return jattn.mha_prefill(*args.values(), max_seqlen_q=3, **kw)
 
 
 def _mla(**kw):
-    args = dict(q=jnp.ones((2, 4, 24), F32), kv_cache=jnp.ones((4, 4, 24), F32),
-                page_table=jnp.ones((2, 2), jnp.int32), cache_seqlens=jnp.full((2,), 3, jnp.int32))
+    args = dict(
+        q=jnp.ones((2, 4, 24), F32),
+        kv_cache=jnp.ones((4, 4, 24), F32),
+        page_table=jnp.ones((2, 2), jnp.int32),
+        cache_seqlens=jnp.full((2,), 3, jnp.int32),
+    )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
     kw.setdefault("kv_lora_rank", 16)
     return jattn.mla_decode_with_kvcache(*args.values(), softmax_scale=0.1, **kw)
@@ -92,26 +141,92 @@ def test_named_backend_without_kernel_raises_not_implemented(op, backend):
 
 
 OTHER_CASES = [
-    ("extend-cu-len", _extend, dict(cu_seqlens_q=jnp.array([0, 2], jnp.int32)), ValueError, r"cu_seqlens_q has 2 entries; it must be batch \+ 1 = 3"),
-    ("extend-cu-dtype", _extend, dict(cu_seqlens_q=jnp.array([0, 1, 2], F32)), TypeError, r"cu_seqlens_q\.dtype=float32"),
+    (
+        "extend-cu-len",
+        _extend,
+        dict(cu_seqlens_q=jnp.array([0, 2], jnp.int32)),
+        ValueError,
+        r"cu_seqlens_q has 2 entries; it must be batch \+ 1 = 3",
+    ),
+    (
+        "extend-cu-dtype",
+        _extend,
+        dict(cu_seqlens_q=jnp.array([0, 1, 2], F32)),
+        TypeError,
+        r"cu_seqlens_q\.dtype=float32",
+    ),
     ("extend-sinks", _extend, dict(sinks=jnp.ones((4, 1), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("extend-backend", _extend, dict(backend="pallas"), ValueError, r"backend='pallas' must be one of"),
-    ("prefill-q-2d", _prefill, dict(q=jnp.ones((5, 32), F32)), ValueError, r"q must be \[tokens, num_q_heads, head_dim_qk\]"),
-    ("prefill-kv-tokens", _prefill, dict(v=jnp.ones((4, 2, 8), F32)), ValueError, r"k .* and v .* differ in tokens/heads"),
-    ("prefill-head-dim", _prefill, dict(k=jnp.ones((5, 2, 16), F32), v=jnp.ones((5, 2, 16), F32)), ValueError, r"q head_dim_qk=8 must equal k head_dim_qk=16"),
-    ("prefill-heads", _prefill, dict(k=jnp.ones((5, 3, 8), F32), v=jnp.ones((5, 3, 8), F32)), ValueError, r"num_q_heads=4 must be divisible by num_kv_heads=3"),
+    (
+        "prefill-q-2d",
+        _prefill,
+        dict(q=jnp.ones((5, 32), F32)),
+        ValueError,
+        r"q must be \[tokens, num_q_heads, head_dim_qk\]",
+    ),
+    (
+        "prefill-kv-tokens",
+        _prefill,
+        dict(v=jnp.ones((4, 2, 8), F32)),
+        ValueError,
+        r"k .* and v .* differ in tokens/heads",
+    ),
+    (
+        "prefill-head-dim",
+        _prefill,
+        dict(k=jnp.ones((5, 2, 16), F32), v=jnp.ones((5, 2, 16), F32)),
+        ValueError,
+        r"q head_dim_qk=8 must equal k head_dim_qk=16",
+    ),
+    (
+        "prefill-heads",
+        _prefill,
+        dict(k=jnp.ones((5, 3, 8), F32), v=jnp.ones((5, 3, 8), F32)),
+        ValueError,
+        r"num_q_heads=4 must be divisible by num_kv_heads=3",
+    ),
     ("prefill-cu-dtype", _prefill, dict(cu_seqlens_q=jnp.array([0, 2, 5], F32)), TypeError, r"cu_seqlens_q\.dtype"),
-    ("prefill-cukv-shape", _prefill, dict(cu_seqlens_kv=jnp.array([0, 5], jnp.int32), max_seqlen_kv=5), ValueError, r"cu_seqlens_kv .* must match cu_seqlens_q"),
-    ("prefill-max-kv", _prefill, dict(cu_seqlens_kv=jnp.array([0, 1, 5], jnp.int32)), ValueError, r"max_seqlen_kv is required"),
+    (
+        "prefill-cukv-shape",
+        _prefill,
+        dict(cu_seqlens_kv=jnp.array([0, 5], jnp.int32), max_seqlen_kv=5),
+        ValueError,
+        r"cu_seqlens_kv .* must match cu_seqlens_q",
+    ),
+    (
+        "prefill-max-kv",
+        _prefill,
+        dict(cu_seqlens_kv=jnp.array([0, 1, 5], jnp.int32)),
+        ValueError,
+        r"max_seqlen_kv is required",
+    ),
     ("prefill-k-dtype", _prefill, dict(k=jnp.ones((5, 2, 8), jnp.int32)), TypeError, r"k\.dtype=int32"),
     ("prefill-sinks", _prefill, dict(sinks=jnp.ones((3,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("mla-width", _mla, dict(q=jnp.ones((2, 4, 20), F32)), ValueError, r"q width=20 must equal kv_cache width=24"),
     ("mla-rank", _mla, dict(kv_lora_rank=24), ValueError, r"kv_lora_rank=24 must be in \(0, 24\)"),
     ("mla-rows", _mla, dict(max_seqlen_q=2), ValueError, r"q has 2 rows; it must be batch \(2\) \* max_seqlen_q \(2\)"),
-    ("mla-kv-4d", _mla, dict(kv_cache=jnp.ones((4, 4, 1, 24), F32)), ValueError, r"kv_cache must be \[num_pages, page_size"),
+    (
+        "mla-kv-4d",
+        _mla,
+        dict(kv_cache=jnp.ones((4, 4, 1, 24), F32)),
+        ValueError,
+        r"kv_cache must be \[num_pages, page_size",
+    ),
     ("mla-page-table-dtype", _mla, dict(page_table=jnp.ones((2, 2), F32)), TypeError, r"page_table\.dtype"),
-    ("mla-seqlens-rows", _mla, dict(cache_seqlens=jnp.ones((3,), jnp.int32)), ValueError, r"page_table has 2 rows but cache_seqlens has 3"),
-    ("mla-seqlens-2d", _mla, dict(cache_seqlens=jnp.ones((2, 1), jnp.int32)), ValueError, r"cache_seqlens must be \[batch\]"),
+    (
+        "mla-seqlens-rows",
+        _mla,
+        dict(cache_seqlens=jnp.ones((3,), jnp.int32)),
+        ValueError,
+        r"page_table has 2 rows but cache_seqlens has 3",
+    ),
+    (
+        "mla-seqlens-2d",
+        _mla,
+        dict(cache_seqlens=jnp.ones((2, 1), jnp.int32)),
+        ValueError,
+        r"cache_seqlens must be \[batch\]",
+    ),
     ("mla-backend", _mla, dict(backend="tpu"), ValueError, r"backend='tpu' must be one of"),
 ]
 
@@ -152,44 +267,126 @@ def test_merge_and_set_buffer_bad_inputs():
 PT = np.array([[1, 2, 3], [4, 5, 6]])
 
 PLAN_CASES = [
-    ("page-id-too-large", lambda: jattn.plan_decode([20, 5], page_size=8, page_table=[[1, 9, 3], [4, 5, 6]], num_pages=8),
-     ValueError, r"page_table\[0, 1\]=9 out of range \[0, 8\)"),
-    ("page-id-negative", lambda: jattn.plan_decode([20, 5], page_size=8, page_table=[[1, 2, -3], [4, 5, 6]], num_pages=8),
-     ValueError, r"page_table\[0, 2\]=-3 out of range"),
-    ("dummy-page-used", lambda: jattn.plan_decode([20, 9], page_size=8, page_table=[[1, 2, 3], [4, 0, 6]], num_pages=8),
-     ValueError, r"page_table\[1, 1\] is the reserved dummy page 0"),
-    ("seq-lens-lt-q-len", lambda: jattn.plan_decode([5, 1], page_size=8, page_table=PT, q_len=2),
-     ValueError, r"seq_lens\[1\]=1 < q_len=2"),
-    ("too-few-columns", lambda: jattn.plan_decode([25, 1], page_size=8, page_table=PT),
-     ValueError, r"seq_lens\[0\]=25 needs 4 pages of page_size=8 but page_table has only 3 columns"),
-    ("float-seq-lens", lambda: jattn.plan_decode(np.array([2.5, 1.0]), page_size=8, page_table=PT),
-     TypeError, r"seq_lens must hold integers"),
-    ("page-table-and-req-to-page", lambda: jattn.plan_decode([5, 1], page_size=8, page_table=PT, req_to_page=PT, req_pool_indices=[0, 1]),
-     ValueError, r"pass either page_table or \(req_to_page, req_pool_indices\)"),
-    ("no-page-table", lambda: jattn.plan_decode([5, 1], page_size=8),
-     ValueError, r"page_table or both req_to_page and req_pool_indices are required"),
-    ("req-pool-index-range", lambda: jattn.plan_decode([5, 1], page_size=8, req_to_page=PT, req_pool_indices=[0, 2]),
-     ValueError, r"req_pool_indices\[1\]=2 out of range \[0, 2\) of req_to_page"),
-    ("page-table-rows", lambda: jattn.plan_decode([5, 1, 1], page_size=8, page_table=PT),
-     ValueError, r"page_table has 2 rows but seq_lens has 3"),
-    ("batch-over-buckets", lambda: jattn.plan_decode([1, 1], page_size=8, page_table=PT, batch_buckets=(1,)),
-     ValueError, r"batch size=2 exceeds the largest bucket 1"),
-    ("page-size", lambda: jattn.plan_decode([1, 1], page_size=0, page_table=PT), ValueError, r"page_size=0 must be positive"),
-    ("q-len", lambda: jattn.plan_decode([1, 1], page_size=8, page_table=PT, q_len=0), ValueError, r"q_len=0 must be >= 1"),
-    ("max-pages", lambda: jattn.plan_decode([20, 1], page_size=8, page_table=PT, max_pages=2),
-     ValueError, r"max_pages=2 is less than the 3 pages a request needs"),
-    ("extend-prefix-inconsistent", lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=PT, extend_prefix_lens=[7, 1]),
-     ValueError, r"lengths inconsistent"),
-    ("extend-gt-seq", lambda: jattn.plan_extend([10, 5], [3, 6], page_size=8, page_table=PT),
-     ValueError, r"extend_seq_lens\[1\]=6 exceeds seq_lens\[1\]=5"),
-    ("extend-negative", lambda: jattn.plan_extend([10, 5], [3, -1], page_size=8, page_table=PT),
-     ValueError, r"extend_seq_lens\[1\] is negative"),
-    ("extend-count", lambda: jattn.plan_extend([10, 5], [3], page_size=8, page_table=PT),
-     ValueError, r"extend_seq_lens has 1 entries but seq_lens has 2"),
-    ("extend-dummy", lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=[[1, 0, 3], [4, 5, 6]]),
-     ValueError, r"page_table\[0, 1\] is the reserved dummy page"),
-    ("extend-token-bucket", lambda: jattn.plan_extend([10, 5], [10, 5], page_size=8, page_table=PT, token_buckets=(8,)),
-     ValueError, r"num tokens=16 exceeds the largest bucket 8"),
+    (
+        "page-id-too-large",
+        lambda: jattn.plan_decode([20, 5], page_size=8, page_table=[[1, 9, 3], [4, 5, 6]], num_pages=8),
+        ValueError,
+        r"page_table\[0, 1\]=9 out of range \[0, 8\)",
+    ),
+    (
+        "page-id-negative",
+        lambda: jattn.plan_decode([20, 5], page_size=8, page_table=[[1, 2, -3], [4, 5, 6]], num_pages=8),
+        ValueError,
+        r"page_table\[0, 2\]=-3 out of range",
+    ),
+    (
+        "dummy-page-used",
+        lambda: jattn.plan_decode([20, 9], page_size=8, page_table=[[1, 2, 3], [4, 0, 6]], num_pages=8),
+        ValueError,
+        r"page_table\[1, 1\] is the reserved dummy page 0",
+    ),
+    (
+        "seq-lens-lt-q-len",
+        lambda: jattn.plan_decode([5, 1], page_size=8, page_table=PT, q_len=2),
+        ValueError,
+        r"seq_lens\[1\]=1 < q_len=2",
+    ),
+    (
+        "too-few-columns",
+        lambda: jattn.plan_decode([25, 1], page_size=8, page_table=PT),
+        ValueError,
+        r"seq_lens\[0\]=25 needs 4 pages of page_size=8 but page_table has only 3 columns",
+    ),
+    (
+        "float-seq-lens",
+        lambda: jattn.plan_decode(np.array([2.5, 1.0]), page_size=8, page_table=PT),
+        TypeError,
+        r"seq_lens must hold integers",
+    ),
+    (
+        "page-table-and-req-to-page",
+        lambda: jattn.plan_decode([5, 1], page_size=8, page_table=PT, req_to_page=PT, req_pool_indices=[0, 1]),
+        ValueError,
+        r"pass either page_table or \(req_to_page, req_pool_indices\)",
+    ),
+    (
+        "no-page-table",
+        lambda: jattn.plan_decode([5, 1], page_size=8),
+        ValueError,
+        r"page_table or both req_to_page and req_pool_indices are required",
+    ),
+    (
+        "req-pool-index-range",
+        lambda: jattn.plan_decode([5, 1], page_size=8, req_to_page=PT, req_pool_indices=[0, 2]),
+        ValueError,
+        r"req_pool_indices\[1\]=2 out of range \[0, 2\) of req_to_page",
+    ),
+    (
+        "page-table-rows",
+        lambda: jattn.plan_decode([5, 1, 1], page_size=8, page_table=PT),
+        ValueError,
+        r"page_table has 2 rows but seq_lens has 3",
+    ),
+    (
+        "batch-over-buckets",
+        lambda: jattn.plan_decode([1, 1], page_size=8, page_table=PT, batch_buckets=(1,)),
+        ValueError,
+        r"batch size=2 exceeds the largest bucket 1",
+    ),
+    (
+        "page-size",
+        lambda: jattn.plan_decode([1, 1], page_size=0, page_table=PT),
+        ValueError,
+        r"page_size=0 must be positive",
+    ),
+    (
+        "q-len",
+        lambda: jattn.plan_decode([1, 1], page_size=8, page_table=PT, q_len=0),
+        ValueError,
+        r"q_len=0 must be >= 1",
+    ),
+    (
+        "max-pages",
+        lambda: jattn.plan_decode([20, 1], page_size=8, page_table=PT, max_pages=2),
+        ValueError,
+        r"max_pages=2 is less than the 3 pages a request needs",
+    ),
+    (
+        "extend-prefix-inconsistent",
+        lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=PT, extend_prefix_lens=[7, 1]),
+        ValueError,
+        r"lengths inconsistent",
+    ),
+    (
+        "extend-gt-seq",
+        lambda: jattn.plan_extend([10, 5], [3, 6], page_size=8, page_table=PT),
+        ValueError,
+        r"extend_seq_lens\[1\]=6 exceeds seq_lens\[1\]=5",
+    ),
+    (
+        "extend-negative",
+        lambda: jattn.plan_extend([10, 5], [3, -1], page_size=8, page_table=PT),
+        ValueError,
+        r"extend_seq_lens\[1\] is negative",
+    ),
+    (
+        "extend-count",
+        lambda: jattn.plan_extend([10, 5], [3], page_size=8, page_table=PT),
+        ValueError,
+        r"extend_seq_lens has 1 entries but seq_lens has 2",
+    ),
+    (
+        "extend-dummy",
+        lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=[[1, 0, 3], [4, 5, 6]]),
+        ValueError,
+        r"page_table\[0, 1\] is the reserved dummy page",
+    ),
+    (
+        "extend-token-bucket",
+        lambda: jattn.plan_extend([10, 5], [10, 5], page_size=8, page_table=PT, token_buckets=(8,)),
+        ValueError,
+        r"num tokens=16 exceeds the largest bucket 8",
+    ),
 ]
 
 
@@ -211,8 +408,17 @@ def test_cache_and_backend_bad_inputs():
         jattn.get_backend("flash")
     with pytest.raises(ValueError, match=r"backend 'mha' serves \['MHA'\], not 'MLA'"):
         jattn.get_backend("mha", arch="MLA")
-    cfg = MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4, context_len=32, num_pages=8,
-                    kv_cache_dtype="float32", kernel_backend="xla", batch_buckets=(2, 4))
+    cfg = MHAConfig(
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        page_size=4,
+        context_len=32,
+        num_pages=8,
+        kv_cache_dtype="float32",
+        kernel_backend="xla",
+        batch_buckets=(2, 4),
+    )
     be = MHABackend(cfg)
     r2p = np.arange(1, 17).reshape(2, 8) % 8 + (np.arange(1, 17).reshape(2, 8) % 8 == 0)
     with pytest.raises(ValueError, match=r"extend_seq_lens is required"):

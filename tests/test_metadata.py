@@ -39,10 +39,11 @@ def test_plan_decode_padding_slots_positions(q_len):
     pt = np.zeros((4, 8), np.int64)
     i = 0
     for b, n in enumerate(need):
-        pt[b, :n] = pages[i:i + n]
+        pt[b, :n] = pages[i : i + n]
         i += n
-    md = jattn.plan_decode(seq_lens, page_size=ps, page_table=pt, q_len=q_len, num_pages=40,
-                           batch_buckets=(1, 2, 8, 16))
+    md = jattn.plan_decode(
+        seq_lens, page_size=ps, page_table=pt, q_len=q_len, num_pages=40, batch_buckets=(1, 2, 8, 16)
+    )
     assert md.batch_size == 8 and md.max_seqlen_q == q_len and md.page_size == ps
     assert md.num_tokens == 8 * q_len and int(md.num_reqs) == 4
     assert md.page_table.dtype == np.int32 and md.cache_seqlens.dtype == np.int32
@@ -93,8 +94,9 @@ def test_plan_extend_ragged_padding_positions():
     ext = np.array([4, 5, 0, 3])
     prefix = seq_lens - ext
     pt = np.array([[3, 4, 5, 0], [6, 0, 0, 0], [7, 8, 0, 0], [9, 10, 0, 0]])
-    md = jattn.plan_extend(seq_lens, ext, page_size=ps, page_table=pt, extend_prefix_lens=prefix,
-                           num_pages=11, batch_buckets=(8,))
+    md = jattn.plan_extend(
+        seq_lens, ext, page_size=ps, page_table=pt, extend_prefix_lens=prefix, num_pages=11, batch_buckets=(8,)
+    )
     assert md.batch_size == 8 and int(md.num_reqs) == 4
     assert md.num_tokens == 16  # 12 tokens -> token bucket >= 16
     assert md.max_seqlen_q == 8  # longest request (5) -> power-of-two bucket
@@ -188,12 +190,22 @@ def test_page_allocator_double_free_and_bad_ids():
 
 
 def _mha_setup(num_pages=64):
-    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8, context_len=256,
-                    num_pages=num_pages, kv_cache_dtype="float32", kernel_backend="xla", batch_buckets=(2, 4, 8))
+    cfg = MHAConfig(
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=8,
+        context_len=256,
+        num_pages=num_pages,
+        kv_cache_dtype="float32",
+        kernel_backend="xla",
+        batch_buckets=(2, 4, 8),
+    )
     be = MHABackend(cfg)
     layer = LayerSpec(0, 4, 2, 16)
-    cache = PagedKVCache.create(num_layers=1, num_pages=num_pages, page_size=8, num_kv_heads=2,
-                                head_dim=16, dtype="float32")
+    cache = PagedKVCache.create(
+        num_layers=1, num_pages=num_pages, page_size=8, num_kv_heads=2, head_dim=16, dtype="float32"
+    )
     return cfg, be, layer, cache
 
 
@@ -207,7 +219,7 @@ def test_decode_step_does_not_retrace_within_a_bucket():
         return be.forward_decode(q, k, v, layer, cache, md)
 
     rng = np.random.default_rng(0)
-    r2p = rng.permutation(np.arange(1, 64))[:8 * 32].reshape(-1)[:8 * 7].reshape(8, 7)
+    r2p = rng.permutation(np.arange(1, 64))[: 8 * 32].reshape(-1)[: 8 * 7].reshape(8, 7)
     r2p = np.pad(r2p, ((0, 0), (0, cfg.max_num_pages - 7)))
 
     def run(bs, lens):
@@ -241,9 +253,16 @@ def test_extend_step_does_not_retrace_within_a_bucket():
     r2p = np.pad(rng.permutation(np.arange(1, 64))[:56].reshape(8, 7), ((0, 0), (0, cfg.max_num_pages - 7)))
 
     def run(bs, lens, ext):
-        md = be.init_forward_metadata(bs, np.arange(bs), np.array(lens), r2p, ForwardMode.EXTEND,
-                                      extend_seq_lens=np.array(ext), token_buckets=(32, 64),
-                                      max_seqlen_q_buckets=(16, 32))
+        md = be.init_forward_metadata(
+            bs,
+            np.arange(bs),
+            np.array(lens),
+            r2p,
+            ForwardMode.EXTEND,
+            extend_seq_lens=np.array(ext),
+            token_buckets=(32, 64),
+            max_seqlen_q_buckets=(16, 32),
+        )
         n = md.num_tokens
         q = jnp.asarray(rng.standard_normal((n, 4, 16)), jnp.float32)
         k = jnp.asarray(rng.standard_normal((n, 2, 16)), jnp.float32)
@@ -274,8 +293,10 @@ def test_capture_then_replay_metadata_does_not_retrace():
         return be.forward_decode(q, None, None, layer, cache, md)
 
     rng = np.random.default_rng(2)
-    cache = PagedKVCache(k=(jnp.asarray(rng.standard_normal(cache.k[0].shape), jnp.float32),),
-                         v=(jnp.asarray(rng.standard_normal(cache.v[0].shape), jnp.float32),))
+    cache = PagedKVCache(
+        k=(jnp.asarray(rng.standard_normal(cache.k[0].shape), jnp.float32),),
+        v=(jnp.asarray(rng.standard_normal(cache.v[0].shape), jnp.float32),),
+    )
     cap = be.init_forward_metadata_capture_cuda_graph(6)
     assert cap.batch_size == 6 and int(cap.num_reqs) == 0
     out, _ = step(cache, cap, jnp.asarray(rng.standard_normal((6, 64)), jnp.float32))
