@@ -82,6 +82,10 @@ def main(argv=None) -> int:
     if cmd == "info":
         return _info()
     if cmd == "bench":
+        if rest[:1] in (["-h"], ["--help"]):
+            print(f"usage: python -m jattn bench {{{','.join(_BENCHES)}}} [options]; "
+                  "python -m jattn bench NAME --help lists a benchmark's options")
+            return 0
         if not rest or rest[0] not in _BENCHES:
             ap.error(f"bench needs a benchmark name: {', '.join(_BENCHES)} (got {' '.join(rest[:1]) or 'none'})")
         mod = importlib.import_module(f"jattn.bench.{rest[0]}")

@@ -82,6 +82,8 @@ def test_cli_refuses_triton_and_unknown_bench(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "nope"])
     assert e.value.code == 2 and "decode, bridge, serving" in capsys.readouterr().err
+    assert main(["bench", "--help"]) == 0
+    assert "{decode,bridge,serving}" in capsys.readouterr().out
 
 
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):
