@@ -453,8 +453,8 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, head_dim_v] (any float dtype);
     out_cache_loc: i32[T] slots (``page * page_size + offset``), no two real tokens on one
     slot. FP8 caches store ``clamp(x / scale, -448, 448)`` (scale None = 1.0); other caches
-    store ``x`` cast to their dtype and ignore the scales. Slots ``>= num_pages * page_size``
-    are dropped; negative slots wrap around. Under ``jit`` with the caches donated the
+    store ``x`` cast to their dtype and ignore the scales. Slots outside
+    ``[0, num_pages * page_size)`` are dropped. Under ``jit`` with the caches donated the
     update is in place.
     """
     _check_int(out_cache_loc, "out_cache_loc")

@@ -420,7 +420,8 @@ def _store(cache, loc, x, scale):
         x = quantize_fp8(x, 1.0 if scale is None else scale, cache.dtype)
     else:
         x = x.astype(cache.dtype)
-    flat = flat.at[loc].set(x, mode="drop")
+    # Out-of-range slots, negative ones included, are dropped (never wrapped into the pool).
+    flat = flat.at[jnp.where(loc < 0, flat.shape[0], loc)].set(x, mode="drop")
     return flat.reshape(cache.shape)
 
 
@@ -430,8 +431,8 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale=None, v_scale=N
 
     k: [T, Hkv, D], v: [T, Hkv, Dv] (any float dtype). FP8 caches store
     ``clamp(x / scale, -448, 448)`` (scale None = 1.0); other caches store ``x`` cast to
-    their dtype and ignore the scales. Slots ``>= num_pages * page_size`` are dropped;
-    negative slots wrap around (Python indexing). The planners produce neither.
+    their dtype and ignore the scales. Slots outside ``[0, num_pages * page_size)`` are
+    dropped (the planners produce none).
     """
     loc = out_cache_loc.astype(jnp.int32)
     return _store(k_cache, loc, k, k_scale), _store(v_cache, loc, v, v_scale)

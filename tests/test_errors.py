@@ -438,3 +438,19 @@ def test_cache_and_backend_bad_inputs():
     dmd = be.init_forward_metadata(1, [0], [6], r2p, ForwardMode.DECODE)
     with pytest.raises(ValueError, match=r"k and v must both be given"):
         be.forward_decode(x[:2], x[:2, :1], None, layer, cache, dmd)
+
+
+def test_kv_writes_drop_out_of_range_slots_negative_included():
+    """A slot outside the pool (negative or past the end) writes nothing: it never wraps
+    around onto another request's page."""
+    rng = np.random.default_rng(11)
+    kc = jnp.asarray(rng.standard_normal((4, 4, 1, 8)), F32)
+    k = jnp.asarray(rng.standard_normal((3, 1, 8)), F32)
+    loc = jnp.array([-1, 16, 5], jnp.int32)
+    nk, nv = jattn.set_kv_buffer(kc, kc, loc, k, k)
+    want = np.asarray(kc).reshape(16, 1, 8).copy()
+    want[5] = np.asarray(k[2])
+    np.testing.assert_array_equal(np.asarray(nk).reshape(16, 1, 8), want)
+    kv = jnp.asarray(rng.standard_normal((4, 4, 12)), F32)
+    out = jattn.set_mla_kv_buffer(kv, jnp.array([-3], jnp.int32), k[:1, 0, :8], k[:1, 0, :4])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(kv))
