@@ -150,3 +150,12 @@ def test_without_torch_one_line(monkeypatch, capsys):
         runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"),
                        run_name="__main__")
     assert "\n" not in str(e.value.code) and 'pip install -e ".[torch]"' in str(e.value.code)
+
+
+def test_bench_bridge_host_part_runs_on_cpu(capsys):
+    """The CPU part of ``bench bridge`` (host time of the torch bridge) still runs against the
+    bridge as it is (it reads the bridge's call cache for one row)."""
+    pytest.importorskip("torch")
+    assert main(["bench", "bridge", "--reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "host: forward_decode B1" in out and "host: bare jitted call on cached arguments" in out
