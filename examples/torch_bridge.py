@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 
-import numpy as np
-
 try:
     import torch
 except ImportError:

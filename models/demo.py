@@ -157,7 +157,8 @@ def _run(args, prompts) -> int:
     print(f"model:   {desc}")
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend: {describe_backend(backend, ops)}")
-    sampling = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
+    sampling = ("greedy" if args.temperature <= 0
+                else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}")
     print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size "
           f"{args.page_size}, {sampling}")
     t0 = time.perf_counter()

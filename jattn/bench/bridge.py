@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     heads = "32/8 D128" if on_gpu else "8/2 D64"
     host_seqlen = a.host_seqlen or (4096 if on_gpu else 64)
     t_call, parts = bench_host(a.sync, device, host_seqlen, a.reps)
-    rows = [(f"host: forward_decode B1 L{host_seqlen} H{heads} save_kv_cache=True, sync={a.sync} (target <= 80)", t_call)]
+    what = f"host: forward_decode B1 L{host_seqlen} H{heads} save_kv_cache=True, sync={a.sync} (target <= 80)"
+    rows = [(what, t_call)]
     rows += [("host: " + k_, v_) for k_, v_ in parts.items()]
     if on_gpu:
         shape = f"B{a.bs} L{a.seqlen} GQA 32/8 D128 page 16 bf16, {a.calls} calls / {a.layers} layers"
