@@ -20,8 +20,7 @@ from typing import Iterator
 
 import jax
 
-__all__ = ["gpu_interpret", "on_gpu", "interpreter_available", "interpreting",
-           "outside_gpu_interpret"]
+__all__ = ["gpu_interpret", "on_gpu", "interpreter_available", "interpreting"]
 
 
 def on_gpu() -> bool:
@@ -79,20 +78,3 @@ def interpreting() -> bool:
     return isinstance(_config.pallas_tpu_interpret_mode_context_manager.value, params_cls)
   except (ImportError, AttributeError):
     return False
-
-
-@contextlib.contextmanager
-def outside_gpu_interpret() -> Iterator[None]:
-  """Suspend :func:`gpu_interpret` (a no-op outside it): for Triton-lowered
-  ``pallas_call`` kernels, which run under the generic Pallas interpreter
-  (``interpret=True``), not the Mosaic GPU one."""
-  if not interpreting():
-    yield
-    return
-  from jax._src import config as _config  # private, like the interpreter itself
-  mode = _config.pallas_tpu_interpret_mode_context_manager
-  prev = mode.swap_local(None)
-  try:
-    yield
-  finally:
-    mode.set_local(prev)

@@ -1,6 +1,6 @@
 """Paged MHA/GQA decode on Pallas Mosaic GPU (Hopper): split-KV flash-decoding.
 
-Layout of the work (see docs/PERF.md for the measured figures):
+Layout of the work:
 
 * Grid ``(num_splits, batch, m_groups)``. One CTA takes one request and one
   contiguous range of its KV blocks, and covers *all* KV heads at once, so
@@ -16,19 +16,26 @@ Layout of the work (see docs/PERF.md for the measured figures):
   covering every (query head, KV head) pair; pairs whose heads do not match are
   masked to ``-inf`` (block-diagonal GQA mask), so the ``P @ V`` ``wgmma`` only
   mixes each query head with its own KV head.
-* Each split writes a normalised partial output and its log-sum-exp; one small
-  kernel (``split_combine.combine_splits``) merges the splits and applies sinks
-  and ``v_scale``. With one split there is nothing to merge (no kernel).
+* num_kv_heads not a multiple of 8: a page's tail box is shifted back by whole
+  8-row tiles only, so it can hold up to 7 rows of the page's unused tail; the
+  compute warpgroup zeroes those V rows in shared memory (last block of a
+  request only).
+* Each split writes a normalised partial output and its log-sum-exp;
+  ``combine.combine_splits`` merges the splits and applies sinks and
+  ``v_scale``. With one split there is nothing to merge.
 
-The entry point is :func:`mha_decode`; :func:`unsupported_reason` says whether a
-call can be served here. The f32 oracle is ``jattn.reference.mha_decode``.
+The entry point is :func:`mha_decode`; ``decode_tuning`` holds its static
+configuration (:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
+:func:`unsupported_reason`, which says whether a call can be served here. The
+f32 oracle is ``jattn.reference.mha_decode``.
 
-Fast-path limits (checked by :func:`unsupported_reason`; other calls go to the xla
-backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16,
-num_kv_heads any (not a multiple of 8: aligned tail boxes, see _SMALL_HKV), q_len 1..8, bf16/f16 q with KV of the same dtype.
-FP8 e4m3 KV: the ring holds FP8 tiles (half the bytes); the compute warpgroup
-upcasts each K and V tile through registers into an f16 tile for the wgmma (q is
-cast to f16 for these calls; the output is returned in q's dtype).
+Limits (checked by :func:`unsupported_reason`; other calls go to the xla
+backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16, any
+num_kv_heads that makes a KV block of 64..256 rows, q_len 1..8, bf16/f16 q with
+KV of the same dtype or FP8 e4m3 KV. FP8: the ring holds FP8 tiles (half the
+bytes); the compute warpgroup upcasts each K and V tile through registers into
+an f16 tile for the wgmma (q is cast to f16 for these calls; the output is
+returned in q's dtype).
 
 Under the Mosaic GPU interpreter (CPU tests) the two matmuls are plain dots on
 the shared-memory tiles (the interpreter's wgmma takes neither a transposed B
@@ -41,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 
 import jax
@@ -51,207 +57,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["mha_decode", "unsupported_reason", "auto_skip_reason", "BlockSizes", "choose_block_sizes",
-           "choose_num_splits", "SUPPORTED_PAGE_SIZES", "SUPPORTED_HEAD_DIMS"]
+from jattn.pallas_kernels.combine import combine_splits
+from jattn.pallas_kernels.decode_tuning import (
+    SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, BlockSizes, KernelOptions, auto_skip_reason,
+    choose_block_sizes, choose_num_splits, unsupported_reason)
+from jattn.pallas_kernels.mosaic_common import (
+    cast_layout, plgpu_kernel, swizzle_transforms, vec_iota)
 
-SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_Q_DTYPES = (jnp.bfloat16, jnp.float16)
-MAX_GROUP = 16
-MAX_Q_LEN = 8
-NUM_SMS = 132  # H200 / H100 SXM
+__all__ = ["mha_decode", "unsupported_reason", "auto_skip_reason", "BlockSizes", "KernelOptions",
+           "choose_block_sizes", "choose_num_splits", "SUPPORTED_PAGE_SIZES",
+           "SUPPORTED_HEAD_DIMS"]
+
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
-# num_kv_heads not a multiple of 8: a page's tail box is shifted back by a whole
-# number of 8-row tiles only, so it can hold up to 7 rows of the page's unused
-# tail; the compute warpgroup zeroes those V rows in shared memory (last block
-# of a request only). GPU-tested 2026-11-29 (H200, jax 0.11.2): Hkv 2, 3, 4, FP8.
-_SMALL_HKV = True
-# Split combine as one Pallas (Triton-lowered) kernel (on) or XLA ops (off): at
-# batch 1 each of the XLA combine's five kernels is a launch (docs/PERF.md).
-_KERNEL_COMBINE = True
-# Software pipelining in the compute warpgroup: block i+1's Q K^T wgmma is issued
-# before block i's softmax, so the tensor cores and the softmax overlap. For
-# 2-byte KV only: with FP8 the K upcast lands on the same chain and the H200 ran
-# 1.8x slower (docs/PERF.md); q_len 4 gained 15%, 64x4096 q_len 1 up to 6%.
-_OVERLAP_QK = True
-
-
-# ---------------------------------------------------------------------------
-# Compatibility: plgpu.kernel(out_shape=, scratch_shapes=) became out_type=,
-# scratch_types= (jax 0.10 accepts both, newer releases only the new names).
-_KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
-_OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
-
-
-def _plgpu_kernel(body, out, **kwargs):
-  return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)
-
-
-# ---------------------------------------------------------------------------
-# Tuning knobs.
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Static tiling of one call (hashable; part of the compiled program).
-
-  block_tokens: tokens of one page per KV *piece* (divides page_size).
-  pages_per_block: pieces per KV block; > 1 only with whole pages
-    (block_tokens == page_size) when one page has fewer than 64 rows.
-  num_stages: depth of the shared-memory K/V ring.
-  num_splits: KV splits per request (flash-decoding).
-  compute_wgs: compute warpgroups per CTA, each owning 64 query rows.
-  """
-  block_tokens: int
-  pages_per_block: int
-  num_stages: int
-  num_splits: int
-  compute_wgs: int
-
-
-def choose_num_splits(batch: int, m_groups: int, max_blocks: int,
-                      num_sms: int = NUM_SMS) -> int:
-  """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
-
-  Only static facts are used (batch size and the page-table width): the actual
-  lengths are traced values. Score = fraction of the last wave in use minus a
-  small cost per extra wave; splits never exceed the number of KV blocks.
-  """
-  ctas = batch * m_groups
-  best, best_score = 1, -1e9
-  cap = max(1, min(max_blocks, 4 * num_sms))
-  for s in range(1, cap + 1):
-    n = ctas * s
-    waves = -(-n // num_sms)
-    score = n / (waves * num_sms) - 0.02 * waves
-    if score > best_score + 1e-9:
-      best, best_score = s, score
-  return best
-
-
-def _block_shape(num_kv_heads, head_dim, page_size, target_n=None):
-  """(block_tokens, pages_per_block) or None: a KV block of a multiple of 64 rows
-  (the P@V wgmma contracts over it in 64-element swizzle groups), at most 256
-  rows (one TMA box per piece), near 128 rows (64 for head_dim 256: registers)."""
-  if target_n is None:
-    target_n = 128 if head_dim <= 128 else 64
-  best = None
-  for bt in [t for t in range(1, page_size + 1) if page_size % t == 0]:
-    for ppb in ([1] if bt < page_size else range(1, 17)):
-      n = bt * ppb * num_kv_heads
-      if n % 64 or n > 256:
-        continue
-      key = (abs(n - target_n), ppb)
-      if best is None or key < best[0]:
-        best = (key, (bt, ppb))
-  return None if best is None else best[1]
-
-
-def _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
-  ring = 2 * stages * block_n * head_dim * kv_itemsize
-  if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
-    ring += 2 * block_n * head_dim * q_itemsize
-  q = compute_wgs * 64 * head_dim * q_itemsize
-  return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
-
-
-def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
-                       m_rows, kv_itemsize, q_itemsize=2) -> BlockSizes:
-  m_tiles = -(-m_rows // 64)
-  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
-  choice = None
-  for target_n in ((128, 64) if head_dim <= 128 else (64,)):
-    shape = _block_shape(num_kv_heads, head_dim, page_size, target_n)
-    if shape is None:
-      continue
-    block_n = shape[0] * shape[1] * num_kv_heads
-    for c in sorted({compute_wgs, 1}, reverse=True):
-      fits = [st for st in (4, 3, 2)
-              if _smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= _SMEM_LIMIT]
-      if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
-        choice = (shape, c, fits[0])
-      if fits:
-        break
-    if choice is not None and choice[2] >= 3:
-      break
-  if choice is None:
-    raise NotImplementedError(
-        f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, page_size={page_size}: no KV "
-        "block of a multiple of 64 rows (at most 256) fits in shared memory")
-  (bt, ppb), compute_wgs, num_stages = choice
-  max_blocks = -(-max_pages * page_size // (bt * ppb))
-  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
-  return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
-
-
-# ---------------------------------------------------------------------------
-# Capability check.
-def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
-                       window_left=-1, logit_cap=0.0, sinks=None, softmax_scale=None,
-                       k_scale=1.0, v_scale=1.0, return_lse=False, page_table=None,
-                       cache_seqlens=None, **unused) -> str | None:
-  """None if the Mosaic GPU fast path can serve this call, else why not."""
-  del is_causal, logit_cap, softmax_scale, k_scale, v_scale, return_lse, unused
-  if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
-    return (f"expected q [tokens, Hq, D] and caches [pages, page_size, Hkv, D], got "
-            f"q.ndim={q.ndim}, k_cache.ndim={k_cache.ndim}, v_cache.ndim={v_cache.ndim}")
-  if k_cache.shape != v_cache.shape:
-    return f"k_cache.shape={k_cache.shape} != v_cache.shape={v_cache.shape}"
-  num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-  tokens, num_q_heads, head_dim_q = q.shape
-  if head_dim_q != head_dim:
-    return f"q head_dim={head_dim_q} != cache head_dim={head_dim}"
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return f"head_dim={head_dim} not in {SUPPORTED_HEAD_DIMS}"
-  if page_size not in SUPPORTED_PAGE_SIZES:
-    return f"page_size={page_size} not in {SUPPORTED_PAGE_SIZES}"
-  if num_q_heads % num_kv_heads:
-    return f"num_q_heads={num_q_heads} not divisible by num_kv_heads={num_kv_heads}"
-  group = num_q_heads // num_kv_heads
-  if group > MAX_GROUP:
-    return f"GQA group size {group} > {MAX_GROUP}"
-  if num_kv_heads % 8 and not _SMALL_HKV:
-    # Seen on jax 0.11.2 (H200): the TMA source row of a page's tail box must be
-    # provably a multiple of the 8-row smem tiling; rows are token * num_kv_heads.
-    return (f"num_kv_heads={num_kv_heads} not a multiple of 8 (page boxes are "
-            "token * num_kv_heads rows and must start on 8-row tiles; "
-            "mosaic_decode._SMALL_HKV enables the aligned-box variant)")
-  if _block_shape(num_kv_heads, head_dim, page_size) is None:
-    return (f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
-            "multiple of 64 rows and at most 256 rows")
-  if not 1 <= max_seqlen_q <= MAX_Q_LEN:
-    return f"max_seqlen_q={max_seqlen_q} not in [1, {MAX_Q_LEN}]"
-  if tokens % max_seqlen_q:
-    return f"q rows {tokens} not a multiple of max_seqlen_q={max_seqlen_q}"
-  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_Q_DTYPES]:
-    return f"q dtype {jnp.dtype(q.dtype).name} not in (bfloat16, float16)"
-  kv_dt = jnp.dtype(k_cache.dtype)
-  if kv_dt != jnp.dtype(v_cache.dtype):
-    return f"k_cache dtype {kv_dt.name} != v_cache dtype {jnp.dtype(v_cache.dtype).name}"
-  if kv_dt != jnp.dtype(q.dtype) and kv_dt != jnp.dtype(jnp.float8_e4m3fn):
-    return f"KV dtype {kv_dt.name} must match q dtype {jnp.dtype(q.dtype).name} (or be float8_e4m3fn)"
-  if window_left is not None and window_left < -1:
-    return f"window_left={window_left} must be -1 (off) or >= 0"
-  if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
-    return f"sinks shape {tuple(sinks.shape)} != (num_q_heads,)=({num_q_heads},)"
-  if jax.default_backend() != "gpu" and not _interpreting():
-    return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
-  return None
-
-
-def auto_skip_reason(q, k_cache, v_cache, **unused) -> str | None:
-  """Why automatic dispatch should not pick this kernel for a call it can serve
-  (measured slower than the xla backend there), else None. ``backend="mosaic"``
-  still runs it."""
-  del q, v_cache, unused
-  num_kv_heads = k_cache.shape[2]
-  if num_kv_heads % 8:
-    # H200, 2026-11-29: SmolLM2 shapes (Hkv 3, D 64, page 16, ~150 tokens) took
-    # 24 us per call at batch 1 and 117 us at batch 128, several times the xla
-    # backend's whole decode step there (docs/PERF.md). Right, but not fast yet.
-    return (f"num_kv_heads={num_kv_heads} is not a multiple of 8: the aligned-box path "
-            "is correct but measured slower than xla")
-  return None
 
 
 def _interpreting() -> bool:
@@ -279,6 +96,7 @@ class _Cfg:
   logit_cap: float
   bs: BlockSizes
   interpret: bool
+  overlap_qk: bool    # KernelOptions.overlap_qk
 
   @property
   def block_n(self):
@@ -426,18 +244,12 @@ def _decode_kernel(cfg: _Cfg, dtype,
     plgpu.barrier_wait(q_bar.at[wg])
 
     def cast(x, layout):  # layout hints mean nothing to the interpreter
-      return x if cfg.interpret else plgpu.layout_cast(x, layout)
+      return cast_layout(x, layout, interpret=cfg.interpret)
 
-    def vec_iota(size, dim):
-      """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in the
-      layouts that broadcast to the WGMMA tile by reusing registers: per-row and
-      per-column work is done once per row or column, not per element (each op
-      on a [64, N] tile is ~N/2 instructions per thread; FP8's register-bound loop
-      gained 10-14%, docs/PERF.md)."""
-      if cfg.interpret:
-        return lax.broadcasted_iota(jnp.int32, (size,), 0)
-      layout = plgpu.Layout.WGMMA.reduce(1 - dim)
-      return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+    def iota(size, dim):
+      """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in
+      the layouts that broadcast to it by reusing registers."""
+      return vec_iota(size, dim, interpret=cfg.interpret)
 
     def rows2d(x):
       return lax.broadcast_in_dim(x, (64, N), [0])
@@ -451,11 +263,11 @@ def _decode_kernel(cfg: _Cfg, dtype,
 
     # Loop-invariant parts of the mask, computed once: the GQA head match of
     # every (query row, KV row) pair, and each column's token offset in its piece.
-    grow = vec_iota(64, 0) + mt * 64                      # [64] per row
+    grow = iota(64, 0) + mt * 64                      # [64] per row
     qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
     kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
     qpos = seq_len - n + qi  # absolute position of each row's query
-    col_j, col_t, col_head = col_parts(vec_iota(N, 1))    # [N] per column
+    col_j, col_t, col_head = col_parts(iota(N, 1))    # [N] per column
     head_ok = rows2d(kvh) == cols2d(col_head)
     # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
     xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
@@ -487,7 +299,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
                                preferred_element_type=jnp.float32)
 
       def scope(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+        plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
         return acc_ref[...]
       return pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
 
@@ -575,7 +387,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
         acc = pv_step(acc, p16, slot, blk)
       else:
         def scope(s_ref):
-          plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_next, (1, 0)))
+          plgpu.wgmma(s_ref, qo_smem, k_next.T)
           p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
           acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
           return acc2, m_new, l_new, s_ref[...]
@@ -586,7 +398,7 @@ def _decode_kernel(cfg: _Cfg, dtype,
         plgpu.barrier_arrive(k_free.at[nslot])
       return acc, m_new, l_i, s_next
 
-    if _OVERLAP_QK and kc_smem is None:
+    if cfg.overlap_qk and kc_smem is None:
       # Prologue: the first block's scores (a CTA with no blocks computes them on
       # an unloaded slot and never uses them).
       @pl.when(count > 0)
@@ -616,10 +428,6 @@ def _decode_kernel(cfg: _Cfg, dtype,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _swizzle_transforms(dtype, head_dim):
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = min(128, head_dim * itemsize)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
@@ -631,8 +439,8 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
       jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, cfg.o_rows, D), dtype),
       jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
   )
-  tr = _swizzle_transforms(dtype, D)
-  kv_tr = _swizzle_transforms(k2.dtype, D)
+  tr = swizzle_transforms(dtype, D)
+  kv_tr = swizzle_transforms(k2.dtype, D)
   fp8 = jnp.dtype(k2.dtype).itemsize == 1
   if fp8 and C != 1:
     raise NotImplementedError("FP8 KV uses one compute warpgroup")
@@ -657,7 +465,7 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
 
   name = (f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}"
           f"_splits{bs.num_splits}")
-  kernel = _plgpu_kernel(
+  kernel = plgpu_kernel(
       entry, out_type,
       grid=(bs.num_splits, cfg.batch, m_groups),
       grid_names=("split", "batch", "mg"),
@@ -669,55 +477,11 @@ def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
   return kernel(page_table, lens, scale, q3, k2, v2)
 
 
-def _combine(o_part, lse_part, *, cfg: _Cfg, sinks, v_scale, out_dtype):
-  """Merge split partials (log2-domain LSE); apply sinks and v_scale.
-
-  With one split the kernel's output is already final up to ``v_scale`` and sinks:
-  no work at all when ``v_scale`` is the Python float 1.0, there are no sinks and
-  the rows need no slicing (each kernel after the decode kernel is a launch, a
-  large share of a batch-1 call)."""
-  m = cfg.m_rows
-  if o_part.shape[0] == 1:
-    o = o_part[0, :, :m]                               # normalised; 0 for empty rows
-    lse2 = lse_part[0, :, :m]
-    empty = jnp.isneginf(lse2)
-    lse = lse2 * _LN2                                  # -inf stays -inf
-  elif _KERNEL_COMBINE:
-    from jattn.pallas_kernels.split_combine import combine_splits
-    o, lse = combine_splits(o_part, lse_part, sinks, v_scale, m_rows=m,
-                            num_q_heads=cfg.num_q_heads, out_dtype=jnp.dtype(out_dtype),
-                            interpret=cfg.interpret or jax.default_backend() != "gpu")
-    return (o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim),
-            lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads))
-  else:
-    o = o_part[:, :, :m].astype(jnp.float32)           # [S, bs, m, D]
-    lse2 = jnp.broadcast_to(lse_part[:, :, :m, None], o.shape)
-    mx = jnp.max(lse2, axis=0)
-    mx = jnp.where(jnp.isneginf(mx), 0.0, mx)
-    w = jnp.exp2(lse2 - mx[None])                      # 0 for empty splits
-    wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
-    mx, wsum = mx[..., 0], wsum[..., 0]
-    empty = wsum == 0.0
-    o = o / jnp.where(empty, 1.0, wsum)[..., None]
-    lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
-  o = o.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads, cfg.head_dim)
-  lse = lse.reshape(cfg.batch * cfg.q_len, cfg.num_q_heads)
-  unit_v = v_scale is None
-  if sinks is not None:
-    sink = sinks.astype(jnp.float32)[None, :]
-    factor = jnp.where(empty.reshape(lse.shape), 1.0, 1.0 / (1.0 + jnp.exp(sink - lse)))
-    if not unit_v:
-      factor = factor * jnp.asarray(v_scale, jnp.float32)
-    o = o.astype(jnp.float32) * factor[..., None]
-  elif not unit_v:
-    o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
-  return o.astype(out_dtype), lse
-
-
 def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1,
                is_causal=True, window_left=-1, logit_cap=0.0, sinks=None,
                softmax_scale=None, k_scale=1.0, v_scale=1.0, return_lse=False,
-               block_sizes: BlockSizes | None = None):
+               block_sizes: BlockSizes | None = None,
+               options: KernelOptions = KernelOptions()):
   """Paged decode attention (Mosaic GPU, Hopper).
 
   Args:
@@ -726,9 +490,13 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
     page_table: i32 ``[bs, max_pages]``; ids are clamped into the pool.
     cache_seqlens: i32 ``[bs]``, visible tokens per request, new tokens included.
     max_seqlen_q: q_len (1..8); is_causal, window_left, logit_cap, sinks (f32
-      ``[Hq]``), softmax_scale: see SEMANTICS.md. k_scale / v_scale: python
-      floats or traced f32 scalars.
+      ``[Hq]``), softmax_scale: as in ``jattn.ops.mha_decode_with_kvcache``
+      (rules in docs/SEMANTICS.md). k_scale / v_scale: Python floats or traced
+      f32 scalars.
     return_lse: also return the natural-log LSE f32 ``[bs * q_len, Hq]``.
+    block_sizes: the tiling (:func:`choose_block_sizes` when None).
+    options: code-path choices (:class:`KernelOptions`); every setting gives
+      the same results.
 
   Returns:
     ``out`` ``[bs * q_len, Hq, D]`` in q.dtype, or ``(out, lse)``.
@@ -746,25 +514,18 @@ def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1
                      max_seqlen_q=max_seqlen_q, k_scale_py=float(k_scale) if k_py else None,
                      is_causal=is_causal, window_left=window_left, logit_cap=logit_cap,
                      sinks=sinks, softmax_scale=softmax_scale,
-                     return_lse=return_lse, block_sizes=block_sizes,
-                     switches=_switches())
-
-
-def _switches():
-  """The module's switches, part of the jit key: flipping one retraces."""
-  return (_SMALL_HKV, _KERNEL_COMBINE, _OVERLAP_QK)
+                     return_lse=return_lse, block_sizes=block_sizes, options=options)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
-                     "softmax_scale", "return_lse", "block_sizes", "switches", "k_scale_py"))
+                     "softmax_scale", "return_lse", "block_sizes", "options", "k_scale_py"))
 def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, k_scale, *,
                 max_seqlen_q, k_scale_py, is_causal, window_left, logit_cap, sinks,
-                softmax_scale, return_lse, block_sizes, switches):
+                softmax_scale, return_lse, block_sizes, options):
   """:func:`mha_decode` under jit (``v_scale`` None: 1.0; ``k_scale`` None: the
   Python float ``k_scale_py``)."""
-  del switches  # read from the module at trace time; only keys the cache
   reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
                               window_left=window_left, sinks=sinks)
   if reason is not None:
@@ -793,7 +554,8 @@ def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, k_scale
              q_len=max_seqlen_q, m_rows=m_rows, q_rows=q_rows, m_tiles=m_tiles,
              is_causal=bool(is_causal),
              window_left=int(window_left if window_left is not None else -1),
-             logit_cap=float(logit_cap or 0.0), bs=bsz, interpret=_interpreting())
+             logit_cap=float(logit_cap or 0.0), bs=bsz, interpret=_interpreting(),
+             overlap_qk=options.overlap_qk)
 
   sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
   if k_scale is None:
@@ -810,6 +572,7 @@ def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, k_scale
   v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
   o_part, lse_part = _run_kernel(cfg, cdtype, page_table.astype(jnp.int32),
                                  cache_seqlens.astype(jnp.int32), scale, q3, k2, v2)
-  out, lse = _combine(o_part, lse_part, cfg=cfg, sinks=sinks, v_scale=v_scale,
-                      out_dtype=dtype)
+  out, lse = combine_splits(o_part, lse_part, q_len=max_seqlen_q, num_q_heads=num_q_heads,
+                            sinks=sinks, v_scale=v_scale, out_dtype=dtype,
+                            use_kernel=options.kernel_combine)
   return (out, lse) if return_lse else out

@@ -9,7 +9,6 @@ padded page-table slots are filled with NaN to prove they never leak.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -94,26 +93,16 @@ def _block_sizes(c: Case, k, table):
   return dataclasses.replace(bs, num_splits=c.splits)
 
 
-def _check(c: Case, *, interpret: bool, seed: int | None = None):
-  if c.hkv % 8:  # the aligned-box variant for kv heads not a multiple of 8
-    old = md._SMALL_HKV
-    md._SMALL_HKV = True
-    try:
-      return _check_impl(c, interpret=interpret, seed=seed)
-    finally:
-      md._SMALL_HKV = old
-  return _check_impl(c, interpret=interpret, seed=seed)
-
-
-def _check_impl(c: Case, *, interpret: bool, seed: int | None = None):
+def _check(c: Case, *, interpret: bool, seed: int | None = None,
+           options: md.KernelOptions = md.KernelOptions()):
   q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed if seed is None else seed)
   kw = _kwargs(c, sinks, ks, vs)
   bsz = _block_sizes(c, k, table)
   if interpret:
     with gpu_interpret():
-      out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, **kw)
+      out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, options=options, **kw)
   else:
-    out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, **kw)
+    out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, options=options, **kw)
   ref_out, ref_lse = reference.mha_decode(q, k, v, table, lens, **kw)
   out = np.asarray(out, np.float32)
   ref_out = np.asarray(ref_out, np.float32)
@@ -169,33 +158,36 @@ def test_interpreted(name):
   _check(CPU_CASES[name], interpret=True)
 
 
-@contextlib.contextmanager
-def _switch(name, value):
-  old = getattr(md, name)
-  setattr(md, name, value)
-  try:
-    yield
-  finally:
-    setattr(md, name, old)
+def _flipped(option: str) -> md.KernelOptions:
+  """The default kernel options with ``option`` set to its other value."""
+  default = md.KernelOptions()
+  return dataclasses.replace(default, **{option: not getattr(default, option)})
 
 
-# (switch, case): each case runs under the other setting of the switch.
-# _OVERLAP_QK: the software-pipelined block loop; _KERNEL_COMBINE: XLA ops instead
-# of the merge kernel.
-OTHER_SETTING_CPU = (
-    [("_OVERLAP_QK", n) for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal",
-                                  "hkv2_group4_tail", "one_split_bf16", "window")]
-    + [("_KERNEL_COMBINE", n) for n in ("three_splits_qlen2", "logit_cap_sinks", "fp8_kv_scales")])
+# (option, case): each case runs with the option's non-default setting.
+# overlap_qk: the plain block loop instead of the software-pipelined one. (The
+# combine runs as XLA ops under the interpreter whatever kernel_combine says; the
+# Triton combine kernel has its own CPU test, tests/test_combine.py.)
+OTHER_SETTING_CPU = [("overlap_qk", n) for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal",
+                                                 "hkv2_group4_tail", "one_split_bf16", "window")]
 
 
 @needs_interp
-@pytest.mark.parametrize("switch,name", OTHER_SETTING_CPU)
-def test_interpreted_other_switch_setting(switch, name):
-  """A kernel switch's other setting gives the same answers."""
+@pytest.mark.parametrize("option,name", OTHER_SETTING_CPU)
+def test_interpreted_other_option_setting(option, name):
+  """A kernel option's other setting gives the same answers."""
   if on_gpu():
     pytest.skip("interpreter tests run on the CPU")
-  with _switch(switch, not getattr(md, switch)):
-    _check(CPU_CASES[name], interpret=True)
+  _check(CPU_CASES[name], interpret=True, options=_flipped(option))
+
+
+def test_options_are_static_and_hashable():
+  """Options key the compiled program: equal options hash equal, others differ."""
+  a, b = md.KernelOptions(), md.KernelOptions(overlap_qk=True, kernel_combine=True)
+  assert a == b and hash(a) == hash(b)
+  assert _flipped("overlap_qk") != a and _flipped("kernel_combine") != a
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    a.overlap_qk = False
 
 
 @needs_interp
@@ -218,13 +210,10 @@ def test_errors_name_the_limit():
   k = jnp.zeros((4, 16, 8, 64), jnp.bfloat16)
   q256 = jnp.zeros((2, 256, 64), jnp.bfloat16)
   assert "group size 32" in md.unsupported_reason(q256, k, k, max_seqlen_q=1)
-  k2 = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
-  old = md._SMALL_HKV
-  try:
-    md._SMALL_HKV = False
-    assert "num_kv_heads=2" in md.unsupported_reason(q, k2, k2, max_seqlen_q=1)
-  finally:
-    md._SMALL_HKV = old
+  # no KV block of 64..256 rows: 5 KV heads, page 16 (16 * 4 pages * 5 = 320 rows)
+  k5 = jnp.zeros((4, 16, 5, 64), jnp.bfloat16)
+  q5 = jnp.zeros((2, 10, 64), jnp.bfloat16)
+  assert "num_kv_heads=5 with page_size=16" in md.unsupported_reason(q5, k5, k5, max_seqlen_q=1)
   assert "float16" in md.unsupported_reason(
       jnp.zeros((2, 16, 64), jnp.bfloat16), k.astype(jnp.float16), k.astype(jnp.float16),
       max_seqlen_q=1)
@@ -280,7 +269,7 @@ GPU_CASES = {
     "fp8": Case(lens=(900, 31), hq=32, hkv=8, d=128, kv="fp8"),
     "fp8_qlen4_page64": Case(lens=(700, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4,
                              page_size=64),
-    # num_kv_heads not a multiple of 8 (md._SMALL_HKV set inside _check)
+    # num_kv_heads not a multiple of 8: aligned tail boxes
     "hkv2_group4": Case(lens=(1001, 45), hq=8, hkv=2, d=128),
     "hkv4_group7": Case(lens=(999, 3), hq=28, hkv=4, d=128),
     "hkv3_group3_page64": Case(lens=(517, 61), hq=9, hkv=3, d=128, page_size=64),
@@ -297,7 +286,7 @@ def test_gpu(name):
   c = GPU_CASES[name]
   q, k, v, *_ = _inputs(c, 0)
   reason = md.unsupported_reason(q, k, v, max_seqlen_q=c.q_len)
-  if reason is not None and not (c.hkv % 8 and "num_kv_heads" in reason):
+  if reason is not None:
     pytest.skip(reason)
   _check(c, interpret=False)
   _check(c, interpret=False, seed=1)
@@ -309,10 +298,33 @@ OVERLAP_GPU = ["llama8b_b4_l4096_p16", "b1_l32768", "d256_group2", "qlen4_verify
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", OVERLAP_GPU)
-def test_gpu_overlap_qk_switch(name):
-  """The block loop with the other setting of _OVERLAP_QK (both must stay right)."""
-  with _switch("_OVERLAP_QK", not md._OVERLAP_QK):
-    _check(GPU_CASES[name], interpret=False)
+def test_gpu_overlap_qk_option(name):
+  """The block loop with the other setting of overlap_qk (both must stay right)."""
+  _check(GPU_CASES[name], interpret=False, options=_flipped("overlap_qk"))
+
+
+COMBINE_GPU = ["b1_l32768", "window_cap_sinks", "fp8", "splits5_page64", "qlen4_verify"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", COMBINE_GPU)
+def test_gpu_xla_combine_option(name):
+  """kernel_combine=False (XLA ops) against the reference, as the default is."""
+  _check(GPU_CASES[name], interpret=False, options=_flipped("kernel_combine"))
+
+
+@pytest.mark.gpu
+def test_gpu_combine_kernel_is_the_triton_one():
+  """On a GPU with jax-triton the default merges splits with the Triton kernel
+  (one jax-triton custom call in the program), and no Pallas Triton call remains."""
+  from jattn.pallas_kernels import triton_glue
+  if not triton_glue.available():
+    pytest.skip("jax-triton not installed here")
+  c = GPU_CASES["b1_l32768"]
+  q, k, v, table, lens, *_ = _inputs(c, 0)
+  hlo = jax.jit(lambda *a: md.mha_decode(*a)).lower(q, k, v, table, lens).as_text()
+  assert hlo.count("triton_kernel_call") == 1, hlo[:2000]
+  assert "xla.gpu.triton" not in hlo
 
 
 @pytest.mark.gpu
