@@ -35,9 +35,10 @@ def choose_backend(name: str | None, ops=MHA_OPS) -> tuple[str | None, str | Non
     """``(kernel_backend, notice)`` for ``--backend name`` in a loop that calls ``ops``.
 
     A backend named on the command line is the preference for the ops it serves on this
-    device; the others run on xla, and ``notice`` (one line) says which. Raises
-    ``SystemExit`` with one line when that cannot be expressed by one backend setting (a
-    named backend that auto would not pick for the ops it serves).
+    device; the others run on xla, and ``notice`` (one line) says which. When it cannot serve
+    every op, the loop runs on auto (which takes ``name`` for the ops it serves, call by call,
+    except where measured slower). Raises ``SystemExit`` with one line when one backend
+    setting cannot express the preference (auto would not pick ``name`` for the ops it serves).
     """
     if name in (None, "auto", "xla"):
         return (None if name in (None, "auto") else name), None
@@ -53,7 +54,9 @@ def choose_backend(name: str | None, ops=MHA_OPS) -> tuple[str | None, str | Non
         raise SystemExit(f"--backend {name}: serves {', '.join(served)} but not {', '.join(missing)} "
                          "here, and one loop takes one backend; use --backend auto or xla")
     reasons = sorted({picks[op][1].split(": ", 1)[-1] for op in missing})
-    where = f"; {', '.join(served)} on {name}" if served else ""
+    # one setting for all ops: auto, which picks ``name`` for these ops where it serves the call
+    # and is not measured slower than xla (see jattn.ops)
+    where = f"; {', '.join(served)} on {name} where auto picks it" if served else ""
     return None, f"--backend {name}: {', '.join(missing)} on xla ({'; '.join(reasons)}){where}"
 
 

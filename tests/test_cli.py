@@ -55,7 +55,7 @@ def test_named_backend_is_a_preference(monkeypatch):
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
     assert backend is None  # auto: mosaic decode, xla elsewhere
     assert note == ("--backend mosaic: mha_extend, mha_prefill on xla (no mosaic kernel is built for this "
-                    "op yet); mha_decode on mosaic")
+                    "op yet); mha_decode on mosaic where auto picks it")
     for target in (jattn.ops, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
