@@ -120,7 +120,7 @@ def test_trace_events_host_side_on_one_clock():
 def test_time_rotated_device_stamps_wait_for_every_output(monkeypatch):
   """``device=True``: the first stamp feeds args[0] of every call, and the last stamp
   reads every output leaf (checked with a stand-in stamp on the CPU; the real one
-  is a Pallas Triton kernel, tested on the GPU below)."""
+  is a Triton kernel launched through jax-triton, tested on the GPU below)."""
   from jattn.bench import common
   fed = []
 
@@ -143,8 +143,8 @@ def test_time_rotated_device_stamps_wait_for_every_output(monkeypatch):
 
 
 def test_time_rotated_keeps_the_wall_time_when_the_stamp_fails(monkeypatch):
-  """A stamp kernel that does not build (the Pallas Triton backend is deprecated)
-  costs the device figure only, with a warning: the wall figure still comes back."""
+  """A stamp kernel that does not build costs the device figure only, with a
+  warning: the wall figure still comes back."""
   from jattn.bench import common
 
   def broken_stamp(*deps):
@@ -153,6 +153,18 @@ def test_time_rotated_keeps_the_wall_time_when_the_stamp_fails(monkeypatch):
   with pytest.warns(UserWarning, match="no device time"):
     t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
                             reps=1, device=True)
+  assert t.seconds > 0 and t.device_seconds is None
+
+
+def test_gpu_stamp_is_none_without_jax_triton(monkeypatch):
+  """Where jax-triton cannot launch kernels (no GPU, or not installed) there is no
+  stamp, and ``time_rotated(device=True)`` returns the wall figure alone."""
+  from jattn.bench import common
+  from jattn.pallas_kernels import triton_glue
+  monkeypatch.setattr(triton_glue, "available", lambda: False)
+  assert common.gpu_stamp() is None
+  t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1,
+                          device=True)
   assert t.seconds > 0 and t.device_seconds is None
 
 
@@ -166,3 +178,40 @@ def test_gpu_stamp_times_the_device():
                           device=True)
   nbytes = 2 * (1 << 25) * 4  # read + write
   assert nbytes / 5.0e12 < t.device_seconds < 1.5 * t.seconds, (t.device_seconds, t.seconds)
+
+
+def test_decode_bench_set_parses_kernel_options():
+  """``bench decode --set`` passes the kernel's options explicitly (A/B runs)."""
+  from jattn.bench.decode import parse_options
+  from jattn.pallas_kernels.decode_tuning import KernelOptions
+  assert parse_options("") == KernelOptions()
+  assert parse_options("overlap_qk=0") == KernelOptions(overlap_qk=False)
+  assert parse_options("kernel_combine=0,overlap_qk=1") == KernelOptions(kernel_combine=False)
+  for bad in ("_OVERLAP_QK=0", "overlap_qk=2", "overlap_qk"):
+    with pytest.raises(SystemExit, match="overlap_qk"):
+      parse_options(bad)
+
+
+def test_stamp_kernel_join_reads_element_zero_of_every_input():
+  """The stamp kernel's source without the timer (``STAMP=False``, the join of more
+  than 8 buffers) under Triton's interpreter: the sum of element 0 of each input
+  (each input's producer is then ordered before the stamp)."""
+  pytest.importorskip("triton")
+  pytest.importorskip("torch")
+  import subprocess
+  import sys
+
+  from jattn.pallas_kernels import triton_glue
+  code = (
+      "import torch\n"
+      "from jattn.bench import common\n"
+      "from jattn.pallas_kernels import triton_glue\n"
+      "ins = [torch.tensor([3.0, 100.0]), torch.tensor([5, 7], dtype=torch.int32),\n"
+      "       torch.tensor([-2.0], dtype=torch.float16)] + [torch.tensor([i + 1.0]) for i in range(5)]\n"
+      "out = torch.zeros(1, dtype=torch.int32)\n"
+      "triton_glue.launch_interpreted(common._stamp_kernel, (1,), *ins, out, STAMP=False)\n"
+      "print(int(out[0]))\n")
+  r = subprocess.run([sys.executable, "-c", code], env=triton_glue.interpreter_env(),
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.split()[-1] == str(3 + 5 - 2 + 1 + 2 + 3 + 4 + 5)

@@ -1,6 +1,6 @@
 """Shared timing utilities for jattn benchmarks (GPU).
 
-Pitfalls these avoid (measured on the H200, see DESIGN.md):
+Pitfalls these avoid (measured on the H200, see docs/PERF.md):
 * one jitted call at a time with ``block_until_ready`` adds ~150 us of host
   dispatch and sync, so many calls run inside ONE jitted function;
 * XLA deduplicates identical calls inside one jit, so every call gets
@@ -25,6 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:  # the stamp kernel's source needs triton.language only when it is compiled
+  import triton.language as tl
+except ImportError:  # pragma: no cover - no Triton: no device stamps
+  tl = None
+
 L2_BYTES = 60 * 1024 * 1024
 # XLA command buffers (CUDA graphs) for fusions and custom calls only. (XLA's
 # defaults, which the serving engine uses, also hold cuBLAS calls and slice-fused
@@ -47,35 +52,51 @@ class Timing:
   device_seconds: float | None = None
 
 
-def _stamp_kernel(*refs):
-  *deps, out = refs
-  d = sum(r[...].astype(jnp.int32) for r in deps)  # loads order the read after them
-  from jax.experimental.pallas import triton as pltriton
-  out[...] = pltriton.elementwise_inline_asm(
-      "mov.u32 $0, %globaltimer_lo;", args=[d], constraints="=r,r", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]
+_STAMP_ARITY = 8  # buffers one stamp kernel reads
+
+
+def _stamp_kernel(d0, d1, d2, d3, d4, d5, d6, d7,  # buffers to wait for (element 0 is read)
+                  out_ptr,                         # i32[1]
+                  STAMP: tl.constexpr):
+  """Triton kernel source (``pallas_kernels.triton_glue``), one program of one warp.
+
+  Reads one element of each input buffer, so XLA orders it after their producers
+  (the whole buffers are operands of the call). Writes ``%globaltimer_lo`` (ns,
+  low 32 bits) with ``STAMP``, else the sum of the elements read (a join of more
+  than ``_STAMP_ARITY`` buffers, read by the next kernel)."""
+  d = (tl.load(d0).to(tl.int32) + tl.load(d1).to(tl.int32) + tl.load(d2).to(tl.int32)
+       + tl.load(d3).to(tl.int32) + tl.load(d4).to(tl.int32) + tl.load(d5).to(tl.int32)
+       + tl.load(d6).to(tl.int32) + tl.load(d7).to(tl.int32))
+  if STAMP:
+    d = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [d], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+  tl.store(out_ptr, d)
 
 
 def gpu_stamp() -> Callable[..., jax.Array] | None:
   """``stamp(*deps) -> i32[1]``: the GPU's ``%globaltimer_lo`` (ns, low 32 bits), read
-  by a one-warp Pallas Triton kernel once every array in ``deps`` is ready. XLA
-  runs such a kernel as its own Triton kernel (a plain node of a command buffer,
-  like the split combine), so stamps taken inside one jit, ordered by data
-  dependence, time the device without a profiler, as CUDA events around a
-  CUDA-graph replay do. None without a GPU."""
-  if jax.default_backend() != "gpu":
+  by a one-warp Triton kernel (launched through jax-triton) once every array in
+  ``deps`` is ready: the arrays are operands of the kernel, which reads one
+  element of each (more than 8 arrays are joined by extra kernels of the same
+  source first). Stamps taken inside one jit, ordered by data dependence, time
+  the device without a profiler, as CUDA events around a CUDA-graph replay do.
+  None without a GPU or without jax-triton."""
+  from jattn.pallas_kernels import triton_glue
+  if not triton_glue.available():
     return None
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as pltriton
+
+  def launch(deps, stamp):
+    deps = list(deps) + [deps[0]] * (_STAMP_ARITY - len(deps))
+    return triton_glue.triton_call(
+        _stamp_kernel, *deps, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(1,),
+        name="jattn_gpu_stamp" if stamp else "jattn_gpu_stamp_join", num_warps=1,
+        num_stages=1, STAMP=stamp)
 
   def stamp(*deps):
-    deps = [d.reshape(-1) for d in deps]  # a bitcast: the whole buffer stays the operand
-    one = pl.BlockSpec((1,), lambda: (0,))
-    return pl.pallas_call(
-        _stamp_kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
-        in_specs=[one] * len(deps), out_specs=one, grid=(),
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-        name="jattn_gpu_stamp")(*deps)
+    deps = list(deps)
+    while len(deps) > _STAMP_ARITY:
+      deps = [launch(deps[:_STAMP_ARITY], False)] + deps[_STAMP_ARITY:]
+    return launch(deps, True)
   return stamp
 
 
@@ -158,7 +179,7 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   are then buffers inside the program, as a layer's attention output is inside a
   serving step. ``join=False`` returns every output as its own array, a fresh
   runtime buffer per call and execution: on the H200 hosts that cost the batch-1
-  rows 3-7 us per call (docs/PERF.md, "fourth session"), which times the harness,
+  rows several us per call (docs/PERF.md), which times the harness,
   not the op.
 
   ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
@@ -185,7 +206,7 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
   # plain calls' (the stamps and the elementwise op on args[0] are not in it).
   try:
     d = _differential(lambda n: make(n, stamp), args, n_lo, n_hi, reps, stamped=True)
-  except Exception as e:  # noqa: BLE001 - the stamp kernel (Pallas Triton) may not build
+  except Exception as e:  # noqa: BLE001 - the stamp kernel may not build
     warnings.warn(f"time_rotated: no device time ({type(e).__name__}: {str(e)[:200]})")
     return t
   return dataclasses.replace(t, device_seconds=d.device_seconds)
@@ -223,7 +244,7 @@ def time_loop(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 8, 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
   """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
 
-  Prefers torch (cudaMemcpy, CUDA events), the figure DESIGN.md uses; falls
+  Prefers torch (cudaMemcpy, CUDA events), the figure docs/PERF.md uses; falls
   back to a JAX elementwise copy timed the same way as kernels.
   """
   try:

@@ -9,13 +9,14 @@ the same data where it runs. Page tables rotate over a pool larger than L2.
 Two times per call: the wall time of many calls inside one jitted program (XLA's
 host work per call included), and the GPU time between two ``%globaltimer``
 stamps around the calls (``common.time_rotated(device=True)``), which is what
-CUDA events around a replayed CUDA graph measure - how DESIGN.md's peers were
-timed.
+CUDA events around a replayed CUDA graph measure - how the peers in docs/PERF.md
+were timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -66,6 +67,22 @@ def _jax_paged_attention(qs, k, v, tables, lens, page_size):
   return step, (qs, kp, vp, tables, lens)
 
 
+def parse_options(spec: str):
+  """``"overlap_qk=0,kernel_combine=1"`` -> the kernel's ``KernelOptions`` (unnamed
+  fields keep their defaults)."""
+  from jattn.pallas_kernels.decode_tuning import KernelOptions
+  fields = {f.name for f in dataclasses.fields(KernelOptions)}
+  values = {}
+  for item in filter(None, spec.split(",")):
+    name, _, val = item.partition("=")
+    name = name.strip()
+    if name not in fields or val.strip() not in ("0", "1"):
+      raise SystemExit(f"--set {item!r}: expected NAME=0 or NAME=1 with NAME one of "
+                       f"{', '.join(sorted(fields))}")
+    values[name] = val.strip() == "1"
+  return KernelOptions(**values)
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
   ap.add_argument("--page-sizes", default="16,64")
@@ -86,21 +103,18 @@ def main(argv: list[str] | None = None) -> None:
                        "launched from the host; XLA's defaults capture some op types)")
   ap.add_argument("--separate-outputs", action="store_true",
                   help="also time with every call's output returned as its own array "
-                       "(the harness before the fourth session)")
+                       "(the harness's earlier method, docs/PERF.md)")
   ap.add_argument("--loop", action="store_true",
                   help="also time the calls inside one jitted fori_loop run as one command "
                        "buffer (CUDA graph with conditional nodes): device time per call")
   ap.add_argument("--set", default="",
-                  help="kernel switches, e.g. _OVERLAP_QK=0,_KERNEL_COMBINE=0 (A/B runs)")
+                  help="kernel options (mosaic_decode.KernelOptions fields), e.g. "
+                       "overlap_qk=0,kernel_combine=0 (A/B runs)")
   args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
   from jattn.pallas_kernels import mosaic_decode as md
-  for kv in filter(None, args.set.split(",")):
-    name, val = kv.split("=")
-    if not hasattr(md, name):
-      raise SystemExit(f"--set: mosaic_decode has no switch {name}")
-    setattr(md, name, bool(int(val)))
-    print(f"mosaic_decode.{name} = {bool(int(val))}")
+  opts = parse_options(args.set)
+  print(f"kernel options: {opts}")
   if jax.default_backend() != "gpu":
     print("bench decode needs a GPU (jax default backend is "
           f"{jax.default_backend()}); nothing to do")
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def step(i, qs, k, v, tables, lens):
       return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens,
-                           max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+                           max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts)
     bsz = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
                                 max_pages=tables.shape[-1], m_rows=q_len * HQ,
                                 kv_itemsize=jnp.dtype(kv_dtype).itemsize)
@@ -183,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
 
       def lstep(i, qs, k, v, tables, lens):
         return md.mha_decode(qs[lax.rem(i, nrot)], k, v, tables[lax.rem(i, NUM_ROT)], lens,
-                             max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+                             max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale,
+                             options=opts)
       methods += [(f"loop graph={lg}", lambda lg=lg: common.time_loop(lstep, targs, graph=lg))
                   for lg in (True, False)]
     for how_timed, timed in methods:
@@ -196,12 +211,12 @@ def main(argv: list[str] | None = None) -> None:
         sweep.append(f"page {ps} {bs}x{L} {how_timed}: failed {type(e).__name__}: {str(e)[:160]}")
       print(sweep[-1], flush=True)
     if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
-      import dataclasses
       for sp in [int(x) for x in args.splits_sweep.split(",")]:
         bsz_sp = dataclasses.replace(bsz, num_splits=sp)
 
         def step_sp(i, qs, k, v, tables, lens, bsz_sp=bsz_sp):
-          return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp)
+          return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp,
+                               options=opts)
         try:
           ts = common.time_rotated(step_sp, (qs, k, v, tables, lens), n_hi=n_hi)
           sweep.append(f"page {ps} {bs}x{L} splits {sp}: {ts.seconds * 1e6:.1f} us "
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
 
       def one(q, k, v, t, lens):
         return md.mha_decode(q, k, v, t, lens, max_seqlen_q=q_len, k_scale=kscale,
-                             v_scale=kscale)
+                             v_scale=kscale, options=opts)
       try:
         summ = prof.summarize(prof.profile_calls(
             one, [(qlist[i], k, v, tlist[i % NUM_ROT], lens) for i in range(8)]))
@@ -229,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
       from jattn import reference
       out = md.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
-                          k_scale=kscale, v_scale=kscale)
+                          k_scale=kscale, v_scale=kscale, options=opts)
       ref = reference.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
                                  k_scale=kscale, v_scale=kscale)
       row.append(f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))):.2e}")
@@ -242,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
   print("jattn us: wall time per call (n calls in one jit, differential of median walls: "
         "XLA's per-execution host work included); device us: GPU time per call between "
         "%globaltimer stamps around the calls (as CUDA events around a CUDA-graph replay "
-        "time the peers in DESIGN.md)")
+        "time the peers in docs/PERF.md)")
   if profiles:
     print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
     print("\n".join(profiles))
