@@ -13,6 +13,14 @@ Modules: ``call`` (staging, views, jit cache, fences, per-layer plans), ``mha`` 
 ``mla`` (the adapters), ``pool``, ``convert``, ``streams``.
 """
 
+try:
+    import torch  # noqa: F401
+except ImportError as e:
+    raise ImportError(
+        'jattn.bridge needs PyTorch: pip install -e ".[torch]" in the jattn checkout; on a CPU-only machine: '
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    ) from e
+
 from jattn.metadata import ForwardMode
 
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, to_jax, to_torch

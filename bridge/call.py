@@ -208,6 +208,11 @@ class _BridgeBase:
         """
         if req_to_page is None:
             req_to_page = kwargs.pop("req_to_token_pages", None)
+        if kwargs.get("flat_block_tables"):
+            raise NotImplementedError(
+                "flat_block_tables (tokenspeed's per-group flat cache tables) are not supported: pass the "
+                "request-to-page table as req_to_page"
+            )
         if req_pool_indices is None or seq_lens is None or req_to_page is None:
             raise ValueError("init_forward_metadata needs req_pool_indices, seq_lens and req_to_page")
         ext = _host(extend_seq_lens_cpu if extend_seq_lens_cpu is not None else extend_seq_lens)

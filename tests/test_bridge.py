@@ -834,3 +834,18 @@ def test_bridge_cuda_graph_helpers_and_draft_block_fill():
     be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 9]), r2p, ForwardMode.DRAFT_BLOCK)
     old = be.forward_decode(q, None, None, layer, None, pool, 2)
     assert not torch.equal(old, fresh)
+
+
+def test_unsupported_planning_inputs_are_refused():
+    """tokenspeed's flat per-group cache tables are not supported: refused, never ignored."""
+    be = TorchMHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4, kernel_backend="xla"))
+    with pytest.raises(NotImplementedError, match=r"flat_block_tables"):
+        be.init_forward_metadata(
+            1,
+            0,
+            torch.tensor([0]),
+            torch.tensor([3]),
+            torch.tensor([[1]]),
+            ForwardMode.DECODE,
+            flat_block_tables={"full": torch.tensor([[1]])},
+        )
