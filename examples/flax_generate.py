@@ -92,8 +92,10 @@ def main():
     for p, o in zip(prompts, out):
         cut = next((i for i, t in enumerate(o) if t in stop_ids), len(o))
         print(f">>> {p}\n{decode(o[:cut]).strip()}\n")
-    print(f"{len(ids) * args.max_new_tokens} tokens in {dt:.2f} s (compilation included) on "
-          f"{jax.devices()[0].device_kind}")
+    print(
+        f"{len(ids) * args.max_new_tokens} tokens in {dt:.2f} s (compilation included) on "
+        f"{jax.devices()[0].device_kind}"
+    )
     allocator.free(page_table.reshape(-1))
 
 

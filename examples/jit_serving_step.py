@@ -32,8 +32,12 @@ def main():
         model = Deepseek(DeepseekConfig.tiny(), rngs=nnx.Rngs(0), std=0.3)
     else:
         model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0), std=0.3)
-    engine = Engine(model, EngineConfig(page_size=8, num_pages=128, max_context=96,
-                                        batch_buckets=(1, 2, 4, 8), token_buckets=(32, 64, 128)))
+    engine = Engine(
+        model,
+        EngineConfig(
+            page_size=8, num_pages=128, max_context=96, batch_buckets=(1, 2, 4, 8), token_buckets=(32, 64, 128)
+        ),
+    )
     rng = np.random.default_rng(0)
     # (arrival step, prompt length, max new tokens); one bad request: an empty prompt
     arrivals = [(int(2 * i), int(rng.integers(3, 30)), int(rng.integers(4, 20))) for i in range(args.requests)]
@@ -45,14 +49,21 @@ def main():
             sp = SamplingParams(max_new_tokens=a[2], temperature=0.8, top_p=0.95, seed=a[0])
             rid = engine.add_request(rng.integers(0, model.config.vocab_size, a[1]).tolist(), sp)
             req = engine.requests[rid]
-            print(f"step {step:3d}: + request {rid} ({a[1]} prompt tokens)"
-                  + (f" -> error: {req.error}" if req.status == "error" else ""))
+            print(
+                f"step {step:3d}: + request {rid} ({a[1]} prompt tokens)"
+                + (f" -> error: {req.error}" if req.status == "error" else "")
+            )
         info = engine.step()
-        print(f"step {step:3d}: {info.mode:6s} batch={len(info.rids):2d} running={len(engine.running):2d} "
-              f"free pages={engine.allocator.num_free:3d} compilations={engine.metrics.compilations}"
-              + (" (compiled)" if info.compiled else f" {1e3 * info.seconds:6.2f} ms")
-              + "".join(f"  [request {i} done: {len(engine.requests[i].output_tokens)} tokens, "
-                        f"{engine.requests[i].finish_reason}]" for i in info.finished))
+        print(
+            f"step {step:3d}: {info.mode:6s} batch={len(info.rids):2d} running={len(engine.running):2d} "
+            f"free pages={engine.allocator.num_free:3d} compilations={engine.metrics.compilations}"
+            + (" (compiled)" if info.compiled else f" {1e3 * info.seconds:6.2f} ms")
+            + "".join(
+                f"  [request {i} done: {len(engine.requests[i].output_tokens)} tokens, "
+                f"{engine.requests[i].finish_reason}]"
+                for i in info.finished
+            )
+        )
         step += 1
     print(engine.metrics.summary())
     print(f"device: {jax.devices()[0].device_kind}")

@@ -18,9 +18,11 @@ import math
 try:
     import torch
 except ImportError:
-    raise SystemExit("examples/torch_bridge.py needs PyTorch: pip install -e \".[torch]\" in the jattn "
-                     "checkout; on a CPU-only machine: pip install torch --index-url "
-                     "https://download.pytorch.org/whl/cpu") from None
+    raise SystemExit(
+        'examples/torch_bridge.py needs PyTorch: pip install -e ".[torch]" in the jattn '
+        "checkout; on a CPU-only machine: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu"
+    ) from None
 
 from jattn import ForwardMode, MHAConfig
 from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
@@ -41,10 +43,10 @@ def main():
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() and __import__("jax").default_backend() == "gpu" else "cpu"
     hq, hkv, d, ps, num_layers, num_pages = 8, 2, 64, 16, 2, 64
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=256,
-                    num_pages=num_pages)
-    pool = TorchKVPool(num_layers=num_layers, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
-                       device=dev)
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=256, num_pages=num_pages)
+    pool = TorchKVPool(
+        num_layers=num_layers, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d, device=dev
+    )
     backend = TorchMHABackend(cfg)
     layers = [AttentionLayer(i, hq, hkv, d) for i in range(num_layers)]
     wq = [torch.randn(d * hq, d * hq, device=dev, dtype=torch.bfloat16) / math.sqrt(d * hq) for _ in layers]
@@ -62,8 +64,9 @@ def main():
     def step(mode, new):
         nonlocal lens, worst
         lens = [a + b for a, b in zip(lens, new)]
-        backend.init_forward_metadata(len(new), len(new), rpi, torch.tensor(lens), req_to_page, mode,
-                                      extend_seq_lens=torch.tensor(new))
+        backend.init_forward_metadata(
+            len(new), len(new), rpi, torch.tensor(lens), req_to_page, mode, extend_seq_lens=torch.tensor(new)
+        )
         T = sum(new)
         x = torch.randn(T, hq * d, device=dev, dtype=torch.bfloat16)
         for layer in layers:
@@ -75,10 +78,10 @@ def main():
             row = 0
             for r, n in enumerate(new):
                 hk, hv = history[(layer.layer_id, r)]
-                hk.append(k[row:row + n].float().cpu().view(n, hkv, d))
-                hv.append(v[row:row + n].float().cpu().view(n, hkv, d))
-                ref = torch_attention(q[row:row + n].float().cpu().view(n, hq, d), torch.cat(hk), torch.cat(hv), n)
-                err = (out[row:row + n].float().cpu().view(n, hq, d) - ref).abs().max().item()
+                hk.append(k[row : row + n].float().cpu().view(n, hkv, d))
+                hv.append(v[row : row + n].float().cpu().view(n, hkv, d))
+                ref = torch_attention(q[row : row + n].float().cpu().view(n, hq, d), torch.cat(hk), torch.cat(hv), n)
+                err = (out[row : row + n].float().cpu().view(n, hq, d) - ref).abs().max().item()
                 worst = max(worst, err)
                 row += n
             x = out  # the next layer's input (an engine would apply o_proj, MLP, ...)
@@ -91,8 +94,10 @@ def main():
         for _ in range(6):
             step(ForwardMode.DECODE, [1] * len(prompt_lens))
     ok = worst < 3e-2
-    print(f"torch engine via jattn.bridge on {dev}: prefill {prompt_lens} + 6 decode steps, "
-          f"{num_layers} layers; max |out - torch reference| = {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"torch engine via jattn.bridge on {dev}: prefill {prompt_lens} + 6 decode steps, "
+        f"{num_layers} layers; max |out - torch reference| = {worst:.2e} -> {'OK' if ok else 'MISMATCH'}"
+    )
     return 0 if ok else 1
 
 

@@ -41,8 +41,10 @@ def _info() -> int:
 
     dev = jax.devices()[0]
     kind = device_kind()
-    print(f"jattn {jattn.__version__}, jax {jax.__version__}; device: {dev.device_kind} "
-          f"({jax.default_backend()}, {len(jax.devices())} device(s)); jattn device kind: {kind}")
+    print(
+        f"jattn {jattn.__version__}, jax {jax.__version__}; device: {dev.device_kind} "
+        f"({jax.default_backend()}, {len(jax.devices())} device(s)); jattn device kind: {kind}"
+    )
     print("what each op runs on this device with backend=None (auto):")
     w = max(len(v) for v in _OP_LABELS.values())
     for op in OPS:
@@ -83,8 +85,10 @@ def main(argv=None) -> int:
         return _info()
     if cmd == "bench":
         if rest[:1] in (["-h"], ["--help"]):
-            print(f"usage: python -m jattn bench {{{','.join(_BENCHES)}}} [options]; "
-                  "python -m jattn bench NAME --help lists a benchmark's options")
+            print(
+                f"usage: python -m jattn bench {{{','.join(_BENCHES)}}} [options]; "
+                "python -m jattn bench NAME --help lists a benchmark's options"
+            )
             return 0
         if not rest or rest[0] not in _BENCHES:
             ap.error(f"bench needs a benchmark name: {', '.join(_BENCHES)} (got {' '.join(rest[:1]) or 'none'})")

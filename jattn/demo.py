@@ -43,16 +43,20 @@ def choose_backend(name: str | None, ops=MHA_OPS) -> tuple[str | None, str | Non
     if name in (None, "auto", "xla"):
         return (None if name in (None, "auto") else name), None
     if device_kind() == "cpu":
-        return None, (f"--backend {name}: its kernels need a GPU (on this CPU they run only under "
-                      "the interpreter, for tests); every op runs on xla")
+        return None, (
+            f"--backend {name}: its kernels need a GPU (on this CPU they run only under "
+            "the interpreter, for tests); every op runs on xla"
+        )
     picks = {op: op_backend(op, name) for op in ops}
     missing = [op for op, (b, _) in picks.items() if b != name]
     if not missing:
         return name, None
     served = [op for op in ops if op not in missing]
     if any(op_backend(op)[0] != name for op in served):
-        raise SystemExit(f"--backend {name}: serves {', '.join(served)} but not {', '.join(missing)} "
-                         "here, and one loop takes one backend; use --backend auto or xla")
+        raise SystemExit(
+            f"--backend {name}: serves {', '.join(served)} but not {', '.join(missing)} "
+            "here, and one loop takes one backend; use --backend auto or xla"
+        )
     reasons = sorted({picks[op][1].split(": ", 1)[-1] for op in missing})
     # one setting for all ops: auto, which picks ``name`` for these ops where it serves the call
     # and is not measured slower than xla (see jattn.ops)
@@ -124,13 +128,25 @@ def run(
     be = MHABackend(cfg)
     layer = LayerSpec(0, num_q_heads, num_kv_heads, head_dim, sliding_window_size=window_left)
     cache = PagedKVCache.create(
-        num_layers=1, num_pages=num_pages, page_size=page_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
     )
     alloc = PageAllocator(num_pages)
     pending = [
-        _Request(i, int(rng.integers(1, 100)), int(rng.integers(1, max_new)), int(rng.integers(0, 16)),
-                 rng, num_q_heads, num_kv_heads, head_dim)
+        _Request(
+            i,
+            int(rng.integers(1, 100)),
+            int(rng.integers(1, max_new)),
+            int(rng.integers(0, 16)),
+            rng,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+        )
         for i in range(num_requests)
     ]
     pending.sort(key=lambda r: r.arrival)
@@ -166,8 +182,11 @@ def run(
             for r in arrived:
                 grow(r, r.prompt_len)
             md = be.init_forward_metadata(
-                len(arrived), np.array([r.rid for r in arrived]),
-                np.array([r.prompt_len for r in arrived]), req_to_page, ForwardMode.EXTEND,
+                len(arrived),
+                np.array([r.rid for r in arrived]),
+                np.array([r.prompt_len for r in arrived]),
+                req_to_page,
+                ForwardMode.EXTEND,
                 extend_seq_lens=np.array([r.prompt_len for r in arrived]),
             )
             t = md.num_tokens
@@ -189,8 +208,11 @@ def run(
             for r in running:
                 grow(r, r.len + 1)
             md = be.init_forward_metadata(
-                len(running), np.array([r.rid for r in running]),
-                np.array([r.len + 1 for r in running]), req_to_page, ForwardMode.DECODE,
+                len(running),
+                np.array([r.rid for r in running]),
+                np.array([r.len + 1 for r in running]),
+                req_to_page,
+                ForwardMode.DECODE,
             )
             bs = md.batch_size
             q = np.zeros((bs, num_q_heads, head_dim), np.float32)
@@ -222,25 +244,37 @@ def run(
     if verbose:
         print(f"jattn synthetic serving demo: {num_requests} requests, {step} steps, {tokens} tokens")
         print(f"  device: {jax.devices()[0].device_kind} ({device_kind()}), kernel backend: {backend or 'auto'}")
-        print(f"  attention: {num_q_heads} q heads / {num_kv_heads} kv heads, head_dim {head_dim}, "
-              f"page {page_size}, kv cache {dtype}")
+        print(
+            f"  attention: {num_q_heads} q heads / {num_kv_heads} kv heads, head_dim {head_dim}, "
+            f"page {page_size}, kv cache {dtype}"
+        )
         print(f"  jitted step compilations: {compiles['n']} (one per mode and bucket)")
         print(f"  throughput: {tokens / elapsed:,.0f} tokens/s (wall {elapsed:.2f} s, compiles included)")
-        print(f"  max |out - dense float64| = {worst:.2e} (tolerance {tol:.0e}); pages all freed: "
-              f"{alloc.num_free == num_pages - 1}")
+        print(
+            f"  max |out - dense float64| = {worst:.2e} (tolerance {tol:.0e}); pages all freed: "
+            f"{alloc.num_free == num_pages - 1}"
+        )
         print("  check:", "PASSED" if ok else "FAILED")
     return ok, worst, compiles["n"]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jattn demo --synthetic", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jattn demo --synthetic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
     ap.add_argument("--window", type=int, default=-1, help="sliding window, window_left (-1: off)")
-    ap.add_argument("--dtype", default="bfloat16",
-                    help="KV cache dtype: bfloat16 (default), float16, float32 or float8_e4m3fn")
-    ap.add_argument("--backend", default="auto", choices=backend_choices(),
-                    help="kernel backend preferred for the ops it serves (default auto)")
+    ap.add_argument(
+        "--dtype", default="bfloat16", help="KV cache dtype: bfloat16 (default), float16, float32 or float8_e4m3fn"
+    )
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=backend_choices(),
+        help="kernel backend preferred for the ops it serves (default auto)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random seed of the requests")
     a = ap.parse_args(argv)
     backend, notice = choose_backend(a.backend, MHA_OPS)

@@ -94,9 +94,7 @@ def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be divisible by num_kv_heads={num_kv_heads}")
     if page_table.shape[0] != cache_seqlens.shape[0]:
-        raise ValueError(
-            f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}"
-        )
+        raise ValueError(f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}")
 
 
 def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
@@ -123,8 +121,15 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
 
 # kernel backend -> {op: kernel module}; an op missing here has no kernel in that backend yet
 KERNELS = {"mosaic": {"mha_decode": "mosaic_decode"}}
-OPS = ("mha_decode", "mha_extend", "mha_prefill", "mla_decode", "attn_merge_state", "set_kv_buffer",
-       "set_mla_kv_buffer")
+OPS = (
+    "mha_decode",
+    "mha_extend",
+    "mha_prefill",
+    "mla_decode",
+    "attn_merge_state",
+    "set_kv_buffer",
+    "set_mla_kv_buffer",
+)
 
 
 def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
@@ -200,9 +205,7 @@ def mha_decode_with_kvcache(
     _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
     bs = page_table.shape[0]
     if max_seqlen_q < 1 or q.shape[0] != bs * max_seqlen_q:
-        raise ValueError(
-            f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})"
-        )
+        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
     kw = dict(
         max_seqlen_q=max_seqlen_q,
@@ -219,8 +222,9 @@ def mha_decode_with_kvcache(
         "mha_decode",
         backend,
         KERNELS["mosaic"]["mha_decode"],
-        lambda mod, *a, **k: mod.unsupported_reason(*a, **k)
-        or (mod.auto_skip_reason(*a, **k) if backend is None else None),
+        lambda mod, *a, **k: (
+            mod.unsupported_reason(*a, **k) or (mod.auto_skip_reason(*a, **k) if backend is None else None)
+        ),
         q,
         k_cache,
         v_cache,
@@ -404,9 +408,7 @@ def mla_decode_with_kvcache(
     _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
     _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
     if page_table.shape[0] != cache_seqlens.shape[0]:
-        raise ValueError(
-            f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}"
-        )
+        raise ValueError(f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}")
     _check_dtype(q, "q", _Q_DTYPES)
     _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
     _check_int(page_table, "page_table")
@@ -477,7 +479,5 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     t = out_cache_loc.shape[0]
     width = c_kv.size // max(t, 1) + k_pe.size // max(t, 1)
     if c_kv.shape[0] != t or k_pe.shape[0] != t or width != kv_cache.shape[-1]:
-        raise ValueError(
-            f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}"
-        )
+        raise ValueError(f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}")
     return reference.set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale)

@@ -77,15 +77,22 @@ def load_model(args):
         t0 = time.perf_counter()
         model, cfg, reader = loading.load_gguf(path, **over)
         tok = GGUFTokenizer(reader)
-        return model, tok, f"{cfg.name} ({os.path.basename(path)}, dequantised to {dtype}, " \
-                           f"loaded in {time.perf_counter() - t0:.1f} s)"
+        return (
+            model,
+            tok,
+            f"{cfg.name} ({os.path.basename(path)}, dequantised to {dtype}, "
+            f"loaded in {time.perf_counter() - t0:.1f} s)",
+        )
     from flax import nnx
 
     from jattn.models.config import LlamaConfig
     from jattn.models.llama import Llama
 
-    print(f"NOTICE: SmolLM2-135M is not installed ({INSTALL_HINT}); using a tiny RANDOM Llama "
-          "with byte tokens, so the text below is gibberish.", file=sys.stderr)
+    print(
+        f"NOTICE: SmolLM2-135M is not installed ({INSTALL_HINT}); using a tiny RANDOM Llama "
+        "with byte tokens, so the text below is gibberish.",
+        file=sys.stderr,
+    )
     cfg = LlamaConfig.tiny(vocab_size=256, **over)
     model = Llama(cfg, rngs=nnx.Rngs(args.seed), std=0.3)
     return model, ByteTokenizer(), f"{cfg.name} (random weights)"
@@ -115,13 +122,21 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=prog, description="Text generation served by jattn's continuous-batching engine.")
     if not need_prompt:  # the demo; ``python -m jattn`` routes --synthetic to jattn.demo
-        ap.add_argument("--synthetic", action="store_true",
-                        help="run the self-checking continuous-batching attention loop instead (no "
-                             "model; options: python -m jattn demo --synthetic --help)")
-    ap.add_argument("--prompt", action="append", required=need_prompt,
-                    help="prompt text (repeat for several concurrent requests)")
-    ap.add_argument("--model", choices=["auto", "smollm2", "tiny"], default="auto",
-                    help="auto (default): SmolLM2-135M when installed, else a tiny random Llama")
+        ap.add_argument(
+            "--synthetic",
+            action="store_true",
+            help="run the self-checking continuous-batching attention loop instead (no "
+            "model; options: python -m jattn demo --synthetic --help)",
+        )
+    ap.add_argument(
+        "--prompt", action="append", required=need_prompt, help="prompt text (repeat for several concurrent requests)"
+    )
+    ap.add_argument(
+        "--model",
+        choices=["auto", "smollm2", "tiny"],
+        default="auto",
+        help="auto (default): SmolLM2-135M when installed, else a tiny random Llama",
+    )
     ap.add_argument("--gguf", help="path of a llama-architecture GGUF file")
     ap.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt text")
@@ -129,10 +144,18 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (and the random model's)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="model and KV cache dtype (default: bfloat16 on a GPU, float32 on the CPU)")
-    ap.add_argument("--backend", choices=backend_choices(), default="auto",
-                    help="attention kernel backend, preferred for the ops it serves (default: auto)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="model and KV cache dtype (default: bfloat16 on a GPU, float32 on the CPU)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=backend_choices(),
+        default="auto",
+        help="attention kernel backend, preferred for the ops it serves (default: auto)",
+    )
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     ap.add_argument("--max-context", type=int, default=1024, help="longest prompt + output per request (default 1024)")
     return ap
@@ -147,20 +170,28 @@ def _run(args, prompts) -> int:
     backend, notice = choose_backend(args.backend, ops)
     if notice:
         print(notice, file=sys.stderr)
-    ecfg = EngineConfig(page_size=args.page_size, max_context=args.max_context,
-                        num_pages=1 + len(prompts) * (-(-args.max_context // args.page_size)),
-                        kernel_backend=backend)
+    ecfg = EngineConfig(
+        page_size=args.page_size,
+        max_context=args.max_context,
+        num_pages=1 + len(prompts) * (-(-args.max_context // args.page_size)),
+        kernel_backend=backend,
+    )
     engine = Engine(model, ecfg)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, stop_token_ids=tok.stop_ids())
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=tok.stop_ids(),
+    )
     ids = [tok.encode(p) if args.raw else tok.chat_prompt(p) for p in prompts]
     print(f"model:   {desc}")
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend: {describe_backend(backend, ops)}")
-    sampling = ("greedy" if args.temperature <= 0
-                else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}")
-    print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size "
-          f"{args.page_size}, {sampling}")
+    sampling = (
+        "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
+    )
+    print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size {args.page_size}, {sampling}")
     t0 = time.perf_counter()
     reqs = engine.generate(ids, params)
     wall = time.perf_counter() - t0
@@ -173,10 +204,14 @@ def _run(args, prompts) -> int:
         else:
             print(tok.decode(r.output_tokens).strip() + f"  [{len(r.output_tokens)} tokens, {r.finish_reason}]")
     m = engine.metrics
-    print(f"\n{m.generated_tokens} tokens in {wall:.2f} s wall (compilation included): "
-          f"{m.generated_tokens / wall:.1f} tokens/s")
-    print(f"step time only: {m.tokens_per_s:.1f} tokens/s; decode {m.decode_tokens_per_s:.1f} tokens/s, "
-          f"median decode step {m.median_decode_step_ms:.2f} ms; {m.compilations} compilations")
+    print(
+        f"\n{m.generated_tokens} tokens in {wall:.2f} s wall (compilation included): "
+        f"{m.generated_tokens / wall:.1f} tokens/s"
+    )
+    print(
+        f"step time only: {m.tokens_per_s:.1f} tokens/s; decode {m.decode_tokens_per_s:.1f} tokens/s, "
+        f"median decode step {m.median_decode_step_ms:.2f} ms; {m.compilations} compilations"
+    )
     return 1 if failed == len(prompts) else 0
 
 

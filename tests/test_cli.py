@@ -21,8 +21,15 @@ def _lines(text):
 def test_info_says_what_each_op_runs_here(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for label in ("mha decode", "mha extend", "mha prefill", "mla decode", "merge state", "kv write (mha)",
-                  "kv write (mla)"):
+    for label in (
+        "mha decode",
+        "mha extend",
+        "mha prefill",
+        "mla decode",
+        "merge state",
+        "kv write (mha)",
+        "kv write (mla)",
+    ):
         row = next(l for l in out.splitlines() if l.strip().startswith(label))
         assert row.split()[len(label.split())] == "xla", row  # the CPU runs every op on xla
     assert "mosaic kernel: needs a GPU" in out
@@ -54,14 +61,18 @@ def test_named_backend_is_a_preference(monkeypatch):
         monkeypatch.setattr(target, "device_kind", lambda: "hopper")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
     assert backend is None  # auto: mosaic decode, xla elsewhere
-    assert note == ("--backend mosaic: mha_extend, mha_prefill on xla (no mosaic kernel is built for this "
-                    "op yet); mha_decode on mosaic where auto picks it")
+    assert note == (
+        "--backend mosaic: mha_extend, mha_prefill on xla (no mosaic kernel is built for this "
+        "op yet); mha_decode on mosaic where auto picks it"
+    )
     for target in (jattn.ops, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
-    assert backend is None and note == ("--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (no "
-                                        "mosaic kernel is built for this op yet; the mosaic backend needs a "
-                                        "Hopper (sm90+) GPU)")
+    assert backend is None and note == (
+        "--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (no "
+        "mosaic kernel is built for this op yet; the mosaic backend needs a "
+        "Hopper (sm90+) GPU)"
+    )
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)  # no MLA kernel yet
     assert backend is None and note.startswith("--backend mosaic: mla_decode, mha_prefill on xla (no mosaic")
 
@@ -89,9 +100,14 @@ def test_cli_refuses_triton_and_unknown_bench(capsys):
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):
     assert main(["demo", "--synthetic", "--backend", "mosaic", "--requests", "2"]) == 0
     cap = capsys.readouterr()
-    assert _lines(cap.err) == [
-        "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
-        "for tests); every op runs on xla"] and "PASSED" in cap.out
+    assert (
+        _lines(cap.err)
+        == [
+            "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
+            "for tests); every op runs on xla"
+        ]
+        and "PASSED" in cap.out
+    )
 
 
 def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
@@ -102,8 +118,9 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
     seen = []
 
     class Engine:
-        metrics = types.SimpleNamespace(generated_tokens=0, tokens_per_s=0.0, decode_tokens_per_s=0.0,
-                                        median_decode_step_ms=0.0, compilations=0)
+        metrics = types.SimpleNamespace(
+            generated_tokens=0, tokens_per_s=0.0, decode_tokens_per_s=0.0, median_decode_step_ms=0.0, compilations=0
+        )
 
         def __init__(self, model, config):
             seen.append(config.kernel_backend)
@@ -119,14 +136,16 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
     assert "Traceback" not in cap.err
     assert [l for l in cap.err.splitlines() if l.startswith("--backend")] == [
         "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
-        "for tests); every op runs on xla"]
+        "for tests); every op runs on xla"
+    ]
     assert "backend: auto (mha_decode xla, mha_extend xla, mha_prefill xla)" in cap.out
 
 
 def test_bench_serving_refuses_on_cpu(capsys):
     assert main(["bench", "serving"]) == 1
     assert _lines(capsys.readouterr().out) == [
-        "bench serving needs a GPU (jax default backend is cpu); nothing to do (--cpu runs it anyway)"]
+        "bench serving needs a GPU (jax default backend is cpu); nothing to do (--cpu runs it anyway)"
+    ]
 
 
 def test_bench_serving_options_have_help(capsys):
@@ -147,8 +166,9 @@ def test_without_torch_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "pip install torch --index-url https://download.pytorch.org/whl/cpu" in err[0]
     monkeypatch.setattr(sys, "argv", ["torch_bridge.py"])
     with pytest.raises(SystemExit) as e:
-        runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"),
-                       run_name="__main__")
+        runpy.run_path(
+            str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "torch_bridge.py"), run_name="__main__"
+        )
     assert "\n" not in str(e.value.code) and 'pip install -e ".[torch]"' in str(e.value.code)
 
 

@@ -23,8 +23,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # repository folder -> import name (pyproject's package-dir)
-PACKAGES = {"jattn": "jattn", "pallas_kernels": "jattn.pallas_kernels", "bridge": "jattn.bridge",
-            "models": "jattn.models"}
+PACKAGES = {
+    "jattn": "jattn",
+    "pallas_kernels": "jattn.pallas_kernels",
+    "bridge": "jattn.bridge",
+    "models": "jattn.models",
+}
 TOOLS = ("jattn/bench/", "jattn/demo.py", "jattn/__main__.py", "models/demo.py")
 TOOL_NAMES = ("jattn.bench", "jattn.demo", "jattn.__main__", "jattn.models.demo")
 LIBRARY_FORBIDS = ("jattn.bridge", "jattn.models", "torch") + TOOL_NAMES
@@ -102,8 +106,10 @@ def test_library_and_models_import_rule():
     found = []
     for rel in files:
         found += violations((ROOT / rel).read_text(), rel)
-    assert not found, "imports that break the rule (library: no bridge/models/torch/tools; models: " \
-                      "no torch/bridge):\n" + "\n".join(found)
+    assert not found, (
+        "imports that break the rule (library: no bridge/models/torch/tools; models: "
+        "no torch/bridge):\n" + "\n".join(found)
+    )
 
 
 def test_the_checker_finds_violations():
@@ -135,9 +141,11 @@ def test_the_checker_finds_violations():
     ], found
     # relative imports resolve against the file's package (pallas_kernels -> jattn.pallas_kernels)
     assert violations("from .. import models\n", "pallas_kernels/k.py") == [
-        "pallas_kernels/k.py:1 imports jattn.models (forbidden here: jattn.models)"]
+        "pallas_kernels/k.py:1 imports jattn.models (forbidden here: jattn.models)"
+    ]
     assert violations("from ..bridge import pool\n", "models/x.py") == [
-        "models/x.py:1 imports jattn.bridge (forbidden here: jattn.bridge)"]
+        "models/x.py:1 imports jattn.bridge (forbidden here: jattn.bridge)"
+    ]
     # what the rule allows
     assert violations("import torchvision_like\nfrom jattn import ops\nimport jax\n", "jattn/ops.py") == []
     assert violations("import torch\nfrom jattn.models import engine\n", "jattn/bench/x.py") == []
@@ -177,11 +185,20 @@ def test_importing_the_library_and_models_pulls_no_torch():
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
             if isinstance(node, ast.Import) and not node.names[0].name.startswith("jattn"):
                 stmts += [f"import {a.name}" for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module != "__future__" \
-                    and not node.module.startswith("jattn"):
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and node.module != "__future__"
+                and not node.module.startswith("jattn")
+            ):
                 stmts.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
-    res = subprocess.run([sys.executable, "-c", _RUNTIME, json.dumps([lib, sorted(set(stmts))])],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _RUNTIME, json.dumps([lib, sorted(set(stmts))])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     after_lib, torch_after_models = json.loads(res.stdout.strip().splitlines()[-1])
     assert after_lib == [], f"importing the library loaded {after_lib}"

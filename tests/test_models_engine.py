@@ -135,8 +135,10 @@ def test_steady_state_never_recompiles(llama):
     rng = np.random.default_rng(3)
     for wave in range(2):  # new requests of other lengths, same buckets
         for _ in range(4):
-            eng.add_request(rng.integers(0, VOCAB, rng.integers(3, 9)).tolist(),
-                            SamplingParams(max_new_tokens=int(rng.integers(2, 6))))
+            eng.add_request(
+                rng.integers(0, VOCAB, rng.integers(3, 9)).tolist(),
+                SamplingParams(max_new_tokens=int(rng.integers(2, 6))),
+            )
         eng.run()
     assert eng.metrics.compilations == n
     assert eng.metrics.generated_tokens > 0 and eng.metrics.tokens_per_s > 0
@@ -168,6 +170,7 @@ def test_smollm2_gguf_matches_transformers():
     """SmolLM2-135M Q4_1 GGUF through jattn vs the same file loaded by transformers."""
     import jax.numpy as jnp
     import torch
+
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from jattn.models.attention import RaggedMetadata
@@ -185,13 +188,21 @@ def test_smollm2_gguf_matches_transformers():
     assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    h, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), None,
-                 RaggedMetadata.from_lengths([len(ids)]))
+    h, _ = model(
+        jnp.asarray(ids, jnp.int32),
+        jnp.arange(len(ids), dtype=jnp.int32),
+        None,
+        RaggedMetadata.from_lengths([len(ids)]),
+    )
     np.testing.assert_allclose(np.asarray(model.logits(h)), ref, atol=2e-3, rtol=0)
     # greedy generation through the paged engine, token for token
     with torch.no_grad():
-        g = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                        max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        g = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
     eng = Engine(model, EngineConfig(page_size=16, num_pages=16, max_context=128))
     assert eng.generate([ids], SamplingParams(max_new_tokens=12))[0].output_tokens == g
 
@@ -200,6 +211,7 @@ def test_command_buffer_settings():
     """Each EngineConfig.command_buffers setting maps to its XLA option; False really turns
     command buffers off (no options at all would leave XLA's defaults, which have them)."""
     from jattn.models.engine import ENGINE_COMMAND_BUFFERS, command_buffer_options
+
     key = "xla_gpu_enable_command_buffer"
     assert command_buffer_options(True) == command_buffer_options(ENGINE_COMMAND_BUFFERS)
     assert command_buffer_options(False) == {key: ""}
@@ -214,8 +226,7 @@ def test_new_weights_through_engine_state(llama):
     """The step takes the state's leaves as a flat tuple; assigning engine.state (other
     weights, same structure) must reach the step: the engine then generates what a fresh
     engine over a model with those weights generates."""
-    other = Llama(LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2), rngs=nnx.Rngs(7),
-                  std=0.3)
+    other = Llama(LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2), rngs=nnx.Rngs(7), std=0.3)
     prompt, params = _prompts(3)[1], SamplingParams(max_new_tokens=6)
     want_other, want_own = _solo(other, prompt, params), _solo(llama, prompt, params)
     assert want_other != want_own, "the two weight sets should generate differently"

@@ -13,14 +13,17 @@ pytestmark = pytest.mark.gpu
 
 
 def _engine(model, backend):
-    return Engine(model, EngineConfig(page_size=16, num_pages=256, max_context=512, batch_buckets=(1, 2, 4, 8),
-                                      kernel_backend=backend))
+    return Engine(
+        model,
+        EngineConfig(page_size=16, num_pages=256, max_context=512, batch_buckets=(1, 2, 4, 8), kernel_backend=backend),
+    )
 
 
 def test_engine_mosaic_matches_xla_greedy():
     # 8 KV heads, head_dim 64: shapes the mosaic fast path serves.
-    cfg = LlamaConfig.tiny(num_q_heads=16, num_kv_heads=8, head_dim=64, hidden_size=256, dtype="bfloat16",
-                           param_dtype="bfloat16")
+    cfg = LlamaConfig.tiny(
+        num_q_heads=16, num_kv_heads=8, head_dim=64, hidden_size=256, dtype="bfloat16", param_dtype="bfloat16"
+    )
     model = Llama(cfg, rngs=nnx.Rngs(0), std=0.3)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 97, 33)]

@@ -28,8 +28,14 @@ ATOL = 2e-4  # logits are O(10); f32 on both sides
 
 _LLAMA_ROPES = {
     "default": None,
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+    },
     "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
 }
@@ -37,9 +43,18 @@ _LLAMA_ROPES = {
 
 def _hf_llama(rope="default", family="llama", seed=0):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=6, num_key_value_heads=2, head_dim=16, initializer_range=0.4,
-              max_position_embeddings=256, attn_implementation="eager")
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.4,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
     if family == "llama":
         if _LLAMA_ROPES[rope]:
             kw["rope_parameters"] = _LLAMA_ROPES[rope]
@@ -69,14 +84,36 @@ def _hf_llama(rope="default", family="llama", seed=0):
 def _hf_deepseek(q_lora_rank, moe=False, seed=0):
     torch.manual_seed(seed)
     hc = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        first_k_dense_replace=1 if moe else 2, initializer_range=0.4, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
-                         "rope_theta": 10000.0},
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1 if moe else 2,
+        initializer_range=0.4,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "rope_theta": 10000.0,
+        },
         attn_implementation="eager",
     )
     hf = transformers.DeepseekV3ForCausalLM(hc).eval()
@@ -86,7 +123,7 @@ def _hf_deepseek(q_lora_rank, moe=False, seed=0):
                 if "e_score_correction_bias" in n:
                     b.normal_(0.0, 0.5)
     cfg = DeepseekConfig.from_hf(hc.to_dict())
-    assert cfg.rope_scaling.rope_type == "yarn" and cfg.softmax_scale() != cfg.qk_head_dim ** -0.5
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.softmax_scale() != cfg.qk_head_dim**-0.5
     return hf, deepseek_from_hf(cfg, hf.state_dict())
 
 
@@ -99,12 +136,11 @@ def _full_sequence_check(hf, model, lens=(7, 13, 1), seed=0):
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(0, VOCAB, n) for n in lens]
     md = RaggedMetadata.from_lengths(lens)
-    h, _ = model(jnp.asarray(np.concatenate(seqs), jnp.int32),
-                 jnp.asarray(RaggedMetadata.positions(lens)), None, md)
+    h, _ = model(jnp.asarray(np.concatenate(seqs), jnp.int32), jnp.asarray(RaggedMetadata.positions(lens)), None, md)
     logits = np.asarray(model.logits(h))
     off = 0
     for s in seqs:
-        np.testing.assert_allclose(logits[off: off + len(s)], _hf_logits(hf, s), atol=ATOL, rtol=0)
+        np.testing.assert_allclose(logits[off : off + len(s)], _hf_logits(hf, s), atol=ATOL, rtol=0)
         off += len(s)
 
 
@@ -139,21 +175,25 @@ def _paged_check(hf, model, page_size, *, prompt_lens=(5, 11, 1), chunk=(3, 0, 0
     table = np.zeros((n_req, max(pages_per)), np.int32)
     off = 0
     for b, n in enumerate(pages_per):
-        table[b, :n] = perm[off: off + n]
+        table[b, :n] = perm[off : off + n]
         off += n
     cache = model.make_cache(num_pages=num_pages, page_size=page_size, dtype="float32")
     # poison the cache: nothing unwritten may leak into outputs
-    cache = type(cache)(**{f: tuple(jnp.full_like(x, jnp.nan) for x in getattr(cache, f))
-                           for f in ("k", "v", "kv") if hasattr(cache, f)},
-                        **({"kv_lora_rank": cache.kv_lora_rank} if hasattr(cache, "kv_lora_rank") else {}))
+    cache = type(cache)(
+        **{
+            f: tuple(jnp.full_like(x, jnp.nan) for x in getattr(cache, f))
+            for f in ("k", "v", "kv")
+            if hasattr(cache, f)
+        },
+        **({"kv_lora_rank": cache.kv_lora_rank} if hasattr(cache, "kv_lora_rank") else {}),
+    )
     refs = [_hf_logits(hf, s) for s in seqs]
 
     def extend(done, new):
         seq_lens = np.array([d + n for d, n in zip(done, new)])
-        md = plan_extend(seq_lens, np.array(new), page_size=page_size, page_table=table,
-                         num_pages=num_pages)
+        md = plan_extend(seq_lens, np.array(new), page_size=page_size, page_table=table, num_pages=num_pages)
         toks = np.zeros(md.num_tokens, np.int32)
-        toks[: sum(new)] = np.concatenate([seqs[b][d: d + n] for b, (d, n) in enumerate(zip(done, new))])
+        toks[: sum(new)] = np.concatenate([seqs[b][d : d + n] for b, (d, n) in enumerate(zip(done, new))])
         return md, toks
 
     done = [0] * n_req
@@ -167,8 +207,9 @@ def _paged_check(hf, model, page_size, *, prompt_lens=(5, 11, 1), chunk=(3, 0, 0
         off = 0
         for b, n in enumerate(new):
             if n:
-                np.testing.assert_allclose(logits[off: off + n], refs[b][done[b]: done[b] + n],
-                                           atol=ATOL, rtol=0, err_msg=f"extend req {b}")
+                np.testing.assert_allclose(
+                    logits[off : off + n], refs[b][done[b] : done[b] + n], atol=ATOL, rtol=0, err_msg=f"extend req {b}"
+                )
             off += n
             done[b] += n
     for _ in range(decode_steps):
@@ -178,8 +219,9 @@ def _paged_check(hf, model, page_size, *, prompt_lens=(5, 11, 1), chunk=(3, 0, 0
         h, cache = model(jnp.asarray(toks), jnp.asarray(md.positions), cache, md)
         logits = np.asarray(model.logits(h))
         for b in range(n_req):
-            np.testing.assert_allclose(logits[b], refs[b][done[b]], atol=ATOL, rtol=0,
-                                       err_msg=f"decode req {b} pos {done[b]}")
+            np.testing.assert_allclose(
+                logits[b], refs[b][done[b]], atol=ATOL, rtol=0, err_msg=f"decode req {b} pos {done[b]}"
+            )
             done[b] += 1
 
 
@@ -196,16 +238,22 @@ def test_deepseek_paged_prefill_extend_decode(q_lora_rank):
 
 def _hf_greedy(hf, prompt, n):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek"])
 def test_greedy_generation_matches_hf(arch):
     hf, model = _hf_llama("yarn") if arch == "llama" else _hf_deepseek(24)
-    engine = Engine(model, EngineConfig(page_size=4, num_pages=48, max_context=48,
-                                        batch_buckets=(1, 2, 4), token_buckets=(32, 64)))
+    engine = Engine(
+        model, EngineConfig(page_size=4, num_pages=48, max_context=48, batch_buckets=(1, 2, 4), token_buckets=(32, 64))
+    )
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (6, 13, 1)]
     reqs = engine.generate(prompts, SamplingParams(max_new_tokens=7))

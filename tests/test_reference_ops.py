@@ -12,11 +12,11 @@ import math
 import zlib
 
 import jax.numpy as jnp
+import naive  # tests/naive.py (pytest puts tests/ on sys.path)
 import numpy as np
 import pytest
 
 import jattn
-import naive  # tests/naive.py (pytest puts tests/ on sys.path)
 
 F32_TOL = dict(atol=2e-5, rtol=2e-5)
 BF16_ATOL = 2e-3
@@ -82,7 +82,7 @@ def test_mha_decode(case):
     q = rng.standard_normal((bs * q_len, hq, d)).astype(np.float32)
     for b, length in enumerate(lens):
         if length == 0:  # padded rows: NaN queries must still give exactly 0
-            q[b * q_len:(b + 1) * q_len] = np.nan
+            q[b * q_len : (b + 1) * q_len] = np.nan
     sinks = rng.standard_normal(hq).astype(np.float32) * 2 if use_sinks else None
     scale = 0.7 / math.sqrt(d) if case[0].startswith("f32-verify") else None
     kw = dict(max_seqlen_q=q_len, is_causal=causal, window_left=window, logit_cap=cap, softmax_scale=scale)
@@ -91,26 +91,42 @@ def test_mha_decode(case):
         kc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=3.0 * ks), ks)
         vc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=3.0 * vs), vs)
         out, lse = jattn.mha_decode_with_kvcache(
-            jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pool.page_table),
-            jnp.asarray(pool.lens), sinks=None if sinks is None else jnp.asarray(sinks),
-            k_scale=ks, v_scale=vs, return_lse=True, backend="xla", **kw)
-        truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sinks,
-                                     k_scale=ks, v_scale=vs, **kw)
+            jnp.asarray(q),
+            jnp.asarray(kc),
+            jnp.asarray(vc),
+            jnp.asarray(pool.page_table),
+            jnp.asarray(pool.lens),
+            sinks=None if sinks is None else jnp.asarray(sinks),
+            k_scale=ks,
+            v_scale=vs,
+            return_lse=True,
+            backend="xla",
+            **kw,
+        )
+        truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sinks, k_scale=ks, v_scale=vs, **kw)
         _check(out, lse, truth, tl, dtype="f32")
         return
     kc, vc = pool.fill(rng, (hkv, d)), pool.fill(rng, (hkv, d))
     jd = _jdt(dtype)
     out, lse = jattn.mha_decode_with_kvcache(
-        jnp.asarray(q, jd), jnp.asarray(kc, jd), jnp.asarray(vc, jd), jnp.asarray(pool.page_table),
-        jnp.asarray(pool.lens), sinks=None if sinks is None else jnp.asarray(sinks),
-        return_lse=True, backend="xla", **kw)
+        jnp.asarray(q, jd),
+        jnp.asarray(kc, jd),
+        jnp.asarray(vc, jd),
+        jnp.asarray(pool.page_table),
+        jnp.asarray(pool.lens),
+        sinks=None if sinks is None else jnp.asarray(sinks),
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
     assert out.dtype == jd and lse.dtype == jnp.float32
     assert lse.shape == (bs * q_len, hq)
     truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sinks, **kw)
     base = None
     if _lowp(dtype):
-        base, _ = naive.mha_decode(_round(q, dtype), _round(kc, dtype), _round(vc, dtype),
-                                   pool.page_table, pool.lens, sinks=sinks, **kw)
+        base, _ = naive.mha_decode(
+            _round(q, dtype), _round(kc, dtype), _round(vc, dtype), pool.page_table, pool.lens, sinks=sinks, **kw
+        )
     _check(out, lse, truth, tl, dtype=dtype, baseline=base)
 
 
@@ -148,7 +164,7 @@ def test_mha_extend(case):
     cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     total = int(cu[-1]) + pad
     q = rng.standard_normal((total, hq, d)).astype(np.float32)
-    q[int(cu[-1]):] = np.nan  # padding tokens past cu[-1]
+    q[int(cu[-1]) :] = np.nan  # padding tokens past cu[-1]
     max_q = max(max(new), 1) + 2  # a bucket above the real maximum
     sinks = rng.standard_normal(hq).astype(np.float32) if use_sinks else None
     kw = dict(is_causal=causal, window_left=window, logit_cap=cap)
@@ -159,26 +175,50 @@ def test_mha_extend(case):
         kc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=2 * ks), ks)
         vc = naive.quantize_fp8(pool.fill(rng, (hkv, d), scale=2 * vs), vs)
         out, lse = jattn.mha_extend_with_kvcache(
-            jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), pt, sl, jnp.asarray(cu), max_seqlen_q=max_q,
-            sinks=js, k_scale=ks, v_scale=vs, return_lse=True, backend="xla", **kw)
-        truth, tl = naive.mha_extend(q, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks,
-                                     k_scale=ks, v_scale=vs, **kw)
+            jnp.asarray(q),
+            jnp.asarray(kc),
+            jnp.asarray(vc),
+            pt,
+            sl,
+            jnp.asarray(cu),
+            max_seqlen_q=max_q,
+            sinks=js,
+            k_scale=ks,
+            v_scale=vs,
+            return_lse=True,
+            backend="xla",
+            **kw,
+        )
+        truth, tl = naive.mha_extend(
+            q, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, k_scale=ks, v_scale=vs, **kw
+        )
         _check(out, lse, truth, tl, dtype="f32")
-        assert np.all(np.asarray(out)[int(cu[-1]):] == 0)
+        assert np.all(np.asarray(out)[int(cu[-1]) :] == 0)
         return
     kc, vc = pool.fill(rng, (hkv, d)), pool.fill(rng, (hkv, d))
     jd = _jdt(dtype)
     out, lse = jattn.mha_extend_with_kvcache(
-        jnp.asarray(q, jd), jnp.asarray(kc, jd), jnp.asarray(vc, jd), pt, sl, jnp.asarray(cu),
-        max_seqlen_q=max_q, sinks=js, return_lse=True, backend="xla", **kw)
+        jnp.asarray(q, jd),
+        jnp.asarray(kc, jd),
+        jnp.asarray(vc, jd),
+        pt,
+        sl,
+        jnp.asarray(cu),
+        max_seqlen_q=max_q,
+        sinks=js,
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
     truth, tl = naive.mha_extend(q, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, **kw)
     base = None
     if _lowp(dtype):
-        base, _ = naive.mha_extend(_round(q, dtype), _round(kc, dtype), _round(vc, dtype),
-                                   pool.page_table, pool.lens, cu, sinks=sinks, **kw)
+        base, _ = naive.mha_extend(
+            _round(q, dtype), _round(kc, dtype), _round(vc, dtype), pool.page_table, pool.lens, cu, sinks=sinks, **kw
+        )
     _check(out, lse, truth, tl, dtype=dtype, baseline=base)
-    assert np.all(np.asarray(out)[int(cu[-1]):] == 0), "padding tokens must give exactly 0"
-    assert np.all(np.isneginf(np.asarray(lse)[int(cu[-1]):]))
+    assert np.all(np.asarray(out)[int(cu[-1]) :] == 0), "padding tokens must give exactly 0"
+    assert np.all(np.isneginf(np.asarray(lse)[int(cu[-1]) :]))
 
 
 # ----------------------------------------------------------------------------- ragged prefill
@@ -203,28 +243,36 @@ def test_mha_prefill(case):
     tq = int(cu[-1]) + pad
     tk = int((cu if cukv is None else cukv)[-1]) + 2
     q = rng.standard_normal((tq, hq, dqk)).astype(np.float32)
-    q[int(cu[-1]):] = np.nan
+    q[int(cu[-1]) :] = np.nan
     k = rng.standard_normal((tk, hkv, dqk)).astype(np.float32)
     v = rng.standard_normal((tk, hkv, dv)).astype(np.float32)
-    k[tk - 2:] = np.nan  # keys past the last request
-    v[tk - 2:] = np.nan
+    k[tk - 2 :] = np.nan  # keys past the last request
+    v[tk - 2 :] = np.nan
     sinks = rng.standard_normal(hq).astype(np.float32) if use_sinks else None
     kw = dict(is_causal=causal, window_left=window, logit_cap=cap)
     max_q = max(q_lens)
     max_kv = max(q_lens if kv_lens is None else kv_lens) + 1
     jd = _jdt(dtype)
     out, lse = jattn.mha_prefill(
-        jnp.asarray(q, jd), jnp.asarray(k, jd), jnp.asarray(v, jd), jnp.asarray(cu),
-        None if cukv is None else jnp.asarray(cukv), max_seqlen_q=max_q, max_seqlen_kv=max_kv,
-        sinks=None if sinks is None else jnp.asarray(sinks), return_lse=True, backend="xla", **kw)
+        jnp.asarray(q, jd),
+        jnp.asarray(k, jd),
+        jnp.asarray(v, jd),
+        jnp.asarray(cu),
+        None if cukv is None else jnp.asarray(cukv),
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        sinks=None if sinks is None else jnp.asarray(sinks),
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
     assert out.shape == (tq, hq, dv)
     truth, tl = naive.mha_prefill(q, k, v, cu, cukv, sinks=sinks, **kw)
     base = None
     if _lowp(dtype):
-        base, _ = naive.mha_prefill(_round(q, dtype), _round(k, dtype), _round(v, dtype), cu, cukv,
-                                    sinks=sinks, **kw)
+        base, _ = naive.mha_prefill(_round(q, dtype), _round(k, dtype), _round(v, dtype), cu, cukv, sinks=sinks, **kw)
     _check(out, lse, truth, tl, dtype=dtype, baseline=base)
-    assert np.all(np.asarray(out)[int(cu[-1]):] == 0)
+    assert np.all(np.asarray(out)[int(cu[-1]) :] == 0)
 
 
 def test_mha_prefill_fp8_kv_scales():
@@ -233,8 +281,17 @@ def test_mha_prefill_fp8_kv_scales():
     q = rng.standard_normal((30, 4, 32)).astype(np.float32)
     k8 = naive.quantize_fp8(rng.standard_normal((30, 2, 32)) * 0.3, 0.1)
     v8 = naive.quantize_fp8(rng.standard_normal((30, 2, 32)) * 5, 2.0)
-    out, lse = jattn.mha_prefill(jnp.asarray(q), jnp.asarray(k8), jnp.asarray(v8), jnp.asarray(cu),
-                                 max_seqlen_q=21, k_scale=0.1, v_scale=2.0, return_lse=True, backend="xla")
+    out, lse = jattn.mha_prefill(
+        jnp.asarray(q),
+        jnp.asarray(k8),
+        jnp.asarray(v8),
+        jnp.asarray(cu),
+        max_seqlen_q=21,
+        k_scale=0.1,
+        v_scale=2.0,
+        return_lse=True,
+        backend="xla",
+    )
     truth, tl = naive.mha_prefill(q, k8, v8, cu, k_scale=0.1, v_scale=2.0)
     _check(out, lse, truth, tl, dtype="f32")
 
@@ -262,20 +319,22 @@ def test_mla_decode(case):
     q = rng.standard_normal((bs * q_len, h, width)).astype(np.float32)
     for b, length in enumerate(lens):
         if length == 0:
-            q[b * q_len:(b + 1) * q_len] = np.nan
+            q[b * q_len : (b + 1) * q_len] = np.nan
     kw = dict(kv_lora_rank=big_r, softmax_scale=scale, max_seqlen_q=q_len)
     pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
     if kv_scale is not None:
         kv = naive.quantize_fp8(pool.fill(rng, (width,), scale=3 * kv_scale), kv_scale)
-        out, lse = jattn.mla_decode_with_kvcache(jnp.asarray(q), jnp.asarray(kv), pt, sl, kv_scale=kv_scale,
-                                                 return_lse=True, backend="xla", **kw)
+        out, lse = jattn.mla_decode_with_kvcache(
+            jnp.asarray(q), jnp.asarray(kv), pt, sl, kv_scale=kv_scale, return_lse=True, backend="xla", **kw
+        )
         truth, tl = naive.mla_decode(q, kv, pool.page_table, pool.lens, kv_scale=kv_scale, **kw)
         _check(out, lse, truth, tl, dtype="f32")
         return
     kv = pool.fill(rng, (width,))
     jd = _jdt(dtype)
-    out, lse = jattn.mla_decode_with_kvcache(jnp.asarray(q, jd), jnp.asarray(kv, jd), pt, sl,
-                                             return_lse=True, backend="xla", **kw)
+    out, lse = jattn.mla_decode_with_kvcache(
+        jnp.asarray(q, jd), jnp.asarray(kv, jd), pt, sl, return_lse=True, backend="xla", **kw
+    )
     assert out.shape == (bs * q_len, h, big_r) and out.dtype == jd
     truth, tl = naive.mla_decode(q, kv, pool.page_table, pool.lens, **kw)
     base = None
@@ -318,13 +377,21 @@ def test_split_kv_then_merge_equals_full(split):
     vs = [rng.standard_normal((n, 2, 16)).astype(np.float32) for n in kv_lens]
 
     def part(lo, hi):
-        kk = [k[min(lo, len(k)):min(hi, len(k))] for k in ks]
-        vv = [v[min(lo, len(v)):min(hi, len(v))] for v in vs]
+        kk = [k[min(lo, len(k)) : min(hi, len(k))] for k in ks]
+        vv = [v[min(lo, len(v)) : min(hi, len(v))] for v in vs]
         cukv = np.concatenate([[0], np.cumsum([len(x) for x in kk])]).astype(np.int32)
         return jattn.mha_prefill(
-            jnp.asarray(q), jnp.asarray(np.concatenate(kk)), jnp.asarray(np.concatenate(vv)),
-            jnp.asarray(cu), jnp.asarray(cukv), max_seqlen_q=5, max_seqlen_kv=97, is_causal=False,
-            return_lse=True, backend="xla")
+            jnp.asarray(q),
+            jnp.asarray(np.concatenate(kk)),
+            jnp.asarray(np.concatenate(vv)),
+            jnp.asarray(cu),
+            jnp.asarray(cukv),
+            max_seqlen_q=5,
+            max_seqlen_kv=97,
+            is_causal=False,
+            return_lse=True,
+            backend="xla",
+        )
 
     o_full, lse_full = part(0, 10**6)
     o_a, lse_a = part(0, split)
@@ -332,8 +399,9 @@ def test_split_kv_then_merge_equals_full(split):
     o, lse = jattn.attn_merge_state(o_a, lse_a, o_b, lse_b)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_full), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_full), atol=1e-5, rtol=1e-5)
-    truth, tl = naive.mha_prefill(q, np.concatenate(ks), np.concatenate(vs), cu,
-                                  np.concatenate([[0], np.cumsum(kv_lens)]), is_causal=False)
+    truth, tl = naive.mha_prefill(
+        q, np.concatenate(ks), np.concatenate(vs), cu, np.concatenate([[0], np.cumsum(kv_lens)]), is_causal=False
+    )
     _check(o, lse, truth, tl, dtype="f32")
 
 
@@ -342,8 +410,9 @@ def test_merge_of_two_empty_parts_is_zero_and_neg_inf():
     k = jnp.full((2, 1, 8), jnp.nan, jnp.float32)
     cu = jnp.array([0, 4], jnp.int32)
     cukv = jnp.array([0, 0], jnp.int32)
-    o_a, lse_a = jattn.mha_prefill(q, k, k, cu, cukv, max_seqlen_q=4, max_seqlen_kv=1, is_causal=False,
-                                   return_lse=True, backend="xla")
+    o_a, lse_a = jattn.mha_prefill(
+        q, k, k, cu, cukv, max_seqlen_q=4, max_seqlen_kv=1, is_causal=False, return_lse=True, backend="xla"
+    )
     o, lse = jattn.attn_merge_state(o_a, lse_a, o_a, lse_a)
     assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
@@ -379,8 +448,9 @@ def test_fp8_write_then_read_round_trip_clamps():
     k[0, 0, :4] = [1e4, -1e4, 448 * k_scale, -448 * k_scale * 1.01]
     v[0, 0, :2] = [1e6, -3e3]
     loc = np.arange(4, 10, dtype=np.int32)
-    nk, nv = jattn.set_kv_buffer(kc, vc, jnp.asarray(loc), jnp.asarray(k), jnp.asarray(v),
-                                 k_scale=k_scale, v_scale=v_scale)
+    nk, nv = jattn.set_kv_buffer(
+        kc, vc, jnp.asarray(loc), jnp.asarray(k), jnp.asarray(v), k_scale=k_scale, v_scale=v_scale
+    )
     rk = np.asarray(nk).astype(np.float32).reshape(16, 1, 8)[loc] * k_scale
     rv = np.asarray(nv).astype(np.float32).reshape(16, 1, 8)[loc] * v_scale
     assert np.isfinite(rk).all() and np.isfinite(rv).all(), "FP8 casts must be clamped, never NaN"
@@ -466,17 +536,37 @@ def test_random_feature_combinations(seed):
     js = None if sinks is None else jnp.asarray(sinks)
     pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
     q = rng.standard_normal((len(lens) * q_len, hq, d)).astype(np.float32)
-    out, lse = jattn.mha_decode_with_kvcache(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), pt, sl,
-                                             max_seqlen_q=q_len, sinks=js, return_lse=True, backend="xla", **kw)
+    out, lse = jattn.mha_decode_with_kvcache(
+        jnp.asarray(q),
+        jnp.asarray(kc),
+        jnp.asarray(vc),
+        pt,
+        sl,
+        max_seqlen_q=q_len,
+        sinks=js,
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
     truth, tl = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, max_seqlen_q=q_len, sinks=sinks, **kw)
     _check(out, lse, truth, tl, dtype="f32")
     # Extend over the same pool: each request's last n_b <= length tokens are new.
     new = [int(rng.integers(0, min(x, 9) + 1)) for x in lens]
     cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     qe = rng.standard_normal((int(cu[-1]) + 3, hq, d)).astype(np.float32)
-    qe[int(cu[-1]):] = np.nan
-    out, lse = jattn.mha_extend_with_kvcache(jnp.asarray(qe), jnp.asarray(kc), jnp.asarray(vc), pt, sl,
-                                             jnp.asarray(cu), max_seqlen_q=16, sinks=js, return_lse=True,
-                                             backend="xla", **kw)
+    qe[int(cu[-1]) :] = np.nan
+    out, lse = jattn.mha_extend_with_kvcache(
+        jnp.asarray(qe),
+        jnp.asarray(kc),
+        jnp.asarray(vc),
+        pt,
+        sl,
+        jnp.asarray(cu),
+        max_seqlen_q=16,
+        sinks=js,
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
     truth, tl = naive.mha_extend(qe, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, **kw)
     _check(out, lse, truth, tl, dtype="f32")

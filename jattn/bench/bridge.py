@@ -33,8 +33,10 @@ def _host_us(fn, n=300, warm=20):
     return statistics.median(ts) * 1e6
 
 
-TORCH_MISSING = ("bench bridge needs PyTorch: pip install -e \".[torch]\" in the jattn checkout; on a "
-                 "CPU-only machine: pip install torch --index-url https://download.pytorch.org/whl/cpu")
+TORCH_MISSING = (
+    'bench bridge needs PyTorch: pip install -e ".[torch]" in the jattn checkout; on a '
+    "CPU-only machine: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+)
 
 
 def _setup(bs, seqlen, layers, sync, kv_writer="auto", device="cuda", heads=(32, 8, 128), **bekw):
@@ -46,18 +48,19 @@ def _setup(bs, seqlen, layers, sync, kv_writer="auto", device="cuda", heads=(32,
     (hq, hkv, d), ps = heads, 16
     pages_per = seqlen // ps
     num_pages = bs * pages_per + 1
-    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=seqlen,
-                    num_pages=num_pages)
-    pool = TorchKVPool(num_layers=layers, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d,
-                       device=device)
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=seqlen, num_pages=num_pages)
+    pool = TorchKVPool(
+        num_layers=layers, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d, device=device
+    )
     for i in range(layers):
         pool.get_key_buffer(i).normal_()
         pool.get_value_buffer(i).normal_()
     be = TorchMHABackend(cfg, sync=sync, kv_writer=kv_writer, **bekw)
     be.init_cuda_graph_state(max(bs, 1))
     rng = np.random.default_rng(0)
-    r2p = torch.from_numpy(rng.permutation(np.arange(1, num_pages))[: bs * pages_per].reshape(bs, pages_per)
-                           .astype(np.int32))
+    r2p = torch.from_numpy(
+        rng.permutation(np.arange(1, num_pages))[: bs * pages_per].reshape(bs, pages_per).astype(np.int32)
+    )
     be.init_forward_metadata(bs, 0, torch.arange(bs), torch.full((bs,), seqlen), r2p, ForwardMode.DECODE)
     lys = [AttentionLayer(i, hq, hkv, d) for i in range(layers)]
     q = torch.randn(bs, hq * d, dtype=torch.bfloat16, device=device)
@@ -97,8 +100,10 @@ def bench_throughput(bs=64, seqlen=4096, layers=4, calls=64, sync="auto"):
 
     # the same jitted decode + write, JAX-native on JAX-owned arrays (donated caches)
     md = be.forward_metadata
-    kcs = [jax.random.normal(jax.random.key(i), pool.get_key_buffer(0).shape, jnp.bfloat16).reshape(-1, 16, 8, 128)
-           for i in range(layers)]
+    kcs = [
+        jax.random.normal(jax.random.key(i), pool.get_key_buffer(0).shape, jnp.bfloat16).reshape(-1, 16, 8, 128)
+        for i in range(layers)
+    ]
     vcs = [c + 0 for c in kcs]
     qj = jnp.ones((bs, 32, 128), jnp.bfloat16)
     kj = jnp.ones((bs, 8, 128), jnp.bfloat16)
@@ -144,8 +149,10 @@ def _bare_call(be):
             for v, a in zip(views, kvs):
                 v.jax = a
     else:  # CPU: the torch writer; the jitted call only reads
+
         def bare():
             return fn(ent[1], [], md, (None, views[0].jax, views[1].jax), *fence)
+
     return bare
 
 
@@ -166,20 +173,21 @@ def bench_host(sync="auto", device="cuda", seqlen=4096, n=300):
     _sync_all()
     parts = {}
     parts["forward_decode, save_kv_cache=False (read-only)"] = _host_us(
-        lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
+        lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n
+    )
     for mode in ("none", "host", "event") + (("stream",) if jax.default_backend() == "gpu" else ()):
         if mode == sync:
             continue
         be.sync.mode = mode
         parts[f"forward_decode with sync={mode}"] = _host_us(call, n)
         parts[f"forward_decode with sync={mode}, read-only"] = _host_us(
-            lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
+            lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n
+        )
     be.sync.mode = sync
     if be.stream is not None:
         with torch.cuda.stream(be.stream):
             parts["forward_decode with torch on XLA's stream (backend.stream): no fences"] = _host_us(call, n)
-            parts["the same, read-only"] = _host_us(
-                lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
+            parts["the same, read-only"] = _host_us(lambda: be.forward_decode(q, None, None, layer, None, pool, 1), n)
         _sync_all()
     if jax.default_backend() == "gpu" and sync in ("event", "stream"):
         # Which fence makes the whole call slower than the sum of its parts.
@@ -189,8 +197,9 @@ def bench_host(sync="auto", device="cuda", seqlen=4096, n=300):
         be.sync.after_jax, be.sync.before_jax = after, (lambda: be.sync._fence_j)
         parts["forward_decode with the jax->torch fence only"] = _host_us(call, n)
         be.sync.after_jax = lambda out: out.block_until_ready()
-        parts["forward_decode with block_until_ready instead of the jax->torch fence, no torch->jax"] = \
-            _host_us(call, n)
+        parts["forward_decode with block_until_ready instead of the jax->torch fence, no torch->jax"] = _host_us(
+            call, n
+        )
         be.sync.before_jax, be.sync.after_jax = before, after
         _sync_all()
     be.fast_path = False  # the path before the per-layer closures: everything re-derived per call
@@ -220,16 +229,25 @@ def bench_host(sync="auto", device="cuda", seqlen=4096, n=300):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench bridge", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jattn bench bridge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--bs", type=int, default=64, help="batch of the throughput part (GPU; default 64)")
     ap.add_argument("--seqlen", type=int, default=4096, help="context of the throughput part (default 4096)")
     ap.add_argument("--layers", type=int, default=4, help="layers (pools) the calls rotate over (default 4)")
     ap.add_argument("--calls", type=int, default=64, help="back-to-back calls per timing (default 64)")
-    ap.add_argument("--sync", default="auto", choices=["auto", "event", "stream", "host", "none"],
-                    help="the bridge's torch/JAX ordering mode (default auto)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                    help="cpu: host-time part only, small shapes (the Python overhead; JAX on the CPU)")
+    ap.add_argument(
+        "--sync",
+        default="auto",
+        choices=["auto", "event", "stream", "host", "none"],
+        help="the bridge's torch/JAX ordering mode (default auto)",
+    )
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="cpu: host-time part only, small shapes (the Python overhead; JAX on the CPU)",
+    )
     ap.add_argument("--host-seqlen", type=int, default=None, help="context of the batch-1 host-time call")
     ap.add_argument("--reps", type=int, default=300, help="timed calls per host-time figure")
     a = ap.parse_args(argv)
@@ -241,8 +259,10 @@ def main(argv=None) -> int:
     on_gpu = jax.default_backend() == "gpu"
     device = a.device if a.device != "auto" else ("cuda" if on_gpu else "cpu")
     if (device == "cuda") != on_gpu:
-        print(f"bench bridge --device {device} needs JAX on the same platform (JAX backend is "
-              f"{jax.default_backend()}); use --device {'cuda' if on_gpu else 'cpu'}")
+        print(
+            f"bench bridge --device {device} needs JAX on the same platform (JAX backend is "
+            f"{jax.default_backend()}); use --device {'cuda' if on_gpu else 'cpu'}"
+        )
         return 1
     heads = "32/8 D128" if on_gpu else "8/2 D64"
     host_seqlen = a.host_seqlen or (4096 if on_gpu else 64)
@@ -256,9 +276,10 @@ def main(argv=None) -> int:
             t_torch, t_native, used = bench_throughput(a.bs, a.seqlen, a.layers, a.calls, mode)
             if i == 0:
                 rows.append((f"decode {shape}: JAX native, us/call", t_native * 1e6))
-            rows += [(f"decode {shape}: torch bridge sync={mode} ({used}), us/call", t_torch * 1e6),
-                     (f"decode overhead vs native, sync={mode}, % (target <= +5)",
-                      (t_torch / t_native - 1) * 100)]
+            rows += [
+                (f"decode {shape}: torch bridge sync={mode} ({used}), us/call", t_torch * 1e6),
+                (f"decode overhead vs native, sync={mode}, % (target <= +5)", (t_torch / t_native - 1) * 100),
+            ]
     w = max(len(r[0]) for r in rows)
     print(f"\nbench bridge ({jax.default_backend()}, jax {jax.__version__})")
     print(f"{'what'.ljust(w)}  {'us':>8}")

@@ -54,8 +54,13 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     c = engine.config
     pages = -(-seq_len // c.page_size)
     table = np.arange(1, 1 + bs * pages, dtype=np.int32).reshape(bs, pages) % (c.num_pages - 1) + 1
-    md = plan_decode(np.full(bs, seq_len), page_size=c.page_size, page_table=table,
-                     batch_buckets=c.batch_buckets, max_pages=engine.max_pages)
+    md = plan_decode(
+        np.full(bs, seq_len),
+        page_size=c.page_size,
+        page_table=table,
+        batch_buckets=c.batch_buckets,
+        max_pages=engine.max_pages,
+    )
     tokens = np.zeros(md.num_tokens, np.int32)
     z = np.zeros(md.batch_size, np.float32)
     zi = np.zeros(md.batch_size, np.int32)
@@ -65,6 +70,7 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     def call():
         out, engine.kv_cache = engine._step(engine.params, engine.kv_cache, *args, greedy_only=True)
         return out
+
     return call
 
 
@@ -90,80 +96,121 @@ def _attention_kernel(name: str) -> bool:
 def _profile_step(engine: Engine, bs: int, seq_len: int, n: int = 6) -> dict:
     """Kernel times of one decode step (profiler): span, busy, attention share."""
     from jattn.bench import profile as prof
+
     call = _decode_step_call(engine, bs, seq_len)
     summ = prof.summarize(prof.profile_calls(call, [()] * n))
     attn = sum(us for name, _, us in summ.kernels if _attention_kernel(name))
     kernel_sum = sum(us for _, _, us in summ.kernels)
     count = sum(c for _, c, _ in summ.kernels)
     print(summ.table(top=10), flush=True)
-    return dict(span_us=summ.span_us, busy_us=summ.busy_us, kernel_sum_us=kernel_sum,
-                attention_us=attn, kernels_per_step=count)
+    return dict(
+        span_us=summ.span_us, busy_us=summ.busy_us, kernel_sum_us=kernel_sum, attention_us=attn, kernels_per_step=count
+    )
 
 
-def run_one(model, bs: int, prompt_len: int, gen_len: int, page_size: int, backend,
-            profile: bool = False, command_buffers: bool | str = True) -> dict:
+def run_one(
+    model,
+    bs: int,
+    prompt_len: int,
+    gen_len: int,
+    page_size: int,
+    backend,
+    profile: bool = False,
+    command_buffers: bool | str = True,
+) -> dict:
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     buckets = tuple(sorted({1, bs}))
-    ecfg = EngineConfig(page_size=page_size, num_pages=1 + bs * pages_per, max_context=max_context,
-                        max_running=bs, max_prefill_tokens=min(bs, 32) * prompt_len,
-                        batch_buckets=buckets, token_buckets=None, kernel_backend=backend,
-                        command_buffers=command_buffers)
+    ecfg = EngineConfig(
+        page_size=page_size,
+        num_pages=1 + bs * pages_per,
+        max_context=max_context,
+        max_running=bs,
+        max_prefill_tokens=min(bs, 32) * prompt_len,
+        batch_buckets=buckets,
+        token_buckets=None,
+        kernel_backend=backend,
+        command_buffers=command_buffers,
+    )
     engine = Engine(model, ecfg)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     t0 = time.perf_counter()
     # warm-up: the same shapes (compiles the extend and decode programs of this batch size)
-    engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)],
-                    SamplingParams(max_new_tokens=3))
+    engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)], SamplingParams(max_new_tokens=3))
     warm = time.perf_counter() - t0
     compiled = engine.metrics.compilations
     engine.metrics = type(engine.metrics)(compilations=compiled)
     t0 = time.perf_counter()
-    reqs = engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)],
-                           SamplingParams(max_new_tokens=gen_len))
+    reqs = engine.generate(
+        [rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)], SamplingParams(max_new_tokens=gen_len)
+    )
     wall = time.perf_counter() - t0
     m = engine.metrics
     assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
     dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
     extra = _profile_step(engine, bs, prompt_len + gen_len // 2) if profile else {}
-    return dict(**extra,
-        batch=bs, prompt_len=prompt_len, gen_len=gen_len,
-        decode_tok_s=m.decode_tokens_per_s, overall_tok_s=m.generated_tokens / wall,
-        engine_step_ms=m.median_decode_step_ms, device_step_ms=dev_ms,
-        recompiles_in_timed_run=m.compilations - compiled, warmup_s=warm,
+    return dict(
+        **extra,
+        batch=bs,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        decode_tok_s=m.decode_tokens_per_s,
+        overall_tok_s=m.generated_tokens / wall,
+        engine_step_ms=m.median_decode_step_ms,
+        device_step_ms=dev_ms,
+        recompiles_in_timed_run=m.compilations - compiled,
+        warmup_s=warm,
     )
 
 
 def main(argv=None) -> int:
     from jattn.demo import backend_choices
 
-    ap = argparse.ArgumentParser(prog="python -m jattn bench serving", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2,llama3-8b",
-                    help="comma-separated: smollm2 (SmolLM2-135M), llama3-8b (its shapes, random "
-                         "weights), tiny (default: smollm2,llama3-8b)")
+    ap = argparse.ArgumentParser(
+        prog="python -m jattn bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--models",
+        default="smollm2,llama3-8b",
+        help="comma-separated: smollm2 (SmolLM2-135M), llama3-8b (its shapes, random "
+        "weights), tiny (default: smollm2,llama3-8b)",
+    )
     ap.add_argument("--batch", default="1,32,128", help="comma-separated batch sizes (default 1,32,128)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     ap.add_argument("--gen-len", type=int, default=64, help="generated tokens per request (default 64)")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     ap.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype (default bfloat16)")
-    ap.add_argument("--backend", default="auto", choices=backend_choices(),
-                    help="attention kernel backend, preferred for the ops it serves (default auto)")
-    ap.add_argument("--cpu", action="store_true",
-                    help="run on the CPU anyway (minutes with the default models; try --models tiny)")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile the decode step: kernel-time sum and attention share vs step time")
-    ap.add_argument("--command-buffers", default="engine",
-                    help="XLA command-buffer settings to compare, separated by ';': 'engine' "
-                         "(the engine's choice), 'xla' (XLA's defaults), 'off', or a type list "
-                         "such as FUSION,CUSTOM_CALL")
-    ap.add_argument("--json", default=None,
-                    help="write the rows to this file (default: $OUT/serving.json when OUT is set)")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=backend_choices(),
+        help="attention kernel backend, preferred for the ops it serves (default auto)",
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="run on the CPU anyway (minutes with the default models; try --models tiny)"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the decode step: kernel-time sum and attention share vs step time",
+    )
+    ap.add_argument(
+        "--command-buffers",
+        default="engine",
+        help="XLA command-buffer settings to compare, separated by ';': 'engine' "
+        "(the engine's choice), 'xla' (XLA's defaults), 'off', or a type list "
+        "such as FUSION,CUSTOM_CALL",
+    )
+    ap.add_argument(
+        "--json", default=None, help="write the rows to this file (default: $OUT/serving.json when OUT is set)"
+    )
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.cpu:
-        print(f"bench serving needs a GPU (jax default backend is {jax.default_backend()}); nothing to do "
-              "(--cpu runs it anyway)")
+        print(
+            f"bench serving needs a GPU (jax default backend is {jax.default_backend()}); nothing to do "
+            "(--cpu runs it anyway)"
+        )
         return 1
     from jattn.demo import MHA_OPS, choose_backend
 
@@ -172,8 +219,11 @@ def main(argv=None) -> int:
         print(notice)
     settings = [True if s == "engine" else s for s in args.command_buffers.split(";") if s]
     dev = jax.devices()[0]
-    print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"backend {args.backend}, dtype {args.dtype}", flush=True)
+    print(
+        f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"backend {args.backend}, dtype {args.dtype}",
+        flush=True,
+    )
     rows = []
     for name in args.models.split(","):
         t0 = time.perf_counter()
@@ -182,16 +232,27 @@ def main(argv=None) -> int:
         for bs, cb in [(int(b), cb) for b in args.batch.split(",") for cb in settings]:
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             try:
-                r = run_one(model, bs, args.prompt_len, args.gen_len, args.page_size, backend,
-                            profile=args.profile, command_buffers=cb)
+                r = run_one(
+                    model,
+                    bs,
+                    args.prompt_len,
+                    args.gen_len,
+                    args.page_size,
+                    backend,
+                    profile=args.profile,
+                    command_buffers=cb,
+                )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             r["model"] = desc + tag
             rows.append(r)
-            print(f"  bs={bs:4d}{tag}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
-                  f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
-                  f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s", flush=True)
+            print(
+                f"  bs={bs:4d}{tag}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
+                f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
+                f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s",
+                flush=True,
+            )
         del model
     out = args.json or (os.path.join(os.environ["OUT"], "serving.json") if os.environ.get("OUT") else None)
     if out:
@@ -200,16 +261,19 @@ def main(argv=None) -> int:
     print("\n| model | batch | decode tok/s | overall tok/s | engine step ms | device step ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['batch']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
-              f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} |")
+        print(
+            f"| {r['model']} | {r['batch']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
+            f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} |"
+        )
     prof_rows = [r for r in rows if "span_us" in r]
     if prof_rows:
-        print("\n| model | batch | engine step ms | device span ms | kernel sum ms | attention ms "
-              "| kernels/step |")
+        print("\n| model | batch | engine step ms | device span ms | kernel sum ms | attention ms | kernels/step |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in prof_rows:
-            print(f"| {r['model']} | {r['batch']} | {r['engine_step_ms']:.2f} | {r['span_us'] / 1e3:.3f} | "
-                  f"{r['kernel_sum_us'] / 1e3:.3f} | {r['attention_us'] / 1e3:.3f} | {r['kernels_per_step']} |")
+            print(
+                f"| {r['model']} | {r['batch']} | {r['engine_step_ms']:.2f} | {r['span_us'] / 1e3:.3f} | "
+                f"{r['kernel_sum_us'] / 1e3:.3f} | {r['attention_us'] / 1e3:.3f} | {r['kernels_per_step']} |"
+            )
     return 0
 
 
