@@ -136,7 +136,9 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, *, m_rows, num_q_heads, ou
       _combine_kernel, lse_part, o_part, sinks, v_scale,
       out_shape=(jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
                  jax.ShapeDtypeStruct((batch, m_rows), jnp.float32)),
-      grid=grid, name="jattn_split_combine", num_warps=4, num_stages=1,
+      # One warp per program: its [CHUNK, DC] tile is at most 8192 elements, and the
+      # split-axis reduction then stays inside the warp (no shared-memory round).
+      grid=grid, name="jattn_split_combine", num_warps=1, num_stages=1,
       NUM_SPLITS=num_splits, BS=batch, ROWS=rows, ROWS_LSE=lse_part.shape[2], M_ROWS=m_rows,
       D=d, HQ=num_q_heads, HAS_SINKS=has_sinks, HAS_VSCALE=has_vscale, **params)
 
