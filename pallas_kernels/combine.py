@@ -34,15 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
-  import triton.language as tl
+    import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
-  tl = None
+    tl = None
 
 __all__ = ["combine_splits", "combine_launch_params"]
 
 _LN2 = math.log(2.0)
-_ELEMS = 8192    # partial-output elements one program loads per chunk (64 per thread)
-_MIN_COLS = 32   # narrowest column block
+_ELEMS = 8192  # partial-output elements one program loads per chunk (64 per thread)
+_MIN_COLS = 32  # narrowest column block
 _MAX_CHUNK = _ELEMS // _MIN_COLS
 
 
@@ -50,166 +50,192 @@ _MAX_CHUNK = _ELEMS // _MIN_COLS
 # Triton kernel.
 def _combine_kernel(
     # inputs
-    lse_ptr,      # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split
-    o_ptr,        # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split
-    sink_ptr,     # f32[HQ] sinks (read when HAS_SINKS)
-    vs_ptr,       # f32[1] v_scale (read when HAS_VSCALE)
+    lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split
+    o_ptr,  # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split
+    sink_ptr,  # f32[HQ] sinks (read when HAS_SINKS)
+    vs_ptr,  # f32[1] v_scale (read when HAS_VSCALE)
     # outputs
-    out_ptr,      # [BS, M_ROWS, D]
+    out_ptr,  # [BS, M_ROWS, D]
     lse_out_ptr,  # f32[BS, M_ROWS] natural-log LSE
-    NUM_SPLITS: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
-    ROWS_LSE: tl.constexpr, M_ROWS: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
-    CHUNK: tl.constexpr, DC: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_VSCALE: tl.constexpr):
-  """One (request b, query row r, column block c) per program."""
-  b = tl.program_id(0)
-  r = tl.program_id(1)
-  c = tl.program_id(2)
-  cols = c * DC + tl.arange(0, DC)
-  lse_base = lse_ptr + b * ROWS_LSE + r
-  o_base = o_ptr + b * (ROWS * D) + r * D + cols[None, :]
+    NUM_SPLITS: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROWS_LSE: tl.constexpr,
+    M_ROWS: tl.constexpr,
+    D: tl.constexpr,
+    HQ: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+):
+    """One (request b, query row r, column block c) per program."""
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    c = tl.program_id(2)
+    cols = c * DC + tl.arange(0, DC)
+    lse_base = lse_ptr + b * ROWS_LSE + r
+    o_base = o_ptr + b * (ROWS * D) + r * D + cols[None, :]
 
-  # First chunk of splits.
-  s = tl.arange(0, CHUNK)
-  ok = s < NUM_SPLITS
-  lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
-  o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
-  m_i = tl.max(lse, axis=0)
-  m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-  w = tl.exp2(lse - m_use)                        # 0 for an empty split
-  l_i = tl.sum(w, axis=0)
-  acc = tl.sum(w[:, None] * o.to(tl.float32), axis=0)
-  # Further chunks (more than CHUNK splits), merged online.
-  for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
-    s = c0 + tl.arange(0, CHUNK)
+    # First chunk of splits.
+    s = tl.arange(0, CHUNK)
     ok = s < NUM_SPLITS
     lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
     o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
-    m_new = tl.maximum(m_i, tl.max(lse, axis=0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    w = tl.exp2(lse - m_use)
-    l_i = l_i * alpha + tl.sum(w, axis=0)
-    acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
-    m_i = m_new
+    m_i = tl.max(lse, axis=0)
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    w = tl.exp2(lse - m_use)  # 0 for an empty split
+    l_i = tl.sum(w, axis=0)
+    acc = tl.sum(w[:, None] * o.to(tl.float32), axis=0)
+    # Further chunks (more than CHUNK splits), merged online.
+    for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < NUM_SPLITS
+        lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
+        o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        w = tl.exp2(lse - m_use)
+        l_i = l_i * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
+        m_i = m_new
 
-  empty = l_i == 0.0
-  l_safe = tl.where(empty, 1.0, l_i)
-  m_safe = tl.where(empty, 0.0, m_i)
-  lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
-  factor = tl.where(empty, 0.0, 1.0 / l_safe)
-  if HAS_SINKS:
-    sink = tl.load(sink_ptr + r % HQ)
-    factor = factor * tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - lse_nat)))
-  if HAS_VSCALE:
-    factor = factor * tl.load(vs_ptr)
-  out = acc * factor
-  tl.store(out_ptr + b * (M_ROWS * D) + r * D + cols, out.to(out_ptr.dtype.element_ty))
-  tl.store(lse_out_ptr + b * M_ROWS + r, lse_nat)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    m_safe = tl.where(empty, 0.0, m_i)
+    lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
+    factor = tl.where(empty, 0.0, 1.0 / l_safe)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + r % HQ)
+        factor = factor * tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - lse_nat)))
+    if HAS_VSCALE:
+        factor = factor * tl.load(vs_ptr)
+    out = acc * factor
+    tl.store(out_ptr + b * (M_ROWS * D) + r * D + cols, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_out_ptr + b * M_ROWS + r, lse_nat)
 
 
 def combine_launch_params(num_splits: int, batch: int, m_rows: int, head_dim: int):
-  """``(grid, constexprs)`` of :func:`_combine_kernel` apart from the array
-  shapes: one load round when the splits fit (a program takes all splits of a
-  column block, at most 8192 elements); columns are split across programs
-  instead (batch 1 on 132 splits: 4 programs per row, each [256, 32])."""
-  if head_dim & (head_dim - 1):
-    raise ValueError(f"head_dim={head_dim} must be a power of two for the split combine kernel")
-  s_pad = 1 << max(0, (num_splits - 1).bit_length())
-  chunk = min(s_pad, _MAX_CHUNK)
-  dc = min(head_dim, max(_MIN_COLS, _ELEMS // chunk))
-  return (batch, m_rows, head_dim // dc), dict(CHUNK=chunk, DC=dc)
+    """``(grid, constexprs)`` of :func:`_combine_kernel` apart from the array
+    shapes: one load round when the splits fit (a program takes all splits of a
+    column block, at most 8192 elements); columns are split across programs
+    instead (batch 1 on 132 splits: 4 programs per row, each [256, 32])."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two for the split combine kernel")
+    s_pad = 1 << max(0, (num_splits - 1).bit_length())
+    chunk = min(s_pad, _MAX_CHUNK)
+    dc = min(head_dim, max(_MIN_COLS, _ELEMS // chunk))
+    return (batch, m_rows, head_dim // dc), dict(CHUNK=chunk, DC=dc)
 
 
 def _combine_triton(o_part, lse_part, sinks, v_scale, *, m_rows, num_q_heads, out_dtype):
-  from jattn.pallas_kernels import triton_glue
-  num_splits, batch, rows, d = o_part.shape
-  grid, params = combine_launch_params(num_splits, batch, m_rows, d)
-  has_sinks, has_vscale = sinks is not None, v_scale is not None
-  # Absent sinks / v_scale are numpy constants: an array built in the graph
-  # would be one more kernel per call.
-  sinks = (np.zeros((num_q_heads,), np.float32) if sinks is None
-           else sinks.astype(jnp.float32))
-  v_scale = (np.ones((1,), np.float32) if v_scale is None
-             else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,)))
-  return triton_glue.triton_call(
-      _combine_kernel, lse_part, o_part, sinks, v_scale,
-      out_shape=(jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
-                 jax.ShapeDtypeStruct((batch, m_rows), jnp.float32)),
-      # One warp per program: its [CHUNK, DC] tile is at most 8192 elements, and the
-      # split-axis reduction then stays inside the warp (no shared-memory round).
-      grid=grid, name="jattn_split_combine", num_warps=1, num_stages=1,
-      NUM_SPLITS=num_splits, BS=batch, ROWS=rows, ROWS_LSE=lse_part.shape[2], M_ROWS=m_rows,
-      D=d, HQ=num_q_heads, HAS_SINKS=has_sinks, HAS_VSCALE=has_vscale, **params)
+    from jattn.pallas_kernels import triton_glue
+
+    num_splits, batch, rows, d = o_part.shape
+    grid, params = combine_launch_params(num_splits, batch, m_rows, d)
+    has_sinks, has_vscale = sinks is not None, v_scale is not None
+    # Absent sinks / v_scale are numpy constants: an array built in the graph
+    # would be one more kernel per call.
+    sinks = np.zeros((num_q_heads,), np.float32) if sinks is None else sinks.astype(jnp.float32)
+    v_scale = np.ones((1,), np.float32) if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
+    return triton_glue.triton_call(
+        _combine_kernel,
+        lse_part,
+        o_part,
+        sinks,
+        v_scale,
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
+            jax.ShapeDtypeStruct((batch, m_rows), jnp.float32),
+        ),
+        # One warp per program: its [CHUNK, DC] tile is at most 8192 elements, and the
+        # split-axis reduction then stays inside the warp (no shared-memory round).
+        grid=grid,
+        name="jattn_split_combine",
+        num_warps=1,
+        num_stages=1,
+        NUM_SPLITS=num_splits,
+        BS=batch,
+        ROWS=rows,
+        ROWS_LSE=lse_part.shape[2],
+        M_ROWS=m_rows,
+        D=d,
+        HQ=num_q_heads,
+        HAS_SINKS=has_sinks,
+        HAS_VSCALE=has_vscale,
+        **params,
+    )
 
 
 # ---------------------------------------------------------------------------
 # XLA ops.
 def _combine_xla(o_part, lse_part, *, m_rows):
-  """Merged ``(o f32 [bs, m, D], lse f32 [bs, m] natural log, empty bool [bs, m])``."""
-  o = o_part[:, :, :m_rows].astype(jnp.float32)       # [S, bs, m, D]
-  lse2 = jnp.broadcast_to(lse_part[:, :, :m_rows, None], o.shape)
-  mx = jnp.max(lse2, axis=0)
-  mx = jnp.where(jnp.isneginf(mx), 0.0, mx)
-  w = jnp.exp2(lse2 - mx[None])                       # 0 for empty splits
-  wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
-  mx, wsum = mx[..., 0], wsum[..., 0]
-  empty = wsum == 0.0
-  o = o / jnp.where(empty, 1.0, wsum)[..., None]
-  lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
-  return o, lse, empty
+    """Merged ``(o f32 [bs, m, D], lse f32 [bs, m] natural log, empty bool [bs, m])``."""
+    o = o_part[:, :, :m_rows].astype(jnp.float32)  # [S, bs, m, D]
+    lse2 = jnp.broadcast_to(lse_part[:, :, :m_rows, None], o.shape)
+    mx = jnp.max(lse2, axis=0)
+    mx = jnp.where(jnp.isneginf(mx), 0.0, mx)
+    w = jnp.exp2(lse2 - mx[None])  # 0 for empty splits
+    wsum, o = jnp.sum(w, axis=0), jnp.sum(w * o, axis=0)
+    mx, wsum = mx[..., 0], wsum[..., 0]
+    empty = wsum == 0.0
+    o = o / jnp.where(empty, 1.0, wsum)[..., None]
+    lse = jnp.where(empty, -jnp.inf, (mx + jnp.log2(jnp.where(empty, 1.0, wsum))) * _LN2)
+    return o, lse, empty
 
 
-def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_scale,
-                   out_dtype, use_kernel: bool):
-  """Merge the splits of a split-KV decode; apply sinks and ``v_scale``.
+def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_scale, out_dtype, use_kernel: bool):
+    """Merge the splits of a split-KV decode; apply sinks and ``v_scale``.
 
-  Args:
-    o_part: ``[S, bs, rows, D]`` partial outputs, each normalised over its split
-      (rows >= ``q_len * num_q_heads``; row ``i * num_q_heads + h`` is query ``i``,
-      head ``h``; extra rows are ignored).
-    lse_part: f32 ``[S, bs, rows']`` (rows' >= q_len * num_q_heads), base-2 LSE
-      of each split, ``-inf`` for a split with no keys.
-    sinks: None or f32 ``[num_q_heads]``.
-    v_scale: None (1.0) or an f32 scalar.
-    use_kernel: merge with the Triton kernel where jax-triton runs (GPU);
-      otherwise, and always under the Mosaic GPU interpreter, with XLA ops.
+    Args:
+      o_part: ``[S, bs, rows, D]`` partial outputs, each normalised over its split
+        (rows >= ``q_len * num_q_heads``; row ``i * num_q_heads + h`` is query ``i``,
+        head ``h``; extra rows are ignored).
+      lse_part: f32 ``[S, bs, rows']`` (rows' >= q_len * num_q_heads), base-2 LSE
+        of each split, ``-inf`` for a split with no keys.
+      sinks: None or f32 ``[num_q_heads]``.
+      v_scale: None (1.0) or an f32 scalar.
+      use_kernel: merge with the Triton kernel where jax-triton runs (GPU);
+        otherwise, and always under the Mosaic GPU interpreter, with XLA ops.
 
-  Returns:
-    ``(o [bs * q_len, num_q_heads, D] out_dtype, lse f32 [bs * q_len, num_q_heads])``.
+    Returns:
+      ``(o [bs * q_len, num_q_heads, D] out_dtype, lse f32 [bs * q_len, num_q_heads])``.
 
-  With one split the partial output is already final up to ``v_scale`` and sinks:
-  no work at all when ``v_scale`` is None, there are no sinks and no rows need
-  slicing (each op after the decode kernel is one more kernel).
-  """
-  num_splits, batch, _, head_dim = o_part.shape
-  m = q_len * num_q_heads
-  out_shape = (batch * q_len, num_q_heads, head_dim)
-  if num_splits > 1 and use_kernel and _kernel_runs_here(head_dim):
-    o, lse = _combine_triton(o_part, lse_part, sinks, v_scale, m_rows=m,
-                             num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype))
-    return o.reshape(out_shape), lse.reshape(out_shape[:2])
-  if num_splits == 1:
-    o = o_part[0, :, :m]                                 # normalised; 0 for empty rows
-    lse2 = lse_part[0, :, :m]
-    empty = jnp.isneginf(lse2)
-    lse = lse2 * _LN2                                    # -inf stays -inf
-  else:
-    o, lse, empty = _combine_xla(o_part, lse_part, m_rows=m)
-  o = o.reshape(out_shape)
-  lse = lse.reshape(out_shape[:2])
-  if sinks is not None:
-    sink = sinks.astype(jnp.float32)[None, :]
-    factor = jnp.where(empty.reshape(lse.shape), 1.0, 1.0 / (1.0 + jnp.exp(sink - lse)))
-    if v_scale is not None:
-      factor = factor * jnp.asarray(v_scale, jnp.float32)
-    o = o.astype(jnp.float32) * factor[..., None]
-  elif v_scale is not None:
-    o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
-  return o.astype(out_dtype), lse
+    With one split the partial output is already final up to ``v_scale`` and sinks:
+    no work at all when ``v_scale`` is None, there are no sinks and no rows need
+    slicing (each op after the decode kernel is one more kernel).
+    """
+    num_splits, batch, _, head_dim = o_part.shape
+    m = q_len * num_q_heads
+    out_shape = (batch * q_len, num_q_heads, head_dim)
+    if num_splits > 1 and use_kernel and _kernel_runs_here(head_dim):
+        o, lse = _combine_triton(
+            o_part, lse_part, sinks, v_scale, m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype)
+        )
+        return o.reshape(out_shape), lse.reshape(out_shape[:2])
+    if num_splits == 1:
+        o = o_part[0, :, :m]  # normalised; 0 for empty rows
+        lse2 = lse_part[0, :, :m]
+        empty = jnp.isneginf(lse2)
+        lse = lse2 * _LN2  # -inf stays -inf
+    else:
+        o, lse, empty = _combine_xla(o_part, lse_part, m_rows=m)
+    o = o.reshape(out_shape)
+    lse = lse.reshape(out_shape[:2])
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32)[None, :]
+        factor = jnp.where(empty.reshape(lse.shape), 1.0, 1.0 / (1.0 + jnp.exp(sink - lse)))
+        if v_scale is not None:
+            factor = factor * jnp.asarray(v_scale, jnp.float32)
+        o = o.astype(jnp.float32) * factor[..., None]
+    elif v_scale is not None:
+        o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
+    return o.astype(out_dtype), lse
 
 
 def _kernel_runs_here(head_dim: int) -> bool:
-  from jattn.pallas_kernels import triton_glue
-  from jattn.pallas_kernels.interpret import interpreting
-  return (not head_dim & (head_dim - 1)) and not interpreting() and triton_glue.available()
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels.interpret import interpreting
+
+    return (not head_dim & (head_dim - 1)) and not interpreting() and triton_glue.available()

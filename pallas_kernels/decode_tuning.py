@@ -22,10 +22,25 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BlockSizes", "KernelOptions", "choose_block_sizes", "choose_num_splits",
-           "unsupported_reason", "auto_skip_reason", "block_shape", "smem_bytes",
-           "SUPPORTED_PAGE_SIZES", "SUPPORTED_HEAD_DIMS", "SUPPORTED_Q_DTYPES", "MAX_GROUP",
-           "MAX_Q_LEN", "NUM_SMS", "SMEM_LIMIT"]
+__all__ = [
+    "DecodeConfig",
+    "decode_config",
+    "BlockSizes",
+    "KernelOptions",
+    "choose_block_sizes",
+    "choose_num_splits",
+    "unsupported_reason",
+    "auto_skip_reason",
+    "block_shape",
+    "smem_bytes",
+    "SUPPORTED_PAGE_SIZES",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_Q_DTYPES",
+    "MAX_GROUP",
+    "MAX_Q_LEN",
+    "NUM_SMS",
+    "SMEM_LIMIT",
+]
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -38,187 +53,305 @@ SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Static tiling of one call (hashable; part of the compiled program).
+    """Static tiling of one call (hashable; part of the compiled program).
 
-  block_tokens: tokens of one page per KV *piece* (divides page_size).
-  pages_per_block: pieces per KV block; > 1 only with whole pages
-    (block_tokens == page_size) when one page has fewer than 64 rows.
-  num_stages: depth of the shared-memory K/V ring.
-  num_splits: KV splits per request (flash-decoding).
-  compute_wgs: compute warpgroups per CTA, each owning 64 query rows.
-  """
-  block_tokens: int
-  pages_per_block: int
-  num_stages: int
-  num_splits: int
-  compute_wgs: int
+    block_tokens: tokens of one page per KV *piece* (divides page_size).
+    pages_per_block: pieces per KV block; > 1 only with whole pages
+      (block_tokens == page_size) when one page has fewer than 64 rows.
+    num_stages: depth of the shared-memory K/V ring.
+    num_splits: KV splits per request (flash-decoding).
+    compute_wgs: compute warpgroups per CTA, each owning 64 query rows.
+    """
+
+    block_tokens: int
+    pages_per_block: int
+    num_stages: int
+    num_splits: int
+    compute_wgs: int
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-  """Code-path choices of the decode kernel (hashable; part of the compiled program).
+    """Code-path choices of the decode kernel (hashable; part of the compiled program).
 
-  Every setting computes the same attention; they differ in speed only, so
-  benchmarks can compare them (``python -m jattn bench decode --set``).
+    Every setting computes the same attention; they differ in speed only, so
+    benchmarks can compare them (``python -m jattn bench decode --set``).
 
-  overlap_qk: software-pipelined block loop for 2-byte KV: block i+1's
-    ``Q K^T`` wgmma is issued before block i's softmax, so the tensor cores and
-    the softmax overlap. FP8 KV always runs the plain loop (its K upcast sits on
-    the same dependency chain).
-  kernel_combine: merge the KV splits with one Triton kernel (through
-    jax-triton, on a GPU where it is installed) instead of XLA ops. Without
-    jax-triton, and under the Mosaic GPU interpreter, the XLA ops run.
-  """
-  overlap_qk: bool = True
-  kernel_combine: bool = True
+    overlap_qk: software-pipelined block loop for 2-byte KV: block i+1's
+      ``Q K^T`` wgmma is issued before block i's softmax, so the tensor cores and
+      the softmax overlap. FP8 KV always runs the plain loop (its K upcast sits on
+      the same dependency chain).
+    kernel_combine: merge the KV splits with one Triton kernel (through
+      jax-triton, on a GPU where it is installed) instead of XLA ops. Without
+      jax-triton, and under the Mosaic GPU interpreter, the XLA ops run.
+    """
+
+    overlap_qk: bool = True
+    kernel_combine: bool = True
 
 
-def choose_num_splits(batch: int, m_groups: int, max_blocks: int,
-                      num_sms: int = NUM_SMS) -> int:
-  """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
+def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
+    """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
 
-  Only static facts are used (batch size and the page-table width): the actual
-  lengths are traced values. Score = fraction of the last wave in use minus a
-  small cost per extra wave; splits never exceed the number of KV blocks.
-  """
-  ctas = batch * m_groups
-  best, best_score = 1, -1e9
-  cap = max(1, min(max_blocks, 4 * num_sms))
-  for s in range(1, cap + 1):
-    n = ctas * s
-    waves = -(-n // num_sms)
-    score = n / (waves * num_sms) - 0.02 * waves
-    if score > best_score + 1e-9:
-      best, best_score = s, score
-  return best
+    Only static facts are used (batch size and the page-table width): the actual
+    lengths are traced values. Score = fraction of the last wave in use minus a
+    small cost per extra wave; splits never exceed the number of KV blocks.
+    """
+    ctas = batch * m_groups
+    best, best_score = 1, -1e9
+    cap = max(1, min(max_blocks, 4 * num_sms))
+    for s in range(1, cap + 1):
+        n = ctas * s
+        waves = -(-n // num_sms)
+        score = n / (waves * num_sms) - 0.02 * waves
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
 
 
 def block_shape(num_kv_heads, head_dim, page_size, target_n=None):
-  """(block_tokens, pages_per_block) or None: a KV block of a multiple of 64 rows
-  (the P@V wgmma contracts over it in 64-element swizzle groups), at most 256
-  rows (one TMA box per piece), near 128 rows (64 for head_dim 256: registers)."""
-  if target_n is None:
-    target_n = 128 if head_dim <= 128 else 64
-  best = None
-  for bt in [t for t in range(1, page_size + 1) if page_size % t == 0]:
-    for ppb in ([1] if bt < page_size else range(1, 17)):
-      n = bt * ppb * num_kv_heads
-      if n % 64 or n > 256:
-        continue
-      key = (abs(n - target_n), ppb)
-      if best is None or key < best[0]:
-        best = (key, (bt, ppb))
-  return None if best is None else best[1]
+    """(block_tokens, pages_per_block) or None: a KV block of a multiple of 64 rows
+    (the P@V wgmma contracts over it in 64-element swizzle groups), at most 256
+    rows (one TMA box per piece), near 128 rows (64 for head_dim 256: registers)."""
+    if target_n is None:
+        target_n = 128 if head_dim <= 128 else 64
+    best = None
+    for bt in [t for t in range(1, page_size + 1) if page_size % t == 0]:
+        for ppb in [1] if bt < page_size else range(1, 17):
+            n = bt * ppb * num_kv_heads
+            if n % 64 or n > 256:
+                continue
+            key = (abs(n - target_n), ppb)
+            if best is None or key < best[0]:
+                best = (key, (bt, ppb))
+    return None if best is None else best[1]
 
 
 def smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
-  """Shared memory of one CTA: K/V ring, q/output tiles, LSE rows, barriers."""
-  ring = 2 * stages * block_n * head_dim * kv_itemsize
-  if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
-    ring += 2 * block_n * head_dim * q_itemsize
-  q = compute_wgs * 64 * head_dim * q_itemsize
-  return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
+    """Shared memory of one CTA: K/V ring, q/output tiles, LSE rows, barriers."""
+    ring = 2 * stages * block_n * head_dim * kv_itemsize
+    if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
+        ring += 2 * block_n * head_dim * q_itemsize
+    q = compute_wgs * 64 * head_dim * q_itemsize
+    return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
 
 
-def choose_block_sizes(*, batch, num_kv_heads, head_dim, page_size, max_pages,
-                       m_rows, kv_itemsize, q_itemsize=2) -> BlockSizes:
-  """The tiling used when the caller gives none.
+def choose_block_sizes(
+    *, batch, num_kv_heads, head_dim, page_size, max_pages, m_rows, kv_itemsize, q_itemsize=2
+) -> BlockSizes:
+    """The tiling used when the caller gives none.
 
-  Prefers a KV block near 128 rows (64 for head_dim 256) with a ring of at least
-  3 stages in shared memory, two compute warpgroups when there are two 64-row
-  query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`.
-  """
-  m_tiles = -(-m_rows // 64)
-  compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
-  choice = None
-  for target_n in ((128, 64) if head_dim <= 128 else (64,)):
-    shape = block_shape(num_kv_heads, head_dim, page_size, target_n)
-    if shape is None:
-      continue
-    block_n = shape[0] * shape[1] * num_kv_heads
-    for c in sorted({compute_wgs, 1}, reverse=True):
-      fits = [st for st in (4, 3, 2)
-              if smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= SMEM_LIMIT]
-      if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
-        choice = (shape, c, fits[0])
-      if fits:
-        break
-    if choice is not None and choice[2] >= 3:
-      break
-  if choice is None:
-    raise NotImplementedError(
-        f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, page_size={page_size}: no KV "
-        "block of a multiple of 64 rows (at most 256) fits in shared memory")
-  (bt, ppb), compute_wgs, num_stages = choice
-  max_blocks = -(-max_pages * page_size // (bt * ppb))
-  num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
-  return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
+    Prefers a KV block near 128 rows (64 for head_dim 256) with a ring of at least
+    3 stages in shared memory, two compute warpgroups when there are two 64-row
+    query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`.
+    """
+    m_tiles = -(-m_rows // 64)
+    compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
+    choice = None
+    for target_n in (128, 64) if head_dim <= 128 else (64,):
+        shape = block_shape(num_kv_heads, head_dim, page_size, target_n)
+        if shape is None:
+            continue
+        block_n = shape[0] * shape[1] * num_kv_heads
+        for c in sorted({compute_wgs, 1}, reverse=True):
+            fits = [
+                st for st in (4, 3, 2) if smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= SMEM_LIMIT
+            ]
+            if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
+                choice = (shape, c, fits[0])
+            if fits:
+                break
+        if choice is not None and choice[2] >= 3:
+            break
+    if choice is None:
+        raise NotImplementedError(
+            f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, page_size={page_size}: no KV "
+            "block of a multiple of 64 rows (at most 256) fits in shared memory"
+        )
+    (bt, ppb), compute_wgs, num_stages = choice
+    max_blocks = -(-max_pages * page_size // (bt * ppb))
+    num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
+    return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
 
 # ---------------------------------------------------------------------------
 # Capability checks.
-def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True,
-                       window_left=-1, logit_cap=0.0, sinks=None, softmax_scale=None,
-                       k_scale=1.0, v_scale=1.0, return_lse=False, page_table=None,
-                       cache_seqlens=None, **unused) -> str | None:
-  """None if the Mosaic GPU decode kernel can serve this call, else why not."""
-  del is_causal, logit_cap, softmax_scale, k_scale, v_scale, return_lse, unused
-  del page_table, cache_seqlens
-  if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
-    return (f"expected q [tokens, Hq, D] and caches [pages, page_size, Hkv, D], got "
-            f"q.ndim={q.ndim}, k_cache.ndim={k_cache.ndim}, v_cache.ndim={v_cache.ndim}")
-  if k_cache.shape != v_cache.shape:
-    return f"k_cache.shape={k_cache.shape} != v_cache.shape={v_cache.shape}"
-  _, page_size, num_kv_heads, head_dim = k_cache.shape
-  tokens, num_q_heads, head_dim_q = q.shape
-  if head_dim_q != head_dim:
-    return f"q head_dim={head_dim_q} != cache head_dim={head_dim}"
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    return f"head_dim={head_dim} not in {SUPPORTED_HEAD_DIMS}"
-  if page_size not in SUPPORTED_PAGE_SIZES:
-    return f"page_size={page_size} not in {SUPPORTED_PAGE_SIZES}"
-  if num_q_heads % num_kv_heads:
-    return f"num_q_heads={num_q_heads} not divisible by num_kv_heads={num_kv_heads}"
-  group = num_q_heads // num_kv_heads
-  if group > MAX_GROUP:
-    return f"GQA group size {group} > {MAX_GROUP}"
-  if block_shape(num_kv_heads, head_dim, page_size) is None:
-    return (f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
-            "multiple of 64 rows and at most 256 rows")
-  if not 1 <= max_seqlen_q <= MAX_Q_LEN:
-    return f"max_seqlen_q={max_seqlen_q} not in [1, {MAX_Q_LEN}]"
-  if tokens % max_seqlen_q:
-    return f"q rows {tokens} not a multiple of max_seqlen_q={max_seqlen_q}"
-  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_Q_DTYPES]:
-    return f"q dtype {jnp.dtype(q.dtype).name} not in (bfloat16, float16)"
-  kv_dt = jnp.dtype(k_cache.dtype)
-  if kv_dt != jnp.dtype(v_cache.dtype):
-    return f"k_cache dtype {kv_dt.name} != v_cache dtype {jnp.dtype(v_cache.dtype).name}"
-  if kv_dt != jnp.dtype(q.dtype) and kv_dt != jnp.dtype(jnp.float8_e4m3fn):
-    return f"KV dtype {kv_dt.name} must match q dtype {jnp.dtype(q.dtype).name} (or be float8_e4m3fn)"
-  if window_left is not None and window_left < -1:
-    return f"window_left={window_left} must be -1 (off) or >= 0"
-  if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
-    return f"sinks shape {tuple(sinks.shape)} != (num_q_heads,)=({num_q_heads},)"
-  if jax.default_backend() != "gpu" and not _interpreting():
-    return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
-  return None
+def unsupported_reason(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    max_seqlen_q=1,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+    page_table=None,
+    cache_seqlens=None,
+    **unused,
+) -> str | None:
+    """None if the Mosaic GPU decode kernel can serve this call, else why not."""
+    del is_causal, logit_cap, softmax_scale, k_scale, v_scale, return_lse, unused
+    del page_table, cache_seqlens
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
+        return (
+            f"expected q [tokens, Hq, D] and caches [pages, page_size, Hkv, D], got "
+            f"q.ndim={q.ndim}, k_cache.ndim={k_cache.ndim}, v_cache.ndim={v_cache.ndim}"
+        )
+    if k_cache.shape != v_cache.shape:
+        return f"k_cache.shape={k_cache.shape} != v_cache.shape={v_cache.shape}"
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    tokens, num_q_heads, head_dim_q = q.shape
+    if head_dim_q != head_dim:
+        return f"q head_dim={head_dim_q} != cache head_dim={head_dim}"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} not in {SUPPORTED_HEAD_DIMS}"
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size={page_size} not in {SUPPORTED_PAGE_SIZES}"
+    if num_q_heads % num_kv_heads:
+        return f"num_q_heads={num_q_heads} not divisible by num_kv_heads={num_kv_heads}"
+    group = num_q_heads // num_kv_heads
+    if group > MAX_GROUP:
+        return f"GQA group size {group} > {MAX_GROUP}"
+    if block_shape(num_kv_heads, head_dim, page_size) is None:
+        return (
+            f"num_kv_heads={num_kv_heads} with page_size={page_size}: no KV block of a "
+            "multiple of 64 rows and at most 256 rows"
+        )
+    if not 1 <= max_seqlen_q <= MAX_Q_LEN:
+        return f"max_seqlen_q={max_seqlen_q} not in [1, {MAX_Q_LEN}]"
+    if tokens % max_seqlen_q:
+        return f"q rows {tokens} not a multiple of max_seqlen_q={max_seqlen_q}"
+    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in SUPPORTED_Q_DTYPES]:
+        return f"q dtype {jnp.dtype(q.dtype).name} not in (bfloat16, float16)"
+    kv_dt = jnp.dtype(k_cache.dtype)
+    if kv_dt != jnp.dtype(v_cache.dtype):
+        return f"k_cache dtype {kv_dt.name} != v_cache dtype {jnp.dtype(v_cache.dtype).name}"
+    if kv_dt != jnp.dtype(q.dtype) and kv_dt != jnp.dtype(jnp.float8_e4m3fn):
+        return f"KV dtype {kv_dt.name} must match q dtype {jnp.dtype(q.dtype).name} (or be float8_e4m3fn)"
+    if window_left is not None and window_left < -1:
+        return f"window_left={window_left} must be -1 (off) or >= 0"
+    if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+        return f"sinks shape {tuple(sinks.shape)} != (num_q_heads,)=({num_q_heads},)"
+    if jax.default_backend() != "gpu" and not _interpreting():
+        return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
+    return None
 
 
 def auto_skip_reason(q, k_cache, v_cache, **unused) -> str | None:
-  """Why automatic dispatch should not pick this kernel for a call it can serve
-  (measured slower than the xla backend there, see docs/PERF.md), else None.
-  ``backend="mosaic"`` still runs it."""
-  del q, v_cache, unused
-  num_kv_heads = k_cache.shape[2]
-  if num_kv_heads % 8:
-    # Few KV heads make small KV blocks (token * num_kv_heads rows) and the
-    # aligned tail boxes of the kernel; measured slower than xla there.
-    return (f"num_kv_heads={num_kv_heads} is not a multiple of 8: the aligned-box path "
-            "is correct but measured slower than xla")
-  return None
+    """Why automatic dispatch should not pick this kernel for a call it can serve
+    (measured slower than the xla backend there, see docs/PERF.md), else None.
+    ``backend="mosaic"`` still runs it."""
+    del q, v_cache, unused
+    num_kv_heads = k_cache.shape[2]
+    if num_kv_heads % 8:
+        # Few KV heads make small KV blocks (token * num_kv_heads rows) and the
+        # aligned tail boxes of the kernel; measured slower than xla there.
+        return (
+            f"num_kv_heads={num_kv_heads} is not a multiple of 8: the aligned-box path "
+            "is correct but measured slower than xla"
+        )
+    return None
 
 
 def _interpreting() -> bool:
-  from jattn.pallas_kernels.interpret import interpreting
-  return interpreting()
+    from jattn.pallas_kernels.interpret import interpreting
+
+    return interpreting()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Everything static about one decode call: shapes, masks, block sizes, options."""
+
+    batch: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    q_len: int
+    m_rows: int  # q_len * num_q_heads
+    q_rows: int  # rows loaded per 64-row tile (m_rows rounded to 8 if one tile)
+    m_tiles: int
+    is_causal: bool
+    window_left: int
+    logit_cap: float
+    bs: BlockSizes
+    interpret: bool
+    overlap_qk: bool  # KernelOptions.overlap_qk
+
+    @property
+    def block_n(self):
+        return self.bs.block_tokens * self.bs.pages_per_block * self.num_kv_heads
+
+    @property
+    def o_rows(self):  # rows of the partial output per (split, request)
+        return self.q_rows if self.m_tiles == 1 else self.m_tiles * 64
+
+    @property
+    def group(self):
+        return self.num_q_heads // self.num_kv_heads
+
+
+def decode_config(
+    *,
+    batch,
+    num_pages,
+    page_size,
+    max_pages,
+    num_kv_heads,
+    num_q_heads,
+    head_dim,
+    q_len,
+    is_causal,
+    window_left,
+    logit_cap,
+    block_sizes,
+    kv_itemsize,
+    q_itemsize,
+    interpret,
+    options,
+) -> DecodeConfig:
+    """The :class:`DecodeConfig` of a call: query rows per request ``q_len *
+    num_q_heads`` packed into one tile rounded up to 8 rows (at most 64) or into
+    64-row tiles; block sizes from :func:`choose_block_sizes` unless given."""
+    m_rows = q_len * num_q_heads
+    if m_rows <= 64:
+        q_rows, m_tiles = -(-m_rows // 8) * 8, 1
+    else:
+        q_rows, m_tiles = 64, -(-m_rows // 64)
+    bsz = block_sizes or choose_block_sizes(
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_pages=max_pages,
+        m_rows=m_rows,
+        kv_itemsize=kv_itemsize,
+        q_itemsize=q_itemsize,
+    )
+    return DecodeConfig(
+        batch=batch,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_pages=max_pages,
+        num_kv_heads=num_kv_heads,
+        num_q_heads=num_q_heads,
+        head_dim=head_dim,
+        q_len=q_len,
+        m_rows=m_rows,
+        q_rows=q_rows,
+        m_tiles=m_tiles,
+        is_causal=bool(is_causal),
+        window_left=int(window_left if window_left is not None else -1),
+        logit_cap=float(logit_cap or 0.0),
+        bs=bsz,
+        interpret=interpret,
+        overlap_qk=options.overlap_qk,
+    )

@@ -27,29 +27,29 @@ _OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
 
 
 def plgpu_kernel(body, out, **kwargs):
-  """``plgpu.kernel(body, out_type=out, **kwargs)`` under either keyword name."""
-  return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)
+    """``plgpu.kernel(body, out_type=out, **kwargs)`` under either keyword name."""
+    return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)
 
 
 def swizzle_transforms(dtype, row_elems: int):
-  """Transforms of a shared-memory tile with ``row_elems``-element rows: 8-row
-  tiles, swizzled by the row's byte width up to 128 bytes."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = min(128, row_elems * itemsize)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    """Transforms of a shared-memory tile with ``row_elems``-element rows: 8-row
+    tiles, swizzled by the row's byte width up to 128 bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, row_elems * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def cast_layout(x, layout, *, interpret: bool):
-  """``plgpu.layout_cast(x, layout)``; ``x`` itself under the interpreter."""
-  return x if interpret else plgpu.layout_cast(x, layout)
+    """``plgpu.layout_cast(x, layout)``; ``x`` itself under the interpreter."""
+    return x if interpret else plgpu.layout_cast(x, layout)
 
 
 def vec_iota(size: int, dim: int, *, interpret: bool):
-  """i32 indices ``0..size-1`` of one axis of a WGMMA-layout tile: the rows
-  (``dim=0``) or the columns (``dim=1``), in the reduced layout that broadcasts
-  to the tile by reusing registers, so per-row and per-column work is done once
-  per row or column, not per element."""
-  if interpret:
-    return lax.broadcasted_iota(jnp.int32, (size,), 0)
-  layout = plgpu.Layout.WGMMA.reduce(1 - dim)
-  return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+    """i32 indices ``0..size-1`` of one axis of a WGMMA-layout tile: the rows
+    (``dim=0``) or the columns (``dim=1``), in the reduced layout that broadcasts
+    to the tile by reusing registers, so per-row and per-column work is done once
+    per row or column, not per element."""
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, (size,), 0)
+    layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+    return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)

@@ -46,7 +46,6 @@ kernel that runs on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -59,520 +58,586 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn.pallas_kernels.combine import combine_splits
 from jattn.pallas_kernels.decode_tuning import (
-    SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, BlockSizes, KernelOptions, auto_skip_reason,
-    choose_block_sizes, choose_num_splits, unsupported_reason)
-from jattn.pallas_kernels.mosaic_common import (
-    cast_layout, plgpu_kernel, swizzle_transforms, vec_iota)
+    SUPPORTED_HEAD_DIMS,
+    SUPPORTED_PAGE_SIZES,
+    BlockSizes,
+    DecodeConfig,
+    KernelOptions,
+    auto_skip_reason,
+    choose_block_sizes,
+    choose_num_splits,
+    decode_config,
+    unsupported_reason,
+)
+from jattn.pallas_kernels.mosaic_common import cast_layout, plgpu_kernel, swizzle_transforms, vec_iota
 
-__all__ = ["mha_decode", "unsupported_reason", "auto_skip_reason", "BlockSizes", "KernelOptions",
-           "choose_block_sizes", "choose_num_splits", "SUPPORTED_PAGE_SIZES",
-           "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "mha_decode",
+    "unsupported_reason",
+    "auto_skip_reason",
+    "BlockSizes",
+    "KernelOptions",
+    "choose_block_sizes",
+    "choose_num_splits",
+    "SUPPORTED_PAGE_SIZES",
+    "SUPPORTED_HEAD_DIMS",
+]
 
 _LOG2E = math.log2(math.e)
 
 
 def _interpreting() -> bool:
-  from jattn.pallas_kernels.interpret import interpreting
-  return interpreting()
+    from jattn.pallas_kernels.interpret import interpreting
+
+    return interpreting()
 
 
 # ---------------------------------------------------------------------------
 # The kernel.
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-  batch: int
-  num_pages: int
-  page_size: int
-  max_pages: int
-  num_kv_heads: int
-  num_q_heads: int
-  head_dim: int
-  q_len: int
-  m_rows: int         # q_len * num_q_heads
-  q_rows: int         # rows loaded per 64-row tile (m_rows rounded to 8 if one tile)
-  m_tiles: int
-  is_causal: bool
-  window_left: int
-  logit_cap: float
-  bs: BlockSizes
-  interpret: bool
-  overlap_qk: bool    # KernelOptions.overlap_qk
+def _decode_kernel(
+    cfg: DecodeConfig,
+    dtype,
+    # inputs
+    page_table_ref,  # i32[bs, max_pages]            GMEM
+    lens_ref,  # i32[bs]                       GMEM
+    scale_ref,  # f32[1] score scale (sm_scale * k_scale)
+    q_ref,  # [bs, m_pad, D]                GMEM
+    k_ref,  # [num_pages, page_size*Hkv, D] GMEM
+    v_ref,  # [num_pages, page_size*Hkv, D] GMEM
+    # outputs
+    o_ref,  # [splits, bs, o_rows, D] dtype (normalised)
+    lse_ref,  # f32[splits, bs, m_tiles*64]  (log2 domain)
+    # scratch
+    q_smem,  # [C, 64, D] dtype (reused for the output tile)
+    k_smem,  # [S, block_n, D]
+    v_smem,  # [S, block_n, D]
+    lse_smem,  # f32[C, 64]
+    k_bar,
+    v_bar,
+    q_bar,
+    k_free,
+    v_free,
+    kc_smem=None,  # [block_n, D] f16: FP8 K upcast (C == 1 only)
+    vc_smem=None,
+):  # [block_n, D] f16: FP8 V upcast
+    bs = cfg.bs
+    C, S = bs.compute_wgs, bs.num_stages
+    BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
+    PPB, HKV = bs.pages_per_block, cfg.num_kv_heads
+    BTB = BT * PPB  # tokens per block
+    PR = BT * HKV  # rows per piece
+    n = cfg.q_len
+    ALIGN = 8 // math.gcd(HKV, 8)  # tokens per 8-row tile boundary
 
-  @property
-  def block_n(self):
-    return self.bs.block_tokens * self.bs.pages_per_block * self.num_kv_heads
+    split = lax.axis_index("split")
+    b = lax.axis_index("batch")
+    mg = lax.axis_index("mg")
+    wg = lax.axis_index("wg")
 
-  @property
-  def o_rows(self):  # rows of the partial output per (split, request)
-    return self.q_rows if self.m_tiles == 1 else self.m_tiles * 64
+    # Which KV blocks this CTA covers (same arithmetic in every warpgroup).
+    seq_len = lens_ref[b]
+    hi_blk = lax.div(seq_len + (BTB - 1), jnp.int32(BTB))
+    if cfg.window_left >= 0:
+        lo_tok = jnp.maximum(seq_len - n - cfg.window_left, 0)
+        lo_blk = lax.div(lo_tok, jnp.int32(BTB))
+    else:
+        lo_blk = jnp.int32(0)
+    num_blk = jnp.maximum(hi_blk - lo_blk, 0)
+    chunk = lax.div(num_blk + (bs.num_splits - 1), jnp.int32(bs.num_splits))
+    start = lo_blk + split * chunk
+    count = jnp.maximum(jnp.minimum(start + chunk, hi_blk) - start, 0)
 
-  @property
-  def group(self):
-    return self.num_q_heads // self.num_kv_heads
+    # Piece j of block blk holds tokens [piece_start, piece_start + BT) of one page.
+    # A piece that runs past token L is fetched shifted back so that it ends at L:
+    # its box then holds only valid tokens, or rows before the page start, which
+    # TMA fills with zeros (a piece wholly past L is all zeros), never the page's
+    # unused tail, which may hold anything (NaN included). Rows before the
+    # piece's first token are masked; they are finite (earlier tokens or 0).
+    def piece_start(blk, j):
+        return blk * BTB + j * BT
 
+    def piece_src_row(blk, j):
+        ps0 = piece_start(blk, j)
+        shift = BT - jnp.clip(seq_len - ps0, 0, BT)
+        if ALIGN > 1:  # whole 8-row tiles only: the box may end up to ALIGN-1 tokens past L
+            shift = lax.div(shift, jnp.int32(ALIGN)) * ALIGN
+        row = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV - shift * HKV
+        if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
+            row = jnp.maximum(row, 0)
+        return row
 
-def _decode_kernel(cfg: _Cfg, dtype,
-                   # inputs
-                   page_table_ref,  # i32[bs, max_pages]            GMEM
-                   lens_ref,        # i32[bs]                       GMEM
-                   scale_ref,       # f32[1] score scale (sm_scale * k_scale)
-                   q_ref,           # [bs, m_pad, D]                GMEM
-                   k_ref,           # [num_pages, page_size*Hkv, D] GMEM
-                   v_ref,           # [num_pages, page_size*Hkv, D] GMEM
-                   # outputs
-                   o_ref,           # [splits, bs, o_rows, D] dtype (normalised)
-                   lse_ref,         # f32[splits, bs, m_tiles*64]  (log2 domain)
-                   # scratch
-                   q_smem,          # [C, 64, D] dtype (reused for the output tile)
-                   k_smem,          # [S, block_n, D]
-                   v_smem,          # [S, block_n, D]
-                   lse_smem,        # f32[C, 64]
-                   k_bar, v_bar, q_bar, k_free, v_free,
-                   kc_smem=None,    # [block_n, D] f16: FP8 K upcast (C == 1 only)
-                   vc_smem=None):   # [block_n, D] f16: FP8 V upcast
-  bs = cfg.bs
-  C, S = bs.compute_wgs, bs.num_stages
-  BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
-  PPB, HKV = bs.pages_per_block, cfg.num_kv_heads
-  BTB = BT * PPB            # tokens per block
-  PR = BT * HKV             # rows per piece
-  n = cfg.q_len
-  ALIGN = 8 // math.gcd(HKV, 8)  # tokens per 8-row tile boundary
+    def piece_first_token(blk, j):  # token held by the piece's first row
+        ps0 = piece_start(blk, j)
+        row0 = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV
+        return ps0 - lax.div(row0 - piece_src_row(blk, j), jnp.int32(HKV))
 
-  split = lax.axis_index("split")
-  b = lax.axis_index("batch")
-  mg = lax.axis_index("mg")
-  wg = lax.axis_index("wg")
+    def col_parts(cols):
+        """Piece (None with one piece per block), token offset in the piece, and KV
+        head of each column (row of the KV tile)."""
+        j = lax.div(cols, jnp.int32(PR)) if PPB > 1 else None
+        rr = cols - j * PR if PPB > 1 else cols
+        t_in = lax.div(rr, jnp.int32(HKV))
+        return j, t_in, rr - t_in * HKV
 
-  # Which KV blocks this CTA covers (same arithmetic in every warpgroup).
-  seq_len = lens_ref[b]
-  hi_blk = lax.div(seq_len + (BTB - 1), jnp.int32(BTB))
-  if cfg.window_left >= 0:
-    lo_tok = jnp.maximum(seq_len - n - cfg.window_left, 0)
-    lo_blk = lax.div(lo_tok, jnp.int32(BTB))
-  else:
-    lo_blk = jnp.int32(0)
-  num_blk = jnp.maximum(hi_blk - lo_blk, 0)
-  chunk = lax.div(num_blk + (bs.num_splits - 1), jnp.int32(bs.num_splits))
-  start = lo_blk + split * chunk
-  count = jnp.maximum(jnp.minimum(start + chunk, hi_blk) - start, 0)
+    def col_tokens(blk, j, t_in):
+        """Token of each column of block ``blk``, and whether it is in range."""
+        first = piece_first_token(blk, 0)
+        lo = piece_start(blk, 0)
+        for jj in range(1, PPB):
+            first = jnp.where(j == jj, piece_first_token(blk, jj), first)
+            lo = jnp.where(j == jj, piece_start(blk, jj), lo)
+        tok = first + t_in
+        return tok, (tok >= lo) & (tok < seq_len)
 
-  # Piece j of block blk holds tokens [piece_start, piece_start + BT) of one page.
-  # A piece that runs past token L is fetched shifted back so that it ends at L:
-  # its box then holds only valid tokens, or rows before the page start, which
-  # TMA fills with zeros (a piece wholly past L is all zeros), never the page's
-  # unused tail, which may hold anything (NaN included). Rows before the
-  # piece's first token are masked; they are finite (earlier tokens or 0).
-  def piece_start(blk, j):
-    return blk * BTB + j * BT
+    @pl.when(wg == C)
+    def _producer():
+        if C > 1:
+            plgpu.set_max_registers(40, action="decrease")
 
-  def piece_src_row(blk, j):
-    ps0 = piece_start(blk, j)
-    shift = BT - jnp.clip(seq_len - ps0, 0, BT)
-    if ALIGN > 1:  # whole 8-row tiles only: the box may end up to ALIGN-1 tokens past L
-      shift = lax.div(shift, jnp.int32(ALIGN)) * ALIGN
-    row = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV - shift * HKV
-    if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
-      row = jnp.maximum(row, 0)
-    return row
+        @pl.loop(0, count)
+        def _fetch(i):
+            slot = lax.rem(i, jnp.int32(S))
+            blk = start + i
+            src = []
+            for j in range(PPB):
+                pidx = jnp.minimum(lax.div(piece_start(blk, j), jnp.int32(cfg.page_size)), cfg.max_pages - 1)
+                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                src.append((page, piece_src_row(blk, j)))
 
-  def piece_first_token(blk, j):  # token held by the piece's first row
-    ps0 = piece_start(blk, j)
-    row0 = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV
-    return ps0 - lax.div(row0 - piece_src_row(blk, j), jnp.int32(HKV))
+            def dst(ref, j):
+                return ref.at[slot] if PPB == 1 else ref.at[slot, pl.ds(j * PR, PR)]
 
-  def col_parts(cols):
-    """Piece (None with one piece per block), token offset in the piece, and KV
-    head of each column (row of the KV tile)."""
-    j = lax.div(cols, jnp.int32(PR)) if PPB > 1 else None
-    rr = cols - j * PR if PPB > 1 else cols
-    t_in = lax.div(rr, jnp.int32(HKV))
-    return j, t_in, rr - t_in * HKV
+            @pl.when(i >= S)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
 
-  def col_tokens(blk, j, t_in):
-    """Token of each column of block ``blk``, and whether it is in range."""
-    first = piece_first_token(blk, 0)
-    lo = piece_start(blk, 0)
-    for jj in range(1, PPB):
-      first = jnp.where(j == jj, piece_first_token(blk, jj), first)
-      lo = jnp.where(j == jj, piece_start(blk, jj), lo)
-    tok = first + t_in
-    return tok, (tok >= lo) & (tok < seq_len)
+            for j, (page, row) in enumerate(src):
+                plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(row, PR)], dst(k_smem, j), k_bar.at[slot])
 
-  @pl.when(wg == C)
-  def _producer():
-    if C > 1:
-      plgpu.set_max_registers(40, action="decrease")
+            @pl.when(i >= S)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
 
-    @pl.loop(0, count)
-    def _fetch(i):
-      slot = lax.rem(i, jnp.int32(S))
-      blk = start + i
-      src = []
-      for j in range(PPB):
-        pidx = jnp.minimum(lax.div(piece_start(blk, j), jnp.int32(cfg.page_size)),
-                           cfg.max_pages - 1)
-        page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-        src.append((page, piece_src_row(blk, j)))
+            for j, (page, row) in enumerate(src):
+                plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, PR)], dst(v_smem, j), v_bar.at[slot])
 
-      def dst(ref, j):
-        return ref.at[slot] if PPB == 1 else ref.at[slot, pl.ds(j * PR, PR)]
+    @pl.when(wg < C)
+    def _compute():
+        if C > 1:
+            plgpu.set_max_registers(232, action="increase")
+        mt = mg * C + wg
+        qo_smem = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds(mt * 64, cfg.q_rows)],
+            qo_smem.at[pl.ds(0, cfg.q_rows)] if cfg.q_rows != 64 else qo_smem,
+            q_bar.at[wg],
+        )
+        scale = scale_ref[0]
+        plgpu.barrier_wait(q_bar.at[wg])
 
-      @pl.when(i >= S)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-      for j, (page, row) in enumerate(src):
-        plgpu.copy_gmem_to_smem(k_ref.at[page, pl.ds(row, PR)], dst(k_smem, j), k_bar.at[slot])
+        def cast(x, layout):  # layout hints mean nothing to the interpreter
+            return cast_layout(x, layout, interpret=cfg.interpret)
 
-      @pl.when(i >= S)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-      for j, (page, row) in enumerate(src):
-        plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, PR)], dst(v_smem, j), v_bar.at[slot])
+        def iota(size, dim):
+            """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in
+            the layouts that broadcast to it by reusing registers."""
+            return vec_iota(size, dim, interpret=cfg.interpret)
 
-  @pl.when(wg < C)
-  def _compute():
-    if C > 1:
-      plgpu.set_max_registers(232, action="increase")
-    mt = mg * C + wg
-    qo_smem = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(
-        q_ref.at[b, pl.ds(mt * 64, cfg.q_rows)],
-        qo_smem.at[pl.ds(0, cfg.q_rows)] if cfg.q_rows != 64 else qo_smem,
-        q_bar.at[wg])
-    scale = scale_ref[0]
-    plgpu.barrier_wait(q_bar.at[wg])
+        def rows2d(x):
+            return lax.broadcast_in_dim(x, (64, N), [0])
 
-    def cast(x, layout):  # layout hints mean nothing to the interpreter
-      return cast_layout(x, layout, interpret=cfg.interpret)
+        def cols2d(x):
+            return lax.broadcast_in_dim(x, (64, N), [1])
 
-    def iota(size, dim):
-      """Row (dim 0: [64]) or column (dim 1: [N]) indices of the score tile, in
-      the layouts that broadcast to it by reusing registers."""
-      return vec_iota(size, dim, interpret=cfg.interpret)
+        m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = cast(jnp.full((64, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    def rows2d(x):
-      return lax.broadcast_in_dim(x, (64, N), [0])
+        # Loop-invariant parts of the mask, computed once: the GQA head match of
+        # every (query row, KV row) pair, and each column's token offset in its piece.
+        grow = iota(64, 0) + mt * 64  # [64] per row
+        qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
+        kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
+        qpos = seq_len - n + qi  # absolute position of each row's query
+        col_j, col_t, col_head = col_parts(iota(N, 1))  # [N] per column
+        head_ok = rows2d(kvh) == cols2d(col_head)
+        # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
+        xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
 
-    def cols2d(x):
-      return lax.broadcast_in_dim(x, (64, N), [1])
+        def token_ok(blk):
+            """Token masks (range, causal, window) of one block's columns, [64, N]."""
+            tok, ok = col_tokens(blk, col_j, col_t)  # [N]
+            ok = cols2d(ok)
+            if cfg.is_causal and n > 1:  # with one query, token < seq_len is the causal bound
+                ok = ok & (cols2d(tok) <= rows2d(qpos))
+            if cfg.window_left >= 0:
+                ok = ok & (cols2d(tok) >= rows2d(qpos - cfg.window_left))
+            return ok
 
-    m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = cast(jnp.full((64, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        def k_tile_for(slot):
+            """The K tile of a ring slot as the wgmma reads it (FP8: upcast first)."""
+            if kc_smem is None:
+                return k_smem.at[slot]
+            kc_smem[...] = k_smem[slot].astype(dtype)
+            plgpu.commit_smem()
+            return kc_smem
 
-    # Loop-invariant parts of the mask, computed once: the GQA head match of
-    # every (query row, KV row) pair, and each column's token offset in its piece.
-    grow = iota(64, 0) + mt * 64                      # [64] per row
-    qi = lax.div(grow, jnp.int32(cfg.num_q_heads))
-    kvh = lax.div(grow - qi * cfg.num_q_heads, jnp.int32(cfg.group))
-    qpos = seq_len - n + qi  # absolute position of each row's query
-    col_j, col_t, col_head = col_parts(iota(N, 1))    # [N] per column
-    head_ok = rows2d(kvh) == cols2d(col_head)
-    # Score multiplier: softmax scale (k_scale folded in) and log2(e) in one.
-    xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
+        def qk_sync(k_tile):
+            """S = Q K^T for one K tile, waited for."""
+            if cfg.interpret:
+                # The interpreter's wgmma takes neither transposed B nor A in registers:
+                # same product, computed from the shared-memory tiles with a plain dot.
+                return lax.dot_general(
+                    qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
 
-    def token_ok(blk):
-      """Token masks (range, causal, window) of one block's columns, [64, N]."""
-      tok, ok = col_tokens(blk, col_j, col_t)             # [N]
-      ok = cols2d(ok)
-      if cfg.is_causal and n > 1:  # with one query, token < seq_len is the causal bound
-        ok = ok & (cols2d(tok) <= rows2d(qpos))
-      if cfg.window_left >= 0:
-        ok = ok & (cols2d(tok) >= rows2d(qpos - cfg.window_left))
-      return ok
+            def scope(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
+                return acc_ref[...]
 
-    def k_tile_for(slot):
-      """The K tile of a ring slot as the wgmma reads it (FP8: upcast first)."""
-      if kc_smem is None:
-        return k_smem.at[slot]
-      kc_smem[...] = k_smem[slot].astype(dtype)
-      plgpu.commit_smem()
-      return kc_smem
+            return pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
 
-    def qk_sync(k_tile):
-      """S = Q K^T for one K tile, waited for."""
-      if cfg.interpret:
-        # The interpreter's wgmma takes neither transposed B nor A in registers:
-        # same product, computed from the shared-memory tiles with a plain dot.
-        return lax.dot_general(qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+        def softmax_step(s, blk, acc, m_i, l_i):
+            """Scale, cap and mask one block's scores; online softmax in base 2."""
+            x = s * xscale
+            if cfg.logit_cap > 0:
+                x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
+            x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
+            m_new = jnp.maximum(m_i, x.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            return p.astype(dtype), acc, m_new, l_i
 
-      def scope(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
-        return acc_ref[...]
-      return pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
+        def pv_step(acc, p16, slot, blk):
+            """Wait for the block's V, acc += P @ V, free the V slot."""
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_tile = v_smem.at[slot]
+            if vc_smem is not None:
+                vc_smem[...] = v_smem[slot].astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_free.at[slot])
+                v_tile = vc_smem
+            if ALIGN > 1:
+                # The last block may hold rows of the page's unused tail (anything, NaN
+                # included): P is 0 there but 0 * NaN is not, so zero those V rows
+                # (in the f16 upcast tile for FP8: no pointwise ops on 8-bit types).
+                vt = v_tile
 
-    def softmax_step(s, blk, acc, m_i, l_i):
-      """Scale, cap and mask one block's scores; online softmax in base 2."""
-      x = s * xscale
-      if cfg.logit_cap > 0:
-        x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
-      x = jnp.where(head_ok & token_ok(blk), x, -jnp.inf)
-      m_new = jnp.maximum(m_i, x.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return p.astype(dtype), acc, m_new, l_i
+                @pl.when(blk * BTB + BTB > seq_len)
+                def _():
+                    vrows = (
+                        lax.broadcasted_iota(jnp.int32, (N, D), 0)
+                        if cfg.interpret
+                        else plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA)
+                    )
+                    _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
+                    vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
+                    plgpu.commit_smem()
 
-    def pv_step(acc, p16, slot, blk):
-      """Wait for the block's V, acc += P @ V, free the V slot."""
-      plgpu.barrier_wait(v_bar.at[slot])
-      v_tile = v_smem.at[slot]
-      if vc_smem is not None:
-        vc_smem[...] = v_smem[slot].astype(dtype)
+            if cfg.interpret:
+                # Here the last block may hold the page's unused tail (no TMA zero fill
+                # when clamped at the page start): zero those rows as TMA would have.
+                _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
+                vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
+                acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
+            else:
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if vc_smem is None:
+                plgpu.barrier_arrive(v_free.at[slot])
+            return acc
+
+        def body(i, carry):
+            """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(S))
+            blk = start + i
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = qk_sync(k_tile_for(slot))
+            plgpu.barrier_arrive(k_free.at[slot])
+            p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
+            acc = pv_step(acc, p16, slot, blk)
+            return acc, m_new, l_i
+
+        def body_overlap(i, carry):
+            """Block i with the next block's Q K^T in flight on the tensor cores while
+            this block's softmax runs (the scores of block i come in the carry)."""
+            acc, m_i, l_i, s_cur = carry
+            slot = lax.rem(i, jnp.int32(S))
+            blk = start + i
+            has_next = i + 1 < count
+            # Past the last block the product is redone on the last K tile (still in
+            # its slot: nothing is loaded after it) and discarded.
+            nslot = lax.rem(jnp.minimum(i + 1, count - 1), jnp.int32(S))
+
+            @pl.when(has_next)
+            def _():
+                plgpu.barrier_wait(k_bar.at[nslot])
+
+            k_next = k_tile_for(nslot)
+            if cfg.interpret:
+                s_next = qk_sync(k_next)
+                p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
+                acc = pv_step(acc, p16, slot, blk)
+            else:
+
+                def scope(s_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_next.T)
+                    p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
+                    acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
+                    return acc2, m_new, l_new, s_ref[...]
+
+                acc, m_new, l_i, s_next = pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
+
+            @pl.when(has_next)
+            def _():
+                plgpu.barrier_arrive(k_free.at[nslot])
+
+            return acc, m_new, l_i, s_next
+
+        if cfg.overlap_qk and kc_smem is None:
+            # Prologue: the first block's scores (a CTA with no blocks computes them on
+            # an unloaded slot and never uses them).
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
+            s0 = qk_sync(k_tile_for(0))
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_arrive(k_free.at[0])
+
+            acc, m_i, l_i, _ = lax.fori_loop(0, count, body_overlap, (acc, m_i, l_i, s0))
+        else:
+            acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
+
+        empty = l_i == 0.0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * _LOG2E)
+        qo_smem[...] = acc.astype(dtype)
+        lse_smem[wg] = lse
         plgpu.commit_smem()
-        plgpu.barrier_arrive(v_free.at[slot])
-        v_tile = vc_smem
-      if ALIGN > 1:
-        # The last block may hold rows of the page's unused tail (anything, NaN
-        # included): P is 0 there but 0 * NaN is not, so zero those V rows
-        # (in the f16 upcast tile for FP8: no pointwise ops on 8-bit types).
-        vt = v_tile
-
-        @pl.when(blk * BTB + BTB > seq_len)
-        def _():
-          vrows = (lax.broadcasted_iota(jnp.int32, (N, D), 0) if cfg.interpret else
-                   plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA))
-          _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
-          vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
-          plgpu.commit_smem()
-
-      if cfg.interpret:
-        # Here the last block may hold the page's unused tail (no TMA zero fill
-        # when clamped at the page start): zero those rows as TMA would have.
-        _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
-        vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
-        acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
-      else:
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_tile)
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      if vc_smem is None:
-        plgpu.barrier_arrive(v_free.at[slot])
-      return acc
-
-    def body(i, carry):
-      """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
-      acc, m_i, l_i = carry
-      slot = lax.rem(i, jnp.int32(S))
-      blk = start + i
-      plgpu.barrier_wait(k_bar.at[slot])
-      s = qk_sync(k_tile_for(slot))
-      plgpu.barrier_arrive(k_free.at[slot])
-      p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
-      acc = pv_step(acc, p16, slot, blk)
-      return acc, m_new, l_i
-
-    def body_overlap(i, carry):
-      """Block i with the next block's Q K^T in flight on the tensor cores while
-      this block's softmax runs (the scores of block i come in the carry)."""
-      acc, m_i, l_i, s_cur = carry
-      slot = lax.rem(i, jnp.int32(S))
-      blk = start + i
-      has_next = i + 1 < count
-      # Past the last block the product is redone on the last K tile (still in
-      # its slot: nothing is loaded after it) and discarded.
-      nslot = lax.rem(jnp.minimum(i + 1, count - 1), jnp.int32(S))
-
-      @pl.when(has_next)
-      def _():
-        plgpu.barrier_wait(k_bar.at[nslot])
-      k_next = k_tile_for(nslot)
-      if cfg.interpret:
-        s_next = qk_sync(k_next)
-        p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
-        acc = pv_step(acc, p16, slot, blk)
-      else:
-        def scope(s_ref):
-          plgpu.wgmma(s_ref, qo_smem, k_next.T)
-          p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
-          acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
-          return acc2, m_new, l_new, s_ref[...]
-        acc, m_new, l_i, s_next = pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
-
-      @pl.when(has_next)
-      def _():
-        plgpu.barrier_arrive(k_free.at[nslot])
-      return acc, m_new, l_i, s_next
-
-    if cfg.overlap_qk and kc_smem is None:
-      # Prologue: the first block's scores (a CTA with no blocks computes them on
-      # an unloaded slot and never uses them).
-      @pl.when(count > 0)
-      def _():
-        plgpu.barrier_wait(k_bar.at[0])
-      s0 = qk_sync(k_tile_for(0))
-
-      @pl.when(count > 0)
-      def _():
-        plgpu.barrier_arrive(k_free.at[0])
-      acc, m_i, l_i, _ = lax.fori_loop(0, count, body_overlap, (acc, m_i, l_i, s0))
-    else:
-      acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
-
-    empty = l_i == 0.0
-    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    lse = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * _LOG2E)
-    qo_smem[...] = acc.astype(dtype)
-    lse_smem[wg] = lse
-    plgpu.commit_smem()
-    if cfg.m_tiles == 1 and cfg.q_rows != 64:  # only the rows that hold queries
-      plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, cfg.q_rows)], o_ref.at[split, b])
-    else:
-      plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
-    plgpu.wait_smem_to_gmem(0)
+        if cfg.m_tiles == 1 and cfg.q_rows != 64:  # only the rows that hold queries
+            plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, cfg.q_rows)], o_ref.at[split, b])
+        else:
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
+        plgpu.wait_smem_to_gmem(0)
 
 
-
-
-def _run_kernel(cfg: _Cfg, dtype, page_table, lens, scale, q3, k2, v2):
-  bs = cfg.bs
-  C, S, N, D = bs.compute_wgs, bs.num_stages, cfg.block_n, cfg.head_dim
-  m_pad = cfg.m_tiles * 64
-  m_groups = cfg.m_tiles // C
-  out_type = (
-      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, cfg.o_rows, D), dtype),
-      jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
-  )
-  tr = swizzle_transforms(dtype, D)
-  kv_tr = swizzle_transforms(k2.dtype, D)
-  fp8 = jnp.dtype(k2.dtype).itemsize == 1
-  if fp8 and C != 1:
-    raise NotImplementedError("FP8 KV uses one compute warpgroup")
-  extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
-
-  def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-    pl.run_scoped(
-        lambda *scratch: _decode_kernel(cfg, dtype, pt_ref, lens_ref, scale_ref, q_ref,
-                                        k_ref, v_ref, o_ref, lse_ref, *scratch),
-        plgpu.SMEM((C, 64, D), dtype, transforms=tr),
-        plgpu.SMEM((S, N, D), k2.dtype, transforms=kv_tr),
-        plgpu.SMEM((S, N, D), v2.dtype, transforms=kv_tr),
-        plgpu.SMEM((C, 64), jnp.float32),
-        plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
-        plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
-        plgpu.Barrier(num_barriers=C),
-        plgpu.Barrier(num_arrivals=C, num_barriers=S),
-        plgpu.Barrier(num_arrivals=C, num_barriers=S),
-        *extra,
-        collective_axes="wg",
+def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
+    bs = cfg.bs
+    C, S, N, D = bs.compute_wgs, bs.num_stages, cfg.block_n, cfg.head_dim
+    m_pad = cfg.m_tiles * 64
+    m_groups = cfg.m_tiles // C
+    out_type = (
+        jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, cfg.o_rows, D), dtype),
+        jax.ShapeDtypeStruct((bs.num_splits, cfg.batch, m_pad), jnp.float32),
     )
+    tr = swizzle_transforms(dtype, D)
+    kv_tr = swizzle_transforms(k2.dtype, D)
+    fp8 = jnp.dtype(k2.dtype).itemsize == 1
+    if fp8 and C != 1:
+        raise NotImplementedError("FP8 KV uses one compute warpgroup")
+    extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
 
-  name = (f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}"
-          f"_splits{bs.num_splits}")
-  kernel = plgpu_kernel(
-      entry, out_type,
-      grid=(bs.num_splits, cfg.batch, m_groups),
-      grid_names=("split", "batch", "mg"),
-      num_threads=C + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      kernel_name=name,
-  )
-  return kernel(page_table, lens, scale, q3, k2, v2)
+    def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda *scratch: _decode_kernel(
+                cfg, dtype, pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch
+            ),
+            plgpu.SMEM((C, 64, D), dtype, transforms=tr),
+            plgpu.SMEM((S, N, D), k2.dtype, transforms=kv_tr),
+            plgpu.SMEM((S, N, D), v2.dtype, transforms=kv_tr),
+            plgpu.SMEM((C, 64), jnp.float32),
+            plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
+            plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
+            plgpu.Barrier(num_barriers=C),
+            plgpu.Barrier(num_arrivals=C, num_barriers=S),
+            plgpu.Barrier(num_arrivals=C, num_barriers=S),
+            *extra,
+            collective_axes="wg",
+        )
+
+    name = f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}_splits{bs.num_splits}"
+    kernel = plgpu_kernel(
+        entry,
+        out_type,
+        grid=(bs.num_splits, cfg.batch, m_groups),
+        grid_names=("split", "batch", "mg"),
+        num_threads=C + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=name,
+    )
+    return kernel(page_table, lens, scale, q3, k2, v2)
 
 
-def mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, *, max_seqlen_q=1,
-               is_causal=True, window_left=-1, logit_cap=0.0, sinks=None,
-               softmax_scale=None, k_scale=1.0, v_scale=1.0, return_lse=False,
-               block_sizes: BlockSizes | None = None,
-               options: KernelOptions = KernelOptions()):
-  """Paged decode attention (Mosaic GPU, Hopper).
+def mha_decode(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    max_seqlen_q=1,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+    block_sizes: BlockSizes | None = None,
+    options: KernelOptions = KernelOptions(),
+):
+    """Paged decode attention (Mosaic GPU, Hopper).
 
-  Args:
-    q: ``[bs * q_len, Hq, D]`` bf16/f16, request-major.
-    k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as q.
-    page_table: i32 ``[bs, max_pages]``; ids are clamped into the pool.
-    cache_seqlens: i32 ``[bs]``, visible tokens per request, new tokens included.
-    max_seqlen_q: q_len (1..8); is_causal, window_left, logit_cap, sinks (f32
-      ``[Hq]``), softmax_scale: as in ``jattn.ops.mha_decode_with_kvcache``
-      (rules in docs/SEMANTICS.md). k_scale / v_scale: Python floats or traced
-      f32 scalars.
-    return_lse: also return the natural-log LSE f32 ``[bs * q_len, Hq]``.
-    block_sizes: the tiling (:func:`choose_block_sizes` when None).
-    options: code-path choices (:class:`KernelOptions`); every setting gives
-      the same results.
+    Args:
+      q: ``[bs * q_len, Hq, D]`` bf16/f16, request-major.
+      k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as q.
+      page_table: i32 ``[bs, max_pages]``; ids are clamped into the pool.
+      cache_seqlens: i32 ``[bs]``, visible tokens per request, new tokens included.
+      max_seqlen_q: q_len (1..8); is_causal, window_left, logit_cap, sinks (f32
+        ``[Hq]``), softmax_scale: as in ``jattn.ops.mha_decode_with_kvcache``
+        (rules in docs/SEMANTICS.md). k_scale / v_scale: Python floats or traced
+        f32 scalars.
+      return_lse: also return the natural-log LSE f32 ``[bs * q_len, Hq]``.
+      block_sizes: the tiling (:func:`choose_block_sizes` when None).
+      options: code-path choices (:class:`KernelOptions`); every setting gives
+        the same results.
 
-  Returns:
-    ``out`` ``[bs * q_len, Hq, D]`` in q.dtype, or ``(out, lse)``.
+    Returns:
+      ``out`` ``[bs * q_len, Hq, D]`` in q.dtype, or ``(out, lse)``.
 
-  Example::
+    Example::
 
-    out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
-  """
-  # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
-  # A Python k_scale is folded into a constant score scale (no kernel computes it).
-  unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
-  k_py = isinstance(k_scale, (int, float))
-  return _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens,
-                     None if unit_v else v_scale, None if k_py else k_scale,
-                     max_seqlen_q=max_seqlen_q, k_scale_py=float(k_scale) if k_py else None,
-                     is_causal=is_causal, window_left=window_left, logit_cap=logit_cap,
-                     sinks=sinks, softmax_scale=softmax_scale,
-                     return_lse=return_lse, block_sizes=block_sizes, options=options)
+      out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
+    """
+    # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
+    # A Python k_scale is folded into a constant score scale (no kernel computes it).
+    unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
+    k_py = isinstance(k_scale, (int, float))
+    return _mha_decode(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        None if unit_v else v_scale,
+        None if k_py else k_scale,
+        max_seqlen_q=max_seqlen_q,
+        k_scale_py=float(k_scale) if k_py else None,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        block_sizes=block_sizes,
+        options=options,
+    )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_seqlen_q", "is_causal", "window_left", "logit_cap",
-                     "softmax_scale", "return_lse", "block_sizes", "options", "k_scale_py"))
-def _mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, v_scale, k_scale, *,
-                max_seqlen_q, k_scale_py, is_causal, window_left, logit_cap, sinks,
-                softmax_scale, return_lse, block_sizes, options):
-  """:func:`mha_decode` under jit (``v_scale`` None: 1.0; ``k_scale`` None: the
-  Python float ``k_scale_py``)."""
-  reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q,
-                              window_left=window_left, sinks=sinks)
-  if reason is not None:
-    raise NotImplementedError(f"mosaic mha_decode: {reason}")
-  num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-  tokens, num_q_heads, _ = q.shape
-  batch = tokens // max_seqlen_q
-  if page_table.ndim != 2 or page_table.shape[0] != batch:
-    raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
-  if cache_seqlens.shape != (batch,):
-    raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
-  max_pages = page_table.shape[1]
-  dtype = q.dtype
-  m_rows = max_seqlen_q * num_q_heads
-  if m_rows <= 64:
-    q_rows, m_tiles = -(-m_rows // 8) * 8, 1
-  else:
-    q_rows, m_tiles = 64, -(-m_rows // 64)
-  m_pad_q = q_rows if m_tiles == 1 else m_tiles * 64
-  bsz = block_sizes or choose_block_sizes(
-      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-      max_pages=max_pages, m_rows=m_rows, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
-      q_itemsize=jnp.dtype(q.dtype).itemsize)
-  cfg = _Cfg(batch=batch, num_pages=num_pages, page_size=page_size, max_pages=max_pages,
-             num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
-             q_len=max_seqlen_q, m_rows=m_rows, q_rows=q_rows, m_tiles=m_tiles,
-             is_causal=bool(is_causal),
-             window_left=int(window_left if window_left is not None else -1),
-             logit_cap=float(logit_cap or 0.0), bs=bsz, interpret=_interpreting(),
-             overlap_qk=options.overlap_qk)
+    static_argnames=(
+        "max_seqlen_q",
+        "is_causal",
+        "window_left",
+        "logit_cap",
+        "softmax_scale",
+        "return_lse",
+        "block_sizes",
+        "options",
+        "k_scale_py",
+    ),
+)
+def _mha_decode(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    v_scale,
+    k_scale,
+    *,
+    max_seqlen_q,
+    k_scale_py,
+    is_causal,
+    window_left,
+    logit_cap,
+    sinks,
+    softmax_scale,
+    return_lse,
+    block_sizes,
+    options,
+):
+    """:func:`mha_decode` under jit (``v_scale`` None: 1.0; ``k_scale`` None: the
+    Python float ``k_scale_py``)."""
+    reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks)
+    if reason is not None:
+        raise NotImplementedError(f"mosaic mha_decode: {reason}")
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    tokens, num_q_heads, _ = q.shape
+    batch = tokens // max_seqlen_q
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
+    cfg = decode_config(
+        batch=batch,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_pages=page_table.shape[1],
+        num_kv_heads=num_kv_heads,
+        num_q_heads=num_q_heads,
+        head_dim=head_dim,
+        q_len=max_seqlen_q,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        block_sizes=block_sizes,
+        kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
+        q_itemsize=jnp.dtype(q.dtype).itemsize,
+        interpret=_interpreting(),
+        options=options,
+    )
+    m_rows, dtype = cfg.m_rows, q.dtype
 
-  sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-  if k_scale is None:
-    scale = np.asarray([k_scale_py * sm_scale], np.float32)
-  else:
-    scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
-  # FP8 KV computes in f16: e4m3 -> f16 is exact and the one upcast the hardware
-  # has (e4m3 -> bf16 goes through f32); bf16 q -> f16 keeps 10 mantissa bits.
-  cdtype = jnp.float16 if jnp.dtype(k_cache.dtype).itemsize == 1 else dtype
-  q3 = q.reshape(batch, m_rows, head_dim).astype(cdtype)
-  if m_pad_q != m_rows:
-    q3 = jnp.pad(q3, ((0, 0), (0, m_pad_q - m_rows), (0, 0)))
-  k2 = k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
-  v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
-  o_part, lse_part = _run_kernel(cfg, cdtype, page_table.astype(jnp.int32),
-                                 cache_seqlens.astype(jnp.int32), scale, q3, k2, v2)
-  out, lse = combine_splits(o_part, lse_part, q_len=max_seqlen_q, num_q_heads=num_q_heads,
-                            sinks=sinks, v_scale=v_scale, out_dtype=dtype,
-                            use_kernel=options.kernel_combine)
-  return (out, lse) if return_lse else out
+    sm_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if k_scale is None:
+        scale = np.asarray([k_scale_py * sm_scale], np.float32)
+    else:
+        scale = (jnp.asarray(k_scale, jnp.float32) * sm_scale).reshape(1)
+    # FP8 KV computes in f16: e4m3 -> f16 is exact and the one upcast the hardware
+    # has (e4m3 -> bf16 goes through f32); bf16 q -> f16 keeps 10 mantissa bits.
+    cdtype = jnp.float16 if jnp.dtype(k_cache.dtype).itemsize == 1 else dtype
+    q3 = q.reshape(batch, m_rows, head_dim).astype(cdtype)
+    if cfg.o_rows != m_rows:
+        q3 = jnp.pad(q3, ((0, 0), (0, cfg.o_rows - m_rows), (0, 0)))
+    k2 = k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
+    v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
+    o_part, lse_part = _run_kernel(
+        cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), scale, q3, k2, v2
+    )
+    out, lse = combine_splits(
+        o_part,
+        lse_part,
+        q_len=max_seqlen_q,
+        num_q_heads=num_q_heads,
+        sinks=sinks,
+        v_scale=v_scale,
+        out_dtype=dtype,
+        use_kernel=options.kernel_combine,
+    )
+    return (out, lse) if return_lse else out

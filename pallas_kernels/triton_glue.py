@@ -27,66 +27,78 @@ import functools
 import os
 from typing import Any, Callable
 
-__all__ = ["jax_triton", "available", "jit", "triton_call", "interpreter_env",
-           "launch_interpreted"]
+__all__ = ["jax_triton", "available", "jit", "triton_call", "interpreter_env", "launch_interpreted"]
 
 
 @functools.lru_cache(maxsize=None)
 def jax_triton():
-  """The ``jax_triton`` module, or None where it does not import (not installed,
-  or a jaxlib without GPU support)."""
-  try:
-    import jax_triton as jt  # noqa: PLC0415 - needs a GPU jaxlib
-  except Exception:  # noqa: BLE001 - ImportError, or its own GPU check failing
-    return None
-  return jt
+    """The ``jax_triton`` module, or None where it does not import (not installed,
+    or a jaxlib without GPU support)."""
+    try:
+        import jax_triton as jt  # noqa: PLC0415 - needs a GPU jaxlib
+    except Exception:  # noqa: BLE001 - ImportError, or its own GPU check failing
+        return None
+    return jt
 
 
 def available() -> bool:
-  """True when Triton kernels can be launched from JAX here: a CUDA GPU is JAX's
-  default backend and jax-triton (with Triton) imports."""
-  from jattn.pallas_kernels.interpret import on_gpu
-  return on_gpu() and jax_triton() is not None
+    """True when Triton kernels can be launched from JAX here: a CUDA GPU is JAX's
+    default backend and jax-triton (with Triton) imports."""
+    from jattn.pallas_kernels.interpret import on_gpu
+
+    return on_gpu() and jax_triton() is not None
 
 
 @functools.lru_cache(maxsize=None)
 def jit(fn: Callable):
-  """``triton.jit(fn)`` for kernel source ``fn`` (a plain function written against
-  ``triton.language``), compiled once per function. Under ``TRITON_INTERPRET=1``
-  (set before Triton is first imported) this is Triton's CPU interpreter."""
-  import triton  # noqa: PLC0415
-  return triton.jit(fn)
+    """``triton.jit(fn)`` for kernel source ``fn`` (a plain function written against
+    ``triton.language``), compiled once per function. Under ``TRITON_INTERPRET=1``
+    (set before Triton is first imported) this is Triton's CPU interpreter."""
+    import triton  # noqa: PLC0415
+
+    return triton.jit(fn)
 
 
-def triton_call(fn: Callable, *args, out_shape, grid, name: str, num_warps: int = 4,
-                num_stages: int = 1, **constexprs: Any):
-  """Launch kernel source ``fn`` from JAX (jax-triton's ``triton_call``).
+def triton_call(
+    fn: Callable, *args, out_shape, grid, name: str, num_warps: int = 4, num_stages: int = 1, **constexprs: Any
+):
+    """Launch kernel source ``fn`` from JAX (jax-triton's ``triton_call``).
 
-  ``args`` are the input arrays (then Python scalars, if any), followed in the
-  kernel's signature by one pointer per entry of ``out_shape``; ``constexprs`` are
-  the kernel's ``tl.constexpr`` parameters. Raises ``RuntimeError`` where
-  :func:`available` is False."""
-  jt = jax_triton()
-  if jt is None:
-    raise RuntimeError("jax-triton is not available (it needs a GPU build of jaxlib)")
-  return jt.triton_call(*args, kernel=jit(fn), out_shape=out_shape, grid=grid, name=name,
-                        num_warps=num_warps, num_stages=num_stages, **constexprs)
+    ``args`` are the input arrays (then Python scalars, if any), followed in the
+    kernel's signature by one pointer per entry of ``out_shape``; ``constexprs`` are
+    the kernel's ``tl.constexpr`` parameters. Raises ``RuntimeError`` where
+    :func:`available` is False."""
+    jt = jax_triton()
+    if jt is None:
+        raise RuntimeError("jax-triton is not available (it needs a GPU build of jaxlib)")
+    return jt.triton_call(
+        *args,
+        kernel=jit(fn),
+        out_shape=out_shape,
+        grid=grid,
+        name=name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **constexprs,
+    )
 
 
 def interpreter_env() -> dict[str, str]:
-  """Environment for a process that runs Triton kernels under the interpreter.
+    """Environment for a process that runs Triton kernels under the interpreter.
 
-  Triton decides at import time whether its own library functions (``tl.max``,
-  ``tl.sum``, ...) are interpreted, so ``TRITON_INTERPRET=1`` must be set before
-  Triton is first imported: interpreted runs happen in a fresh process."""
-  return dict(os.environ, TRITON_INTERPRET="1")
+    Triton decides at import time whether its own library functions (``tl.max``,
+    ``tl.sum``, ...) are interpreted, so ``TRITON_INTERPRET=1`` must be set before
+    Triton is first imported: interpreted runs happen in a fresh process."""
+    return dict(os.environ, TRITON_INTERPRET="1")
 
 
 def launch_interpreted(fn: Callable, grid, *args, **constexprs: Any) -> None:
-  """Run kernel source ``fn`` under Triton's interpreter on torch CPU tensors
-  (outputs are written in place), as CPU tests do. Needs a process started with
-  :func:`interpreter_env`."""
-  if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("launch_interpreted needs TRITON_INTERPRET=1 set before triton is "
-                       "imported: run it in a process started with interpreter_env()")
-  jit(fn)[grid](*args, **constexprs)
+    """Run kernel source ``fn`` under Triton's interpreter on torch CPU tensors
+    (outputs are written in place), as CPU tests do. Needs a process started with
+    :func:`interpreter_env`."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "launch_interpreted needs TRITON_INTERPRET=1 set before triton is "
+            "imported: run it in a process started with interpreter_env()"
+        )
+    jit(fn)[grid](*args, **constexprs)

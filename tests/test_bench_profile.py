@@ -11,207 +11,220 @@ from jattn.bench.profile import CallProfile, Kernel, _split_calls, profile_calls
 
 
 def _k(name, start_us, dur_us):
-  return Kernel(name, start_us * 1e3, dur_us * 1e3)
+    return Kernel(name, start_us * 1e3, dur_us * 1e3)
 
 
 def test_split_calls_at_the_widest_gaps():
-  # three calls: kernels 2 us apart inside a call, 100+ us between calls
-  ev = [_k("a", 0, 5), _k("b", 7, 3), _k("a", 120, 5), _k("b", 127, 3), _k("a", 300, 5),
-        _k("b", 307, 4)]
-  calls = _split_calls(ev, 3)
-  assert [len(c.kernels) for c in calls] == [2, 2, 2]
-  assert calls[0].span_us == 10.0 and calls[2].span_us == 11.0
-  assert calls[0].busy_us == 8.0
+    # three calls: kernels 2 us apart inside a call, 100+ us between calls
+    ev = [_k("a", 0, 5), _k("b", 7, 3), _k("a", 120, 5), _k("b", 127, 3), _k("a", 300, 5), _k("b", 307, 4)]
+    calls = _split_calls(ev, 3)
+    assert [len(c.kernels) for c in calls] == [2, 2, 2]
+    assert calls[0].span_us == 10.0 and calls[2].span_us == 11.0
+    assert calls[0].busy_us == 8.0
 
 
 def test_busy_merges_overlapping_kernels():
-  c = CallProfile((_k("a", 0, 10), _k("b", 5, 10), _k("c", 30, 5)))
-  assert c.span_us == 35.0
-  assert c.busy_us == 20.0  # [0, 15) and [30, 35)
+    c = CallProfile((_k("a", 0, 10), _k("b", 5, 10), _k("c", 30, 5)))
+    assert c.span_us == 35.0
+    assert c.busy_us == 20.0  # [0, 15) and [30, 35)
 
 
 def test_summarize_medians_per_name_and_missing_kernels():
-  calls = [CallProfile((_k("dec", 0, 10), _k("comb", 11, 2))),
-           CallProfile((_k("dec", 0, 12), _k("comb", 13, 4))),
-           CallProfile((_k("dec", 0, 11),))]  # no combine in this call
-  s = summarize(calls)
-  names = {n: (c, us) for n, c, us in s.kernels}
-  assert names["dec"] == (1, 11.0)
-  assert names["comb"] == (1, 2.0)  # median of 2, 4 and the missing 0
-  assert s.kernels[0][0] == "dec"
-  assert "dec" in s.table()
+    calls = [
+        CallProfile((_k("dec", 0, 10), _k("comb", 11, 2))),
+        CallProfile((_k("dec", 0, 12), _k("comb", 13, 4))),
+        CallProfile((_k("dec", 0, 11),)),
+    ]  # no combine in this call
+    s = summarize(calls)
+    names = {n: (c, us) for n, c, us in s.kernels}
+    assert names["dec"] == (1, 11.0)
+    assert names["comb"] == (1, 2.0)  # median of 2, 4 and the missing 0
+    assert s.kernels[0][0] == "dec"
+    assert "dec" in s.table()
 
 
 def test_profile_calls_runs_without_a_device_trace():
-  """On the CPU the trace has no device plane: no calls, an empty summary."""
-  f = jax.jit(lambda x: x * 2)
-  calls = profile_calls(f, [(jnp.ones(4),)] * 2, warmup=1)
-  if jax.default_backend() == "cpu":
-    assert calls == [] and summarize(calls).span_us == 0.0
+    """On the CPU the trace has no device plane: no calls, an empty summary."""
+    f = jax.jit(lambda x: x * 2)
+    calls = profile_calls(f, [(jnp.ones(4),)] * 2, warmup=1)
+    if jax.default_backend() == "cpu":
+        assert calls == [] and summarize(calls).span_us == 0.0
 
 
 def test_time_loop_runs_each_call_with_a_traced_index():
-  """``time_loop`` calls ``step(i, ...)`` with a traced loop index inside one jit (the
-  per-call figure on the CPU means nothing; the calls and their indices must be right)."""
-  from jattn.bench import common
-  seen = []
+    """``time_loop`` calls ``step(i, ...)`` with a traced loop index inside one jit (the
+    per-call figure on the CPU means nothing; the calls and their indices must be right)."""
+    from jattn.bench import common
 
-  def step(i, x):
-    seen.append(type(i))
-    return x[i % 4] * 2
-  t = common.time_loop(step, (jnp.arange(32, dtype=jnp.float32).reshape(4, 8),), n_lo=2, n_hi=4,
-                       reps=1, graph=False)
-  assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
-  assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
-
-
-def test_time_rotated_command_buffer_modes_compile():
-  """XLA's defaults, command buffers on, and off entirely: each compiles and times the
-  calls (``graph="off"`` passes an empty command-buffer list, which XLA accepts)."""
-  from jattn.bench import common
-  for graph in (False, True, "off"):
-    t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
-                            reps=1, graph=graph)
-    assert t.n_hi == 2 and t.seconds > 0
-
-
-def test_joined_outputs_keep_every_value_one_array_per_dtype():
-  """The harness joins all calls' outputs into one array per dtype: nothing dropped
-  (so no call is dead code), values in call order."""
-  from jattn.bench import common
-  rng = np.random.default_rng(0)
-  outs = tuple((jnp.asarray(rng.standard_normal((2, 3)), jnp.bfloat16),
-                jnp.asarray(rng.standard_normal((3,)), jnp.float32)) for _ in range(4))
-  joined = common._joined(outs)
-  assert [j.dtype for j in joined] == [jnp.bfloat16, jnp.float32]
-  np.testing.assert_array_equal(np.asarray(joined[0], np.float32),
-                                np.concatenate([np.asarray(o[0], np.float32).ravel() for o in outs]))
-  np.testing.assert_array_equal(np.asarray(joined[1]),
-                                np.concatenate([np.asarray(o[1]).ravel() for o in outs]))
-
-
-def test_time_rotated_join_modes_run_every_call():
-  """Both output modes run all n calls: the step is traced once per call index."""
-  from jattn.bench import common
-  for join in (True, False):
     seen = []
 
     def step(i, x):
-      seen.append(i)
-      return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
-    t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
-    assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]
+        seen.append(type(i))
+        return x[i % 4] * 2
+
+    t = common.time_loop(step, (jnp.arange(32, dtype=jnp.float32).reshape(4, 8),), n_lo=2, n_hi=4, reps=1, graph=False)
+    assert t.n_lo == 2 and t.n_hi == 4 and t.seconds > 0
+    assert seen and all(issubclass(s, jax.core.Tracer) for s in seen)
+
+
+def test_time_rotated_command_buffer_modes_compile():
+    """XLA's defaults, command buffers on, and off entirely: each compiles and times the
+    calls (``graph="off"`` passes an empty command-buffer list, which XLA accepts)."""
+    from jattn.bench import common
+
+    for graph in (False, True, "off"):
+        t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1, graph=graph)
+        assert t.n_hi == 2 and t.seconds > 0
+
+
+def test_joined_outputs_keep_every_value_one_array_per_dtype():
+    """The harness joins all calls' outputs into one array per dtype: nothing dropped
+    (so no call is dead code), values in call order."""
+    from jattn.bench import common
+
+    rng = np.random.default_rng(0)
+    outs = tuple(
+        (jnp.asarray(rng.standard_normal((2, 3)), jnp.bfloat16), jnp.asarray(rng.standard_normal((3,)), jnp.float32))
+        for _ in range(4)
+    )
+    joined = common._joined(outs)
+    assert [j.dtype for j in joined] == [jnp.bfloat16, jnp.float32]
+    np.testing.assert_array_equal(
+        np.asarray(joined[0], np.float32), np.concatenate([np.asarray(o[0], np.float32).ravel() for o in outs])
+    )
+    np.testing.assert_array_equal(np.asarray(joined[1]), np.concatenate([np.asarray(o[1]).ravel() for o in outs]))
+
+
+def test_time_rotated_join_modes_run_every_call():
+    """Both output modes run all n calls: the step is traced once per call index."""
+    from jattn.bench import common
+
+    for join in (True, False):
+        seen = []
+
+        def step(i, x):
+            seen.append(i)
+            return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
+
+        t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=3, reps=1, join=join)
+        assert t.seconds > 0 and sorted(set(seen)) == [0, 1, 2]
 
 
 def test_trace_events_host_side_on_one_clock():
-  """trace_events returns the host activity of the traced calls, time-sorted; on a
-  machine without a GPU the device list is empty (no stream lines)."""
-  from jattn.bench.profile import trace_events
-  f = jax.jit(lambda x: jnp.sin(x) * 2)
-  host, dev = trace_events(f, (jnp.ones(8),), reps=2, warmup=1, pause_s=0.001)
-  assert host, "no host events traced"
-  starts = [e[0] for e in host]
-  assert starts == sorted(starts)
-  assert all(len(e) == 3 and e[1] >= 0 for e in host)
-  if jax.default_backend() != "gpu":
-    assert dev == []
+    """trace_events returns the host activity of the traced calls, time-sorted; on a
+    machine without a GPU the device list is empty (no stream lines)."""
+    from jattn.bench.profile import trace_events
+
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    host, dev = trace_events(f, (jnp.ones(8),), reps=2, warmup=1, pause_s=0.001)
+    assert host, "no host events traced"
+    starts = [e[0] for e in host]
+    assert starts == sorted(starts)
+    assert all(len(e) == 3 and e[1] >= 0 for e in host)
+    if jax.default_backend() != "gpu":
+        assert dev == []
 
 
 def test_time_rotated_device_stamps_wait_for_every_output(monkeypatch):
-  """``device=True``: the first stamp feeds args[0] of every call, and the last stamp
-  reads every output leaf (checked with a stand-in stamp on the CPU; the real one
-  is a Triton kernel launched through jax-triton, tested on the GPU below)."""
-  from jattn.bench import common
-  fed = []
+    """``device=True``: the first stamp feeds args[0] of every call, and the last stamp
+    reads every output leaf (checked with a stand-in stamp on the CPU; the real one
+    is a Triton kernel launched through jax-triton, tested on the GPU below)."""
+    from jattn.bench import common
 
-  def fake_stamp(*deps):
-    fed.append(len(deps))
-    return jnp.stack([jnp.sum(d).astype(jnp.int32) * 0 + 1000 * len(fed) for d in deps])[:1]
-  monkeypatch.setattr(common, "gpu_stamp", lambda: fake_stamp)
+    fed = []
 
-  def step(i, x):
-    return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
-  t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=4, reps=1, join=False,
-                          device=True)
-  assert t.device_seconds is not None and t.seconds > 0
-  # n_hi=4 calls x 2 leaves = 8 outputs, all read by the last stamp; one start stamp
-  # on args[0] (traced once per program: n_lo, then n_hi).
-  assert fed == [1, 2, 1, 8]
-  monkeypatch.setattr(common, "gpu_stamp", lambda: None)
-  assert common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1,
-                             device=True).device_seconds is None
+    def fake_stamp(*deps):
+        fed.append(len(deps))
+        return jnp.stack([jnp.sum(d).astype(jnp.int32) * 0 + 1000 * len(fed) for d in deps])[:1]
+
+    monkeypatch.setattr(common, "gpu_stamp", lambda: fake_stamp)
+
+    def step(i, x):
+        return x[i % 4] * 2, (x[i % 4] + 1).astype(jnp.int32)
+
+    t = common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=4, reps=1, join=False, device=True)
+    assert t.device_seconds is not None and t.seconds > 0
+    # n_hi=4 calls x 2 leaves = 8 outputs, all read by the last stamp; one start stamp
+    # on args[0] (traced once per program: n_lo, then n_hi).
+    assert fed == [1, 2, 1, 8]
+    monkeypatch.setattr(common, "gpu_stamp", lambda: None)
+    assert common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1, device=True).device_seconds is None
 
 
 def test_time_rotated_keeps_the_wall_time_when_the_stamp_fails(monkeypatch):
-  """A stamp kernel that does not build costs the device figure only, with a
-  warning: the wall figure still comes back."""
-  from jattn.bench import common
+    """A stamp kernel that does not build costs the device figure only, with a
+    warning: the wall figure still comes back."""
+    from jattn.bench import common
 
-  def broken_stamp(*deps):
-    raise NotImplementedError("no Triton lowering here")
-  monkeypatch.setattr(common, "gpu_stamp", lambda: broken_stamp)
-  with pytest.warns(UserWarning, match="no device time"):
-    t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2,
-                            reps=1, device=True)
-  assert t.seconds > 0 and t.device_seconds is None
+    def broken_stamp(*deps):
+        raise NotImplementedError("no Triton lowering here")
+
+    monkeypatch.setattr(common, "gpu_stamp", lambda: broken_stamp)
+    with pytest.warns(UserWarning, match="no device time"):
+        t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1, device=True)
+    assert t.seconds > 0 and t.device_seconds is None
 
 
 def test_gpu_stamp_is_none_without_jax_triton(monkeypatch):
-  """Where jax-triton cannot launch kernels (no GPU, or not installed) there is no
-  stamp, and ``time_rotated(device=True)`` returns the wall figure alone."""
-  from jattn.bench import common
-  from jattn.pallas_kernels import triton_glue
-  monkeypatch.setattr(triton_glue, "available", lambda: False)
-  assert common.gpu_stamp() is None
-  t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1,
-                          device=True)
-  assert t.seconds > 0 and t.device_seconds is None
+    """Where jax-triton cannot launch kernels (no GPU, or not installed) there is no
+    stamp, and ``time_rotated(device=True)`` returns the wall figure alone."""
+    from jattn.bench import common
+    from jattn.pallas_kernels import triton_glue
+
+    monkeypatch.setattr(triton_glue, "available", lambda: False)
+    assert common.gpu_stamp() is None
+    t = common.time_rotated(lambda i, x: x[i % 4] * 2, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1, device=True)
+    assert t.seconds > 0 and t.device_seconds is None
 
 
 @pytest.mark.gpu
 def test_gpu_stamp_times_the_device():
-  """On the GPU the stamps bracket the calls: the per-call device time of a 256 MB
-  elementwise op lies between the HBM peak's bound and the wall time."""
-  from jattn.bench import common
-  xs = jnp.stack([jnp.full((1 << 25,), float(i), jnp.float32) for i in range(4)])
-  t = common.time_rotated(lambda i, x: x[i % 4] * 2.0, (xs,), n_lo=2, n_hi=8, reps=5,
-                          device=True)
-  nbytes = 2 * (1 << 25) * 4  # read + write
-  assert nbytes / 5.0e12 < t.device_seconds < 1.5 * t.seconds, (t.device_seconds, t.seconds)
+    """On the GPU the stamps bracket the calls: the per-call device time of a 256 MB
+    elementwise op lies between the HBM peak's bound and the wall time."""
+    from jattn.bench import common
+
+    xs = jnp.stack([jnp.full((1 << 25,), float(i), jnp.float32) for i in range(4)])
+    t = common.time_rotated(lambda i, x: x[i % 4] * 2.0, (xs,), n_lo=2, n_hi=8, reps=5, device=True)
+    nbytes = 2 * (1 << 25) * 4  # read + write
+    assert nbytes / 5.0e12 < t.device_seconds < 1.5 * t.seconds, (t.device_seconds, t.seconds)
 
 
 def test_decode_bench_set_parses_kernel_options():
-  """``bench decode --set`` passes the kernel's options explicitly (A/B runs)."""
-  from jattn.bench.decode import parse_options
-  from jattn.pallas_kernels.decode_tuning import KernelOptions
-  assert parse_options("") == KernelOptions()
-  assert parse_options("overlap_qk=0") == KernelOptions(overlap_qk=False)
-  assert parse_options("kernel_combine=0,overlap_qk=1") == KernelOptions(kernel_combine=False)
-  for bad in ("_OVERLAP_QK=0", "overlap_qk=2", "overlap_qk"):
-    with pytest.raises(SystemExit, match="overlap_qk"):
-      parse_options(bad)
+    """``bench decode --set`` passes the kernel's options explicitly (A/B runs)."""
+    from jattn.bench.decode import parse_options
+    from jattn.pallas_kernels.decode_tuning import KernelOptions
+
+    assert parse_options("") == KernelOptions()
+    assert parse_options("overlap_qk=0") == KernelOptions(overlap_qk=False)
+    assert parse_options("kernel_combine=0,overlap_qk=1") == KernelOptions(kernel_combine=False)
+    for bad in ("_OVERLAP_QK=0", "overlap_qk=2", "overlap_qk"):
+        with pytest.raises(SystemExit, match="overlap_qk"):
+            parse_options(bad)
 
 
 def test_stamp_kernel_join_reads_element_zero_of_every_input():
-  """The stamp kernel's source without the timer (``STAMP=False``, the join of more
-  than 8 buffers) under Triton's interpreter: the sum of element 0 of each input
-  (each input's producer is then ordered before the stamp)."""
-  pytest.importorskip("triton")
-  pytest.importorskip("torch")
-  import subprocess
-  import sys
+    """The stamp kernel's source without the timer (``STAMP=False``, the join of more
+    than 8 buffers) under Triton's interpreter: the sum of element 0 of each input
+    (each input's producer is then ordered before the stamp)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
 
-  from jattn.pallas_kernels import triton_glue
-  code = (
-      "import torch\n"
-      "from jattn.bench import common\n"
-      "from jattn.pallas_kernels import triton_glue\n"
-      "ins = [torch.tensor([3.0, 100.0]), torch.tensor([5, 7], dtype=torch.int32),\n"
-      "       torch.tensor([-2.0], dtype=torch.float16)] + [torch.tensor([i + 1.0]) for i in range(5)]\n"
-      "out = torch.zeros(1, dtype=torch.int32)\n"
-      "triton_glue.launch_interpreted(common._stamp_kernel, (1,), *ins, out, STAMP=False)\n"
-      "print(int(out[0]))\n")
-  r = subprocess.run([sys.executable, "-c", code], env=triton_glue.interpreter_env(),
-                     capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert r.stdout.split()[-1] == str(3 + 5 - 2 + 1 + 2 + 3 + 4 + 5)
+    from jattn.pallas_kernels import triton_glue
+
+    code = (
+        "import torch\n"
+        "from jattn.bench import common\n"
+        "from jattn.pallas_kernels import triton_glue\n"
+        "ins = [torch.tensor([3.0, 100.0]), torch.tensor([5, 7], dtype=torch.int32),\n"
+        "       torch.tensor([-2.0], dtype=torch.float16)] + [torch.tensor([i + 1.0]) for i in range(5)]\n"
+        "out = torch.zeros(1, dtype=torch.int32)\n"
+        "triton_glue.launch_interpreted(common._stamp_kernel, (1,), *ins, out, STAMP=False)\n"
+        "print(int(out[0]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == str(3 + 5 - 2 + 1 + 2 + 3 + 4 + 5)

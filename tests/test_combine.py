@@ -32,104 +32,123 @@ CASES = {
 
 
 def _inputs(name):
-  splits, bs, rows, m, d, hq, sinks, v_scale, dt = CASES[name]
-  rng = np.random.default_rng(zlib.crc32(name.encode()))  # same draw in the subprocess
-  o = rng.standard_normal((splits, bs, rows, d)).astype(dt)
-  lse = (rng.standard_normal((splits, bs, rows)) * 4).astype(np.float32)
-  lse[::3, 0] = -np.inf                   # empty splits
-  lse[:, -1, min(1, m - 1)] = -np.inf     # a row with no keys at all
-  o[:, :, m:] = np.nan                    # rows past m are never read
-  sk = (rng.standard_normal(hq) * 2).astype(np.float32) if sinks else None
-  return o, lse, sk, v_scale, m, hq
+    splits, bs, rows, m, d, hq, sinks, v_scale, dt = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # same draw in the subprocess
+    o = rng.standard_normal((splits, bs, rows, d)).astype(dt)
+    lse = (rng.standard_normal((splits, bs, rows)) * 4).astype(np.float32)
+    lse[::3, 0] = -np.inf  # empty splits
+    lse[:, -1, min(1, m - 1)] = -np.inf  # a row with no keys at all
+    o[:, :, m:] = np.nan  # rows past m are never read
+    sk = (rng.standard_normal(hq) * 2).astype(np.float32) if sinks else None
+    return o, lse, sk, v_scale, m, hq
 
 
 def _merge_ref(o, lse, m, sinks, v_scale, hq):
-  """float64 merge, as the module docstring states it."""
-  lse = np.asarray(lse, np.float64)[:, :, :m]
-  o = np.asarray(o, np.float64)[:, :, :m]
-  mx = lse.max(0)
-  mxs = np.where(np.isneginf(mx), 0.0, mx)
-  w = np.exp2(lse - mxs)
-  ws = w.sum(0)
-  empty = ws == 0
-  out = (w[..., None] * o).sum(0) / np.where(empty, 1.0, ws)[..., None]
-  lse_n = np.where(empty, -np.inf, (mxs + np.log2(np.where(empty, 1.0, ws))) * np.log(2.0))
-  if sinks is not None:
-    s = np.asarray(sinks, np.float64)[np.arange(m) % hq][None]
-    out = out * np.where(empty, 1.0, 1.0 / (1.0 + np.exp(s - lse_n)))[..., None]
-  if v_scale is not None:
-    out = out * v_scale
-  return out, lse_n
+    """float64 merge, as the module docstring states it."""
+    lse = np.asarray(lse, np.float64)[:, :, :m]
+    o = np.asarray(o, np.float64)[:, :, :m]
+    mx = lse.max(0)
+    mxs = np.where(np.isneginf(mx), 0.0, mx)
+    w = np.exp2(lse - mxs)
+    ws = w.sum(0)
+    empty = ws == 0
+    out = (w[..., None] * o).sum(0) / np.where(empty, 1.0, ws)[..., None]
+    lse_n = np.where(empty, -np.inf, (mxs + np.log2(np.where(empty, 1.0, ws))) * np.log(2.0))
+    if sinks is not None:
+        s = np.asarray(sinks, np.float64)[np.arange(m) % hq][None]
+        out = out * np.where(empty, 1.0, 1.0 / (1.0 + np.exp(s - lse_n)))[..., None]
+    if v_scale is not None:
+        out = out * v_scale
+    return out, lse_n
 
 
 def _compare(name, out, lse_out, atol):
-  o, lse, sk, v_scale, m, hq = _inputs(name)
-  ref, ref_lse = _merge_ref(o, lse, m, sk, v_scale, hq)
-  out, lse_out = np.asarray(out, np.float64), np.asarray(lse_out, np.float64)
-  assert out.shape == ref.shape and lse_out.shape == ref_lse.shape
-  assert not np.isnan(out).any(), "NaN from rows past m leaked"
-  np.testing.assert_allclose(out, ref, atol=atol, rtol=atol)
-  np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
-  fin = np.isfinite(ref_lse)
-  np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
-  assert np.all(out[-1, min(1, m - 1)] == 0)   # the row with no keys
+    o, lse, sk, v_scale, m, hq = _inputs(name)
+    ref, ref_lse = _merge_ref(o, lse, m, sk, v_scale, hq)
+    out, lse_out = np.asarray(out, np.float64), np.asarray(lse_out, np.float64)
+    assert out.shape == ref.shape and lse_out.shape == ref_lse.shape
+    assert not np.isnan(out).any(), "NaN from rows past m leaked"
+    np.testing.assert_allclose(out, ref, atol=atol, rtol=atol)
+    np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+    assert np.all(out[-1, min(1, m - 1)] == 0)  # the row with no keys
 
 
 # ---------------------------------------------------------------------------
 # Triton kernel source under Triton's interpreter (CPU, torch tensors).
 def run_interpreted(name: str, path: str) -> None:
-  """Run in a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice;
-  outputs saved to ``path``."""
-  import torch
+    """Run in a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice;
+    outputs saved to ``path``."""
+    import torch
 
-  from jattn.pallas_kernels import triton_glue
-  o, lse, sk, v_scale, m, hq = _inputs(name)
-  splits, bs, rows, d = o.shape
-  grid, params = combine.combine_launch_params(splits, bs, m, d)
-  runs = []
-  for _ in range(2):
-    out = torch.full((bs, m, d), float("nan"), dtype=torch.float32)   # poisoned
-    lse_out = torch.full((bs, m), float("nan"), dtype=torch.float32)
-    triton_glue.launch_interpreted(
-        combine._combine_kernel, grid, torch.from_numpy(lse), torch.from_numpy(o),
-        torch.from_numpy(sk if sk is not None else np.zeros(hq, np.float32)),
-        torch.tensor([1.0 if v_scale is None else v_scale], dtype=torch.float32), out, lse_out,
-        NUM_SPLITS=splits, BS=bs, ROWS=rows, ROWS_LSE=rows, M_ROWS=m, D=d, HQ=hq,
-        HAS_SINKS=sk is not None, HAS_VSCALE=v_scale is not None, **params)
-    runs.append((out.numpy(), lse_out.numpy()))
-  np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
+    from jattn.pallas_kernels import triton_glue
+
+    o, lse, sk, v_scale, m, hq = _inputs(name)
+    splits, bs, rows, d = o.shape
+    grid, params = combine.combine_launch_params(splits, bs, m, d)
+    runs = []
+    for _ in range(2):
+        out = torch.full((bs, m, d), float("nan"), dtype=torch.float32)  # poisoned
+        lse_out = torch.full((bs, m), float("nan"), dtype=torch.float32)
+        triton_glue.launch_interpreted(
+            combine._combine_kernel,
+            grid,
+            torch.from_numpy(lse),
+            torch.from_numpy(o),
+            torch.from_numpy(sk if sk is not None else np.zeros(hq, np.float32)),
+            torch.tensor([1.0 if v_scale is None else v_scale], dtype=torch.float32),
+            out,
+            lse_out,
+            NUM_SPLITS=splits,
+            BS=bs,
+            ROWS=rows,
+            ROWS_LSE=rows,
+            M_ROWS=m,
+            D=d,
+            HQ=hq,
+            HAS_SINKS=sk is not None,
+            HAS_VSCALE=v_scale is not None,
+            **params,
+        )
+        runs.append((out.numpy(), lse_out.numpy()))
+    np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-  """All cases in one TRITON_INTERPRET=1 subprocess (Triton reads it at import)."""
-  pytest.importorskip("triton")
-  pytest.importorskip("torch")
-  from jattn.pallas_kernels import triton_glue
-  d = tmp_path_factory.mktemp("interp")
-  code = ("import sys; sys.path.insert(0, {tests!r}); import test_combine as t\n"
-          "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n").format(
-              tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
-  r = subprocess.run([sys.executable, "-c", code], env=triton_glue.interpreter_env(),
-                     capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-4000:]
-  return {n: np.load(d / f"{n}.npz") for n in CASES}
+    """All cases in one TRITON_INTERPRET=1 subprocess (Triton reads it at import)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    d = tmp_path_factory.mktemp("interp")
+    code = (
+        "import sys; sys.path.insert(0, {tests!r}); import test_combine as t\n"
+        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
+    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {n: np.load(d / f"{n}.npz") for n in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_interpreted_matches_float64(name, interpreted):
-  res = interpreted[name]
-  _compare(name, res["out"], res["lse"], atol=2e-5)
-  # deterministic: a second run is bit-identical
-  np.testing.assert_array_equal(res["out"], res["out2"])
-  np.testing.assert_array_equal(res["lse"], res["lse2"])
+    res = interpreted[name]
+    _compare(name, res["out"], res["lse"], atol=2e-5)
+    # deterministic: a second run is bit-identical
+    np.testing.assert_array_equal(res["out"], res["out2"])
+    np.testing.assert_array_equal(res["lse"], res["lse2"])
 
 
 def test_launch_interpreted_refuses_without_the_env(monkeypatch):
-  from jattn.pallas_kernels import triton_glue
-  monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-  with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-    triton_glue.launch_interpreted(combine._combine_kernel, (1,))
+    from jattn.pallas_kernels import triton_glue
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_glue.launch_interpreted(combine._combine_kernel, (1,))
 
 
 # ---------------------------------------------------------------------------
@@ -137,74 +156,87 @@ def test_launch_interpreted_refuses_without_the_env(monkeypatch):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_combine_splits_matches_float64(name, use_kernel):
-  """``combine_splits``: XLA ops on the CPU whatever ``use_kernel`` says; on a GPU
-  with jax-triton, ``use_kernel=True`` is the Triton kernel."""
-  o, lse, sk, v_scale, m, hq = _inputs(name)
-  splits, bs, rows, d = o.shape
-  out, lse_out = combine.combine_splits(
-      jnp.asarray(o), jnp.asarray(lse), q_len=m // hq, num_q_heads=hq,
-      sinks=None if sk is None else jnp.asarray(sk), v_scale=v_scale, out_dtype=jnp.float32,
-      use_kernel=use_kernel)
-  assert out.shape == (bs * (m // hq), hq, d) and lse_out.shape == (bs * (m // hq), hq)
-  _compare(name, np.asarray(out).reshape(bs, m, d), np.asarray(lse_out).reshape(bs, m),
-           atol=2e-5)
+    """``combine_splits``: XLA ops on the CPU whatever ``use_kernel`` says; on a GPU
+    with jax-triton, ``use_kernel=True`` is the Triton kernel."""
+    o, lse, sk, v_scale, m, hq = _inputs(name)
+    splits, bs, rows, d = o.shape
+    out, lse_out = combine.combine_splits(
+        jnp.asarray(o),
+        jnp.asarray(lse),
+        q_len=m // hq,
+        num_q_heads=hq,
+        sinks=None if sk is None else jnp.asarray(sk),
+        v_scale=v_scale,
+        out_dtype=jnp.float32,
+        use_kernel=use_kernel,
+    )
+    assert out.shape == (bs * (m // hq), hq, d) and lse_out.shape == (bs * (m // hq), hq)
+    _compare(name, np.asarray(out).reshape(bs, m, d), np.asarray(lse_out).reshape(bs, m), atol=2e-5)
 
 
 @pytest.mark.parametrize("sinks,v_scale", [(False, None), (True, 0.5)])
 def test_one_split_is_final_up_to_sinks_and_v_scale(sinks, v_scale):
-  rng = np.random.default_rng(7)
-  hq, q_len, bs, d = 4, 2, 3, 64
-  o = rng.standard_normal((1, bs, 16, d)).astype(np.float32)
-  lse = (rng.standard_normal((1, bs, 16)) * 3).astype(np.float32)
-  lse[0, 1, :] = -np.inf
-  o[0, 1] = 0.0                       # the kernel writes 0 for a row with no keys
-  o[:, :, q_len * hq:] = np.nan
-  sk = (rng.standard_normal(hq)).astype(np.float32) if sinks else None
-  out, lse_out = combine.combine_splits(
-      jnp.asarray(o), jnp.asarray(lse), q_len=q_len, num_q_heads=hq,
-      sinks=None if sk is None else jnp.asarray(sk), v_scale=v_scale, out_dtype=jnp.float32,
-      use_kernel=True)
-  ref, ref_lse = _merge_ref(o, lse, q_len * hq, sk, v_scale, hq)
-  np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-6, rtol=1e-6)
-  np.testing.assert_array_equal(np.isneginf(np.asarray(lse_out).reshape(ref_lse.shape)),
-                                np.isneginf(ref_lse))
+    rng = np.random.default_rng(7)
+    hq, q_len, bs, d = 4, 2, 3, 64
+    o = rng.standard_normal((1, bs, 16, d)).astype(np.float32)
+    lse = (rng.standard_normal((1, bs, 16)) * 3).astype(np.float32)
+    lse[0, 1, :] = -np.inf
+    o[0, 1] = 0.0  # the kernel writes 0 for a row with no keys
+    o[:, :, q_len * hq :] = np.nan
+    sk = (rng.standard_normal(hq)).astype(np.float32) if sinks else None
+    out, lse_out = combine.combine_splits(
+        jnp.asarray(o),
+        jnp.asarray(lse),
+        q_len=q_len,
+        num_q_heads=hq,
+        sinks=None if sk is None else jnp.asarray(sk),
+        v_scale=v_scale,
+        out_dtype=jnp.float32,
+        use_kernel=True,
+    )
+    ref, ref_lse = _merge_ref(o, lse, q_len * hq, sk, v_scale, hq)
+    np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse_out).reshape(ref_lse.shape)), np.isneginf(ref_lse))
 
 
 def test_launch_params():
-  with pytest.raises(ValueError, match="head_dim=96"):
-    combine.combine_launch_params(4, 1, 8, 96)
-  # batch 1 on 132 splits: one round of 256 splits, 4 column blocks of 32
-  assert combine.combine_launch_params(132, 1, 32, 128) == ((1, 32, 4), dict(CHUNK=256, DC=32))
-  # 2 splits: whole rows per program
-  assert combine.combine_launch_params(2, 64, 32, 128) == ((64, 32, 1), dict(CHUNK=2, DC=128))
-  # past 256 splits: chunks of 256
-  assert combine.combine_launch_params(300, 1, 8, 64)[1] == dict(CHUNK=256, DC=32)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        combine.combine_launch_params(4, 1, 8, 96)
+    # batch 1 on 132 splits: one round of 256 splits, 4 column blocks of 32
+    assert combine.combine_launch_params(132, 1, 32, 128) == ((1, 32, 4), dict(CHUNK=256, DC=32))
+    # 2 splits: whole rows per program
+    assert combine.combine_launch_params(2, 64, 32, 128) == ((64, 32, 1), dict(CHUNK=2, DC=128))
+    # past 256 splits: chunks of 256
+    assert combine.combine_launch_params(300, 1, 8, 64)[1] == dict(CHUNK=256, DC=32)
 
 
 def test_nothing_imports_pallas_triton():
-  """No Python file of the repository imports Pallas's Triton lowering
-  (``jax.experimental.pallas.triton``, deprecated since JAX 0.11)."""
-  import ast
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  bad = []
-  for dirpath, dirnames, files in os.walk(root):
-    dirnames[:] = [x for x in dirnames if not x.startswith(".") and x != "build"]
-    for f in files:
-      if not f.endswith(".py"):
-        continue
-      path = os.path.join(dirpath, f)
-      tree = ast.parse(open(path, encoding="utf-8").read(), path)
-      for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-          names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-          names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-          continue
-        if any(n == "jax.experimental.pallas.triton" or n.startswith("jax.experimental.pallas.triton.")
-               for n in names):
-          bad.append(f"{os.path.relpath(path, root)}:{node.lineno}")
-  assert not bad, bad
+    """No Python file of the repository imports Pallas's Triton lowering
+    (``jax.experimental.pallas.triton``, deprecated since JAX 0.11)."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = []
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = [x for x in dirnames if not x.startswith(".") and x != "build"]
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            tree = ast.parse(open(path, encoding="utf-8").read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                else:
+                    continue
+                if any(
+                    n == "jax.experimental.pallas.triton" or n.startswith("jax.experimental.pallas.triton.")
+                    for n in names
+                ):
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno}")
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------------------
@@ -212,16 +244,20 @@ def test_nothing_imports_pallas_triton():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_triton_combine_matches_float64(name):
-  from jattn.pallas_kernels import triton_glue
-  if not triton_glue.available():
-    pytest.skip("jax-triton not installed here")
-  o, lse, sk, v_scale, m, hq = _inputs(name)
-  splits, bs, rows, d = o.shape
-  f = jax.jit(lambda o, lse, sk: combine._combine_triton(
-      o, lse, sk, v_scale, m_rows=m, num_q_heads=hq, out_dtype=jnp.dtype(jnp.float32)))
-  args = (jnp.asarray(o), jnp.asarray(lse), None if sk is None else jnp.asarray(sk))
-  out, lse_out = f(*args)
-  _compare(name, out, lse_out, atol=2e-5)
-  out2, lse2 = f(*args)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
-  assert "triton_kernel_call" in f.lower(*args).as_text()
+    from jattn.pallas_kernels import triton_glue
+
+    if not triton_glue.available():
+        pytest.skip("jax-triton not installed here")
+    o, lse, sk, v_scale, m, hq = _inputs(name)
+    splits, bs, rows, d = o.shape
+    f = jax.jit(
+        lambda o, lse, sk: combine._combine_triton(
+            o, lse, sk, v_scale, m_rows=m, num_q_heads=hq, out_dtype=jnp.dtype(jnp.float32)
+        )
+    )
+    args = (jnp.asarray(o), jnp.asarray(lse), None if sk is None else jnp.asarray(sk))
+    out, lse_out = f(*args)
+    _compare(name, out, lse_out, atol=2e-5)
+    out2, lse2 = f(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+    assert "triton_kernel_call" in f.lower(*args).as_text()

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 try:  # the stamp kernel's source needs triton.language only when it is compiled
-  import triton.language as tl
+    import triton.language as tl
 except ImportError:  # pragma: no cover - no Triton: no device stamps
-  tl = None
+    tl = None
 
 L2_BYTES = 60 * 1024 * 1024
 # XLA command buffers (CUDA graphs) for fusions and custom calls only. (XLA's
@@ -43,173 +43,218 @@ NO_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  seconds: float        # per call, median-based
-  spread: float         # relative spread of the per-call estimate across reps
-  n_lo: int
-  n_hi: int
-  # Per call, GPU time between two %globaltimer stamps that bracket the calls
-  # (``device=True`` on a GPU), differential of the median spans.
-  device_seconds: float | None = None
+    seconds: float  # per call, median-based
+    spread: float  # relative spread of the per-call estimate across reps
+    n_lo: int
+    n_hi: int
+    # Per call, GPU time between two %globaltimer stamps that bracket the calls
+    # (``device=True`` on a GPU), differential of the median spans.
+    device_seconds: float | None = None
 
 
 _STAMP_ARITY = 8  # buffers one stamp kernel reads
 
 
-def _stamp_kernel(d0, d1, d2, d3, d4, d5, d6, d7,  # buffers to wait for (element 0 is read)
-                  out_ptr,                         # i32[1]
-                  STAMP: tl.constexpr):
-  """Triton kernel source (``pallas_kernels.triton_glue``), one program of one warp.
+def _stamp_kernel(
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    d5,
+    d6,
+    d7,  # buffers to wait for (element 0 is read)
+    out_ptr,  # i32[1]
+    STAMP: tl.constexpr,
+):
+    """Triton kernel source (``pallas_kernels.triton_glue``), one program of one warp.
 
-  Reads one element of each input buffer, so XLA orders it after their producers
-  (the whole buffers are operands of the call). Writes ``%globaltimer_lo`` (ns,
-  low 32 bits) with ``STAMP``, else the sum of the elements read (a join of more
-  than ``_STAMP_ARITY`` buffers, read by the next kernel)."""
-  d = (tl.load(d0).to(tl.int32) + tl.load(d1).to(tl.int32) + tl.load(d2).to(tl.int32)
-       + tl.load(d3).to(tl.int32) + tl.load(d4).to(tl.int32) + tl.load(d5).to(tl.int32)
-       + tl.load(d6).to(tl.int32) + tl.load(d7).to(tl.int32))
-  if STAMP:
-    d = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [d], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-  tl.store(out_ptr, d)
+    Reads one element of each input buffer, so XLA orders it after their producers
+    (the whole buffers are operands of the call). Writes ``%globaltimer_lo`` (ns,
+    low 32 bits) with ``STAMP``, else the sum of the elements read (a join of more
+    than ``_STAMP_ARITY`` buffers, read by the next kernel)."""
+    d = (
+        tl.load(d0).to(tl.int32)
+        + tl.load(d1).to(tl.int32)
+        + tl.load(d2).to(tl.int32)
+        + tl.load(d3).to(tl.int32)
+        + tl.load(d4).to(tl.int32)
+        + tl.load(d5).to(tl.int32)
+        + tl.load(d6).to(tl.int32)
+        + tl.load(d7).to(tl.int32)
+    )
+    if STAMP:
+        d = tl.inline_asm_elementwise(
+            "mov.u32 $0, %globaltimer_lo;", "=r,r", [d], dtype=tl.int32, is_pure=False, pack=1
+        )
+    tl.store(out_ptr, d)
 
 
 def gpu_stamp() -> Callable[..., jax.Array] | None:
-  """``stamp(*deps) -> i32[1]``: the GPU's ``%globaltimer_lo`` (ns, low 32 bits), read
-  by a one-warp Triton kernel (launched through jax-triton) once every array in
-  ``deps`` is ready: the arrays are operands of the kernel, which reads one
-  element of each (more than 8 arrays are joined by extra kernels of the same
-  source first). Stamps taken inside one jit, ordered by data dependence, time
-  the device without a profiler, as CUDA events around a CUDA-graph replay do.
-  None without a GPU or without jax-triton."""
-  from jattn.pallas_kernels import triton_glue
-  if not triton_glue.available():
-    return None
+    """``stamp(*deps) -> i32[1]``: the GPU's ``%globaltimer_lo`` (ns, low 32 bits), read
+    by a one-warp Triton kernel (launched through jax-triton) once every array in
+    ``deps`` is ready: the arrays are operands of the kernel, which reads one
+    element of each (more than 8 arrays are joined by extra kernels of the same
+    source first). Stamps taken inside one jit, ordered by data dependence, time
+    the device without a profiler, as CUDA events around a CUDA-graph replay do.
+    None without a GPU or without jax-triton."""
+    from jattn.pallas_kernels import triton_glue
 
-  def launch(deps, stamp):
-    deps = list(deps) + [deps[0]] * (_STAMP_ARITY - len(deps))
-    return triton_glue.triton_call(
-        _stamp_kernel, *deps, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(1,),
-        name="jattn_gpu_stamp" if stamp else "jattn_gpu_stamp_join", num_warps=1,
-        num_stages=1, STAMP=stamp)
+    if not triton_glue.available():
+        return None
 
-  def stamp(*deps):
-    deps = list(deps)
-    while len(deps) > _STAMP_ARITY:
-      deps = [launch(deps[:_STAMP_ARITY], False)] + deps[_STAMP_ARITY:]
-    return launch(deps, True)
-  return stamp
+    def launch(deps, stamp):
+        deps = list(deps) + [deps[0]] * (_STAMP_ARITY - len(deps))
+        return triton_glue.triton_call(
+            _stamp_kernel,
+            *deps,
+            out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+            grid=(1,),
+            name="jattn_gpu_stamp" if stamp else "jattn_gpu_stamp_join",
+            num_warps=1,
+            num_stages=1,
+            STAMP=stamp,
+        )
+
+    def stamp(*deps):
+        deps = list(deps)
+        while len(deps) > _STAMP_ARITY:
+            deps = [launch(deps[:_STAMP_ARITY], False)] + deps[_STAMP_ARITY:]
+        return launch(deps, True)
+
+    return stamp
 
 
 def _span_us(stamps) -> float:
-  """GPU microseconds between the two stamps of one execution (32-bit wrap)."""
-  t0, t1 = (int(x) for x in np.asarray(stamps))
-  return ((t1 - t0) % (1 << 32)) / 1e3
+    """GPU microseconds between the two stamps of one execution (32-bit wrap)."""
+    t0, t1 = (int(x) for x in np.asarray(stamps))
+    return ((t1 - t0) % (1 << 32)) / 1e3
 
 
-def _median_wall(fn, args, reps: int, stamped: bool = False
-                 ) -> tuple[float, list[float], list[float]]:
-  out = fn(*args)
-  jax.block_until_ready(out)  # compile + warm up
-  ts, kept = [], []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    r = jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-    if stamped:
-      kept.append(r[1])
-  spans = [_span_us(st) * 1e-6 for st in kept]
-  return statistics.median(ts), ts, spans
+def _median_wall(fn, args, reps: int, stamped: bool = False) -> tuple[float, list[float], list[float]]:
+    out = fn(*args)
+    jax.block_until_ready(out)  # compile + warm up
+    ts, kept = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+        if stamped:
+            kept.append(r[1])
+    spans = [_span_us(st) * 1e-6 for st in kept]
+    return statistics.median(ts), ts, spans
 
 
-def _differential(make: Callable[[int], Callable], args: Sequence, n_lo: int, n_hi: int,
-                  reps: int, stamped: bool = False) -> Timing:
-  """Per-call time from the median walls of ``make(n_lo)`` and ``make(n_hi)`` (jitted
-  functions of n calls): the fixed dispatch and sync cost cancels. With
-  ``stamped``, the functions return ``(outputs, stamps)`` and the per-call device
-  time is the same differential of the median stamp spans."""
-  lo, lo_ts, lo_sp = _median_wall(make(n_lo), args, reps, stamped)
-  hi, hi_ts, hi_sp = _median_wall(make(n_hi), args, reps, stamped)
-  per = max(hi - lo, 1e-9) / (n_hi - n_lo)
-  diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
-  spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
-  dev = (max(statistics.median(hi_sp) - statistics.median(lo_sp), 1e-9) / (n_hi - n_lo)
-         if stamped else None)
-  return Timing(per, spread, n_lo, n_hi, dev)
+def _differential(
+    make: Callable[[int], Callable], args: Sequence, n_lo: int, n_hi: int, reps: int, stamped: bool = False
+) -> Timing:
+    """Per-call time from the median walls of ``make(n_lo)`` and ``make(n_hi)`` (jitted
+    functions of n calls): the fixed dispatch and sync cost cancels. With
+    ``stamped``, the functions return ``(outputs, stamps)`` and the per-call device
+    time is the same differential of the median stamp spans."""
+    lo, lo_ts, lo_sp = _median_wall(make(n_lo), args, reps, stamped)
+    hi, hi_ts, hi_sp = _median_wall(make(n_hi), args, reps, stamped)
+    per = max(hi - lo, 1e-9) / (n_hi - n_lo)
+    diffs = [(h - l) / (n_hi - n_lo) for h, l in zip(sorted(hi_ts), sorted(lo_ts))]
+    spread = (max(diffs) - min(diffs)) / per if per > 0 else float("nan")
+    dev = max(statistics.median(hi_sp) - statistics.median(lo_sp), 1e-9) / (n_hi - n_lo) if stamped else None
+    return Timing(per, spread, n_lo, n_hi, dev)
 
 
 def _joined(outs):
-  """All calls' outputs as one array per dtype (one concatenate per jit call)."""
-  by_dtype: dict = {}
-  for x in jax.tree_util.tree_leaves(outs):
-    by_dtype.setdefault(jnp.dtype(x.dtype), []).append(x.reshape(-1))
-  return tuple(jnp.concatenate(xs) for xs in by_dtype.values())
+    """All calls' outputs as one array per dtype (one concatenate per jit call)."""
+    by_dtype: dict = {}
+    for x in jax.tree_util.tree_leaves(outs):
+        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(x.reshape(-1))
+    return tuple(jnp.concatenate(xs) for xs in by_dtype.values())
 
 
-def rotated_program(step: Callable[..., jax.Array], n: int, *, join: bool = True,
-                    stamp: Callable[..., jax.Array] | None = None, **jit_kw) -> Callable:
-  """The jitted program :func:`time_rotated` times: ``step(i, *args)`` for i < n, the
-  outputs joined per dtype (``join``) or returned one by one. With a ``stamp``
-  (:func:`gpu_stamp`) it returns ``(outputs, i32[2] stamps)``: one stamp before the
-  calls, which all read ``args[0]`` through an elementwise op on it, one after
-  them on every output."""
-  def many(*a):
-    if stamp is not None:
-      t0 = stamp(a[0])
-      # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
-      # call waits for the first stamp.
-      a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
-    outs = tuple(step(i, *a) for i in range(n))
-    res = _joined(outs) if join else outs
+def rotated_program(
+    step: Callable[..., jax.Array],
+    n: int,
+    *,
+    join: bool = True,
+    stamp: Callable[..., jax.Array] | None = None,
+    **jit_kw,
+) -> Callable:
+    """The jitted program :func:`time_rotated` times: ``step(i, *args)`` for i < n, the
+    outputs joined per dtype (``join``) or returned one by one. With a ``stamp``
+    (:func:`gpu_stamp`) it returns ``(outputs, i32[2] stamps)``: one stamp before the
+    calls, which all read ``args[0]`` through an elementwise op on it, one after
+    them on every output."""
+
+    def many(*a):
+        if stamp is not None:
+            t0 = stamp(a[0])
+            # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
+            # call waits for the first stamp.
+            a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
+        outs = tuple(step(i, *a) for i in range(n))
+        res = _joined(outs) if join else outs
+        if stamp is None:
+            return res
+        return res, jnp.concatenate([t0, stamp(*jax.tree_util.tree_leaves(res))])
+
+    return jax.jit(many, **jit_kw)
+
+
+def time_rotated(
+    step: Callable[..., jax.Array],
+    args: Sequence,
+    *,
+    n_lo: int = 2,
+    n_hi: int = 12,
+    reps: int = 7,
+    graph: bool | str = False,
+    join: bool = True,
+    device: bool = False,
+) -> Timing:
+    """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
+
+    Every call's outputs leave the jit (so nothing is dead code and no call is
+    deduplicated) without per-call work on them: a reduction per call would add a
+    kernel and a launch gap per call, a large share of a batch-1 decode. With
+    ``join=True`` (default) they leave as one concatenated array per dtype, one
+    copy kernel per jit call, which the differential cancels; the calls' outputs
+    are then buffers inside the program, as a layer's attention output is inside a
+    serving step. ``join=False`` returns every output as its own array, a fresh
+    runtime buffer per call and execution: on the H200 hosts that cost the batch-1
+    rows several us per call (docs/PERF.md), which times the harness,
+    not the op.
+
+    ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
+    serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
+    turns command buffers off entirely; ``False`` keeps XLA's defaults.
+
+    ``device=True`` (on a GPU) also measures the GPU time per call
+    (:attr:`Timing.device_seconds`): a :func:`gpu_stamp` before the calls, which all
+    read ``args[0]`` (a float array) through an elementwise op on that stamp, and one
+    after them, on all their outputs. This is how CUDA events around a replayed CUDA
+    graph time a kernel (the peers' method): the host's per-execution work is out.
+    The device figure comes from a second pair of programs, so the wall figure is
+    the plain calls'.
+    """
+    kw = (
+        {"compiler_options": NO_GRAPH_OPTIONS}
+        if graph == "off"
+        else {"compiler_options": GRAPH_OPTIONS}
+        if graph
+        else {}
+    )
+    make = lambda n, stamp=None: rotated_program(step, n, join=join, stamp=stamp, **kw)
+
+    t = _differential(make, args, n_lo, n_hi, reps)
+    stamp = gpu_stamp() if device else None
     if stamp is None:
-      return res
-    return res, jnp.concatenate([t0, stamp(*jax.tree_util.tree_leaves(res))])
-  return jax.jit(many, **jit_kw)
-
-
-def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 2,
-                 n_hi: int = 12, reps: int = 7, graph: bool | str = False,
-                 join: bool = True, device: bool = False) -> Timing:
-  """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
-
-  Every call's outputs leave the jit (so nothing is dead code and no call is
-  deduplicated) without per-call work on them: a reduction per call would add a
-  kernel and a launch gap per call, a large share of a batch-1 decode. With
-  ``join=True`` (default) they leave as one concatenated array per dtype, one
-  copy kernel per jit call, which the differential cancels; the calls' outputs
-  are then buffers inside the program, as a layer's attention output is inside a
-  serving step. ``join=False`` returns every output as its own array, a fresh
-  runtime buffer per call and execution: on the H200 hosts that cost the batch-1
-  rows several us per call (docs/PERF.md), which times the harness,
-  not the op.
-
-  ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
-  serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``
-  turns command buffers off entirely; ``False`` keeps XLA's defaults.
-
-  ``device=True`` (on a GPU) also measures the GPU time per call
-  (:attr:`Timing.device_seconds`): a :func:`gpu_stamp` before the calls, which all
-  read ``args[0]`` (a float array) through an elementwise op on that stamp, and one
-  after them, on all their outputs. This is how CUDA events around a replayed CUDA
-  graph time a kernel (the peers' method): the host's per-execution work is out.
-  The device figure comes from a second pair of programs, so the wall figure is
-  the plain calls'.
-  """
-  kw = ({"compiler_options": NO_GRAPH_OPTIONS} if graph == "off" else
-        {"compiler_options": GRAPH_OPTIONS} if graph else {})
-  make = lambda n, stamp=None: rotated_program(step, n, join=join, stamp=stamp, **kw)
-
-  t = _differential(make, args, n_lo, n_hi, reps)
-  stamp = gpu_stamp() if device else None
-  if stamp is None:
-    return t
-  # A second pair of programs with the stamps: the wall figure above stays the
-  # plain calls' (the stamps and the elementwise op on args[0] are not in it).
-  try:
-    d = _differential(lambda n: make(n, stamp), args, n_lo, n_hi, reps, stamped=True)
-  except Exception as e:  # noqa: BLE001 - the stamp kernel may not build
-    warnings.warn(f"time_rotated: no device time ({type(e).__name__}: {str(e)[:200]})")
-    return t
-  return dataclasses.replace(t, device_seconds=d.device_seconds)
+        return t
+    # A second pair of programs with the stamps: the wall figure above stays the
+    # plain calls' (the stamps and the elementwise op on args[0] are not in it).
+    try:
+        d = _differential(lambda n: make(n, stamp), args, n_lo, n_hi, reps, stamped=True)
+    except Exception as e:  # noqa: BLE001 - the stamp kernel may not build
+        warnings.warn(f"time_rotated: no device time ({type(e).__name__}: {str(e)[:200]})")
+        return t
+    return dataclasses.replace(t, device_seconds=d.device_seconds)
 
 
 # Command buffers that also take the loop itself (CUDA conditional nodes): a
@@ -217,87 +262,88 @@ def time_rotated(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 
 LOOP_GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL"}
 
 
-def time_loop(step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 8, n_hi: int = 64,
-              reps: int = 7, graph: bool = True) -> Timing:
-  """Time ``step(i, *args)`` (``i`` a traced int32) called ``n`` times by a
-  ``lax.fori_loop`` inside one jit; per-call time is differential as in
-  :func:`time_rotated`.
+def time_loop(
+    step: Callable[..., jax.Array], args: Sequence, *, n_lo: int = 8, n_hi: int = 64, reps: int = 7, graph: bool = True
+) -> Timing:
+    """Time ``step(i, *args)`` (``i`` a traced int32) called ``n`` times by a
+    ``lax.fori_loop`` inside one jit; per-call time is differential as in
+    :func:`time_rotated`.
 
-  With ``graph=True`` the loop and its body are one XLA command buffer (CUDA
-  graph with conditional nodes): the host launches once per jit call, so the
-  per-call figure is the device's time per call, launch latency between kernels
-  included, as a serving engine that replays a captured decode step sees it.
-  Without graphs every iteration is launched from the host.
-  """
-  kw = {"compiler_options": LOOP_GRAPH_OPTIONS} if graph else {}
+    With ``graph=True`` the loop and its body are one XLA command buffer (CUDA
+    graph with conditional nodes): the host launches once per jit call, so the
+    per-call figure is the device's time per call, launch latency between kernels
+    included, as a serving engine that replays a captured decode step sees it.
+    Without graphs every iteration is launched from the host.
+    """
+    kw = {"compiler_options": LOOP_GRAPH_OPTIONS} if graph else {}
 
-  def make(n):
-    def many(*a):
-      out0 = jax.eval_shape(lambda: step(jnp.int32(0), *a))
-      init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
-      return jax.lax.fori_loop(0, n, lambda i, _: step(i, *a), init)
-    return jax.jit(many, **kw)
+    def make(n):
+        def many(*a):
+            out0 = jax.eval_shape(lambda: step(jnp.int32(0), *a))
+            init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
+            return jax.lax.fori_loop(0, n, lambda i, _: step(i, *a), init)
 
-  return _differential(make, args, n_lo, n_hi, reps)
+        return jax.jit(many, **kw)
+
+    return _differential(make, args, n_lo, n_hi, reps)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
-  """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
 
-  Prefers torch (cudaMemcpy, CUDA events), the figure docs/PERF.md uses; falls
-  back to a JAX elementwise copy timed the same way as kernels.
-  """
-  try:
-    import torch
-    if torch.cuda.is_available():
-      x = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-      y = torch.empty_like(x)
-      for _ in range(3):
-        y.copy_(x)
-      torch.cuda.synchronize()
-      ts = []
-      for _ in range(reps):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        y.copy_(x)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-      del x, y
-      torch.cuda.empty_cache()
-      return nbytes / statistics.median(ts), "torch copy_"
-  except Exception:  # noqa: BLE001 - torch missing or without CUDA
-    pass
-  n = nbytes // 2 // 4 // 4
-  xs = [jnp.full((n,), float(i), jnp.float32) for i in range(4)]
-  t = time_rotated(lambda i, *a: a[i % 4] + 1.0, xs, n_lo=2, n_hi=10)
-  return (n * 4 * 2) / t.seconds, "jax elementwise"
+    Prefers torch (cudaMemcpy, CUDA events), the figure docs/PERF.md uses; falls
+    back to a JAX elementwise copy timed the same way as kernels.
+    """
+    try:
+        import torch
 
-
-def rotation_pages(needed_pages: int, page_bytes: int, *, min_pool_bytes: int = 4 * L2_BYTES
-                   ) -> int:
-  """Pool size (pages) so that rotating page tables over it defeats the L2."""
-  return max(needed_pages, -(-min_pool_bytes // page_bytes))
+        if torch.cuda.is_available():
+            x = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+            y = torch.empty_like(x)
+            for _ in range(3):
+                y.copy_(x)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                y.copy_(x)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3)
+            del x, y
+            torch.cuda.empty_cache()
+            return nbytes / statistics.median(ts), "torch copy_"
+    except Exception:  # noqa: BLE001 - torch missing or without CUDA
+        pass
+    n = nbytes // 2 // 4 // 4
+    xs = [jnp.full((n,), float(i), jnp.float32) for i in range(4)]
+    t = time_rotated(lambda i, *a: a[i % 4] + 1.0, xs, n_lo=2, n_hi=10)
+    return (n * 4 * 2) / t.seconds, "jax elementwise"
 
 
-def random_page_tables(rng: np.random.Generator, num_rot: int, bs: int, max_pages: int,
-                       num_pages: int) -> np.ndarray:
-  """i32[num_rot, bs, max_pages]: each rotation a random set of distinct pages."""
-  need = bs * max_pages
-  out = np.empty((num_rot, bs, max_pages), np.int32)
-  for r in range(num_rot):
-    if need <= num_pages:
-      out[r] = rng.permutation(num_pages)[:need].reshape(bs, max_pages)
-    else:
-      out[r] = rng.integers(0, num_pages, (bs, max_pages))
-  return out
+def rotation_pages(needed_pages: int, page_bytes: int, *, min_pool_bytes: int = 4 * L2_BYTES) -> int:
+    """Pool size (pages) so that rotating page tables over it defeats the L2."""
+    return max(needed_pages, -(-min_pool_bytes // page_bytes))
+
+
+def random_page_tables(rng: np.random.Generator, num_rot: int, bs: int, max_pages: int, num_pages: int) -> np.ndarray:
+    """i32[num_rot, bs, max_pages]: each rotation a random set of distinct pages."""
+    need = bs * max_pages
+    out = np.empty((num_rot, bs, max_pages), np.int32)
+    for r in range(num_rot):
+        if need <= num_pages:
+            out[r] = rng.permutation(num_pages)[:need].reshape(bs, max_pages)
+        else:
+            out[r] = rng.integers(0, num_pages, (bs, max_pages))
+    return out
 
 
 def fmt_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-  """A markdown table (also readable as plain text)."""
-  cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-  line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-  sep = "| " + " | ".join("-" * w for w in widths) + " |"
-  return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+    """A markdown table (also readable as plain text)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    sep = "| " + " | ".join("-" * w for w in widths) + " |"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

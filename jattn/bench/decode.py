@@ -22,250 +22,315 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from jattn.bench import common
 
-SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024),
-          (32, 16384))
+SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384))
 HQ, HKV, D = 32, 8, 128
 NUM_ROT = 4
 
 
 def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q):
-  max_pages = -(-length // page_size)
-  itemsize = jnp.dtype(kv_dtype).itemsize
-  page_bytes = 2 * page_size * HKV * D * itemsize
-  num_pages = common.rotation_pages(bs * max_pages, page_bytes)
-  tables = common.random_page_tables(rng, NUM_ROT, bs, max_pages, num_pages)
-  k = jax.random.normal(jax.random.key(1), (num_pages, page_size, HKV, D), jnp.float32)
-  v = jax.random.normal(jax.random.key(2), (num_pages, page_size, HKV, D), jnp.float32)
-  if kv_dtype == jnp.float8_e4m3fn:
-    k, v = (k * 0.5).astype(kv_dtype), (v * 0.5).astype(kv_dtype)
-  else:
-    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
-  # one distinct q per call: identical calls inside one jit would be deduplicated
-  qs = jax.random.normal(jax.random.key(3), (num_q, bs * q_len, HQ, D), jnp.bfloat16)
-  lens = jnp.full((bs,), length, jnp.int32)
-  kv_bytes = 2 * bs * length * HKV * D * itemsize
-  return qs, k, v, jnp.asarray(tables), lens, kv_bytes
+    max_pages = -(-length // page_size)
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    page_bytes = 2 * page_size * HKV * D * itemsize
+    num_pages = common.rotation_pages(bs * max_pages, page_bytes)
+    tables = common.random_page_tables(rng, NUM_ROT, bs, max_pages, num_pages)
+    k = jax.random.normal(jax.random.key(1), (num_pages, page_size, HKV, D), jnp.float32)
+    v = jax.random.normal(jax.random.key(2), (num_pages, page_size, HKV, D), jnp.float32)
+    if kv_dtype == jnp.float8_e4m3fn:
+        k, v = (k * 0.5).astype(kv_dtype), (v * 0.5).astype(kv_dtype)
+    else:
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    # one distinct q per call: identical calls inside one jit would be deduplicated
+    qs = jax.random.normal(jax.random.key(3), (num_q, bs * q_len, HQ, D), jnp.bfloat16)
+    lens = jnp.full((bs,), length, jnp.int32)
+    kv_bytes = 2 * bs * length * HKV * D * itemsize
+    return qs, k, v, jnp.asarray(tables), lens, kv_bytes
 
 
 def _jax_paged_attention(qs, k, v, tables, lens, page_size):
-  """JAX's Pallas-Triton paged_attention on the same data (its own layout)."""
-  from jax.experimental.pallas.ops.gpu import paged_attention as jpa
-  kp = jnp.transpose(k, (2, 0, 1, 3))  # [Hkv, pages, page_size, D], copied once
-  vp = jnp.transpose(v, (2, 0, 1, 3))
-  max_pages = tables.shape[-1]
-  k_splits = math.gcd(16, max_pages)
-  ppcb = max(1, min(8, max_pages // k_splits))
+    """JAX's Pallas-Triton paged_attention on the same data (its own layout)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
-  def step(i, qs, kp, vp, tables, lens):
-    return jpa.paged_attention(qs[i], kp, vp, tables[i % NUM_ROT], lens,
-                               k_splits=k_splits, pages_per_compute_block=ppcb)
-  return step, (qs, kp, vp, tables, lens)
+    kp = jnp.transpose(k, (2, 0, 1, 3))  # [Hkv, pages, page_size, D], copied once
+    vp = jnp.transpose(v, (2, 0, 1, 3))
+    max_pages = tables.shape[-1]
+    k_splits = math.gcd(16, max_pages)
+    ppcb = max(1, min(8, max_pages // k_splits))
+
+    def step(i, qs, kp, vp, tables, lens):
+        return jpa.paged_attention(
+            qs[i], kp, vp, tables[i % NUM_ROT], lens, k_splits=k_splits, pages_per_compute_block=ppcb
+        )
+
+    return step, (qs, kp, vp, tables, lens)
 
 
 def parse_options(spec: str):
-  """``"overlap_qk=0,kernel_combine=1"`` -> the kernel's ``KernelOptions`` (unnamed
-  fields keep their defaults)."""
-  from jattn.pallas_kernels.decode_tuning import KernelOptions
-  fields = {f.name for f in dataclasses.fields(KernelOptions)}
-  values = {}
-  for item in filter(None, spec.split(",")):
-    name, _, val = item.partition("=")
-    name = name.strip()
-    if name not in fields or val.strip() not in ("0", "1"):
-      raise SystemExit(f"--set {item!r}: expected NAME=0 or NAME=1 with NAME one of "
-                       f"{', '.join(sorted(fields))}")
-    values[name] = val.strip() == "1"
-  return KernelOptions(**values)
+    """``"overlap_qk=0,kernel_combine=1"`` -> the kernel's ``KernelOptions`` (unnamed
+    fields keep their defaults)."""
+    from jattn.pallas_kernels.decode_tuning import KernelOptions
+
+    fields = {f.name for f in dataclasses.fields(KernelOptions)}
+    values = {}
+    for item in filter(None, spec.split(",")):
+        name, _, val = item.partition("=")
+        name = name.strip()
+        if name not in fields or val.strip() not in ("0", "1"):
+            raise SystemExit(f"--set {item!r}: expected NAME=0 or NAME=1 with NAME one of {', '.join(sorted(fields))}")
+        values[name] = val.strip() == "1"
+    return KernelOptions(**values)
 
 
 def main(argv: list[str] | None = None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
-  ap.add_argument("--page-sizes", default="16,64")
-  ap.add_argument("--shapes", default=None, help="e.g. 1x4096,64x4096 (default: the issue's list)")
-  ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
-  ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
-  ap.add_argument("--check", action="store_true", help="max |err| vs the f32 reference per row")
-  ap.add_argument("--n-hi", type=int, default=12,
-                  help="calls per jit (x4 for rows under 512 MB, whose calls are short)")
-  ap.add_argument("--splits-sweep", default="",
-                  help="e.g. 16,33,66,132: also time these split counts for batch-1 rows")
-  ap.add_argument("--profile", action="store_true",
-                  help="also profile one call per row: device span, kernel time, kernels")
-  ap.add_argument("--graph", action="store_true",
-                  help="also time with XLA command buffers (CUDA graphs), as the engine runs")
-  ap.add_argument("--no-cmd-buffers", action="store_true",
-                  help="also time with XLA command buffers turned off entirely (every kernel "
-                       "launched from the host; XLA's defaults capture some op types)")
-  ap.add_argument("--separate-outputs", action="store_true",
-                  help="also time with every call's output returned as its own array "
-                       "(the harness's earlier method, docs/PERF.md)")
-  ap.add_argument("--loop", action="store_true",
-                  help="also time the calls inside one jitted fori_loop run as one command "
-                       "buffer (CUDA graph with conditional nodes): device time per call")
-  ap.add_argument("--set", default="",
-                  help="kernel options (mosaic_decode.KernelOptions fields), e.g. "
-                       "overlap_qk=0,kernel_combine=0 (A/B runs)")
-  args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
+    ap.add_argument("--page-sizes", default="16,64")
+    ap.add_argument("--shapes", default=None, help="e.g. 1x4096,64x4096 (default: the issue's list)")
+    ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
+    ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
+    ap.add_argument("--check", action="store_true", help="max |err| vs the f32 reference per row")
+    ap.add_argument(
+        "--n-hi", type=int, default=12, help="calls per jit (x4 for rows under 512 MB, whose calls are short)"
+    )
+    ap.add_argument(
+        "--splits-sweep", default="", help="e.g. 16,33,66,132: also time these split counts for batch-1 rows"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="also profile one call per row: device span, kernel time, kernels"
+    )
+    ap.add_argument(
+        "--graph", action="store_true", help="also time with XLA command buffers (CUDA graphs), as the engine runs"
+    )
+    ap.add_argument(
+        "--no-cmd-buffers",
+        action="store_true",
+        help="also time with XLA command buffers turned off entirely (every kernel "
+        "launched from the host; XLA's defaults capture some op types)",
+    )
+    ap.add_argument(
+        "--separate-outputs",
+        action="store_true",
+        help="also time with every call's output returned as its own array "
+        "(the harness's earlier method, docs/PERF.md)",
+    )
+    ap.add_argument(
+        "--loop",
+        action="store_true",
+        help="also time the calls inside one jitted fori_loop run as one command "
+        "buffer (CUDA graph with conditional nodes): device time per call",
+    )
+    ap.add_argument(
+        "--set",
+        default="",
+        help="kernel options (mosaic_decode.KernelOptions fields), e.g. overlap_qk=0,kernel_combine=0 (A/B runs)",
+    )
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
-  from jattn.pallas_kernels import mosaic_decode as md
-  opts = parse_options(args.set)
-  print(f"kernel options: {opts}")
-  if jax.default_backend() != "gpu":
-    print("bench decode needs a GPU (jax default backend is "
-          f"{jax.default_backend()}); nothing to do")
-    return
+    from jattn.pallas_kernels import mosaic_decode as md
 
-  copy_bw, how = common.copy_bandwidth()
-  dev = jax.devices()[0].device_kind
-  print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
-  page_sizes = [int(p) for p in args.page_sizes.split(",")]
-  shapes = SHAPES if args.shapes is None else tuple(
-      tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
-  rows_spec = [(ps, bs, L, 1, jnp.bfloat16) for ps in page_sizes for bs, L in shapes]
-  if not args.no_extra:
-    for ps in page_sizes:
-      rows_spec += [(ps, 64, 4096, 4, jnp.bfloat16), (ps, 1, 32768, 4, jnp.bfloat16)]
-      rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
+    opts = parse_options(args.set)
+    print(f"kernel options: {opts}")
+    if jax.default_backend() != "gpu":
+        print(f"bench decode needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+        return
 
-  rng = np.random.default_rng(0)
-  header = ["page", "batch x len", "q_len", "kv", "splits", "jattn us", "TB/s", "% copy",
-            "device us", "device TB/s", "JAX paged_attention TB/s (device)"] + (
-                ["max err"] if args.check else [])
-  rows, sweep, profiles = [], [], []
-  for ps, bs, L, q_len, kv_dtype in rows_spec:
-    kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
-    label = [ps, f"{bs}x{L}", q_len, kvname]
-    itemsize = jnp.dtype(kv_dtype).itemsize
-    n_hi = args.n_hi if 2 * bs * L * HKV * D * itemsize >= (512 << 20) else 4 * args.n_hi
-    try:
-      qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, n_hi)
-    except Exception as e:  # noqa: BLE001
-      rows.append(label + ["-", f"setup failed: {type(e).__name__}"] + [""] * (len(header) - 6))
-      continue
-    reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
-    if reason is not None:
-      rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
-      print(f"skip {label}: {reason}")
-      continue
-    kscale = 0.5 if kvname == "fp8" else 1.0
+    copy_bw, how = common.copy_bandwidth()
+    dev = jax.devices()[0].device_kind
+    print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    shapes = (
+        SHAPES if args.shapes is None else tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
+    )
+    rows_spec = [(ps, bs, L, 1, jnp.bfloat16) for ps in page_sizes for bs, L in shapes]
+    if not args.no_extra:
+        for ps in page_sizes:
+            rows_spec += [(ps, 64, 4096, 4, jnp.bfloat16), (ps, 1, 32768, 4, jnp.bfloat16)]
+            rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
 
-    def step(i, qs, k, v, tables, lens):
-      return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens,
-                           max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts)
-    bsz = md.choose_block_sizes(batch=bs, num_kv_heads=HKV, head_dim=D, page_size=ps,
-                                max_pages=tables.shape[-1], m_rows=q_len * HQ,
-                                kv_itemsize=jnp.dtype(kv_dtype).itemsize)
-    try:
-      t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
-      tbs = kv_bytes / t.seconds / 1e12
-      cells = [bsz.num_splits, f"{t.seconds * 1e6:.1f}", f"{tbs:.2f}",
-               f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%"]
-      cells += (["-", "-"] if t.device_seconds is None else
-                [f"{t.device_seconds * 1e6:.1f}", f"{kv_bytes / t.device_seconds / 1e12:.2f}"])
-    except Exception as e:  # noqa: BLE001
-      msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
-      cells = ["-", f"FAILED: {msg}", "-", "-", "-", "-"]
-    peer = "-"
-    if not args.no_peer and q_len == 1 and kvname == "bf16":
-      try:
-        pstep, pargs = _jax_paged_attention(qs, k, v, tables, lens, ps)
-        pt = common.time_rotated(pstep, pargs, n_hi=n_hi, device=True)
-        peer = f"{kv_bytes / pt.seconds / 1e12:.2f}"
-        if pt.device_seconds is not None:
-          peer += f" ({kv_bytes / pt.device_seconds / 1e12:.2f})"
-        del pargs
-      except Exception as e:  # noqa: BLE001
-        peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
-    # Other timing methods of the same calls, each one line of the sweep.
-    targs = (qs, k, v, tables, lens)
-    methods = []
-    if args.graph:
-      methods.append(("graph", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph=True)))
-    if args.separate_outputs:
-      methods.append(("every output its own array",
-                      lambda: common.time_rotated(step, targs, n_hi=n_hi, join=False)))
-    if args.no_cmd_buffers:
-      methods.append(("no command buffers",
-                      lambda: common.time_rotated(step, targs, n_hi=n_hi, graph="off")))
-    if args.loop:
-      nrot = qs.shape[0]
-
-      def lstep(i, qs, k, v, tables, lens):
-        return md.mha_decode(qs[lax.rem(i, nrot)], k, v, tables[lax.rem(i, NUM_ROT)], lens,
-                             max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale,
-                             options=opts)
-      methods += [(f"loop graph={lg}", lambda lg=lg: common.time_loop(lstep, targs, graph=lg))
-                  for lg in (True, False)]
-    for how_timed, timed in methods:
-      try:
-        t = timed()
-        sweep.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname} {how_timed}: "
-                     f"{t.seconds * 1e6:.1f} us {kv_bytes / t.seconds / 1e12:.2f} TB/s "
-                     f"(spread {t.spread:.2f})")
-      except Exception as e:  # noqa: BLE001
-        sweep.append(f"page {ps} {bs}x{L} {how_timed}: failed {type(e).__name__}: {str(e)[:160]}")
-      print(sweep[-1], flush=True)
-    if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
-      for sp in [int(x) for x in args.splits_sweep.split(",")]:
-        bsz_sp = dataclasses.replace(bsz, num_splits=sp)
-
-        def step_sp(i, qs, k, v, tables, lens, bsz_sp=bsz_sp):
-          return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp,
-                               options=opts)
+    rng = np.random.default_rng(0)
+    header = [
+        "page",
+        "batch x len",
+        "q_len",
+        "kv",
+        "splits",
+        "jattn us",
+        "TB/s",
+        "% copy",
+        "device us",
+        "device TB/s",
+        "JAX paged_attention TB/s (device)",
+    ] + (["max err"] if args.check else [])
+    rows, sweep, profiles = [], [], []
+    for ps, bs, L, q_len, kv_dtype in rows_spec:
+        kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
+        label = [ps, f"{bs}x{L}", q_len, kvname]
+        itemsize = jnp.dtype(kv_dtype).itemsize
+        n_hi = args.n_hi if 2 * bs * L * HKV * D * itemsize >= (512 << 20) else 4 * args.n_hi
         try:
-          ts = common.time_rotated(step_sp, (qs, k, v, tables, lens), n_hi=n_hi)
-          sweep.append(f"page {ps} {bs}x{L} splits {sp}: {ts.seconds * 1e6:.1f} us "
-                       f"{kv_bytes / ts.seconds / 1e12:.2f} TB/s")
+            qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, n_hi)
         except Exception as e:  # noqa: BLE001
-          sweep.append(f"page {ps} {bs}x{L} splits {sp}: failed {type(e).__name__}")
-    if args.profile:
-      from jattn.bench import profile as prof
-      qlist = [qs[i] for i in range(8)]
-      tlist = [tables[i] for i in range(NUM_ROT)]
+            rows.append(label + ["-", f"setup failed: {type(e).__name__}"] + [""] * (len(header) - 6))
+            continue
+        reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
+        if reason is not None:
+            rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
+            print(f"skip {label}: {reason}")
+            continue
+        kscale = 0.5 if kvname == "fp8" else 1.0
 
-      def one(q, k, v, t, lens):
-        return md.mha_decode(q, k, v, t, lens, max_seqlen_q=q_len, k_scale=kscale,
-                             v_scale=kscale, options=opts)
-      try:
-        summ = prof.summarize(prof.profile_calls(
-            one, [(qlist[i], k, v, tlist[i % NUM_ROT], lens) for i in range(8)]))
-        profiles.append(f"page {ps} {bs}x{L} q_len {q_len} {kvname}: "
-                        f"{kv_bytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n"
-                        + summ.table())
-      except Exception as e:  # noqa: BLE001
-        profiles.append(f"page {ps} {bs}x{L}: profile failed {type(e).__name__}: {str(e)[:200]}")
-      print(profiles[-1], flush=True)
-    row = label + cells + [peer]
-    if args.check:
-      from jattn import reference
-      out = md.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
-                          k_scale=kscale, v_scale=kscale, options=opts)
-      ref = reference.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len,
-                                 k_scale=kscale, v_scale=kscale)
-      row.append(f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))):.2e}")
-    rows.append(row)
-    print(" | ".join(str(c) for c in row), flush=True)
-    del qs, k, v, tables
-  print()
-  print(f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
-        f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}")
-  print("jattn us: wall time per call (n calls in one jit, differential of median walls: "
+        def step(i, qs, k, v, tables, lens):
+            return md.mha_decode(
+                qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts
+            )
+
+        bsz = md.choose_block_sizes(
+            batch=bs,
+            num_kv_heads=HKV,
+            head_dim=D,
+            page_size=ps,
+            max_pages=tables.shape[-1],
+            m_rows=q_len * HQ,
+            kv_itemsize=jnp.dtype(kv_dtype).itemsize,
+        )
+        try:
+            t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
+            tbs = kv_bytes / t.seconds / 1e12
+            cells = [
+                bsz.num_splits,
+                f"{t.seconds * 1e6:.1f}",
+                f"{tbs:.2f}",
+                f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%",
+            ]
+            cells += (
+                ["-", "-"]
+                if t.device_seconds is None
+                else [f"{t.device_seconds * 1e6:.1f}", f"{kv_bytes / t.device_seconds / 1e12:.2f}"]
+            )
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+            cells = ["-", f"FAILED: {msg}", "-", "-", "-", "-"]
+        peer = "-"
+        if not args.no_peer and q_len == 1 and kvname == "bf16":
+            try:
+                pstep, pargs = _jax_paged_attention(qs, k, v, tables, lens, ps)
+                pt = common.time_rotated(pstep, pargs, n_hi=n_hi, device=True)
+                peer = f"{kv_bytes / pt.seconds / 1e12:.2f}"
+                if pt.device_seconds is not None:
+                    peer += f" ({kv_bytes / pt.device_seconds / 1e12:.2f})"
+                del pargs
+            except Exception as e:  # noqa: BLE001
+                peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
+        # Other timing methods of the same calls, each one line of the sweep.
+        targs = (qs, k, v, tables, lens)
+        methods = []
+        if args.graph:
+            methods.append(("graph", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph=True)))
+        if args.separate_outputs:
+            methods.append(
+                ("every output its own array", lambda: common.time_rotated(step, targs, n_hi=n_hi, join=False))
+            )
+        if args.no_cmd_buffers:
+            methods.append(("no command buffers", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph="off")))
+        if args.loop:
+            nrot = qs.shape[0]
+
+            def lstep(i, qs, k, v, tables, lens):
+                return md.mha_decode(
+                    qs[lax.rem(i, nrot)],
+                    k,
+                    v,
+                    tables[lax.rem(i, NUM_ROT)],
+                    lens,
+                    max_seqlen_q=q_len,
+                    k_scale=kscale,
+                    v_scale=kscale,
+                    options=opts,
+                )
+
+            methods += [
+                (f"loop graph={lg}", lambda lg=lg: common.time_loop(lstep, targs, graph=lg)) for lg in (True, False)
+            ]
+        for how_timed, timed in methods:
+            try:
+                t = timed()
+                sweep.append(
+                    f"page {ps} {bs}x{L} q_len {q_len} {kvname} {how_timed}: "
+                    f"{t.seconds * 1e6:.1f} us {kv_bytes / t.seconds / 1e12:.2f} TB/s "
+                    f"(spread {t.spread:.2f})"
+                )
+            except Exception as e:  # noqa: BLE001
+                sweep.append(f"page {ps} {bs}x{L} {how_timed}: failed {type(e).__name__}: {str(e)[:160]}")
+            print(sweep[-1], flush=True)
+        if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
+            for sp in [int(x) for x in args.splits_sweep.split(",")]:
+                bsz_sp = dataclasses.replace(bsz, num_splits=sp)
+
+                def step_sp(i, qs, k, v, tables, lens, bsz_sp=bsz_sp):
+                    return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp, options=opts)
+
+                try:
+                    ts = common.time_rotated(step_sp, (qs, k, v, tables, lens), n_hi=n_hi)
+                    sweep.append(
+                        f"page {ps} {bs}x{L} splits {sp}: {ts.seconds * 1e6:.1f} us "
+                        f"{kv_bytes / ts.seconds / 1e12:.2f} TB/s"
+                    )
+                except Exception as e:  # noqa: BLE001
+                    sweep.append(f"page {ps} {bs}x{L} splits {sp}: failed {type(e).__name__}")
+        if args.profile:
+            from jattn.bench import profile as prof
+
+            qlist = [qs[i] for i in range(8)]
+            tlist = [tables[i] for i in range(NUM_ROT)]
+
+            def one(q, k, v, t, lens):
+                return md.mha_decode(q, k, v, t, lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts)
+
+            try:
+                summ = prof.summarize(
+                    prof.profile_calls(one, [(qlist[i], k, v, tlist[i % NUM_ROT], lens) for i in range(8)])
+                )
+                profiles.append(
+                    f"page {ps} {bs}x{L} q_len {q_len} {kvname}: "
+                    f"{kv_bytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n" + summ.table()
+                )
+            except Exception as e:  # noqa: BLE001
+                profiles.append(f"page {ps} {bs}x{L}: profile failed {type(e).__name__}: {str(e)[:200]}")
+            print(profiles[-1], flush=True)
+        row = label + cells + [peer]
+        if args.check:
+            from jattn import reference
+
+            out = md.mha_decode(
+                qs[0], k, v, tables[0], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts
+            )
+            ref = reference.mha_decode(qs[0], k, v, tables[0], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+            row.append(f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))):.2e}")
+        rows.append(row)
+        print(" | ".join(str(c) for c in row), flush=True)
+        del qs, k, v, tables
+    print()
+    print(
+        f"decode: Hq={HQ} Hkv={HKV} D={D}, bf16 q; TB/s counts K+V bytes read once; "
+        f"copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}"
+    )
+    print(
+        "jattn us: wall time per call (n calls in one jit, differential of median walls: "
         "XLA's per-execution host work included); device us: GPU time per call between "
         "%globaltimer stamps around the calls (as CUDA events around a CUDA-graph replay "
-        "time the peers in docs/PERF.md)")
-  if profiles:
-    print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
-    print("\n".join(profiles))
-  if sweep:
-    print("graph timings, split-count sweep:")
-    print("\n".join(sweep))
-  print(common.fmt_table(header, rows))
+        "time the peers in docs/PERF.md)"
+    )
+    if profiles:
+        print("profiles (8 calls, inputs rotated, a sync after each; medians per call):")
+        print("\n".join(profiles))
+    if sweep:
+        print("graph timings, split-count sweep:")
+        print("\n".join(sweep))
+    print(common.fmt_table(header, rows))
 
 
 if __name__ == "__main__":
-  main()
+    main()
