@@ -88,7 +88,7 @@ class TorchMLABackend(_BridgeBase):
         def build():
             def body(stage, kvs, md, *extra):
                 t = stage.shape[0]
-                w = H * R + (H * r if has_rope else 0)
+                w = H * (R + r)  # q_nope then q_rope, or the full absorbed query
                 if has_rope:
                     qa, qr = stage[:, : H * R].reshape(t, H, R), stage[:, H * R : w].reshape(t, H, r)
                 else:

@@ -82,6 +82,13 @@ class _PlanningMixin:
         """
         mode = ForwardMode.parse(forward_mode)
         cfg = self.config
+        bs = int(bs)
+        given = {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens}
+        if mode.is_extend():
+            given["extend_seq_lens"] = extend_seq_lens
+        for name, x in given.items():
+            if x is not None and not 0 <= bs <= len(np.asarray(x)):
+                raise ValueError(f"bs={bs} must be in [0, {len(np.asarray(x))}] (the entries of {name})")
         common = dict(
             page_size=cfg.page_size,
             req_to_page=np.asarray(req_to_page),

@@ -250,6 +250,23 @@ def _pad_table(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, bs_pad: int
     return out
 
 
+def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
+    """Refuses a plan in which two real tokens write one KV slot (one would silently
+    overwrite the other's K/V). Pages shared read-only (a radix cache's prefix) are fine."""
+    if loc.size < 2:
+        return
+    order = np.argsort(loc, kind="stable")
+    dup = np.flatnonzero(loc[order][1:] == loc[order][:-1])
+    if dup.size:
+        i, j = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+        slot = int(loc[i])
+        raise ValueError(
+            f"out_cache_loc: new tokens {i} and {j} would both write slot {slot} (page {slot // page_size}, "
+            f"offset {slot % page_size}); requests may share pages only read-only (their prefix), never a "
+            "page they write"
+        )
+
+
 def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
     return pt[rows, pos // page_size] * page_size + pos % page_size
 
@@ -334,6 +351,7 @@ def plan_decode(
     empty = lens[:, None] == 0  # padding rows (given with length 0, or added for the bucket)
     pos = np.where(empty, 0, pos)
     loc = np.where(empty, DUMMY_PAGE * page_size, _slots(table, rows, pos, page_size))
+    _check_unique_slots(loc[~empty[:, 0]].reshape(-1), page_size)
     return DecodeMetadata(
         page_table=np.asarray(table, np.int32),
         cache_seqlens=lens,
@@ -427,6 +445,7 @@ def plan_extend(
     loc = np.full(t_pad, DUMMY_PAGE * page_size, np.int64)
     pos = np.zeros(t_pad, np.int64)
     loc[:total] = _slots(table, rows, pos_real, page_size)
+    _check_unique_slots(loc[:total], page_size)
     pos[:total] = pos_real
     lens = np.zeros(bs_pad, np.int32)
     lens[:bs] = sl
@@ -478,6 +497,11 @@ def plan_prefix_chunks(
     """
     pre = _as_int_array(prefix_lens, "prefix_lens", 1)
     pt = _as_int_array(page_table, "page_table", 2)
+    if page_size <= 0:
+        raise ValueError(f"page_size={page_size} must be positive")
+    if (pre < 0).any():
+        b = int(np.argmax(pre < 0))
+        raise ValueError(f"prefix_lens[{b}]={pre[b]} is negative")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
     _check_pages(pt[: pre.shape[0]], pre, page_size, None)

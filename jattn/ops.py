@@ -403,6 +403,11 @@ def mla_decode_with_kvcache(
     Returns:
       latent out [bs * max_seqlen_q, H, R] in q's dtype (and natural-log lse f32[.., H]).
     """
+    if softmax_scale is None:
+        raise ValueError(
+            "softmax_scale is required for MLA decode: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) "
+            "(times the YaRN mscale^2), which the op cannot infer from the 576-wide rows"
+        )
     _check_ndim(q, "q", 3, "[tokens, num_heads, kv_lora_rank + rope_dim]")
     _check_ndim(kv_cache, "kv_cache", 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
     _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")

@@ -348,7 +348,11 @@ def test_mla_backend_chunked_prefix_equals_full_attention():
     prefix, new = [50, 0, 20], [7, 5, 3]
     chunk = 32
     md = jattn.plan_extend(
-        np.add(prefix, new), np.array(new), page_size=16, page_table=np.ones((3, 8), np.int32), batch_buckets=(4,)
+        np.add(prefix, new),
+        np.array(new),
+        page_size=16,
+        page_table=np.arange(1, 25, dtype=np.int32).reshape(3, 8),  # the plan's slots only (the K/V are given)
+        batch_buckets=(4,),
     )
     t = md.num_tokens
     cu = np.asarray(md.cu_seqlens_q)

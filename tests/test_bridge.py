@@ -849,3 +849,44 @@ def test_unsupported_planning_inputs_are_refused():
             ForwardMode.DECODE,
             flat_block_tables={"full": torch.tensor([[1]])},
         )
+
+
+def test_mla_full_width_query_without_q_rope():
+    """The documented full-width absorbed query ([T, H * (R + r)], q_rope=None) equals the
+    split form (q_nope with q_rope)."""
+    H, R, r, ps = 2, 16, 8, 4
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=r,
+        v_head_dim=8,
+        page_size=ps,
+        context_len=16,
+        num_pages=8,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        kernel_backend="xla",
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=8, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(5)
+    pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=g))
+    be = TorchMLABackend(cfg, pool)
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, scaling=0.3)
+    be.init_forward_metadata(
+        2,
+        0,
+        torch.tensor([0, 1]),
+        torch.tensor([6, 3]),
+        torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32),
+        ForwardMode.DECODE,
+    )
+    q_nope, q_rope = torch.randn(2, H, R, generator=g), torch.randn(2, H, r, generator=g)
+    split = be.forward_decode(
+        q_nope.reshape(2, -1), None, None, layer, save_kv_cache=False, q_rope=q_rope.reshape(2, -1)
+    ).clone()
+    full = be.forward_decode(torch.cat([q_nope, q_rope], -1).reshape(2, -1), None, None, layer, save_kv_cache=False)
+    torch.testing.assert_close(full, split, rtol=0, atol=0)
+    assert split.abs().sum() > 0

@@ -454,3 +454,46 @@ def test_kv_writes_drop_out_of_range_slots_negative_included():
     kv = jnp.asarray(rng.standard_normal((4, 4, 12)), F32)
     out = jattn.set_mla_kv_buffer(kv, jnp.array([-3], jnp.int32), k[:1, 0, :8], k[:1, 0, :4])
     np.testing.assert_array_equal(np.asarray(out), np.asarray(kv))
+
+
+# ----------------------------------------------------------------------------- cache-corrupting plans (issue 13)
+
+
+def test_planners_refuse_duplicate_write_slots_but_allow_shared_prefix_pages():
+    with pytest.raises(ValueError, match=r"new tokens 0 and 1 would both write slot 8 \(page 2, offset 0\)"):
+        jattn.plan_decode([5, 5], page_size=4, page_table=[[1, 2], [3, 2]])
+    with pytest.raises(ValueError, match=r"new tokens 0 and 2 would both write slot 8"):
+        jattn.plan_extend([6, 6], [2, 2], page_size=4, page_table=[[1, 2], [1, 2]])
+    with pytest.raises(ValueError, match=r"would both write slot"):  # spec verify: q_len tokens each
+        jattn.plan_decode([6, 7], page_size=4, page_table=[[1, 2], [3, 2]], q_len=3)
+    # a read-only shared prefix page (page 1) is fine; so are zero-length padding rows
+    md = jattn.plan_decode([5, 7, 0], page_size=4, page_table=[[1, 2], [1, 3], [0, 0]])
+    assert len(set(md.out_cache_loc[:2].tolist())) == 2
+
+
+def test_planner_and_backend_input_bounds():
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\]=-2 is negative"):
+        jattn.plan_prefix_chunks([3, -2], [[1, 2], [3, 4]], page_size=4, chunk_size=4)
+    with pytest.raises(ValueError, match=r"page_size=0 must be positive"):
+        jattn.plan_prefix_chunks([3, 2], [[1, 2], [3, 4]], page_size=0, chunk_size=4)
+    be = MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4, context_len=16, num_pages=8))
+    r2p = np.array([[1, 2, 3, 4], [5, 6, 7, 0]])
+    with pytest.raises(ValueError, match=r"bs=-1 must be in \[0, 2\]"):
+        be.init_forward_metadata(-1, [0, 1], [3, 4], r2p)
+    with pytest.raises(ValueError, match=r"bs=3 must be in \[0, 2\] \(the entries of req_pool_indices\)"):
+        be.init_forward_metadata(3, [0, 1], [3, 4], r2p)
+    with pytest.raises(ValueError, match=r"entries of extend_seq_lens"):
+        be.init_forward_metadata(2, [0, 1], [3, 4], r2p, ForwardMode.EXTEND, extend_seq_lens=[1])
+
+
+def test_mla_decode_needs_softmax_scale():
+    kv = jnp.ones((4, 4, 24), F32)
+    with pytest.raises(ValueError, match=r"softmax_scale is required for MLA decode"):
+        jattn.mla_decode_with_kvcache(
+            jnp.ones((2, 2, 24), F32),
+            kv,
+            jnp.ones((2, 1), jnp.int32),
+            jnp.ones((2,), jnp.int32),
+            kv_lora_rank=16,
+            softmax_scale=None,
+        )

@@ -81,7 +81,8 @@ def test_bucket_sizes():
     with pytest.raises(ValueError, match="batch size=13 exceeds the largest bucket 12"):
         bucket(13, (1, 4, 12), name="batch size")
     for bs, want in [(1, 1), (3, 4), (9, 16), (100, 128)]:
-        md = jattn.plan_decode(np.full(bs, 5), page_size=8, page_table=np.ones((bs, 1), np.int32))
+        pt = np.arange(1, bs + 1, dtype=np.int32)[:, None]  # one page of its own per request
+        md = jattn.plan_decode(np.full(bs, 5), page_size=8, page_table=pt)
         assert md.batch_size == want and md.num_tokens == want
 
 

@@ -54,6 +54,9 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     c = engine.config
     pages = -(-seq_len // c.page_size)
     table = np.arange(1, 1 + bs * pages, dtype=np.int32).reshape(bs, pages) % (c.num_pages - 1) + 1
+    # Reads may share pages (timing only), but each request writes its own last page:
+    # the planner refuses two tokens on one slot.
+    table[:, -1] = np.arange(1, bs + 1) % (c.num_pages - 1) + 1
     md = plan_decode(
         np.full(bs, seq_len),
         page_size=c.page_size,
