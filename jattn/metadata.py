@@ -27,6 +27,7 @@ import enum
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 DUMMY_PAGE = 0
@@ -118,8 +119,6 @@ class DecodeMetadata:
         those rows are re-derived from the page table, which must already hold their
         pages. Rows ``>= num_reqs`` keep length 0 and write to the dummy page.
         """
-        import jax.numpy as jnp
-
         bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
         num_reqs = self.num_reqs if num_reqs is None else num_reqs
         real = jnp.arange(bs) < num_reqs
@@ -336,13 +335,14 @@ def plan_decode(
     _check_pages(pt, sl, page_size, num_pages)
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
     width = _width(sl, page_size, max_pages)
-    table = _pad_table(pt, sl, page_size, bs_pad, width)
-    if mode is ForwardMode.DRAFT_BLOCK:
-        # Keep each request's whole row of valid page ids: fill_block_decode_seq_lens
-        # may move the block's end on the device, past the pages of today's length.
-        full = _pad_table(pt, np.full_like(sl, width * page_size), page_size, bs_pad, width)
+    # A DRAFT_BLOCK plan keeps each request's whole row of valid page ids:
+    # fill_block_decode_seq_lens may move the block's end on the device, past the
+    # pages of today's length.
+    draft_block = mode is ForwardMode.DRAFT_BLOCK
+    table = _pad_table(pt, np.full_like(sl, width * page_size) if draft_block else sl, page_size, bs_pad, width)
+    if draft_block:
         hi = np.iinfo(np.int32).max if num_pages is None else num_pages
-        table = np.where((full > DUMMY_PAGE) & (full < hi), full, DUMMY_PAGE).astype(np.int32)
+        table = np.where((table > DUMMY_PAGE) & (table < hi), table, DUMMY_PAGE).astype(np.int32)
     lens = np.zeros(bs_pad, np.int32)
     lens[:bs] = sl
     pos = np.zeros((bs_pad, q_len), np.int64)
