@@ -2,7 +2,8 @@
 
 Requests arrive (``add_request``) and finish at different times. Each ``step()`` is either
 
-* an **extend** (prefill) batch of newly admitted requests (ragged tokens, no prefix), or
+* an **extend** (prefill) batch: prompt chunks of prefilling and newly admitted requests
+  (ragged tokens, each over its own cached prefix), or
 * a **decode** batch of every running request (one token each),
 
 planned on the host (``plan_extend`` / ``plan_decode``: padded to batch / token buckets,
@@ -13,8 +14,9 @@ never recompiles (``metrics.compilations`` counts traces). Pages come from a
 
 Sampling is greedy (``temperature=0``) or temperature + top-p with a per-request seed
 (the key for the n-th token is ``fold_in(key(seed), n)``, so results do not depend on
-what else is in the batch). A bad request (empty prompt, prompt longer than the context,
-page pool exhausted) finishes with ``status="error"`` and a message; the others go on.
+what else is in the batch). Scheduling (chunked prefill, admission within the buckets,
+preemption when the page pool runs out) is described on :class:`Engine`. A bad request
+finishes with ``status="error"`` and a message; the others go on.
 
 Example::
 
@@ -33,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Sequence
 
@@ -41,17 +44,79 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn.kv_cache import PageAllocator, PagePoolExhausted
+from jattn.kv_cache import PageAllocator
 from jattn.metadata import DEFAULT_BATCH_BUCKETS, plan_decode, plan_extend
+
+_INT32 = 2**31
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples and stops.
+
+    ``temperature`` 0 is greedy; otherwise temperature + top-p (``0 < top_p <= 1``)
+    with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
+    taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
+    token is kept in the output); a single int is one stop token, None none.
+    """
+
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple = ()
+
+    def validated(self) -> "SamplingParams":
+        """A normalised copy (``stop_token_ids`` a tuple of ints, ``seed`` a signed
+        32-bit int with the same low 32 bits); ``ValueError`` / ``TypeError`` naming the
+        field and the rule it breaks."""
+        n = self.max_new_tokens
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy)")
+        p = self.top_p
+        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
+        s = self.seed
+        if not _is_int(s):
+            raise TypeError(f"seed={s!r} must be an integer")
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        elif _is_int(stop):
+            stop = (stop,)
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            raise TypeError(f"stop_token_ids={stop!r} must be None, an int or a sequence of ints") from None
+        bad = [x for x in stop if not _is_int(x)]
+        if bad:
+            raise TypeError(f"stop_token_ids must hold integers, got {bad[0]!r}")
+        seed32 = (int(s) + _INT32) % (2 * _INT32) - _INT32
+        return SamplingParams(int(n), float(t), float(p), seed32, tuple(int(x) for x in stop))
+
+
+def _validated_prompt(prompt, vocab: int) -> list:
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        raise TypeError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    toks = list(prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)
+    bad = [t for t in toks if not _is_int(t)]
+    if bad:
+        raise TypeError(f"prompt token ids must be integers, got {bad[0]!r}")
+    toks = [int(t) for t in toks]
+    if toks and (min(toks) < 0 or max(toks) >= vocab):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    return toks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +124,8 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 1024  # page 0 is reserved (padded rows write there)
     max_context: int = 2048  # prompt + generated tokens per request
-    max_running: int = 128  # decode batch limit
-    max_prefill_tokens: int = 4096  # new tokens per extend step (a longer prompt runs alone)
+    max_running: int = 128  # requests holding pages at once (also capped by the largest batch bucket)
+    max_prefill_tokens: int = 4096  # new tokens per extend step (capped by the largest token bucket)
     batch_buckets: tuple = DEFAULT_BATCH_BUCKETS
     token_buckets: tuple | None = None  # None: powers of two >= 16
     kv_cache_dtype: str | None = None  # None: the model's dtype
@@ -70,6 +135,32 @@ class EngineConfig:
     # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").
     command_buffers: bool | str = True
 
+    def __post_init__(self):
+        for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"EngineConfig.{name}={v!r} must be an integer >= {lo}")
+        if not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1:
+            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r} must be an integer >= 1")
+
+    @property
+    def max_batch(self) -> int:
+        """Requests holding pages at once: ``max_running`` within the largest batch bucket."""
+        return min(self.max_running, max(self.batch_buckets)) if self.batch_buckets else self.max_running
+
+    @property
+    def token_budget(self) -> int:
+        """New tokens per extend step: ``max_prefill_tokens`` within the largest token bucket."""
+        if self.token_buckets:
+            return min(self.max_prefill_tokens, max(self.token_buckets))
+        return self.max_prefill_tokens
+
+
+#: Request states. ``waiting``: queued, no pages. ``prefilling``: pages held, part of
+#: its tokens cached (chunked prefill). ``running``: every token but the last cached, one
+#: token per decode step. ``finished`` / ``error``: done, no pages.
+REQUEST_STATES = ("waiting", "prefilling", "running", "finished", "error")
+
 
 @dataclasses.dataclass
 class Request:
@@ -78,17 +169,28 @@ class Request:
     params: SamplingParams
     arrival_step: int = 0
     output_tokens: list = dataclasses.field(default_factory=list)
-    status: str = "waiting"  # waiting | running | finished | error
+    status: str = "waiting"  # one of REQUEST_STATES
     finish_reason: str | None = None  # stop | length | error
     error: str | None = None
     pages: list = dataclasses.field(default_factory=list)
     seq_len: int = 0  # tokens in the KV cache
+    preemptions: int = 0  # times its pages were taken back (then recomputed)
     first_token_time: float | None = None
     finish_time: float | None = None
 
     @property
     def done(self) -> bool:
         return self.status in ("finished", "error")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens: what the cache holds once the request is caught up."""
+        return len(self.prompt) + len(self.output_tokens)
+
+    def token_slice(self, start: int, stop: int) -> list:
+        """Tokens ``start:stop`` of prompt + output."""
+        n = len(self.prompt)
+        return (self.prompt[start:stop] if start < n else []) + self.output_tokens[max(start - n, 0) : max(stop - n, 0)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +200,10 @@ class StepInfo:
     mode: str  # "extend", "decode" or "idle"
     rids: tuple = ()  # requests in the batch
     finished: tuple = ()  # requests that finished (or failed) during the step
+    preempted: tuple = ()  # requests whose pages were taken back (requeued, recomputed later)
     compiled: bool = False
     seconds: float = 0.0
+    error: str | None = None  # the step raised: its requests failed with this message
 
 
 @dataclasses.dataclass
@@ -117,6 +221,8 @@ class EngineMetrics:
     decode_time: float = 0.0
     timed_tokens: int = 0  # tokens generated by steps that did not compile
     decode_step_times: list = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+    failed_steps: int = 0
 
     @property
     def busy_time(self) -> float:
@@ -248,29 +354,53 @@ def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = 
 
 
 class Engine:
-    """Continuous-batching engine over a jattn model (``Llama`` or ``Deepseek``)."""
+    """Continuous-batching engine over a jattn model (``Llama`` or ``Deepseek``).
+
+    Scheduling, every step:
+
+    * **extend** when requests are prefilling or waiting: first the chunks of requests
+      already prefilling, then newly admitted ones (FIFO), within the token budget
+      (:attr:`EngineConfig.token_budget`) and the batch limit
+      (:attr:`EngineConfig.max_batch`). A prompt longer than the budget is prefilled in
+      chunks over several steps, each chunk an extend over its own cached prefix.
+      A request is admitted when the pool has the pages for all its tokens; the token
+      after the last chunk is sampled.
+    * **decode** otherwise: one token for every running request. A request that needs a
+      new page when the pool is empty takes it from the most recently admitted running
+      request, which is *preempted*: its pages are freed, it goes back to the front of the
+      queue and is recomputed (prompt + tokens so far, as one prefill) when pages free up.
+      A request that cannot grow even alone fails with ``page pool exhausted``.
+
+    Requests are validated when submitted (:meth:`add_request`): a bad one finishes at
+    once with ``status="error"``. An exception inside a step fails the requests of that
+    step only (their pages return to the pool) and the engine goes on.
+    """
 
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), backend=None):
         self.model = model
         self.config = c = config
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
-        mcfg = model.config
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend
-        self.kv_cache = model.make_cache(
-            num_pages=c.num_pages, page_size=c.page_size, dtype=c.kv_cache_dtype or mcfg.dtype
-        )
+        self.kv_cache = self._new_cache()
         self.allocator = PageAllocator(c.num_pages)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
         self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []
+        self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self._next_rid = 0
         self.step_count = 0
+
+    def _new_cache(self):
+        c = self.config
+        return self.model.make_cache(
+            num_pages=c.num_pages, page_size=c.page_size, dtype=c.kv_cache_dtype or self.model.config.dtype
+        )
 
     @property
     def state(self):
@@ -295,13 +425,23 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queues a request; returns its id. Invalid requests finish at once with an error."""
+        """Queues a request; returns its id. An invalid request (a field of the wrong type
+        or out of range, an empty prompt, one that cannot fit the context or the page
+        pool) finishes at once with ``status="error"`` and a message naming the field."""
         rid = self._next_rid
         self._next_rid += 1
-        req = Request(rid=rid, prompt=[int(t) for t in prompt], params=params, arrival_step=self.step_count)
+        req = Request(rid=rid, prompt=[], params=params, arrival_step=self.step_count)
         self.requests[rid] = req
+        try:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            req.params = params.validated()
+            req.prompt = _validated_prompt(prompt, self.model.config.vocab_size)
+        except (TypeError, ValueError) as e:
+            self._fail(req, str(e))
+            return rid
         n = len(req.prompt)
-        vocab = self.model.config.vocab_size
+        usable = self.allocator.num_pages - 1
         if n == 0:
             self._fail(req, "empty prompt: at least one token is needed")
         elif n >= self.config.max_context:
@@ -310,15 +450,11 @@ class Engine:
                 f"prompt of {n} tokens does not fit the context of "
                 f"{self.config.max_context} tokens (prompt + at least one generated token)",
             )
-        elif min(req.prompt) < 0 or max(req.prompt) >= vocab:
-            self._fail(req, f"prompt token ids must be in [0, {vocab})")
-        elif params.max_new_tokens < 1:
-            self._fail(req, f"max_new_tokens={params.max_new_tokens} must be >= 1")
-        elif self._pages_for(n) > self.allocator.num_pages - 1:
+        elif self._pages_for(n + 1) > usable:
             self._fail(
                 req,
-                f"page pool exhausted: the prompt needs {self._pages_for(n)} pages, "
-                f"the pool has {self.allocator.num_pages - 1}",
+                f"page pool exhausted: the prompt and its first generated token need "
+                f"{self._pages_for(n + 1)} pages, the pool has {usable}",
             )
         else:
             self.waiting.append(req)
@@ -341,37 +477,101 @@ class Engine:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.prefilling, self.waiting):
+            if req in queue:
+                queue.remove(req)
+
+    def _preempt(self, req: Request):
+        """Frees ``req``'s pages and requeues it at the front (recomputed when admitted again)."""
+        self._release(req)
+        req.status, req.seq_len = "waiting", 0
+        req.preemptions += 1
+        self.metrics.preemptions += 1
+        self.waiting.insert(0, req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def check_invariants(self) -> None:
+        """Raises ``RuntimeError`` unless every page is either free or held by exactly one
+        live request, and every request is in exactly one state (and queue)."""
+        held = [p for r in self.requests.values() for p in r.pages]
+        if len(held) != len(set(held)):
+            raise RuntimeError("a page is held by two requests")
+        if self.allocator.num_free + len(held) != self.allocator.num_pages - 1:
+            raise RuntimeError(
+                f"pages leaked: {self.allocator.num_free} free + {len(held)} held != {self.allocator.num_pages - 1}"
+            )
+        queues = {"waiting": self.waiting, "prefilling": self.prefilling, "running": self.running}
+        for r in self.requests.values():
+            if r.status not in REQUEST_STATES:
+                raise RuntimeError(f"request {r.rid} has unknown status {r.status!r}")
+            where = [name for name, q in queues.items() if any(x is r for x in q)]
+            want = [] if r.done else [r.status]
+            if where != want:
+                raise RuntimeError(f"request {r.rid} ({r.status}) is in queues {where}")
+            if r.pages and r.status not in ("prefilling", "running"):
+                raise RuntimeError(f"request {r.rid} ({r.status}) holds pages")
+            if r.status in ("prefilling", "running") and len(r.pages) < self._pages_for(r.seq_len):
+                raise RuntimeError(f"request {r.rid} caches {r.seq_len} tokens in {len(r.pages)} pages")
 
     # ------------------------------------------------------------------ scheduling
 
-    def _admit(self) -> list[Request]:
-        """Newly admitted requests for one extend step (FIFO, within the token budget)."""
-        batch, tokens = [], 0
-        max_bs = max(self.config.batch_buckets)
-        while self.waiting and len(self.running) + len(batch) < self.config.max_running and len(batch) < max_bs:
-            req = self.waiting[0]
-            n = len(req.prompt)
-            if batch and tokens + n > self.config.max_prefill_tokens:
+    def _schedule_extend(self) -> list[tuple[Request, int]]:
+        """(request, new tokens) pairs of the next extend step, or [] for none."""
+        c = self.config
+        budget, batch = c.token_budget, []
+        for r in self.prefilling:
+            if len(batch) >= c.max_batch or budget <= 0:
+                return batch
+            n = min(r.num_tokens - r.seq_len, budget)
+            batch.append((r, n))
+            budget -= n
+        while self.waiting and len(batch) < c.max_batch and budget > 0:
+            if len(self.running) + len(self.prefilling) >= c.max_batch:
                 break
-            try:
-                req.pages = self.allocator.alloc(self._pages_for(n))
-            except PagePoolExhausted as e:
-                if not self.running and not batch:
-                    self.waiting.pop(0)
-                    self._fail(req, str(e))
+            r = self.waiting[0]
+            need = self._pages_for(r.num_tokens)
+            if need > self.allocator.num_free:
+                if not self.running and not self.prefilling:  # nothing will free pages
+                    self._fail(
+                        r,
+                        f"page pool exhausted: {r.num_tokens} tokens need {need} pages, "
+                        f"the pool has {self.allocator.num_pages - 1}",
+                    )
                     continue
                 break  # wait for running requests to free pages
+            r.pages = self.allocator.alloc(need)
             self.waiting.pop(0)
-            batch.append(req)
-            tokens += n
+            r.status = "prefilling"
+            self.prefilling.append(r)
+            n = min(r.num_tokens, budget)
+            batch.append((r, n))
+            budget -= n
         return batch
+
+    def _grow_for_decode(self) -> list[Request]:
+        """Gives every running request the page for the token it feeds now, preempting
+        the most recently admitted running requests when the pool is empty; returns the
+        preempted requests."""
+        preempted, i = [], 0
+        while i < len(self.running):
+            r = self.running[i]
+            need = self._pages_for(r.seq_len + 1) - len(r.pages)
+            if need <= self.allocator.num_free:
+                r.pages += self.allocator.alloc(max(need, 0))
+                i += 1
+            elif len(self.running) == 1:
+                self._fail(
+                    r,
+                    f"page pool exhausted: {r.seq_len + 1} tokens need {self._pages_for(r.seq_len + 1)} pages, "
+                    f"the pool has {self.allocator.num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
+                )
+            else:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.rid)
+        return preempted
 
     def _sampling_arrays(self, reqs: list[Request], bs_pad: int):
         temp = np.zeros(bs_pad, np.float32)
@@ -407,47 +607,42 @@ class Engine:
             self.metrics.compile_time += dt
         return nxt, dt, compiled
 
-    def _extend_step(self, batch: list[Request]):
-        lens = np.array([len(r.prompt) for r in batch])
+    def _extend_step(self, batch: list[tuple[Request, int]]) -> StepInfo:
+        reqs = [r for r, _ in batch]
+        ext = np.array([n for _, n in batch])
         md = plan_extend(
-            lens,
-            lens,
+            np.array([r.seq_len + n for r, n in batch]),
+            ext,
             page_size=self.page_size,
-            page_table=self._page_table(batch),
+            page_table=self._page_table(reqs),
             batch_buckets=self.config.batch_buckets,
             token_buckets=self.config.token_buckets,
             max_pages=self.max_pages,
             num_pages=self.config.num_pages,
         )
         tokens = np.zeros(md.num_tokens, np.int32)
-        tokens[: lens.sum()] = np.concatenate([r.prompt for r in batch])
-        nxt, dt, compiled = self._run(tokens, md, batch)
+        tokens[: ext.sum()] = np.concatenate([r.token_slice(r.seq_len, r.seq_len + n) for r, n in batch])
+        nxt, dt, compiled = self._run(tokens, md, reqs)
+        done = [r for r, n in batch if r.seq_len + n == r.num_tokens]
         if not compiled:
             self.metrics.prefill_time += dt
-            self.metrics.timed_tokens += len(batch)
+            self.metrics.timed_tokens += len(done)
         self.metrics.prefill_steps += 1
-        self.metrics.prompt_tokens += int(lens.sum())
+        self.metrics.prompt_tokens += int(ext.sum())
         now = time.perf_counter()
-        for i, r in enumerate(batch):
-            r.seq_len = len(r.prompt)
+        for i, (r, n) in enumerate(batch):
+            r.seq_len += n
+            if r.seq_len < r.num_tokens:
+                continue  # more chunks to go: the sampled token is not used
+            self.prefilling.remove(r)
             r.status = "running"
-            r.first_token_time = now
             self.running.append(r)
+            if r.first_token_time is None:
+                r.first_token_time = now
             self._accept(r, int(nxt[i]))
-        return StepInfo("extend", tuple(r.rid for r in batch), compiled=compiled, seconds=dt)
+        return StepInfo("extend", tuple(r.rid for r in reqs), compiled=compiled, seconds=dt)
 
-    def _decode_step(self):
-        # Each running request needs room for the token it feeds now.
-        for r in list(self.running):
-            need = self._pages_for(r.seq_len + 1) - len(r.pages)
-            if need > 0:
-                try:
-                    r.pages += self.allocator.alloc(need)
-                except PagePoolExhausted as e:
-                    self._fail(r, f"{e} (while decoding token {len(r.output_tokens) + 1})")
-        reqs = list(self.running)
-        if not reqs:
-            return StepInfo("idle")
+    def _decode_step(self, reqs: list[Request]) -> StepInfo:
         lens = np.array([r.seq_len + 1 for r in reqs])
         md = plan_decode(
             lens,
@@ -482,23 +677,50 @@ class Engine:
         elif r.seq_len + 1 >= self.config.max_context:
             self._finish(r, "length")  # no room to feed the token just generated
 
+    def _step_failed(self, mode: str, reqs: list[Request], err: Exception) -> StepInfo:
+        """Fails the step's requests (their pages return to the pool). If the failure
+        consumed the donated KV cache, a fresh cache replaces it and every other request
+        holding pages is preempted (its cached tokens are gone; it is recomputed)."""
+        msg = f"{mode} step failed: {type(err).__name__}: {err}"
+        self.metrics.failed_steps += 1
+        for r in reqs:
+            if not r.done:
+                self._fail(r, msg)
+        preempted = []
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv_cache)):
+            self.kv_cache = self._new_cache()
+            for r in reversed(self.running + self.prefilling):
+                self._preempt(r)
+                preempted.append(r.rid)
+        return StepInfo(mode, tuple(r.rid for r in reqs), preempted=tuple(preempted), error=msg)
+
     def step(self) -> StepInfo:
-        """One engine step: an extend batch if requests are waiting and admissible, else a decode."""
+        """One engine step: an extend batch when requests are prefilling or admissible,
+        else a decode of every running request."""
         self.step_count += 1
         self.metrics.steps += 1
-        live = {r.rid for r in self.running} | {r.rid for r in self.waiting}
-        batch = self._admit() if self.waiting else []
+        live = [r for r in self.requests.values() if not r.done]
+        batch = self._schedule_extend() if (self.waiting or self.prefilling) else []
+        preempted: list = []
         if batch:
-            info = self._extend_step(batch)
+            mode, reqs = "extend", [r for r, _ in batch]
         elif self.running:
-            info = self._decode_step()
+            preempted = self._grow_for_decode()
+            mode, reqs = "decode", list(self.running)
+        else:
+            mode, reqs = "idle", []
+        if reqs:
+            try:
+                info = self._extend_step(batch) if mode == "extend" else self._decode_step(reqs)
+            except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+                info = self._step_failed(mode, reqs, e)
         else:
             info = StepInfo("idle")
-        finished = tuple(sorted(i for i in live if self.requests[i].done))
-        return dataclasses.replace(info, finished=finished)
+        finished = tuple(r.rid for r in live if r.done)
+        return dataclasses.replace(info, finished=finished, preempted=tuple(preempted) + info.preempted)
 
     def run(self, max_steps: int | None = None) -> None:
-        """Steps until no request is waiting or running."""
+        """Steps until no request is waiting, prefilling or running."""
         n = 0
         while self.has_work() and (max_steps is None or n < max_steps):
             self.step()

@@ -44,6 +44,17 @@ def _solo(model, prompt, params):
     return _engine(model).generate([prompt], params)[0].output_tokens
 
 
+def _drain(eng, max_steps=2000):
+    """Steps to completion, checking after every step that no page leaked and every
+    request is in exactly one state; returns the steps' infos."""
+    infos = []
+    while eng.has_work():
+        infos.append(eng.step())
+        eng.check_invariants()
+        assert len(infos) < max_steps, "the engine does not make progress"
+    return infos
+
+
 @pytest.mark.parametrize("arch", ["llama", "mla"])
 def test_staggered_arrivals_match_solo_runs(arch, request):
     model = request.getfixturevalue(arch)
@@ -58,7 +69,7 @@ def test_staggered_arrivals_match_solo_runs(arch, request):
     eng.step()
     eng.step()
     rids.append(eng.add_request(prompts[3], params[3]))
-    eng.run()
+    _drain(eng)
     for rid, p, sp in zip(rids, prompts, params):
         r = eng.requests[rid]
         assert r.status == "finished" and r.finish_reason == "length"
@@ -77,7 +88,7 @@ def test_bad_requests_fail_alone(llama):
     too_long = eng.add_request([1] * 40, sp)
     bad_id = eng.add_request([VOCAB + 3], sp)
     good.append(eng.add_request(prompts[2], sp))
-    eng.run()
+    _drain(eng)
     assert "empty prompt" in eng.requests[empty].error
     assert "does not fit the context" in eng.requests[too_long].error
     assert "token ids" in eng.requests[bad_id].error
@@ -86,22 +97,189 @@ def test_bad_requests_fail_alone(llama):
         assert r.status == "finished" and r.output_tokens == _solo(llama, p, sp)
 
 
-def test_page_pool_exhausted_fails_one_request(llama):
-    # 6 usable pages of 4 tokens. A prompt needing more than the pool fails at once; two
-    # requests that fit at prefill but outgrow the pool while decoding: the later one fails
-    # with a clear error, the other keeps going and is unaffected.
+def test_pool_exhaustion_preempts_and_everyone_finishes(llama):
+    # 6 usable pages of 4 tokens. A prompt that cannot fit the pool fails at once; two
+    # requests that each fit alone but outgrow the pool together: the later one is
+    # preempted (its pages freed, recomputed later) and both finish with their solo tokens.
     eng = _engine(llama, num_pages=7)
     huge = eng.add_request(list(range(30)), SamplingParams(max_new_tokens=2))
     p1, p2 = [3] * 8, [5] * 7
-    r1 = eng.add_request(p1, SamplingParams(max_new_tokens=12))
-    r2 = eng.add_request(p2, SamplingParams(max_new_tokens=12))
-    eng.run()
+    sp = SamplingParams(max_new_tokens=12)
+    r1, r2 = eng.add_request(p1, sp), eng.add_request(p2, sp)
+    _drain(eng)
     assert "page pool exhausted" in eng.requests[huge].error
-    errs = [eng.requests[r].error for r in (r1, r2)]
-    assert sum(e is not None for e in errs) == 1 and "page pool exhausted" in next(e for e in errs if e)
-    ok = r1 if errs[0] is None else r2
-    assert eng.requests[ok].output_tokens == _solo(llama, p1 if ok == r1 else p2, SamplingParams(max_new_tokens=12))
+    for rid, p in ((r1, p1), (r2, p2)):
+        assert eng.requests[rid].status == "finished"
+        assert eng.requests[rid].output_tokens == _solo(llama, p, sp)
+    assert eng.requests[r2].preemptions >= 1 and eng.requests[r1].preemptions == 0
     assert eng.allocator.num_free == 6
+
+
+def test_twenty_requests_on_sixteen_pages(llama):
+    """Each request fits alone (prompt + output <= 5 pages of 15); together they need far
+    more: admission waits for pages, decode preempts, every request finishes correctly."""
+    prompts = _prompts(5, lens=[3 + (i * 7) % 10 for i in range(20)])
+    sp = SamplingParams(max_new_tokens=8)
+    eng = _engine(llama, num_pages=16)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    _drain(eng)
+    solo = _engine(llama)
+    want = solo.generate(prompts, sp)  # enough pages: no preemption
+    assert solo.metrics.preemptions == 0
+    for rid, w in zip(rids, want):
+        assert eng.requests[rid].status == "finished", eng.requests[rid].error
+        assert eng.requests[rid].output_tokens == w.output_tokens
+    assert eng.metrics.preemptions > 0
+
+
+def test_request_that_cannot_grow_alone_fails_cleanly(llama):
+    # 3 usable pages = 12 tokens; the prompt fits, 20 new tokens do not.
+    eng = _engine(llama, num_pages=4)
+    bad = eng.add_request([1] * 6, SamplingParams(max_new_tokens=20))
+    _drain(eng)
+    r = eng.requests[bad]
+    assert r.status == "error" and "page pool exhausted" in r.error and len(r.output_tokens) == 12 - 6 + 1
+    ok = eng.add_request([2, 3], SamplingParams(max_new_tokens=3))  # the engine goes on
+    _drain(eng)
+    assert eng.requests[ok].status == "finished"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_prompts_beyond_the_token_budget_are_chunked(arch, request):
+    """3 x 30 tokens with token bucket 64, and one 35-token prompt with buckets (16, 32):
+    prefill runs in chunks over each request's cached prefix; tokens equal solo runs."""
+    model = request.getfixturevalue(arch)
+    sp = SamplingParams(max_new_tokens=4)
+    prompts = _prompts(11, lens=(30, 30, 30))
+    eng = _engine(model, max_context=48)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    infos = _drain(eng)
+    assert eng.metrics.prefill_steps >= 2 and eng.metrics.prompt_tokens == 90  # 90 tokens, budget 64
+    solo = _engine(model, max_context=48, token_buckets=(128,))
+    for rid, p in zip(rids, prompts):
+        assert eng.requests[rid].output_tokens == solo.generate([p], sp)[0].output_tokens
+    long = _prompts(12, lens=(35,))[0]
+    eng = _engine(model, token_buckets=(16, 32))
+    rid = eng.add_request(long, sp)
+    infos = _drain(eng)
+    assert [i.mode for i in infos[:2]] == ["extend", "extend"] and eng.metrics.prefill_steps == 2
+    assert eng.requests[rid].output_tokens == solo.generate([long], sp)[0].output_tokens
+
+
+def test_more_requests_than_the_largest_batch_bucket(llama):
+    prompts = _prompts(13, lens=[2 + i % 5 for i in range(9)])
+    sp = SamplingParams(max_new_tokens=3)
+    eng = _engine(llama, num_pages=64)  # largest batch bucket 8
+    rids = [eng.add_request(p, sp) for p in prompts]
+    infos = _drain(eng)
+    assert max(len(i.rids) for i in infos) <= 8
+    assert all(eng.requests[r].status == "finished" for r in rids)
+    for rid, p in zip(rids, prompts):
+        assert eng.requests[rid].output_tokens == _solo(llama, p, sp)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([1.0, 2.0], SamplingParams(), "prompt token ids must be integers"),
+        ([1, True], SamplingParams(), "prompt token ids must be integers"),
+        ("hello", SamplingParams(), "prompt must be a sequence"),
+        (np.array([1.5, 2.0]), SamplingParams(), "prompt token ids must be integers"),
+        ([1, 2], SamplingParams(max_new_tokens=2.5), "max_new_tokens"),
+        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1, 2], SamplingParams(temperature=1.0, top_p=float("nan")), "top_p"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(top_p=-0.5), "top_p"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+        ([1, 2], SamplingParams(seed=1.5), "seed"),
+        ([1, 2], SamplingParams(stop_token_ids=(1.5,)), "stop_token_ids"),
+        ([1, 2], SamplingParams(stop_token_ids=object()), "stop_token_ids"),
+        ([1, 2], {"max_new_tokens": 3}, "SamplingParams"),
+    ],
+)
+def test_invalid_request_fields_fail_that_request_alone(llama, prompt, params, match):
+    eng = _engine(llama)
+    good = eng.add_request([4, 5, 6], SamplingParams(max_new_tokens=2))
+    bad = eng.add_request(prompt, params)
+    assert eng.requests[bad].status == "error" and match in eng.requests[bad].error
+    _drain(eng)
+    assert eng.requests[good].status == "finished"
+
+
+def test_normalised_fields_serve(llama):
+    """seed 2**31 (and any other integer, taken modulo 2**32), stop_token_ids None or one int."""
+    p = _prompts()[0]
+    free = _solo(llama, p, SamplingParams(max_new_tokens=6))
+    eng = _engine(llama)
+    big = eng.add_request(p, SamplingParams(max_new_tokens=5, temperature=1.0, seed=2**31))
+    huge = eng.add_request(p, SamplingParams(max_new_tokens=5, temperature=1.0, seed=-(2**40) + 7))
+    none = eng.add_request(p, SamplingParams(max_new_tokens=6, stop_token_ids=None))
+    one = eng.add_request(p, SamplingParams(max_new_tokens=6, stop_token_ids=free[2]))
+    _drain(eng)
+    assert all(eng.requests[r].status == "finished" for r in (big, huge, none, one))
+    assert eng.requests[none].output_tokens == free
+    assert eng.requests[one].output_tokens == free[: free.index(free[2]) + 1]
+    same = _engine(llama).generate([p], SamplingParams(max_new_tokens=5, temperature=1.0, seed=-(2**31)))[0]
+    assert same.output_tokens == eng.requests[big].output_tokens  # equal modulo 2**32
+
+
+def test_exception_in_a_step_fails_only_its_requests(llama, monkeypatch):
+    eng = _engine(llama)
+    sp = SamplingParams(max_new_tokens=4)
+    early = eng.add_request([1, 2, 3], sp)
+    eng.step()  # prefill of `early`; it is now running
+    eng.check_invariants()
+    a, b = eng.add_request([7, 8], sp), eng.add_request([9], sp)
+    real = eng._step
+    calls = [0]
+
+    def flaky(*args, **kw):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(eng, "_step", flaky)
+    info = eng.step()  # the extend of a and b fails
+    eng.check_invariants()
+    assert info.mode == "extend" and info.error and "injected failure" in info.error
+    assert set(info.finished) == {a, b}
+    for r in (a, b):
+        assert eng.requests[r].status == "error" and "injected failure" in eng.requests[r].error
+    later = eng.add_request([4, 4], sp)
+    _drain(eng)
+    assert eng.requests[early].output_tokens == _solo(llama, [1, 2, 3], sp)
+    assert eng.requests[later].output_tokens == _solo(llama, [4, 4], sp)
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1 and eng.metrics.failed_steps == 1
+
+
+def test_exception_that_consumes_the_cache_requeues_the_others(llama, monkeypatch):
+    """A step that fails after the donated cache was consumed: the engine builds a fresh
+    cache and recomputes every other request holding pages; their tokens are unchanged."""
+    eng = _engine(llama)
+    sp = SamplingParams(max_new_tokens=5)
+    keep = eng.add_request([1, 2, 3], sp)
+    eng.step()
+    real = eng._step
+    calls = [0]
+
+    def consume(params, kv_cache, *args, **kw):
+        calls[0] += 1
+        if calls[0] == 1:
+            for x in jax.tree_util.tree_leaves(kv_cache):
+                x.delete()
+            raise RuntimeError("device failure")
+        return real(params, kv_cache, *args, **kw)
+
+    monkeypatch.setattr(eng, "_step", consume)
+    victim = eng.add_request([5, 6], sp)
+    info = eng.step()
+    eng.check_invariants()
+    assert eng.requests[victim].status == "error" and keep in info.preempted
+    _drain(eng)
+    assert eng.requests[keep].output_tokens == _solo(llama, [1, 2, 3], sp)
 
 
 def test_stop_tokens(llama):
