@@ -25,6 +25,16 @@ than a jitted call, docs/PERF.md):
 * **Streams**: one fence each way per call, see :mod:`jattn.bridge.streams`.
 * **Per-layer plans**: after a first (slow-path) call has verified every alias, a
   closure per (layer, pool, call signature, plan structure) re-derives nothing.
+* **Parameters** (``sinks``): an f32 copy imported once per tensor and reused while
+  the tensor passed is the same object (held by a weak reference) with the same
+  version counter, data pointer, shape and dtype: an in-place change or a new tensor
+  (even one at a freed tensor's address) is re-read, in O(1) per call.
+* **Pools** are held weakly: the views and plans of a pool are per-pool state that
+  is dropped when the engine drops the pool. Each pool buffer is checked against
+  the config and the layer (pages, heads, head dims) when it is first seen.
+* **Bounds**: every cache holds at most :attr:`_BridgeBase.cache_bounds` entries
+  (the oldest is dropped); a dropped entry is rebuilt (re-imported, re-verified) if
+  it is needed again.
 
 What a call computes is decided by the core backends (:mod:`jattn.backends`): the
 adapters' jitted bodies only unpack the staged inputs, build a one-layer cache over
@@ -40,8 +50,10 @@ bucket, so the layer calls that follow compile (the "capture");
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from typing import Sequence
+import weakref
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -72,6 +84,81 @@ def _slim(md):
     return dataclasses.replace(md, **drop)
 
 
+class _Bounded(dict):
+    """A dict of at most ``maxsize`` entries: an insertion beyond the bound drops the
+    oldest entry. Look-ups stay plain ``dict.get`` (no bookkeeping on the hot path); an
+    entry dropped while still in use is rebuilt on its next use, so with a working
+    set below the bound that costs one rebuild per ``maxsize`` new entries."""
+
+    def __init__(self, maxsize: int):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def __setitem__(self, key, value):
+        dict.pop(self, key, None)  # re-inserted: now the newest
+        dict.__setitem__(self, key, value)
+        while len(self) > self.maxsize:
+            del self[next(iter(self))]
+
+
+def _forget(cache: dict, key, ref) -> None:
+    """Weak-reference callback: drops ``cache[key]`` if that entry is still the one of
+    ``ref`` (not a newer entry of another object at the same ``id``)."""
+    ent = dict.get(cache, key)
+    if ent is not None and ent.ref is ref:
+        del cache[key]
+
+
+def _ref(obj, cache: dict | None = None, key=None) -> Callable:
+    """A weak reference to ``obj`` (with a callback that drops ``cache[key]`` when
+    ``obj`` dies), or, for an object without weak-reference support, a callable that
+    returns it (held strongly; the bounded cache then limits how many are held)."""
+    try:
+        if cache is None:
+            return weakref.ref(obj)
+        return weakref.ref(obj, functools.partial(_forget, cache, key))
+    except TypeError:
+        return lambda: obj
+
+
+@dataclasses.dataclass(eq=False)
+class _PoolState:
+    """What the bridge keeps per KV pool: the pool (held weakly), the views of its
+    buffers per (layer, buffer) and its hot-path plans."""
+
+    ref: Callable
+    views: _Bounded
+    plans: _Bounded
+
+
+@dataclasses.dataclass(eq=False)
+class _LayerEntry:
+    """A layer object (held weakly) and its specs, with and without the layer id."""
+
+    ref: Callable
+    spec: LayerSpec
+    spec0: LayerSpec
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """A hot-path plan (see :meth:`_BridgeBase._make_plan`) and its layer (held weakly)."""
+
+    ref: Callable
+    fn: Callable
+
+
+class _Param:
+    """A parameter tensor's f32 JAX copy and what identifies the tensor it was read
+    from: the tensor (weakly), its version counter, data pointer, shape and dtype."""
+
+    __slots__ = ("ref", "version", "ptr", "shape", "dtype", "array")
+
+    def __init__(self, ref, x: torch.Tensor, array):
+        self.ref, self.version, self.ptr = ref, x._version, x.data_ptr()
+        self.shape, self.dtype, self.array = x.shape, x.dtype, array
+
+
 @dataclasses.dataclass
 class _View:
     """A torch buffer and the JAX array viewing it (replaced by the aliased output
@@ -87,6 +174,25 @@ class _BridgeBase:
     """Staging, views, jit cache, metadata and fences shared by both backends."""
 
     _jbackend: MHABackend | MLABackend
+
+    #: Entry bounds of the caches (beyond them the oldest entry is dropped, and rebuilt
+    #: when needed again): live pools; per pool, buffer views (2 per layer
+    #: for MHA, 1 for MLA) and hot-path plans (per layer, call signature and token
+    #: count); staging buffers and output buffers (per call signature / layer and
+    #: bucket); jitted functions (per layer shape and mode); layer specs; parameter
+    #: copies (sinks, per tensor); installed plan structures. An instance copies the
+    #: dict at construction; the per-pool bounds are read when a pool is first seen.
+    cache_bounds = {
+        "pools": 8,
+        "views": 1024,
+        "plans": 1024,
+        "stage": 64,
+        "outs": 1024,
+        "fns": 256,
+        "specs": 1024,
+        "params": 256,
+        "md_sigs": 256,
+    }
 
     def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
         self.config = config
@@ -112,24 +218,26 @@ class _BridgeBase:
         self.page_size = config.page_size
         self.kv_cache_dtype = torch_dtype(cache_dtype(config.kv_cache_dtype))
         self.q_dtype = torch_dtype(cache_dtype(config.dtype))
-        self._views: dict = {}
-        self._stage: dict = {}
-        self._outs: dict = {}
-        self._fns: dict = {}
-        self._specs: dict = {}
-        self._params: dict = {}
-        self._plans: dict = {}  # hot-path closures, see _make_plan
+        self.cache_bounds = dict(self.cache_bounds)
+        b = self.cache_bounds
+        self._pools = _Bounded(b["pools"])  # id(pool) -> _PoolState (views, hot-path plans)
+        self._stage = _Bounded(b["stage"])
+        self._outs = _Bounded(b["outs"])
+        self._fns = _Bounded(b["fns"])
+        self._specs = _Bounded(b["specs"])
+        self._params = _Bounded(b["params"])  # id(tensor) -> _Param
         #: use the per-(layer, pool, call signature, plan structure) closures (False:
         #: re-derive everything per call, as before; for benchmarks and debugging)
         self.fast_path = True
-        self._md_sigs: dict = {}
+        self._md_sigs = _Bounded(b["md_sigs"])
+        self._md_count = 0  # names of plan structures are never reused, even once dropped
         self._md_sig = None  # small int naming the installed plan's structure (mode, treedef, shapes)
         self.forward_metadata = None  # device pytree of the current step
         self._md_call = None  # the same without the fields no jitted body reads (fewer call arguments)
         self.forward_mode = None
         self._loc_t = None  # torch out_cache_loc of the real tokens (torch-writer path)
         self._num_real_tokens = 0
-        self.cuda_graph_metadata: dict = {}
+        self.cuda_graph_metadata = _Bounded(64)  # bucket -> its all-padding device plan
         self._fill_fn = None  # jitted fill_block_decode_seq_lens
 
     # ---------------------------------------------------------------- metadata
@@ -141,7 +249,10 @@ class _BridgeBase:
         self._md_call = _slim(md_dev)
         leaves, treedef = jax.tree_util.tree_flatten(md_dev)
         sig = (str(mode), treedef, tuple((x.shape, x.dtype) for x in leaves))
-        self._md_sig = self._md_sigs.setdefault(sig, len(self._md_sigs))
+        self._md_sig = self._md_sigs.get(sig)
+        if self._md_sig is None:
+            self._md_count += 1
+            self._md_sig = self._md_sigs[sig] = self._md_count
         loc = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
         self._loc_t = torch.from_numpy(loc.astype(np.int64)).to(self.device, non_blocking=True)
         self._num_real_tokens = num_real_tokens
@@ -253,16 +364,77 @@ class _BridgeBase:
 
     # ---------------------------------------------------------------- buffers
 
-    def _view(self, key, buf: torch.Tensor, shape) -> _View:
-        """The cached JAX view of a pool buffer (imported when first seen or replaced)."""
-        v = self._views.get(key)
+    def _pool_state(self, pool) -> _PoolState:
+        """The per-pool state of ``pool`` (O(1): a dict look-up and a weak reference);
+        a pool seen for the first time (or a new pool at a dead one's ``id``) gets a
+        fresh one, dropped again when the pool dies."""
+        key = id(pool)
+        st = self._pools.get(key)
+        if st is not None and st.ref() is pool:
+            return st
+        ps = getattr(pool, "page_size", None)
+        if isinstance(ps, int) and ps != self.page_size:
+            raise BridgeError(f"KV pool {type(pool).__name__} has page_size={ps}, config.page_size={self.page_size}")
+        b = self.cache_bounds
+        st = self._pools[key] = _PoolState(_ref(pool, self._pools, key), _Bounded(b["views"]), _Bounded(b["plans"]))
+        return st
+
+    def _view(self, pool, st: _PoolState, key, name: str, buf: torch.Tensor, row: tuple, mismatch) -> _View:
+        """The cached JAX view ``[pages, page_size, *row]`` of pool buffer ``buf``
+        (``name``, e.g. ``"k_buffer[layer 3]"``), imported when first seen or replaced.
+        On import the buffer is checked: per-slot layout ``row`` (``[slots, *row]`` up to
+        dims of size 1, or ``[slots, prod(row)]``; else ``mismatch(shape)`` names the
+        difference), slots a multiple of the page size, at least ``config.num_pages``
+        pages."""
+        v = st.views.get(key)
         if v is not None and v.torch.data_ptr() == buf.data_ptr() and v.src_shape == buf.shape:
             return v
-        check_shareable(buf, f"KV pool buffer {key}")
-        t = buf.view(shape)
+        where = f"KV pool {type(pool).__name__}: {name}"
+        shape = tuple(buf.shape)
+
+        def squeezed(dims):
+            return tuple(x for x in dims if x != 1)
+
+        if not (squeezed(shape[1:]) == squeezed(row) or shape[1:] == (int(np.prod(row)),)):
+            raise BridgeError(f"{where} has shape {shape}: {mismatch(shape)}")
+        ps, num_pages = self.page_size, self.config.num_pages
+        if shape[0] % ps:
+            raise BridgeError(f"{where} has {shape[0]} slots, not a multiple of config.page_size={ps}")
+        if num_pages is not None and shape[0] // ps < num_pages:
+            raise BridgeError(
+                f"{where} has {shape[0] // ps} pages, config.num_pages={num_pages} (page ids up to "
+                f"{num_pages - 1} would be read past its end)"
+            )
+        check_shareable(buf, where)
+        t = buf.view((-1, ps) + row)
         v = _View(t, jax.dlpack.from_dlpack(t, copy=False), src_shape=buf.shape)
-        self._views[key] = v
+        st.views[key] = v
         return v
+
+    @property
+    def _views(self) -> dict:
+        """Every live pool's views, keyed ``(id(pool), layer_id, buffer)`` (introspection)."""
+        return {(pid,) + k: v for pid, st in self._pools.items() for k, v in st.views.items()}
+
+    @property
+    def _plans(self) -> dict:
+        """Every live pool's hot-path plans, keyed ``(id(pool),) + plan key`` (introspection)."""
+        return {(pid,) + k: v for pid, st in self._pools.items() for k, v in st.plans.items()}
+
+    def _cache_sizes(self) -> dict:
+        """Entries per cache (pool views and plans summed over the live pools)."""
+        sts = list(self._pools.values())
+        return {
+            "pools": len(sts),
+            "views": sum(len(st.views) for st in sts),
+            "plans": sum(len(st.plans) for st in sts),
+            "stage": len(self._stage),
+            "outs": len(self._outs),
+            "fns": len(self._fns),
+            "specs": len(self._specs),
+            "params": len(self._params),
+            "md_sigs": len(self._md_sigs),
+        }
 
     def _staged(self, key, parts: Sequence[torch.Tensor], rows: int) -> jax.Array:
         """Copies ``parts`` (each [n, ...]) side by side into the persistent staging
@@ -297,26 +469,49 @@ class _BridgeBase:
         return v
 
     def _param(self, x: torch.Tensor | None):
-        """A per-layer constant (sinks) imported once, keyed by its pointer."""
+        """The f32 JAX copy of a per-layer constant (``sinks``) as it is now: reused
+        while ``x`` is the very tensor it was read from with the same version counter
+        (bumped by every in-place torch op), data pointer, shape and dtype; re-read
+        otherwise. O(1) per call. Writes that bypass the version counter (through
+        ``x.data``, a numpy or DLPack view) are not seen."""
         if x is None:
             return None
-        key = (x.data_ptr(), tuple(x.shape), x.dtype)
-        a = self._params.get(key)
-        if a is None:
-            a = self._params[key] = jax.dlpack.from_dlpack(x.detach().contiguous().float(), copy=True)
-        return a
+        p = self._params.get(id(x))
+        if (
+            p is not None
+            and p.ref() is x
+            and p.version == x._version
+            and p.ptr == x.data_ptr()
+            and p.shape == x.shape
+            and p.dtype == x.dtype
+        ):
+            return p.array
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor, got {type(x).__name__}")
+        # An explicit torch copy: JAX's DLPack import with copy=True still aliases an
+        # f32 CPU tensor, and the copy must not change with (or outlive) the caller's.
+        c = x.detach().to(dtype=torch.float32, copy=True).contiguous()
+        check_shareable(c, "sinks")
+        p = _Param(_ref(x, self._params, id(x)), x, jax.dlpack.from_dlpack(c, copy=False))
+        self._params[id(x)] = p
+        return p.array
+
+    def _layer(self, layer) -> _LayerEntry:
+        """The spec of ``layer`` with and without its id, cached per layer object
+        (held weakly)."""
+        s = self._specs.get(id(layer))
+        if s is None or s.ref() is not layer:
+            spec = layer_spec(layer)
+            s = _LayerEntry(_ref(layer, self._specs, id(layer)), spec, dataclasses.replace(spec, layer_id=0))
+            self._specs[id(layer)] = s
+        return s
 
     def _spec(self, layer) -> LayerSpec:
-        s = self._specs.get(id(layer))
-        if s is None or s[0] is not layer:
-            spec = layer_spec(layer)
-            s = self._specs[id(layer)] = (layer, spec, dataclasses.replace(spec, layer_id=0))
-        return s[1]
+        return self._layer(layer).spec
 
     def _shape_spec(self, layer) -> LayerSpec:
         """The layer's spec without its id (layers of one shape share compiled calls)."""
-        self._spec(layer)
-        return self._specs[id(layer)][2]
+        return self._layer(layer).spec0
 
     # ---------------------------------------------------------------- the call
 
@@ -370,7 +565,8 @@ class _BridgeBase:
                     self.alias_out = False
                     self._fns.clear()
                     self._outs.clear()
-                    self._plans.clear()
+                    for st in self._pools.values():
+                        st.plans.clear()
                     for v, a in zip(kv_views, new_kvs):
                         v.jax = a
                     self.sync.after_jax(done)
@@ -414,18 +610,21 @@ class _BridgeBase:
         out_width: int,
         out_dtype,
         kv_views: list[_View],
-        extra_head: tuple,
         ro_views: list[_View],
         prep,
         checks,
     ):
         """The hot path of one (layer, pool, call signature, plan structure): a closure
-        that re-derives nothing (no specs, keys, views or closures per call).
+        ``plan(pool, layer, head, *inputs)`` that re-derives nothing (no specs, keys,
+        views or closures per call). It holds neither the pool nor the layer (both are
+        passed per call), so a plan never keeps a pool alive.
 
-        ``prep(*inputs)`` does the torch-side work (torch KV write, staging copy into
-        ``stage_t[:n]``); ``checks`` are ``(getter, data_ptr)`` pairs of pool buffers:
-        a moved buffer returns None and the caller takes the slow path (re-import).
-        Built only after a slow-path call of the same key verified every alias."""
+        ``head``: the jitted call's leading extra arguments (the parameters, read per
+        call). ``prep(pool, layer, *inputs)`` does the torch-side work (torch KV write,
+        staging copy into ``stage_t[:n]``); ``checks`` are ``(getter, data_ptr)`` pairs,
+        ``getter(pool)`` a pool buffer: a moved buffer returns None and the caller takes
+        the slow path (re-import). Built only after a slow-path call of the same key
+        verified every alias."""
         sync = self.sync
         fenced = sync.jax_fence
         fn = self._fns.get(fkey + (fenced,))
@@ -441,14 +640,14 @@ class _BridgeBase:
             out_t = ov.torch[:n]
         nkv = len(kv_views)
 
-        def plan(*inputs):
+        def plan(pool, layer, head, *inputs):
             if sync.jax_fence != fenced:
                 return None  # the sync mode changed: rebuild on the slow path
             for get, ptr in checks:
-                if get().data_ptr() != ptr:
+                if get(pool).data_ptr() != ptr:
                     return None
-            prep(*inputs)
-            extra = extra_head + tuple(v.jax for v in ro_views)
+            prep(pool, layer, *inputs)
+            extra = head + tuple(v.jax for v in ro_views)
             kvs = [v.jax for v in kv_views]
             out, new_kvs, done = invoke(fn, fenced, stage_j, kvs, ov, self._md_call, extra)
             if nkv:

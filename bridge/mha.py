@@ -9,14 +9,12 @@ cache, fences, per-layer plans) is :mod:`jattn.bridge.call`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
-from .call import _BridgeBase, _View
+from .call import _BridgeBase, _Plan, _ref, _View
 
 __all__ = ["TorchMHABackend"]
 
@@ -44,38 +42,52 @@ class TorchMHABackend(_BridgeBase):
         self._jbackend = MHABackend(config)
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
 
-    def _pool_views(self, pool, spec: LayerSpec) -> list[_View]:
-        i, ps = spec.layer_id, self.page_size
+    def _pool_views(self, pool, st, spec: LayerSpec) -> list[_View]:
+        """The K and V views of the layer's pool buffers (checked when first seen)."""
+        i, hkv = spec.layer_id, spec.num_kv_heads
         kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
-        if kb.dtype != self.kv_cache_dtype:
-            raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+        for b in (kb, vb):
+            if b.dtype != self.kv_cache_dtype:
+                raise TypeError(f"pool dtype {b.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+
+        def mismatch(dim):
+            def msg(shape):
+                pool_has = f"{shape[1]} x {shape[2]}" if len(shape) == 3 else f"{shape[1:]} per slot"
+                return f"layer {i} has {hkv} KV heads x {dim}, the pool has {pool_has}"
+
+            return msg
+
         return [
-            self._view((id(pool), i, "k"), kb, (-1, ps, spec.num_kv_heads, spec.head_dim)),
-            self._view((id(pool), i, "v"), vb, (-1, ps, spec.num_kv_heads, spec.head_dim_v)),
+            self._view(pool, st, (i, "k"), f"k_buffer[layer {i}]", kb, (hkv, spec.head_dim), mismatch(spec.head_dim)),
+            self._view(
+                pool, st, (i, "v"), f"v_buffer[layer {i}]", vb, (hkv, spec.head_dim_v), mismatch(spec.head_dim_v)
+            ),
         ]
 
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
+        st = self._pool_state(pool)
+        # The plan does not depend on which sinks tensor is passed (it reads them per call).
         pkey = (
             kind,
             id(layer),
-            id(pool),
             self._md_sig,
             bool(save_kv_cache),
             q.shape,
             q.dtype,
             None if k is None else (k.shape, k.dtype),
             None if v is None else (v.shape, v.dtype),
-            None if sinks is None else (sinks.data_ptr(), sinks.shape),
+            sinks is None,
         )
-        plan = self._plans.get(pkey) if self.fast_path else None
-        if plan is not None:
-            out = plan(q, k, v, out_cache_loc)
-            if out is not None:
-                return out
-            del self._plans[pkey]  # a pool buffer moved: re-import on the slow path
-        return self._run_slow(kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, pkey)
+        if self.fast_path:
+            ent = st.plans.get(pkey)
+            if ent is not None and ent.ref() is layer:
+                out = ent.fn(pool, layer, (self._param(sinks),), q, k, v, out_cache_loc)
+                if out is not None:
+                    return out
+                del st.plans[pkey]  # a pool buffer moved: re-import on the slow path
+        return self._run_slow(kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, st, pkey)
 
-    def _run_slow(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, pkey):
+    def _run_slow(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks, st, pkey):
         spec = self._spec(layer)
         md = self._md_call
         if md is None:
@@ -86,7 +98,7 @@ class TorchMHABackend(_BridgeBase):
         has_kv = k is not None
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
-        views = self._pool_views(pool, spec)
+        views = self._pool_views(pool, st, spec)
         jax_writes = save_kv_cache and has_kv and self.kv_writer == "jax"
         torch_writes = save_kv_cache and has_kv and self.kv_writer == "torch"
         if torch_writes:
@@ -143,41 +155,14 @@ class TorchMHABackend(_BridgeBase):
             and q.dim() == 2
             and (not has_kv or (k.dim() == 2 and v.dim() == 2))
         ):
-            self._plans[pkey] = self._mha_plan(
-                kind,
-                fkey,
-                layer_key,
-                layer,
-                pool,
-                spec,
-                n,
-                rows,
-                with_kv,
-                jax_writes,
-                torch_writes,
-                views,
-                extra[:1],
-                q.dtype,
+            plan = self._mha_plan(
+                kind, fkey, layer_key, spec, n, rows, with_kv, jax_writes, torch_writes, views, q.dtype
             )
+            if plan is not None:
+                st.plans[pkey] = _Plan(_ref(layer, st.plans, pkey), plan)
         return out[:n]
 
-    def _mha_plan(
-        self,
-        kind,
-        fkey,
-        layer_key,
-        layer,
-        pool,
-        spec,
-        n,
-        rows,
-        with_kv,
-        jax_writes,
-        torch_writes,
-        views,
-        extra_head,
-        dtype,
-    ):
+    def _mha_plan(self, kind, fkey, layer_key, spec, n, rows, with_kv, jax_writes, torch_writes, views, dtype):
         hkv, d, dv, hq = spec.num_kv_heads, spec.head_dim, spec.head_dim_v, spec.num_q_heads
         width = hq * d + (hkv * (d + dv) if with_kv else 0)
         ent = self._stage.get((("mha", kind, hq, hkv, d), rows, width, dtype))
@@ -185,11 +170,13 @@ class TorchMHABackend(_BridgeBase):
             return None
         stage_n, stage_j = ent[0][:n], ent[1]
         i, ks, vs = spec.layer_id, spec.k_scale, spec.v_scale
-        get_k, get_v = functools.partial(pool.get_key_buffer, i), functools.partial(pool.get_value_buffer, i)
-        checks = ((get_k, views[0].torch.data_ptr()), (get_v, views[1].torch.data_ptr()))
+        checks = (
+            (lambda pool: pool.get_key_buffer(i), views[0].torch.data_ptr()),
+            (lambda pool: pool.get_value_buffer(i), views[1].torch.data_ptr()),
+        )
         cat = torch.cat
 
-        def prep(q, k, v, loc):
+        def prep(pool, layer, q, k, v, loc):
             if torch_writes:
                 loc = (self._loc_t if loc is None else loc)[:n]
                 pool.set_kv_buffer(layer, loc, k.view(n, hkv, d), v.view(n, hkv, dv), ks, vs)
@@ -208,7 +195,6 @@ class TorchMHABackend(_BridgeBase):
             hq * dv,
             dtype,
             views if jax_writes else [],
-            extra_head,
             [] if jax_writes else views,
             prep,
             checks,

@@ -56,6 +56,22 @@ class TorchMLABackend(_BridgeBase):
             raise ValueError("no token_to_kv_pool: pass it to the constructor or the call")
         return pool
 
+    def _pool_view(self, pool, i: int):
+        """The view of layer ``i``'s latent buffer (checked when first seen: width
+        ``kv_lora_rank + qk_rope_head_dim``, pages)."""
+        buf = pool.get_key_buffer(i)
+        if buf.dtype != self.kv_cache_dtype:
+            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+        R, r, w = self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim
+
+        def mismatch(shape):
+            return (
+                f"{shape[-1] if len(shape) > 1 else None} wide per slot, config needs kv_lora_rank + "
+                f"qk_rope_head_dim = {R} + {r} = {w} (as [slots, 1, {w}] or [slots, {w}])"
+            )
+
+        return self._view(pool, self._pool_state(pool), (i, "kv"), f"kv_buffer[layer {i}]", buf, (w,), mismatch)
+
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs):
         spec = self._spec(layer)
         md = self._md_call
@@ -64,10 +80,7 @@ class TorchMLABackend(_BridgeBase):
         pool = self._pool(kwargs)
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
         n = q.reshape(-1, H * (R if q_rope is not None else R + r)).shape[0]
-        buf = pool.get_key_buffer(spec.layer_id)
-        if buf.dtype != self.kv_cache_dtype:
-            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
-        view = self._view((id(pool), spec.layer_id, "kv"), buf, (-1, self.page_size, self.kv_cache_dim))
+        view = self._pool_view(pool, spec.layer_id)
         jax_writes = save_kv_cache and self.kv_writer == "jax"
         if save_kv_cache and (k is None or k_rope is None):
             raise ValueError("save_kv_cache needs k (c_kv) and k_rope")

@@ -890,3 +890,242 @@ def test_mla_full_width_query_without_q_rope():
     full = be.forward_decode(torch.cat([q_nope, q_rope], -1).reshape(2, -1), None, None, layer, save_kv_cache=False)
     torch.testing.assert_close(full, split, rtol=0, atol=0)
     assert split.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- parameters, pools, bounds
+
+
+_R2P = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+
+
+def _decode_fixture(seed=0, num_pages=16, layers=1):
+    """A 2-request decode plan over a random bf16 pool (4/2 heads x 32, page 4); returns
+    the backend, the pool, the layers, q and a generator."""
+    g = torch.Generator().manual_seed(seed)
+    cfg, pool = mha_setup(num_pages=num_pages, layers=layers)
+    for b in pool.k_buffer + pool.v_buffer:
+        b.copy_(torch.randn(b.shape, generator=g))
+    be = TorchMHABackend(cfg)
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([9, 5]), _R2P, ForwardMode.DECODE)
+    q = torch.randn(2, 128, generator=g).to(torch.bfloat16).to(DEV)
+    return be, pool, [AttentionLayer(i, 4, 2, 32) for i in range(layers)], q, g
+
+
+def _decode_ref(pool, q, sinks, layer_id=0):
+    """The torch reference of :func:`_decode_fixture`'s decode with ``sinks``."""
+    out = []
+    for b, L in enumerate((9, 5)):
+        K = gather(pool.k_buffer[layer_id], _R2P[b].tolist(), L, 4)
+        V = gather(pool.v_buffer[layer_id], _R2P[b].tolist(), L, 4)
+        qb = q[b : b + 1].float().cpu().view(1, 4, 32)
+        out.append(ref_attention(qb, K, V, n_new=1, sinks=None if sinks is None else sinks.float().cpu()))
+    return torch.cat(out).view(2, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fresh_sinks_each_call_are_read_each_call(dtype):
+    """A new sinks tensor per call, the previous one deleted so the allocator reuses its
+    address: every output follows the sinks passed (the bridge once kept a copy per data
+    pointer and returned stale results)."""
+    be, pool, (layer,), q, g = _decode_fixture()
+    ptrs = set()
+    for _ in range(30):
+        sinks = (torch.randn(4, generator=g) * 3).to(dtype).to(DEV)
+        ptrs.add(sinks.data_ptr())
+        out = be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks)
+        torch.testing.assert_close(out.float().cpu(), _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+        del sinks, out
+    assert len(ptrs) < 30  # addresses were reused: the case under test happened
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sinks_changed_in_place_are_seen(dtype):
+    """An in-place change of the sinks tensor (its version counter moves) reaches the
+    next call, on the fast path too."""
+    be, pool, (layer,), q, g = _decode_fixture(1)
+    sinks = torch.randn(4, generator=g).to(dtype).to(DEV)
+    call = lambda: be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks).float().cpu().clone()  # noqa: E731
+    a = call()
+    torch.testing.assert_close(call(), a, atol=0, rtol=0)  # the second call runs the plan
+    sinks.add_(1)
+    b = call()
+    torch.testing.assert_close(b, _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+    assert (b - a).abs().max() > 0.05
+    sinks[1:3] = -4.0
+    torch.testing.assert_close(call(), _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+
+
+def test_f32_sinks_are_copied_not_aliased():
+    """The bridge reads f32 sinks into a copy of its own (as it does bf16 ones): no memory
+    shared with the caller's tensor, which it does not keep alive; a write the version
+    counter does not see (through ``.data``) does not reach that copy."""
+    import gc
+    import weakref
+
+    be, pool, (layer,), q, g = _decode_fixture(2)
+    sinks = torch.randn(4, generator=g, dtype=torch.float32).to(DEV)
+    a = be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks).clone()
+    (p,) = be._params.values()
+    assert p.array.unsafe_buffer_pointer() != sinks.data_ptr()
+    sinks.data.add_(5.0)  # bypasses the version counter: the copy stays what was read
+    torch.testing.assert_close(be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks), a, atol=0, rtol=0)
+    ref = weakref.ref(sinks)
+    del sinks
+    gc.collect()
+    assert ref() is None and not be._params
+
+
+def test_fresh_sinks_tensors_leave_every_cache_bounded():
+    """``sinks=param.float()`` on every call (a new tensor each time): 300 calls add no
+    cache entries (once one per call, each pinning a tensor)."""
+    be, pool, (layer,), q, g = _decode_fixture(3)
+    param = torch.randn(4, generator=g).to(torch.bfloat16).to(DEV)
+    for _ in range(300):
+        out = be.forward_decode(q, None, None, layer, None, pool, 2, sinks=param.float())
+    torch.testing.assert_close(out.float().cpu(), _decode_ref(pool, q, param), atol=2e-2, rtol=2e-2)
+    assert len(be._params) <= 1 and len(be._plans) == 1
+    sizes = be._cache_sizes()
+    assert sizes["views"] == 2 and sizes["pools"] == 1, sizes
+
+
+def test_cache_bounds_drop_the_oldest_entries_and_rebuild_them():
+    """With bounds below the working set (6 layers, 3 plans and 4 views per pool, 2 specs)
+    every cache stays within its bound and the outputs equal the unbounded slow path's."""
+    be, pool, layers, q, g = _decode_fixture(4, layers=6)
+    be.cache_bounds.update(plans=3, views=4)
+    be._specs.maxsize = 2
+    ref, pool_r, _, _, _ = _decode_fixture(4, layers=6)
+    ref.fast_path = False
+    for step in range(3):
+        for layer in layers:
+            a = be.forward_decode(q, None, None, layer, None, pool, 2)
+            b = ref.forward_decode(q, None, None, layer, None, pool_r, 2)
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+            sizes = be._cache_sizes()
+            assert sizes["plans"] <= 3 and sizes["views"] <= 4 and sizes["specs"] <= 2, sizes
+    torch.testing.assert_close(a.float().cpu(), _decode_ref(pool, q, None, 5), atol=2e-2, rtol=2e-2)
+
+
+def test_mha_pools_are_held_weakly():
+    """A pool the engine drops is freed (buffers included) once its plans exist; the
+    backend forgets its views and plans and goes on with a new pool."""
+    import gc
+    import weakref
+
+    be, pool, (layer,), q, g = _decode_fixture(5)
+    k = torch.randn(2, 64, generator=g).to(torch.bfloat16).to(DEV)
+    for _ in range(2):  # slow path, then the plan
+        be.forward_decode(q, k, k, layer, None, pool, 2, save_kv_cache=True)
+        be.forward_decode(q, None, None, layer, None, pool, 2)
+    assert len(be._plans) == 2
+    pool_ref, buf_ref = weakref.ref(pool), weakref.ref(pool.k_buffer[0])
+    del pool
+    gc.collect()
+    assert pool_ref() is None and buf_ref() is None
+    sizes = be._cache_sizes()
+    assert sizes["pools"] == sizes["views"] == sizes["plans"] == 0, sizes
+    _, pool2 = mha_setup(num_pages=16, layers=1)
+    out = be.forward_decode(q, None, None, layer, None, pool2, 2)
+    torch.testing.assert_close(out.float().cpu(), _decode_ref(pool2, q, None), atol=2e-2, rtol=2e-2)
+
+
+def _tiny_mla(pool_pages=8, pool_rank=16):
+    """A tiny f32 MLA config (R 16, rope 8, 8 pages of 4), a backend bound to no pool,
+    its absorbed layer, a decode plan of 2 requests, and a pool (``pool_pages`` pages,
+    rank ``pool_rank``)."""
+    H, R, r, ps = 2, 16, 8, 4
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=r,
+        v_head_dim=8,
+        page_size=ps,
+        context_len=16,
+        num_pages=8,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        kernel_backend="xla",
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1,
+        num_pages=pool_pages,
+        page_size=ps,
+        kv_lora_rank=pool_rank,
+        qk_rope_head_dim=r,
+        dtype=torch.float32,
+        device=DEV,
+    )
+    be = TorchMLABackend(cfg)
+    r2p = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32)
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 3]), r2p, ForwardMode.DECODE)
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, scaling=0.3)
+    return be, pool, layer, H, R, r
+
+
+def test_mla_pools_are_held_weakly():
+    import gc
+    import weakref
+
+    be, pool, layer, H, R, r = _tiny_mla()
+    q, c, kr = torch.randn(2, H * (R + r)).to(DEV), torch.randn(2, R).to(DEV), torch.randn(2, r).to(DEV)
+    be.forward_decode(q, c, None, layer, save_kv_cache=True, k_rope=kr, token_to_kv_pool=pool)
+    assert len(be._views) == 1
+    pool_ref, buf_ref = weakref.ref(pool), weakref.ref(pool.kv_buffer[0])
+    del pool
+    gc.collect()
+    assert pool_ref() is None and buf_ref() is None
+    sizes = be._cache_sizes()
+    assert sizes["pools"] == sizes["views"] == 0, sizes
+
+
+@pytest.mark.parametrize("save_kv_cache", [False, True])
+def test_mha_pool_with_fewer_pages_than_config_is_refused(save_kv_cache):
+    """Once clamped garbage (read-only) or an IndexError from index_copy_ (torch writer)."""
+    be, _, (layer,), q, g = _decode_fixture(6)
+    _, small = mha_setup(num_pages=8, layers=1)
+    k = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(BridgeError, match=r"TorchKVPool: k_buffer\[layer 0\] has 8 pages, config.num_pages=16"):
+        be.forward_decode(q, k, k, layer, None, small, 2, save_kv_cache=save_kv_cache)
+    assert torch.all(small.k_buffer[0] == 0)  # nothing written before the refusal
+
+
+def test_mha_layer_that_does_not_match_the_pool_is_refused():
+    """Heads or head dims of a layer that differ from its pool buffers: a clear error,
+    also where a reshape would have succeeded silently (4 x 16 over 2 x 32)."""
+    be, pool, _, _, _ = _decode_fixture(7)
+    cases = [
+        (AttentionLayer(0, 8, 4, 32), r"k_buffer\[layer 0\] .*layer 0 has 4 KV heads x 32, the pool has 2 x 32"),
+        (AttentionLayer(0, 4, 4, 16), r"k_buffer\[layer 0\] .*layer 0 has 4 KV heads x 16, the pool has 2 x 32"),
+        (
+            AttentionLayer(0, 4, 2, 32, v_head_dim=16),
+            r"v_buffer\[layer 0\] .*layer 0 has 2 KV heads x 16, the pool has 2 x 32",
+        ),
+    ]
+    for layer, msg in cases:
+        q = torch.zeros(2, layer.tp_q_head_num * 32, dtype=torch.bfloat16, device=DEV)
+        with pytest.raises(BridgeError, match=msg):
+            be.forward_decode(q, None, None, layer, None, pool, 2)
+
+
+def test_pool_page_size_that_differs_from_config_is_refused():
+    be, _, (layer,), q, _ = _decode_fixture(8)
+    pool = TorchKVPool(num_layers=1, num_pages=8, page_size=8, num_kv_heads=2, head_dim=32, device=DEV)
+    with pytest.raises(BridgeError, match=r"page_size=8, config.page_size=4"):
+        be.forward_decode(q, None, None, layer, None, pool, 2)
+
+
+@pytest.mark.parametrize("save_kv_cache", [False, True])
+def test_mla_pool_with_fewer_pages_or_another_width_is_refused(save_kv_cache):
+    be, small, layer, H, R, r = _tiny_mla(pool_pages=4)
+    q, c, kr = torch.randn(2, H * (R + r)).to(DEV), torch.randn(2, R).to(DEV), torch.randn(2, r).to(DEV)
+    kw = dict(save_kv_cache=save_kv_cache, k_rope=kr)
+    with pytest.raises(BridgeError, match=r"kv_buffer\[layer 0\] has 4 pages, config.num_pages=8"):
+        be.forward_decode(q, c, None, layer, token_to_kv_pool=small, **kw)
+    _, wide, *_ = _tiny_mla(pool_rank=32)
+    with pytest.raises(
+        BridgeError,
+        match=r"kv_buffer\[layer 0\] .*40 wide per slot, config needs kv_lora_rank \+ "
+        r"qk_rope_head_dim = 16 \+ 8 = 24",
+    ):
+        be.forward_decode(q, c, None, layer, token_to_kv_pool=wide, **kw)
