@@ -819,12 +819,14 @@ def test_bridge_cuda_graph_helpers_and_draft_block_fill():
     assert be.support_kv_cache_prewrite(ForwardMode.DRAFT_BLOCK)
     assert not be.support_kv_cache_prewrite(DRAFT_EXTEND)
     g = torch.Generator().manual_seed(3)
-    pool = TorchKVPool(num_layers=1, num_pages=24, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    pool = TorchKVPool(
+        num_layers=1, num_pages=24, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=DEV
+    )
     pool.k_buffer[0].copy_(torch.randn(pool.k_buffer[0].shape, generator=g))
     pool.v_buffer[0].copy_(torch.randn(pool.v_buffer[0].shape, generator=g))
     layer = AttentionLayer(0, 4, 2, 16, non_causal=True)
     r2p = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]], dtype=torch.int32)
-    q = torch.randn(4, 64, generator=g)
+    q = torch.randn(4, 64, generator=g).to(DEV)
     be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 9]), r2p, ForwardMode.DRAFT_BLOCK)
     be.fill_block_decode_seq_lens(2, torch.tensor([21, 4]))
     filled = be.forward_decode(q, None, None, layer, None, pool, 2).clone()
@@ -832,6 +834,7 @@ def test_bridge_cuda_graph_helpers_and_draft_block_fill():
     fresh = be.forward_decode(q, None, None, layer, None, pool, 2)
     torch.testing.assert_close(filled, fresh, rtol=0, atol=0)
     be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 9]), r2p, ForwardMode.DRAFT_BLOCK)
+    fresh = fresh.clone()  # on the GPU the output is a view the layer's next call overwrites
     old = be.forward_decode(q, None, None, layer, None, pool, 2)
     assert not torch.equal(old, fresh)
 
@@ -869,7 +872,7 @@ def test_mla_full_width_query_without_q_rope():
         kernel_backend="xla",
     )
     pool = TorchMLAKVPool(
-        num_layers=1, num_pages=8, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.float32
+        num_layers=1, num_pages=8, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.float32, device=DEV
     )
     g = torch.Generator().manual_seed(5)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=g))
@@ -883,7 +886,7 @@ def test_mla_full_width_query_without_q_rope():
         torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32),
         ForwardMode.DECODE,
     )
-    q_nope, q_rope = torch.randn(2, H, R, generator=g), torch.randn(2, H, r, generator=g)
+    q_nope, q_rope = torch.randn(2, H, R, generator=g).to(DEV), torch.randn(2, H, r, generator=g).to(DEV)
     split = be.forward_decode(
         q_nope.reshape(2, -1), None, None, layer, save_kv_cache=False, q_rope=q_rope.reshape(2, -1)
     ).clone()
