@@ -92,7 +92,7 @@ def test_cli_refuses_triton_and_unknown_bench(capsys):
     assert e.value.code == 2 and "invalid choice: 'triton'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "nope"])
-    assert e.value.code == 2 and "decode, bridge, serving" in capsys.readouterr().err
+    assert e.value.code == 2 and "decode, prefill, bridge, serving" in capsys.readouterr().err
     assert main(["bench", "--help"]) == 0
     assert "{decode,bridge,serving}" in capsys.readouterr().out
 

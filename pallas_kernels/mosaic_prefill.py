@@ -1,0 +1,668 @@
+"""Ragged prefill and paged extend attention on Pallas Mosaic GPU (Hopper).
+
+One kernel serves both ops:
+
+* **prefill** (``jattn.ops.mha_prefill``): ragged q, k, v without a cache; request
+  ``b``'s queries are ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and its keys
+  ``cu_seqlens_kv[b]:cu_seqlens_kv[b+1]``;
+* **extend** (``jattn.ops.mha_extend_with_kvcache``, after the new K/V are written
+  to the cache): ragged q over a paged cache; request ``b``'s keys are its first
+  ``cache_seqlens[b]`` cached tokens, found through ``page_table[b]``.
+
+The causal mask is aligned bottom-right (query ``i`` of ``n`` sees key
+``j <= L - n + i``), so an extend is a prefill whose first ``L - n`` keys are the
+prefix.
+
+Layout of the work (FlashAttention-3 style):
+
+* A **tile** is 128 consecutive query rows of one request and one query head: two
+  compute warpgroups own 64 rows each. The grid is ``(query heads, tiles)``; the
+  tiles of all requests are listed once (a request of ``n`` queries has
+  ``ceil(n / 128)`` of them, no padding between requests) and ordered longest
+  work first, so that the CTAs launched last are the short ones and the SMs
+  finish together (a longest-processing-time-first order; a persistent grid
+  would also need a device-side work queue, which this order makes unnecessary
+  for the lengths seen in serving).
+* A **producer** warpgroup streams K and V blocks of ``block_kv`` tokens of the
+  query head's KV head by TMA into a ring of ``num_stages`` slots. Only the blocks
+  the tile can see are fetched: with a causal mask the blocks past the tile's last
+  query, with a sliding window the blocks before the first query's window.
+* The two **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` on the
+  tensor cores (``wgmma``) with an online softmax in base 2. A shared barrier
+  staggers them (ping-pong): while one warpgroup's softmax runs, the other's
+  matmuls use the tensor cores.
+* Blocks wholly inside every row's visible range skip the mask; only the edge
+  blocks (causal diagonal, window start, the request's last block) compute it.
+  In the last block, V rows past the request's keys (the next request's keys,
+  a page's unused tail, TMA zero fill) are zeroed in shared memory before the
+  ``P V`` product, so whatever they hold contributes nothing.
+* Output tiles are written whole (TMA) into a per-tile buffer, then gathered
+  into the ragged output; the LSE likewise.
+
+The entry points are :func:`mha_prefill` and :func:`mha_extend`;
+:func:`unsupported_reason` says whether a call can be served. The f32 oracles
+are ``jattn.reference.mha_prefill`` and ``jattn.reference.mha_extend``.
+
+Under the Mosaic GPU interpreter (CPU tests) the matmuls are plain dots on the
+shared-memory tiles and the inputs are padded so that no TMA box reads out of
+bounds (the GPU's TMA fills those rows with zeros); the rest (tile order, page
+addressing, ring, barriers, masks, softmax) is the kernel that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn.pallas_kernels.mosaic_common import cast_layout, plgpu_kernel, swizzle_transforms, vec_iota
+
+__all__ = ["mha_prefill", "mha_extend", "unsupported_reason", "PrefillConfig", "TILE_Q"]
+
+_LOG2E = math.log2(math.e)
+TILE_Q = 128  # query rows per tile: two consumer warpgroups of 64
+SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def _interpreting() -> bool:
+    from jattn.pallas_kernels.interpret import interpreting
+
+    return interpreting()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Static configuration of one kernel build."""
+
+    head_dim: int  # q/k width
+    head_dim_v: int
+    num_q_heads: int
+    num_kv_heads: int
+    block_kv: int
+    num_stages: int
+    is_causal: bool
+    window_left: int
+    logit_cap: float
+    has_sinks: bool
+    page_size: int  # 0: contiguous (ragged) K/V
+    num_pages: int
+    max_pages: int
+    interpret: bool
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def pieces(self) -> int:
+        """TMA copies per K/V block: one, or one per page when pages are smaller."""
+        return 1 if self.page_size == 0 or self.page_size >= self.block_kv else self.block_kv // self.page_size
+
+
+def _choose_blocks(d: int, dv: int) -> tuple[int, int]:
+    """(block_kv, num_stages) by head width: the ring and the two query tiles fit
+    in shared memory, and the score tile plus the accumulator fit in registers."""
+    if max(d, dv) > 128:
+        return 64, 2
+    return 128, 2
+
+
+def unsupported_reason(q, k, v, *, is_causal=True, window_left=-1, page_size=0, **_) -> str | None:
+    """None when the kernel can serve this call, else a one-line reason."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {q.dtype} (bf16/f16 only)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"k/v dtype {k.dtype}/{v.dtype} differs from q's {q.dtype} (FP8 KV runs on xla)"
+    d, dv = q.shape[-1], v.shape[-1]
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        return f"head dims {d}/{dv} (supported: {SUPPORTED_HEAD_DIMS})"
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq % hkv:
+        return f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}"
+    if page_size and page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size={page_size} (supported: {SUPPORTED_PAGE_SIZES})"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The kernel.
+def _kernel(
+    cfg: PrefillConfig,
+    dtype,
+    # inputs
+    tile_req_ref,  # i32[T]: request of each launched tile (-1: none)
+    tile_loc_ref,  # i32[T]: which tile of its request (0, 1, ...)
+    tile_id_ref,  # i32[T]: the tile's slot in the output buffer
+    cu_q_ref,  # i32[bs + 1]
+    kv_start_ref,  # i32[bs]: first key row (contiguous) or 0 (paged)
+    kv_len_ref,  # i32[bs]
+    page_table_ref,  # i32[bs, max_pages] (paged) or i32[1, 1]
+    scale_ref,  # f32[1 + Hq]: score scale, then the sinks (natural log units)
+    q_ref,  # [Tq, Hq, D]
+    k_ref,  # [Tk, Hkv, D] or [num_pages, page_size, Hkv, D]
+    v_ref,  # same with Dv
+    # outputs
+    o_ref,  # [tiles, 128, Hq, Dv]
+    lse_ref,  # f32[tiles, Hq, 128] natural log
+    # scratch
+    q_smem,  # [2, 64, D] (the output tile reuses it when Dv == D)
+    o_smem,  # [2, 64, Dv] or None
+    k_smem,  # [S, BK, D]
+    v_smem,  # [S, BK, Dv]
+    lse_smem,  # f32[2, 64]
+    k_bar,
+    v_bar,
+    q_bar,
+    k_free,
+    v_free,
+    sched,
+):
+    BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
+    h = lax.axis_index("heads")
+    t = lax.axis_index("tiles")
+    wg = lax.axis_index("wg")
+    req = tile_req_ref[t]
+    live = req >= 0
+    b = jnp.maximum(req, 0)
+    loc = tile_loc_ref[t]
+    q_start = cu_q_ref[b]
+    n_q = cu_q_ref[b + 1] - q_start
+    n_kv = kv_len_ref[b]
+    off = n_kv - n_q  # key index of query 0 under the bottom-right causal alignment
+    kvh = lax.div(h, jnp.int32(cfg.group))
+    # TMA boxes of the tiled shared-memory layout start on 8-row boundaries of the
+    # GMEM arrays, so tiles and blocks start at the 8-row boundary at or before the
+    # request's first row: the tile's first rows (dq of them) and the first block's
+    # first keys (dk) belong to the previous request and are masked (rows: never
+    # gathered; keys: masked, their V zeroed).
+    q_base = lax.div(q_start, jnp.int32(8)) * 8
+    dq = q_start - q_base
+    if cfg.page_size == 0:
+        kv_start = kv_start_ref[b]
+        kv_base = lax.div(kv_start, jnp.int32(8)) * 8
+        dk = kv_start - kv_base
+    else:
+        dk = jnp.int32(0)
+    q0 = loc * TILE_Q - dq  # request row of the tile's first row (may be negative)
+
+    # The tile's blocks: [lo, hi) in units of BK (same in every warpgroup); block
+    # ``blk`` holds keys ``blk * BK - dk + [0, BK)``.
+    row_hi = jnp.minimum(q0 + TILE_Q, n_q)  # rows past n_q belong to no query
+    key_hi = jnp.minimum(off + row_hi, n_kv) if cfg.is_causal else n_kv
+    hi = jnp.where(live, lax.div(jnp.maximum(key_hi, 0) + dk + BK - 1, jnp.int32(BK)), 0)
+    if cfg.window_left >= 0:
+        lo = lax.div(jnp.clip(off + q0 - cfg.window_left, 0, n_kv) + dk, jnp.int32(BK))
+    else:
+        lo = jnp.int32(0)
+    lo = jnp.minimum(lo, hi)
+    count = hi - lo
+
+    @pl.when(wg == 2)
+    def _producer():
+        if not cfg.interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(ref, smem, bar, slot, blk):
+            if cfg.page_size == 0:
+                plgpu.copy_gmem_to_smem(ref.at[pl.ds(kv_base + blk * BK, BK), kvh], smem.at[slot], bar.at[slot])
+                return
+            ps = cfg.page_size
+            if cfg.pieces == 1:  # BK divides the page: one box inside one page
+                per_page = ps // BK
+                pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
+                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                row = lax.rem(blk, jnp.int32(per_page)) * BK
+                plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(row, BK), kvh], smem.at[slot], bar.at[slot])
+                return
+            for j in range(cfg.pieces):  # pages smaller than BK: one whole page per box
+                pidx = jnp.minimum(blk * cfg.pieces + j, cfg.max_pages - 1)
+                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                plgpu.copy_gmem_to_smem(ref.at[page, :, kvh], smem.at[slot, pl.ds(j * ps, ps)], bar.at[slot])
+
+        @pl.loop(0, count)
+        def _fetch(i):
+            slot = lax.rem(i, jnp.int32(S))
+
+            @pl.when(i >= S)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            fetch(k_ref, k_smem, k_bar, slot, lo + i)
+
+            @pl.when(i >= S)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            fetch(v_ref, v_smem, v_bar, slot, lo + i)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        interp = cfg.interpret
+        if not interp:
+            plgpu.set_max_registers(232, action="increase")
+        qo_smem = q_smem.at[wg]
+        out_smem = qo_smem if o_smem is None else o_smem.at[wg]
+        r0 = q0 + wg * 64  # first row of this warpgroup within the request
+
+        @pl.when(live)
+        def _():
+            row = q_base + loc * TILE_Q + wg * 64
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, 64), h], qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+        scale = scale_ref[0]
+        xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
+
+        def cast(x, layout):
+            return cast_layout(x, layout, interpret=interp)
+
+        def sched_sync():
+            """Ping-pong: each call lets the other warpgroup take the tensor cores."""
+            if not interp:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        def mask_of(blk):
+            cols = vec_iota(BK, 1, interpret=interp)
+            key = lax.broadcast_in_dim(cols + (blk * BK - dk), (64, BK), [1])
+            ok = (key >= 0) & (key < n_kv)
+            if cfg.is_causal or cfg.window_left >= 0:
+                rows = vec_iota(64, 0, interpret=interp) + r0  # [64] row of each query
+                qp = lax.broadcast_in_dim(off + rows, (64, BK), [0])  # its key position
+                if cfg.is_causal:
+                    ok = ok & (key <= qp)
+                if cfg.window_left >= 0:
+                    ok = ok & (key >= qp - cfg.window_left)
+            return ok
+
+        def qk(slot):
+            k_tile = k_smem.at[slot]
+            if interp:
+                return lax.dot_general(
+                    qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+
+            def scope(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
+                sched_sync()
+                return acc_ref[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32))
+
+        def zero_tail(slot, blk):
+            """Zero the V rows of keys outside [0, n_kv) (the first and last blocks)."""
+            vt = v_smem.at[slot]
+            k0 = blk * BK - dk
+
+            @pl.when((k0 < 0) | (k0 + BK > n_kv))
+            def _():
+                vr = (
+                    lax.broadcasted_iota(jnp.int32, (BK, DV), 0)
+                    if interp
+                    else plgpu.broadcasted_iota(jnp.int32, (BK, DV), 0, layout=plgpu.Layout.WGMMA)
+                )
+                key = vr + k0
+                vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
+                plgpu.commit_smem()
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(S))
+            blk = lo + i
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = qk(slot)
+            plgpu.barrier_arrive(k_free.at[slot])
+            x = s * xscale
+            if cfg.logit_cap > 0:
+                x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
+            if masked:
+                x = jnp.where(mask_of(blk), x, -jnp.inf)
+            m_new = jnp.maximum(m_i, x.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            if not interp:
+                plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            if masked:
+                zero_tail(slot, blk)
+            if interp:
+                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+            else:
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = cast(jnp.full((64, DV), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        # Blocks [full_lo, full_hi) need no mask for any row of this warpgroup: every
+        # key is >= 0 and < n_kv, <= the first row's position (causal), >= the last
+        # row's window start. The rest of [lo, hi) are edge blocks.
+        first_pos, last_pos = off + r0, off + jnp.minimum(r0 + 63, jnp.maximum(n_q - 1, 0))
+        key_end = jnp.minimum(first_pos + 1, n_kv) if cfg.is_causal else n_kv
+        full_hi = jnp.clip(lax.div(jnp.maximum(key_end, 0) + dk, jnp.int32(BK)), lo, hi)
+        key_start = jnp.maximum(last_pos - cfg.window_left, 0) if cfg.window_left >= 0 else 0
+        full_lo = jnp.clip(lax.div(key_start + dk + BK - 1, jnp.int32(BK)), lo, full_hi)
+
+        if not interp:
+            pl.when(wg == 1)(sched_sync)  # warpgroup 0 goes first
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, full_lo - lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_hi - lo, count, functools.partial(step, masked=True), carry)
+        if not interp:
+            pl.when(wg == 0)(sched_sync)
+
+        empty = l_i == 0.0
+        m_use = jnp.where(empty, 0.0, m_i)
+        denom = l_i
+        if cfg.has_sinks:
+            sink2 = scale_ref[1 + h] * _LOG2E
+            denom = l_i + jnp.exp2(sink2 - m_use)
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, denom))
+        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, l_i))) * (1.0 / _LOG2E))
+
+        @pl.when(live)
+        def _():
+            out_smem[...] = acc.astype(dtype)
+            lse_smem[wg] = lse
+            plgpu.commit_smem()
+            tid = tile_id_ref[t]
+            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[tid, pl.ds(wg * 64, 64), h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tid, h, pl.ds(wg * 64, 64)])
+            plgpu.wait_smem_to_gmem(0)
+
+
+def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
+    tile_req, tile_loc, tile_id, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
+    BK, S, D, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim, cfg.head_dim_v
+    hq = cfg.num_q_heads
+    out_type = (
+        jax.ShapeDtypeStruct((num_tiles, TILE_Q, hq, DV), dtype),
+        jax.ShapeDtypeStruct((num_tiles, hq, TILE_Q), jnp.float32),
+    )
+    tq, tv = swizzle_transforms(dtype, D), swizzle_transforms(dtype, DV)
+
+    def entry(*refs):
+        ins, outs = refs[:11], refs[11:]
+        pl.run_scoped(
+            lambda *scratch: _kernel(cfg, dtype, *ins, *outs, *scratch),
+            plgpu.SMEM((2, 64, D), dtype, transforms=tq),
+            None if DV == D else plgpu.SMEM((2, 64, DV), dtype, transforms=tv),
+            plgpu.SMEM((S, BK, D), dtype, transforms=tq),
+            plgpu.SMEM((S, BK, DV), dtype, transforms=tv),
+            plgpu.SMEM((2, 64), jnp.float32),
+            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
+            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    mode = f"paged{cfg.page_size}" if cfg.page_size else "ragged"
+    name = f"jattn_prefill_{mode}_d{D}x{DV}_bk{BK}_s{S}{'_causal' if cfg.is_causal else ''}"
+    kernel = plgpu_kernel(
+        entry,
+        out_type,
+        grid=(hq, num_tiles),
+        grid_names=("heads", "tiles"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=name,
+    )
+    return kernel(tile_req, tile_loc, tile_id, cu_q, kv_start, kv_len, page_table, scales, q, k, v)
+
+
+def _tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int):
+    """Tiles of every request in launch order, longest work first: ``tile_req`` (-1:
+    no tile), ``tile_loc`` (which tile of its request) and ``tile_id`` (its slot in the
+    output buffer), i32[num_tiles]; and each request's first slot ``tile_base`` i32[bs].
+
+    Tile ``j`` of a request covers the rows ``8 * (cu_q[b] // 8) + 128 * j + [0, 128)``
+    (8-row aligned, see the kernel)."""
+    n_q = cu_q[1:] - cu_q[:-1]
+    dq = cu_q[:-1] % 8
+    tiles = jnp.where(n_q > 0, (n_q + dq + TILE_Q - 1) // TILE_Q, 0)
+    cum = jnp.cumsum(tiles)
+    base = cum - tiles
+    ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(cum, ids, side="right"), n_q.shape[0] - 1).astype(jnp.int32)
+    valid = ids < cum[-1]
+    loc = ids - base[req]
+    q0 = loc * TILE_Q - dq[req]
+    off = kv_len[req] - n_q[req]
+    hi = jnp.minimum(off + jnp.minimum(q0 + TILE_Q, n_q[req]), kv_len[req]) if is_causal else kv_len[req]
+    lo = jnp.clip(off + q0 - window_left, 0, None) if window_left >= 0 else 0
+    work = jnp.where(valid, jnp.maximum(hi - lo, 0) + 1, -1)  # +1: a tile of no keys still writes
+    order = jnp.argsort(-work, stable=True).astype(jnp.int32)
+    tile_req = jnp.where(valid, req, -1)[order]
+    return tile_req, loc[order].astype(jnp.int32), order, base.astype(jnp.int32)
+
+
+def _gather(o_tiles, lse_tiles, cu_q, tile_base, num_tokens: int):
+    """Ragged rows [num_tokens, Hq, Dv] / [num_tokens, Hq] from the per-tile buffers;
+    rows past cu_q[-1] are 0 (LSE -inf)."""
+    x = jnp.arange(num_tokens, dtype=jnp.int32)
+    r = jnp.clip(jnp.searchsorted(cu_q, x, side="right") - 1, 0, cu_q.shape[0] - 2)
+    local = x - cu_q[r] + cu_q[r] % 8  # row within the request's aligned tiles
+    tile = tile_base[r] + local // TILE_Q
+    row = local % TILE_Q
+    real = x < cu_q[-1]
+    tile = jnp.where(real, tile, 0)
+    o = jnp.where(real[:, None, None], o_tiles[tile, row], 0)
+    lse = jnp.where(real[:, None], lse_tiles[tile, :, row], -jnp.inf)
+    return o, lse
+
+
+def _pad_rows(x, rows: int):
+    return jnp.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("page_size", "is_causal", "window_left", "logit_cap", "softmax_scale", "return_lse", "interpret"),
+)
+def _attention(
+    q,
+    k,
+    v,
+    cu_q,
+    kv_start,
+    kv_len,
+    page_table,
+    sinks,
+    k_scale,
+    v_scale,
+    *,
+    page_size,
+    is_causal,
+    window_left,
+    logit_cap,
+    softmax_scale,
+    return_lse,
+    interpret,
+):
+    t, hq, d = q.shape
+    dv = v.shape[-1]
+    hkv = k.shape[-2]
+    bs = cu_q.shape[0] - 1
+    num_tiles = -(-t // TILE_Q) + 2 * bs  # partial tiles and the 8-row alignment: < 2 per request
+    bk, stages = _choose_blocks(d, dv)
+    cfg = PrefillConfig(
+        head_dim=d,
+        head_dim_v=dv,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        block_kv=bk,
+        num_stages=stages,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=float(logit_cap),
+        has_sinks=sinks is not None,
+        page_size=page_size,
+        num_pages=k.shape[0] if page_size else 0,
+        max_pages=page_table.shape[1],
+        interpret=interpret,
+    )
+    scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
+    scales = jnp.concatenate(
+        [jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.zeros((hq,), jnp.float32) if sinks is None else sinks]
+    ).astype(jnp.float32)
+    cu_q = cu_q.astype(jnp.int32)
+    kv_len = kv_len.astype(jnp.int32)
+    tile_req, tile_loc, tile_id, tile_base = _tile_plan(
+        cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left
+    )
+    # The tiled TMA view of a ragged array needs a multiple of 8 rows; under the
+    # interpreter no box may read out of bounds either (the GPU zero-fills those rows).
+    qp, kp, vp = q, k, v
+    if interpret or t % 8:
+        qp = _pad_rows(q, TILE_Q if interpret else -t % 8)
+    if not page_size and (interpret or k.shape[0] % 8):
+        extra = bk if interpret else -k.shape[0] % 8
+        kp, vp = _pad_rows(k, extra), _pad_rows(v, extra)
+    arrays = (
+        tile_req,
+        tile_loc,
+        tile_id,
+        cu_q,
+        kv_start.astype(jnp.int32),
+        kv_len,
+        page_table.astype(jnp.int32),
+        scales,
+        qp,
+        kp,
+        vp,
+    )
+    o_tiles, lse_tiles = _run(cfg, q.dtype, arrays, num_tiles)
+    o, lse = _gather(o_tiles, lse_tiles, cu_q, tile_base, t)
+    if v_scale is not None:
+        o = (o.astype(jnp.float32) * v_scale).astype(q.dtype)
+    return (o, lse) if return_lse else o
+
+
+def _v_scale_arg(v_scale):
+    """None for a Python 1.0 (the output then needs no multiply), else the scale."""
+    if isinstance(v_scale, (int, float)) and float(v_scale) == 1.0:
+        return None
+    return v_scale
+
+
+def mha_prefill(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+):
+    """Ragged attention without a cache (Mosaic GPU, Hopper).
+
+    Args:
+      q: ``[num_tokens, Hq, D]`` bf16/f16, ragged by ``cu_seqlens_q``.
+      k, v: ``[num_kv_tokens, Hkv, D]`` / ``[.., Dv]``, same dtype, ragged by
+        ``cu_seqlens_kv`` (default ``cu_seqlens_q``).
+      is_causal, window_left, logit_cap, sinks (f32 ``[Hq]``), softmax_scale,
+        k_scale, v_scale, return_lse: as in ``jattn.ops.mha_prefill``.
+
+    Returns ``out [num_tokens, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]`` are 0), and
+    with ``return_lse`` the natural-log LSE f32 ``[num_tokens, Hq]``.
+    """
+    if cu_seqlens_kv is None:
+        cu_seqlens_kv = cu_seqlens_q
+    cu_kv = jnp.asarray(cu_seqlens_kv, jnp.int32)
+    return _attention(
+        q,
+        k,
+        v,
+        jnp.asarray(cu_seqlens_q, jnp.int32),
+        cu_kv[:-1],
+        cu_kv[1:] - cu_kv[:-1],
+        jnp.zeros((1, 1), jnp.int32),
+        None if sinks is None else jnp.asarray(sinks, jnp.float32),
+        k_scale,
+        _v_scale_arg(v_scale),
+        page_size=0,
+        is_causal=is_causal,
+        window_left=int(window_left),
+        logit_cap=float(logit_cap),
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        interpret=_interpreting(),
+    )
+
+
+def mha_extend(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+):
+    """Ragged queries over a paged cache that already holds their K/V (Mosaic GPU).
+
+    Args:
+      q: ``[num_tokens, Hq, D]`` ragged by ``cu_seqlens_q``: the last ``n_b`` tokens
+        of request ``b``'s ``cache_seqlens[b]``.
+      k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (same dtype as q).
+      page_table: i32 ``[bs, max_pages]``; cache_seqlens: i32 ``[bs]`` (prefix + new).
+      Other arguments as in :func:`mha_prefill`.
+    """
+    return _attention(
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(cu_seqlens_q, jnp.int32),
+        jnp.zeros_like(jnp.asarray(cache_seqlens, jnp.int32)),
+        jnp.asarray(cache_seqlens, jnp.int32),
+        jnp.asarray(page_table, jnp.int32),
+        None if sinks is None else jnp.asarray(sinks, jnp.float32),
+        k_scale,
+        _v_scale_arg(v_scale),
+        page_size=int(k_cache.shape[1]),
+        is_causal=is_causal,
+        window_left=int(window_left),
+        logit_cap=float(logit_cap),
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        interpret=_interpreting(),
+    )
