@@ -175,6 +175,7 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)
     seq_len: int = 0  # tokens in the KV cache
     preemptions: int = 0  # times its pages were taken back (then recomputed)
+    arrival_time: float | None = None  # time.perf_counter() at add_request
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -430,7 +431,7 @@ class Engine:
         pool) finishes at once with ``status="error"`` and a message naming the field."""
         rid = self._next_rid
         self._next_rid += 1
-        req = Request(rid=rid, prompt=[], params=params, arrival_step=self.step_count)
+        req = Request(rid=rid, prompt=[], params=params, arrival_step=self.step_count, arrival_time=time.perf_counter())
         self.requests[rid] = req
         try:
             if not isinstance(params, SamplingParams):

@@ -434,6 +434,14 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
     return kernel(tile_req, tile_loc, tile_id, cu_q, kv_start, kv_len, page_table, scales, q, k, v)
 
 
+def _segment_ids(ends, n: int):
+    """i32[n]: for each index i, how many of ``ends`` are <= i (the segment of i when
+    ``ends`` are the segments' sorted end offsets). A scatter-add and a prefix sum: no
+    search loop, which XLA runs step by step on the GPU."""
+    marks = jnp.zeros((n,), jnp.int32).at[ends].add(1, mode="drop")
+    return jnp.cumsum(marks).astype(jnp.int32)
+
+
 def _tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int):
     """Tiles of every request in launch order, longest work first: ``tile_req`` (-1:
     no tile), ``tile_loc`` (which tile of its request) and ``tile_id`` (its slot in the
@@ -447,7 +455,7 @@ def _tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: in
     cum = jnp.cumsum(tiles)
     base = cum - tiles
     ids = jnp.arange(num_tiles, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(cum, ids, side="right"), n_q.shape[0] - 1).astype(jnp.int32)
+    req = _segment_ids(cum[:-1], num_tiles)
     valid = ids < cum[-1]
     loc = ids - base[req]
     q0 = loc * TILE_Q - dq[req]
@@ -464,7 +472,7 @@ def _gather(o_tiles, lse_tiles, cu_q, tile_base, num_tokens: int):
     """Ragged rows [num_tokens, Hq, Dv] / [num_tokens, Hq] from the per-tile buffers;
     rows past cu_q[-1] are 0 (LSE -inf)."""
     x = jnp.arange(num_tokens, dtype=jnp.int32)
-    r = jnp.clip(jnp.searchsorted(cu_q, x, side="right") - 1, 0, cu_q.shape[0] - 2)
+    r = _segment_ids(cu_q[1:-1], num_tokens)
     local = x - cu_q[r] + cu_q[r] % 8  # row within the request's aligned tiles
     tile = tile_base[r] + local // TILE_Q
     row = local % TILE_Q

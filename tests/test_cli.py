@@ -94,7 +94,7 @@ def test_cli_refuses_triton_and_unknown_bench(capsys):
         main(["bench", "nope"])
     assert e.value.code == 2 and "decode, prefill, bridge, serving" in capsys.readouterr().err
     assert main(["bench", "--help"]) == 0
-    assert "{decode,bridge,serving}" in capsys.readouterr().out
+    assert "{decode,prefill,bridge,serving}" in capsys.readouterr().out
 
 
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):

@@ -120,6 +120,7 @@ def run_one(
     backend,
     profile: bool = False,
     command_buffers: bool | str = True,
+    prefill_tokens: int = 16384,
 ) -> dict:
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
@@ -129,7 +130,7 @@ def run_one(
         num_pages=1 + bs * pages_per,
         max_context=max_context,
         max_running=bs,
-        max_prefill_tokens=min(bs, 32) * prompt_len,
+        max_prefill_tokens=min(min(bs, 32) * prompt_len, max(prefill_tokens, prompt_len)),
         batch_buckets=buckets,
         token_buckets=None,
         kernel_backend=backend,
@@ -151,6 +152,7 @@ def run_one(
     wall = time.perf_counter() - t0
     m = engine.metrics
     assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
+    ttft = sorted(1e3 * (r.first_token_time - r.arrival_time) for r in reqs)
     dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
     extra = _profile_step(engine, bs, prompt_len + gen_len // 2) if profile else {}
     return dict(
@@ -161,6 +163,9 @@ def run_one(
         decode_tok_s=m.decode_tokens_per_s,
         overall_tok_s=m.generated_tokens / wall,
         engine_step_ms=m.median_decode_step_ms,
+        ttft_ms_median=ttft[len(ttft) // 2],
+        ttft_ms_max=ttft[-1],
+        prefill_s=m.prefill_time,
         device_step_ms=dev_ms,
         recompiles_in_timed_run=m.compilations - compiled,
         warmup_s=warm,
@@ -183,12 +188,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     ap.add_argument("--gen-len", type=int, default=64, help="generated tokens per request (default 64)")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=16384,
+        help="new tokens per extend step (longer prompts are prefilled in chunks; default 16384)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype (default bfloat16)")
     ap.add_argument(
         "--backend",
         default="auto",
-        choices=backend_choices(),
-        help="attention kernel backend, preferred for the ops it serves (default auto)",
+        help=f"attention kernel backend(s), comma-separated to compare side by side, each one of "
+        f"{', '.join(backend_choices())} (default auto)",
     )
     ap.add_argument(
         "--cpu", action="store_true", help="run on the CPU anyway (minutes with the default models; try --models tiny)"
@@ -217,9 +228,14 @@ def main(argv=None) -> int:
         return 1
     from jattn.demo import MHA_OPS, choose_backend
 
-    backend, notice = choose_backend(args.backend, MHA_OPS)
-    if notice:
-        print(notice)
+    backends = []
+    for name in args.backend.split(","):
+        if name not in backend_choices():
+            ap.error(f"--backend {name!r}: choose from {', '.join(backend_choices())}")
+        backend, notice = choose_backend(name, MHA_OPS)
+        if notice:
+            print(notice)
+        backends.append((name, backend))
     settings = [True if s == "engine" else s for s in args.command_buffers.split(";") if s]
     dev = jax.devices()[0]
     print(
@@ -232,8 +248,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model, desc = _model(name, args.dtype)
         print(f"\n{desc}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for bs, cb in [(int(b), cb) for b in args.batch.split(",") for cb in settings]:
+        runs = [(int(b), cb, be) for b in args.batch.split(",") for cb in settings for be in backends]
+        for bs, cb, (be_name, backend) in runs:
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
+            tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             try:
                 r = run_one(
                     model,
@@ -244,6 +262,7 @@ def main(argv=None) -> int:
                     backend,
                     profile=args.profile,
                     command_buffers=cb,
+                    prefill_tokens=args.prefill_tokens,
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -253,6 +272,7 @@ def main(argv=None) -> int:
             print(
                 f"  bs={bs:4d}{tag}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
                 f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
+                f"TTFT median {r['ttft_ms_median']:.0f} ms (max {r['ttft_ms_max']:.0f}), "
                 f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s",
                 flush=True,
             )
@@ -261,12 +281,12 @@ def main(argv=None) -> int:
     if out:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| model | batch | decode tok/s | overall tok/s | engine step ms | device step ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| model | batch | prompt | decode tok/s | overall tok/s | engine step ms | device step ms | TTFT ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['model']} | {r['batch']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
-            f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} |"
+            f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
+            f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | {r['ttft_ms_median']:.0f} |"
         )
     prof_rows = [r for r in rows if "span_us" in r]
     if prof_rows:
