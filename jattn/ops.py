@@ -8,13 +8,16 @@ slower than ``xla`` for its shapes. A named backend that cannot serve the call r
 What each op computes (masks, window, cap, sinks, FP8, LSE) is in docs/SEMANTICS.md.
 
 Shapes and dtypes are checked at trace time with errors that name the argument;
-values (page ids, lengths) are checked by the host-side planners.
+values (page ids, lengths) are checked by the host-side planners. Empty calls (no
+requests, ``max_seqlen_q=0``, no query rows) return outputs of the usual shapes and
+dtypes on every backend.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -91,16 +94,25 @@ def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
     if q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"q head_dim={q.shape[2]} must equal k_cache head_dim={k_cache.shape[3]}")
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_q_heads % num_kv_heads:
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be divisible by num_kv_heads={num_kv_heads}")
     if page_table.shape[0] != cache_seqlens.shape[0]:
         raise ValueError(f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}")
 
 
-def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
-    """Returns the implementation of ``op`` for ``backend`` (None = auto)."""
+def _check_backend(backend) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
+
+
+def _check_max_seqlen(value, name: str) -> None:
+    if not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+
+
+def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
+    """Returns the implementation of ``op`` for ``backend`` (None = auto)."""
+    _check_backend(backend)
     if backend in (None, "mosaic") and kernel_module is not None:
         mod = _kernel_module(kernel_module)
         if backend == "mosaic":
@@ -181,7 +193,7 @@ def mha_decode_with_kvcache(
         ``page_table[b, t // page_size]``; entries past a request's last page are never read.
       cache_seqlens: i32[bs], KV length ``L`` per request including the new tokens
         (already written to the cache); 0 for an empty or padded row (output 0).
-      max_seqlen_q: query tokens per request (static).
+      max_seqlen_q: query tokens per request (static, >= 0; 0 gives an empty output).
       is_causal: query ``i`` sees keys ``j <= L - max_seqlen_q + i``; else all ``L``.
       window_left: sliding window (``-1`` off): also ``j >= L - max_seqlen_q + i - window_left``.
       logit_cap: ``c * tanh(x / c)`` on the scaled scores; 0 disables.
@@ -204,7 +216,8 @@ def mha_decode_with_kvcache(
     """
     _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
     bs = page_table.shape[0]
-    if max_seqlen_q < 1 or q.shape[0] != bs * max_seqlen_q:
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    if q.shape[0] != bs * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
     kw = dict(
@@ -218,6 +231,11 @@ def mha_decode_with_kvcache(
         v_scale=v_scale,
         return_lse=return_lse,
     )
+    if 0 in (q.shape[0], q.shape[1], page_table.shape[1]):
+        # Nothing to compute (no rows, no heads or no pages): empty or all-zero rows on
+        # every backend; the kernels have no empty launch.
+        _check_backend(backend)
+        return reference.mha_decode(q, k_cache, v_cache, page_table, cache_seqlens, **kw)
     impl = _pick(
         "mha_decode",
         backend,
@@ -276,6 +294,7 @@ def mha_extend_with_kvcache(
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must be batch + 1 = {page_table.shape[0] + 1}"
         )
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
     _pick("mha_extend", backend, None, None)
     return reference.mha_extend(
@@ -350,8 +369,11 @@ def mha_prefill(
         raise ValueError(f"k {k.shape} and v {v.shape} differ in tokens/heads")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q head_dim_qk={q.shape[2]} must equal k head_dim_qk={k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"num_q_heads={q.shape[1]} must be divisible by num_kv_heads={k.shape[1]}")
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    if max_seqlen_kv is not None:
+        _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
     _pick("mha_prefill", backend, None, None)
     return reference.mha_prefill(
@@ -423,6 +445,7 @@ def mla_decode_with_kvcache(
     if not 0 < kv_lora_rank < kv_cache.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, {kv_cache.shape[2]})")
     bs = page_table.shape[0]
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     if q.shape[0] != bs * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
     _pick("mla_decode", backend, None, None)
@@ -482,7 +505,7 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     """
     _check_int(out_cache_loc, "out_cache_loc")
     t = out_cache_loc.shape[0]
-    width = c_kv.size // max(t, 1) + k_pe.size // max(t, 1)
-    if c_kv.shape[0] != t or k_pe.shape[0] != t or width != kv_cache.shape[-1]:
+    rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))
+    if not rows_ok or c_kv.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}")
     return reference.set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale)

@@ -56,40 +56,59 @@ def _attend(
     scale,  # python float or f32 scalar (softmax scale, k_scale folded in)
     v_scale,  # python float or f32 scalar
 ):
-    """Returns (o f32[bs, nq, Hq, Dv], lse f32[bs, nq, Hq])."""
-    bs, nq, hq, _ = q.shape
+    """Returns (o f32[bs, nq, Hq, Dv], lse f32[bs, nq, Hq]).
+
+    A masked key contributes nothing whatever its K and V hold: scores are selected to
+    ``-inf`` and the P @ V product reads V with its non-finite entries replaced by 0, so
+    no ``0 * NaN`` reaches a row. A row that sees a key whose K or V (in the row's KV
+    head) holds a non-finite value comes out NaN (output and LSE): a per-row count,
+    ``mask @ bad_key``, is kept alongside the online softmax. With a sliding window only
+    the ``max_seqlen_q + window_left`` keys that some query of the request can see are
+    visited (chunks start at each request's first visible key).
+    """
+    bs, nq, hq, dqk = q.shape
     hkv = k_flat.shape[1]
-    if hq % hkv:
-        raise ValueError(f"num_q_heads={hq} must be divisible by num_kv_heads={hkv}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv} (> 0)")
     group = hq // hkv
-    if k_flat.shape[0] == 0:  # no keys at all (e.g. a prefix chunk empty for every request)
+    if window_left >= 0:  # keys [start, start + span) hold every key some query sees
+        span = min(max_keys, nq + window_left)
+        start = jnp.maximum(q_pos.min(axis=1) - window_left, 0) if nq else jnp.zeros((bs,), jnp.int32)
+    else:
+        span, start = max_keys, jnp.zeros((bs,), jnp.int32)
+    if 0 in (bs, nq, hq, span, k_flat.shape[0]):  # nothing to attend: every row is empty
         return jnp.zeros((bs, nq, hq, dim_v), jnp.float32), jnp.full((bs, nq, hq), _NEG_INF, jnp.float32)
-    qf = q.astype(jnp.float32).reshape(bs, nq, hkv, group, -1)
-    chunk = _key_chunk(bs, nq, hq, max(1, max_keys))
-    num_chunks = max(1, -(-max_keys // chunk))
+    qf = q.astype(jnp.float32).reshape(bs, nq, hkv, group, dqk)
+    chunk = _key_chunk(bs, nq, hq, span)
+    num_chunks = -(-span // chunk)
     b_idx = jnp.arange(bs, dtype=jnp.int32)[:, None]
+    start = start.astype(jnp.int32)[:, None]  # [bs, 1]
 
     def body(c, carry):
-        m, l, acc = carry  # [bs, hkv, g, nq], same, [bs, hkv, g, nq, dv]
-        j = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
-        key_ok = j < kv_len[:, None]  # [bs, C]
-        idx = jnp.where(key_ok, slot(b_idx, jnp.broadcast_to(j, (bs, chunk))), 0)
+        m, l, acc, nbad = carry  # [bs, hkv, g, nq], same, [bs, hkv, g, nq, dv], [bs, hkv, nq]
+        j = start + c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [bs, C]
+        key_ok = (j < kv_len[:, None]) & (j < max_keys)  # [bs, C]
+        idx = jnp.where(key_ok, slot(b_idx, j), 0)
         kc = k_flat[idx].astype(jnp.float32)  # [bs, C, hkv, dqk]
-        if v_flat is None:
+        bad = ~jnp.isfinite(kc).all(axis=-1)  # [bs, C, hkv]: K row holds NaN / Inf
+        if v_flat is None:  # MLA: V is part of the K row, already in `bad`
             vc = kc[..., :dim_v]
         else:
             vc = v_flat[idx].astype(jnp.float32)
-        vc = jnp.where(key_ok[:, :, None, None], vc, 0.0)  # unused slots may hold NaN
+            bad = bad | ~jnp.isfinite(vc).all(axis=-1)
+        vc = jnp.where(jnp.isfinite(vc), vc, 0.0)  # select, never 0 * NaN
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kc) * scale
         if logit_cap > 0:
             s = logit_cap * jnp.tanh(s / logit_cap)
-        jj = j[:, None, :]  # [1, 1, C]
+        jj = j[:, None, :]  # [bs, 1, C]
         qp = q_pos[:, :, None]  # [bs, nq, 1]
         mask = key_ok[:, None, :]
         if is_causal:
             mask = mask & (jj <= qp)
         if window_left >= 0:
             mask = mask & (jj >= qp - window_left)
+        # Rows that see a non-finite key: a [bs, nq, C] @ [bs, C, hkv] count, no [q, k, d] tensor.
+        nbad = nbad + jnp.einsum("bqk,bkh->bhq", mask.astype(jnp.float32), bad.astype(jnp.float32))
         s = jnp.where(mask[:, None, None], s, _NEG_INF)  # [bs, hkv, g, nq, C]
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -97,14 +116,15 @@ def _attend(
         alpha = jnp.exp(m - m_safe)
         l_new = alpha * l + p.sum(axis=-1)
         acc_new = alpha[..., None] * acc + jnp.einsum("bhgqk,bkhd->bhgqd", p, vc)
-        return m_new, l_new, acc_new
+        return m_new, l_new, acc_new, nbad
 
     init = (
         jnp.full((bs, hkv, group, nq), _NEG_INF, jnp.float32),
         jnp.zeros((bs, hkv, group, nq), jnp.float32),
         jnp.zeros((bs, hkv, group, nq, dim_v), jnp.float32),
+        jnp.zeros((bs, hkv, nq), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    m, l, acc, nbad = jax.lax.fori_loop(0, num_chunks, body, init)
     empty = l == 0.0
     lse = jnp.where(empty, _NEG_INF, jnp.where(empty, 0.0, m) + jnp.log(jnp.where(empty, 1.0, l)))
     denom = l
@@ -113,6 +133,9 @@ def _attend(
         denom = l + jnp.exp(sink - jnp.where(empty, 0.0, m))
     o = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, denom)[..., None])
     o = o * v_scale
+    poisoned = (nbad > 0)[:, :, None, :]  # [bs, hkv, 1, nq]
+    o = jnp.where(poisoned[..., None], jnp.nan, o)
+    lse = jnp.where(poisoned, jnp.nan, lse)
     # [bs, hkv, g, nq, dv] -> [bs, nq, hq, dv]
     o = o.transpose(0, 3, 1, 2, 4).reshape(bs, nq, hq, dim_v)
     lse = lse.transpose(0, 3, 1, 2).reshape(bs, nq, hq)
@@ -142,8 +165,10 @@ def _pad_queries(q, cu_seqlens_q, max_seqlen_q: int, kv_len):
     i = jnp.arange(max_seqlen_q, dtype=jnp.int32)[None, :]
     n = (cu_seqlens_q[1:] - cu_seqlens_q[:-1])[:, None]
     tok = cu_seqlens_q[:-1, None] + i
-    qb = q[jnp.clip(tok, 0, q.shape[0] - 1)]
-    qb = jnp.where((i < n)[:, :, None, None], qb, 0)
+    if q.shape[0] == 0:  # no query rows at all
+        qb = jnp.zeros((tok.shape[0], max_seqlen_q) + q.shape[1:], q.dtype)
+    else:
+        qb = jnp.where((i < n)[:, :, None, None], q[jnp.clip(tok, 0, q.shape[0] - 1)], 0)
     return qb, kv_len[:, None] - n + i
 
 
@@ -165,6 +190,11 @@ def _attend_paged(qb, k_cache, v_cache, page_table, kv_len, q_pos, **opts):
 
 def _padded_to_ragged(o_pad, lse_pad, cu_seqlens_q, num_tokens: int):
     """Gather padded per-request rows back to token-major; padding tokens give 0 / -inf."""
+    if 0 in o_pad.shape[:2]:  # no request or no query rows: every token is padding
+        return (
+            jnp.zeros((num_tokens,) + o_pad.shape[2:], jnp.float32),
+            jnp.full((num_tokens,) + lse_pad.shape[2:], _NEG_INF, jnp.float32),
+        )
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     b = jnp.clip(jnp.searchsorted(cu_seqlens_q, t, side="right") - 1, 0, o_pad.shape[0] - 1)
     i = jnp.clip(t - cu_seqlens_q[b], 0, o_pad.shape[1] - 1)
@@ -228,7 +258,9 @@ def mha_decode(
         scale=scale * k_scale,
         v_scale=v_scale,
     )
-    return _finish(o.reshape(bs * max_seqlen_q, hq, -1), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse)
+    return _finish(
+        o.reshape(bs * max_seqlen_q, hq, o.shape[-1]), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen_q",) + _OPTS)
@@ -415,7 +447,7 @@ def quantize_fp8(x, scale, dtype=jnp.float8_e4m3fn):
 
 
 def _store(cache, loc, x, scale):
-    flat = cache.reshape((-1,) + cache.shape[2:])
+    flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
     if jnp.issubdtype(cache.dtype, jnp.floating) and jnp.finfo(cache.dtype).bits == 8:
         x = quantize_fp8(x, 1.0 if scale is None else scale, cache.dtype)
     else:
@@ -446,5 +478,8 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=None):
     [num_pages, page_size, R + r]. FP8 caches store ``clamp(row / kv_scale, -448, 448)``.
     """
     t = out_cache_loc.shape[0]
-    row = jnp.concatenate([c_kv.reshape(t, -1).astype(jnp.float32), k_pe.reshape(t, -1).astype(jnp.float32)], axis=-1)
+    row = jnp.concatenate(
+        [c_kv.reshape(t, c_kv.shape[-1]).astype(jnp.float32), k_pe.reshape(t, k_pe.shape[-1]).astype(jnp.float32)],
+        axis=-1,
+    )
     return _store(kv_cache, out_cache_loc.astype(jnp.int32), row, kv_scale)

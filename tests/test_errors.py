@@ -85,6 +85,13 @@ SHAPE_CASES = [
         r"q has 3 rows; it must be batch \(2\) \* max_seqlen_q \(1\)",
     ),
     ("q-rows-multi", dict(max_seqlen_q=2), ValueError, r"q has 2 rows; it must be batch \(2\) \* max_seqlen_q \(2\)"),
+    ("max_seqlen_q-negative", dict(max_seqlen_q=-1), ValueError, r"max_seqlen_q=-1 must be an int >= 0"),
+    (
+        "no-kv-heads",
+        dict(k_cache=jnp.ones((4, 4, 0, 8), F32), v_cache=jnp.ones((4, 4, 0, 8), F32)),
+        ValueError,
+        r"num_q_heads=4 must be divisible by num_kv_heads=0",
+    ),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("window", dict(window_left=-2), ValueError, r"window_left=-2 must be an int >= -1"),
     ("logit_cap", dict(logit_cap=-1.0), ValueError, r"logit_cap=-1.0 must be >= 0"),
@@ -497,3 +504,17 @@ def test_mla_decode_needs_softmax_scale():
             kv_lora_rank=16,
             softmax_scale=None,
         )
+
+
+def test_negative_max_seqlen_is_refused():
+    """max_seqlen_q = 0 is an empty call (tests/test_reference_ops.py); below 0 is an error."""
+    q, kc, vc, pt, sl = _decode_args()
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=-1 must be an int >= 0"):
+        jattn.mha_extend_with_kvcache(q, kc, vc, pt, sl, cu, max_seqlen_q=-1)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=-2 must be an int >= 0"):
+        jattn.mha_prefill(q, kc[0], vc[0], cu, max_seqlen_q=-2)
+    with pytest.raises(ValueError, match=r"max_seqlen_kv=-1 must be an int >= 0"):
+        jattn.mha_prefill(q, kc[0], vc[0], cu, cu, max_seqlen_q=1, max_seqlen_kv=-1)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=-1 must be an int >= 0"):
+        _mla(max_seqlen_q=-1)

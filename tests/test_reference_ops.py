@@ -570,3 +570,340 @@ def test_random_feature_combinations(seed):
     )
     truth, tl = naive.mha_extend(qe, kc, vc, pool.page_table, pool.lens, cu, sinks=sinks, **kw)
     _check(out, lse, truth, tl, dtype="f32")
+
+
+# ----------------------------------------------------------------------------- poison: masked keys add nothing
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _sees(length, n, i, j, causal, window):
+    """Whether query i of n (the request has `length` keys) sees key j (docs/SEMANTICS.md)."""
+    pos = length - n + i
+    return 0 <= j < length and (not causal or j <= pos) and (window < 0 or j >= pos - window)
+
+
+def _poison(x, where, value):
+    """x with `value` written at the index `where` (a copy; numpy)."""
+    x = np.array(x, copy=True)
+    x[where] = value
+    return x
+
+
+def _expect_poison(clean, poisoned_run, poisoned):
+    """Rows flagged in `poisoned` (bool [T, Hq]) are NaN, output and LSE; every other row is
+    what the clean data gives (the poison is in keys those rows do not see)."""
+    (oc, lc), (op, lp) = clean, poisoned_run
+    oc, op, lc, lp = (np.asarray(a, np.float32) for a in (oc, op, lc, lp))
+    assert np.isnan(op[poisoned]).all() and np.isnan(lp[poisoned]).all(), "a row that sees a non-finite key"
+    keep = ~poisoned
+    assert np.isfinite(op[keep]).all()
+    np.testing.assert_allclose(op[keep], oc[keep], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lp[keep], lc[keep], rtol=1e-6, atol=1e-6)
+
+
+# (id, lens, q_len, page_size, hkv, group, causal, window, cap, spots); a spot is
+# (request, key positions, kv head or None for all, "k" / "v" / "kv", value)
+PAGED_POISON_CASES = [
+    (
+        "decode-window-own-pages",
+        [40, 37],
+        1,
+        4,
+        2,
+        2,
+        True,
+        7,
+        0.0,
+        [(0, range(0, 28), None, "kv", NAN), (0, [31], 0, "v", INF), (0, [30], 1, "k", NAN), (1, [36], 0, "v", NAN)],
+    ),
+    (
+        "verify-causal-window",
+        [30, 9],
+        3,
+        8,
+        2,
+        2,
+        True,
+        5,
+        0.0,
+        [
+            (0, [29], 0, "v", NAN),
+            (0, [28], 1, "k", INF),
+            (0, [22], 1, "v", -INF),
+            (0, [21], 0, "k", NAN),
+            (0, [10], 0, "v", NAN),
+            (1, [8], 0, "k", NAN),
+        ],
+    ),
+    (
+        "draft-block-noncausal-window",
+        [20],
+        3,
+        8,
+        2,
+        1,
+        False,
+        4,
+        0.0,
+        [(0, [13], 0, "v", INF), (0, [14], 0, "k", NAN), (0, [12], 1, "v", NAN), (0, [19], 1, "v", NAN)],
+    ),
+    ("verify-cap-k-inf", [25], 2, 8, 2, 2, True, -1, 5.0, [(0, [24], 0, "k", INF), (0, [23], 1, "k", -INF)]),
+]
+
+
+def _paged_poison_setup(case, rng):
+    _, lens, q_len, ps, hkv, group, causal, window, cap, spots = case
+    pool = naive.Pool(rng, lens, ps)
+    d = 16
+    kc, vc = pool.fill(rng, (hkv, d)), pool.fill(rng, (hkv, d))
+    kp, vp = kc.copy(), vc.copy()
+    hit = {}  # (request, key position, kv head) -> poisoned
+    for b, js, h, which, value in spots:
+        for j in js:
+            page, off = pool.page_table[b, j // ps], j % ps
+            heads = range(hkv) if h is None else [h]
+            for hh in heads:
+                if "k" in which:
+                    kp[page, off, hh, 0] = value
+                if "v" in which:
+                    vp[page, off, hh, d - 1] = value
+                hit[(b, j, hh)] = True
+    return pool, (kc, vc), (kp, vp), hit
+
+
+@pytest.mark.parametrize("case", PAGED_POISON_CASES, ids=[c[0] for c in PAGED_POISON_CASES])
+def test_decode_masked_poison_adds_nothing(case):
+    """NaN / Inf in keys a query does not see (causal future draft tokens, outside the
+    window, the request's own out-of-window pages, K or V) change nothing; a query that
+    sees one comes out NaN in the heads that read it, and only there."""
+    _, lens, q_len, ps, hkv, group, causal, window, cap, spots = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    pool, clean, bad, hit = _paged_poison_setup(case, rng)
+    hq = hkv * group
+    q = jnp.asarray(rng.standard_normal((len(lens) * q_len, hq, 16)), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    kw = dict(max_seqlen_q=q_len, is_causal=causal, window_left=window, logit_cap=cap, sinks=sinks)
+
+    def run(kc, vc):
+        return jattn.mha_decode_with_kvcache(
+            q,
+            jnp.asarray(kc),
+            jnp.asarray(vc),
+            jnp.asarray(pool.page_table),
+            jnp.asarray(pool.lens),
+            return_lse=True,
+            backend="xla",
+            **kw,
+        )
+
+    poisoned = np.zeros((len(lens) * q_len, hq), bool)
+    for (b, j, h), _ in hit.items():
+        for i in range(q_len):
+            if _sees(lens[b], q_len, i, j, causal, window):
+                poisoned[b * q_len + i, h * group : (h + 1) * group] = True
+    _expect_poison(run(*clean), run(*bad), poisoned)
+    # the extend op over the same pool: each request's last q_len tokens are new
+    cu = jnp.asarray(np.arange(len(lens) + 1) * q_len, jnp.int32)
+    ekw = dict(kw, max_seqlen_q=q_len + 1)
+
+    def run_extend(kc, vc):
+        return jattn.mha_extend_with_kvcache(
+            q,
+            jnp.asarray(kc),
+            jnp.asarray(vc),
+            jnp.asarray(pool.page_table),
+            jnp.asarray(pool.lens),
+            cu,
+            return_lse=True,
+            backend="xla",
+            **ekw,
+        )
+
+    _expect_poison(run_extend(*clean), run_extend(*bad), poisoned)
+
+
+def test_extend_prefill_future_tokens_do_not_poison_earlier_ones():
+    """NaN in token 4's V leaves tokens 0-3 of a causal prefill (and extend) untouched."""
+    rng = np.random.default_rng(5)
+    hq, hkv, d = 4, 2, 16
+    q_lens = [8, 5, 6]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 3
+    q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    k[cu[-1] :], v[cu[-1] :] = NAN, INF  # keys past the last request
+    spots = [(0, 4, 0, "v", NAN), (1, 3, 1, "k", -INF), (2, 5, 0, "k", NAN), (2, 1, 1, "v", INF)]
+    kp, vp = k.copy(), v.copy()
+    for b, j, h, which, value in spots:
+        (kp if which == "k" else vp)[cu[b] + j, h, 3] = value
+
+    for window in (-1, 2):
+
+        def run(k, v, window=window):
+            return jattn.mha_prefill(
+                q,
+                jnp.asarray(k),
+                jnp.asarray(v),
+                jnp.asarray(cu),
+                max_seqlen_q=8,
+                window_left=window,
+                return_lse=True,
+                backend="xla",
+            )
+
+        poisoned = np.zeros((t, hq), bool)
+        for b, j, h, _, _ in spots:
+            for i in range(q_lens[b]):
+                if _sees(q_lens[b], q_lens[b], i, j, True, window):
+                    poisoned[cu[b] + i, 2 * h : 2 * h + 2] = True
+        assert not poisoned[:4].any() and poisoned[4:8, :2].all() == (window < 0)
+        _expect_poison(run(k, v), run(kp, vp), poisoned)
+
+
+def test_mla_prefill_and_prefix_chunk_poison():
+    """MLA shapes (192/128 heads): the causal prefill, and a non-causal prefix chunk whose
+    padding keys hold NaN: only rows that see a poisoned key are NaN."""
+    rng = np.random.default_rng(6)
+    h, dqk, dv = 2, 48, 32
+    cu = np.array([0, 6, 9], np.int32)
+    q = jnp.asarray(rng.standard_normal((11, h, dqk)), jnp.float32)
+    k = rng.standard_normal((11, h, dqk)).astype(np.float32)
+    v = rng.standard_normal((11, h, dv)).astype(np.float32)
+    kp, vp = _poison(k, (2, 1, 0), NAN), _poison(v, (7, 0, 5), INF)
+
+    def run(k, v, cu_kv=None, causal=True, max_kv=None):
+        return jattn.mha_prefill(
+            q,
+            jnp.asarray(k),
+            jnp.asarray(v),
+            jnp.asarray(cu),
+            None if cu_kv is None else jnp.asarray(cu_kv),
+            max_seqlen_q=6,
+            max_seqlen_kv=max_kv,
+            is_causal=causal,
+            return_lse=True,
+            backend="xla",
+        )
+
+    poisoned = np.zeros((11, h), bool)
+    poisoned[2:6, 1] = True  # request 0 rows >= 2 see key 2 (head 1)
+    poisoned[7:9, 0] = True  # request 1 rows >= 1 see its key 1 (head 0)
+    _expect_poison(run(k, v), run(kp, vp), poisoned)
+    # a prefix chunk: request 0 has keys 0..4, request 1 none; keys 5.. are padding (NaN)
+    cu_kv = np.array([0, 5, 5], np.int32)
+    kc = rng.standard_normal((8, h, dqk)).astype(np.float32)
+    vc = rng.standard_normal((8, h, dv)).astype(np.float32)
+    kcp, vcp = _poison(kc, slice(5, None), NAN), _poison(vc, (slice(5, None), 1), INF)
+    clean = run(kc, vc, cu_kv, False, 8)
+    _expect_poison(clean, run(kcp, vcp, cu_kv, False, 8), np.zeros((11, h), bool))
+    assert np.all(np.asarray(clean[0])[6:] == 0) and np.isneginf(np.asarray(clean[1])[6:]).all()
+    poisoned = np.zeros((11, h), bool)
+    poisoned[:6, 0] = True  # non-causal: every row of request 0 sees key 3
+    _expect_poison(clean, run(_poison(kcp, (3, 0, 7), -INF), vcp, cu_kv, False, 8), poisoned)
+
+
+def test_mla_decode_masked_poison():
+    """MLA absorbed decode (one latent head; V is the c_kv part of the row, k_pe is K only)."""
+    rng = np.random.default_rng(8)
+    big_r, r, ps, h, q_len = 16, 8, 8, 4, 2
+    lens = [20, 7]
+    pool = naive.Pool(rng, lens, ps)
+    kv = pool.fill(rng, (big_r + r,))
+    spots = [(0, 19, 3, NAN), (0, 19, big_r + 2, INF), (1, 5, 0, NAN), (1, 6, big_r, -INF)]
+    kvp = kv.copy()
+    for b, j, col, value in spots:
+        kvp[pool.page_table[b, j // ps], j % ps, col] = value
+    q = jnp.asarray(rng.standard_normal((len(lens) * q_len, h, big_r + r)), jnp.float32)
+
+    def run(cache):
+        return jattn.mla_decode_with_kvcache(
+            q,
+            jnp.asarray(cache),
+            jnp.asarray(pool.page_table),
+            jnp.asarray(pool.lens),
+            kv_lora_rank=big_r,
+            softmax_scale=0.2,
+            max_seqlen_q=q_len,
+            return_lse=True,
+            backend="xla",
+        )
+
+    poisoned = np.zeros((len(lens) * q_len, h), bool)
+    for b, j, _, _ in spots:
+        for i in range(q_len):
+            poisoned[b * q_len + i] |= _sees(lens[b], q_len, i, j, True, -1)
+    assert poisoned[1].all() and not poisoned[0].any()  # draft token 19 is masked for query 0
+    _expect_poison(run(kv), run(kvp), poisoned)
+
+
+# ----------------------------------------------------------------------------- empty calls
+
+
+def _shapes(result):
+    return [(tuple(x.shape), jnp.dtype(x.dtype)) for x in result]
+
+
+def test_empty_sizes_give_empty_outputs():
+    """No requests, max_seqlen_q = 0, no tokens, no pages: outputs of the usual shapes and
+    dtypes (rows that exist are empty: 0 and -inf), on every backend that is asked."""
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    kc = jnp.zeros((4, 16, 2, 8), bf16)
+    vc = jnp.zeros((4, 16, 2, 6), bf16)
+    e_pt, e_len = jnp.zeros((0, 2), i32), jnp.zeros((0,), i32)
+    q0 = jnp.zeros((0, 4, 8), bf16)
+    for backend in (None, "xla", "mosaic"):
+        for mq in (1, 3, 0):
+            r = jattn.mha_decode_with_kvcache(
+                q0, kc, vc, e_pt, e_len, max_seqlen_q=mq, return_lse=True, backend=backend
+            )
+            assert _shapes(r) == [((0, 4, 6), bf16), ((0, 4), jnp.float32)]
+    r = jattn.mha_decode_with_kvcache(
+        q0, kc, vc, jnp.zeros((2, 2), i32), jnp.ones((2,), i32), max_seqlen_q=0, return_lse=True
+    )
+    assert _shapes(r) == [((0, 4, 6), bf16), ((0, 4), jnp.float32)]
+    o, lse = jattn.mha_decode_with_kvcache(
+        jnp.ones((2, 4, 8), bf16), kc, vc, jnp.zeros((2, 0), i32), jnp.ones((2,), i32), return_lse=True
+    )
+    assert _shapes((o, lse)) == [((2, 4, 6), bf16), ((2, 4), jnp.float32)]
+    assert (np.asarray(o, np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    # extend: no requests / every request with 0 new tokens / no token rows
+    for q, pt, lens, cu, mq in [
+        (q0, e_pt, e_len, jnp.zeros((1,), i32), 1),
+        (jnp.ones((3, 4, 8), bf16), jnp.ones((2, 2), i32), jnp.array([5, 0], i32), jnp.zeros((3,), i32), 0),
+        (q0, jnp.ones((2, 2), i32), jnp.array([5, 7], i32), jnp.zeros((3,), i32), 1),
+    ]:
+        o, lse = jattn.mha_extend_with_kvcache(q, kc, vc, pt, lens, cu, max_seqlen_q=mq, return_lse=True)
+        assert _shapes((o, lse)) == [((q.shape[0], 4, 6), bf16), ((q.shape[0], 4), jnp.float32)]
+        assert (np.asarray(o, np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    # ragged prefill (MLA-style head dims): no requests, max_seqlen_q = 0, max_seqlen_kv = 0
+    k, v = jnp.ones((3, 2, 8), bf16), jnp.ones((3, 2, 6), bf16)
+    for q, cu, cukv, mq, mkv in [
+        (q0, jnp.zeros((1,), i32), None, 1, None),
+        (jnp.ones((3, 4, 8), bf16), jnp.zeros((3,), i32), None, 0, None),
+        (jnp.ones((3, 4, 8), bf16), jnp.array([0, 2, 3], i32), jnp.zeros((3,), i32), 2, 0),
+    ]:
+        o, lse = jattn.mha_prefill(q, k, v, cu, cukv, max_seqlen_q=mq, max_seqlen_kv=mkv, return_lse=True)
+        assert _shapes((o, lse)) == [((q.shape[0], 4, 6), bf16), ((q.shape[0], 4), jnp.float32)]
+        assert (np.asarray(o, np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    mla = jnp.zeros((4, 16, 12), bf16)
+    for pt, lens, mq in [(e_pt, e_len, 1), (jnp.ones((2, 1), i32), jnp.ones((2,), i32), 0)]:
+        r = jattn.mla_decode_with_kvcache(
+            jnp.zeros((0, 4, 12), bf16),
+            mla,
+            pt,
+            lens,
+            kv_lora_rank=8,
+            softmax_scale=0.1,
+            max_seqlen_q=mq,
+            return_lse=True,
+        )
+        assert _shapes(r) == [((0, 4, 8), bf16), ((0, 4), jnp.float32)]
+    r = jattn.attn_merge_state(jnp.zeros((0, 4, 8)), jnp.zeros((0, 4)), jnp.zeros((0, 4, 8)), jnp.zeros((0, 4)))
+    assert _shapes(r) == [((0, 4, 8), jnp.float32), ((0, 4), jnp.float32)]
+    loc0 = jnp.zeros((0,), i32)
+    new_k, new_v = jattn.set_kv_buffer(kc, vc, loc0, jnp.zeros((0, 2, 8)), jnp.zeros((0, 2, 6)))
+    assert (np.asarray(new_k) == np.asarray(kc)).all() and new_v.shape == vc.shape
+    for c_kv, k_pe in [(jnp.zeros((0, 8)), jnp.zeros((0, 4))), (jnp.zeros((0, 1, 8)), jnp.zeros((0, 1, 4)))]:
+        assert (np.asarray(jattn.set_mla_kv_buffer(mla, loc0, c_kv, k_pe)) == 0).all()
