@@ -132,7 +132,7 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
 
 
 # kernel backend -> {op: kernel module}; an op missing here has no kernel in that backend yet
-KERNELS = {"mosaic": {"mha_decode": "mosaic_decode"}}
+KERNELS = {"mosaic": {"mha_decode": "mosaic_decode", "mha_extend": "mosaic_prefill", "mha_prefill": "mosaic_prefill"}}
 OPS = (
     "mha_decode",
     "mha_extend",
@@ -296,14 +296,7 @@ def mha_extend_with_kvcache(
         )
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
-    _pick("mha_extend", backend, None, None)
-    return reference.mha_extend(
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        cache_seqlens,
-        cu_seqlens_q,
+    kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
         window_left=window_left,
@@ -314,6 +307,22 @@ def mha_extend_with_kvcache(
         v_scale=v_scale,
         return_lse=return_lse,
     )
+    impl = None
+    if q.shape[0] and page_table.shape[0]:  # an empty call runs on xla (empty outputs)
+        impl = _pick(
+            "mha_extend",
+            backend,
+            KERNELS["mosaic"]["mha_extend"],
+            lambda mod, *a, **k: mod.extend_unsupported_reason(*a, **k),
+            q,
+            k_cache,
+            v_cache,
+            **kw,
+        )
+    else:
+        _check_backend(backend)
+    impl = impl or reference.mha_extend
+    return impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, **kw)
 
 
 def mha_prefill(
@@ -375,13 +384,7 @@ def mha_prefill(
     if max_seqlen_kv is not None:
         _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
     _check_options(window_left, logit_cap, sinks, q.shape[1])
-    _pick("mha_prefill", backend, None, None)
-    return reference.mha_prefill(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_kv,
+    kw = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
         is_causal=is_causal,
@@ -393,6 +396,22 @@ def mha_prefill(
         v_scale=v_scale,
         return_lse=return_lse,
     )
+    impl = None
+    if q.shape[0] and cu_seqlens_q.shape[0] > 1:  # an empty call runs on xla (empty outputs)
+        impl = _pick(
+            "mha_prefill",
+            backend,
+            KERNELS["mosaic"]["mha_prefill"],
+            lambda mod, *a, **k: mod.unsupported_reason(*a, **k),
+            q,
+            k,
+            v,
+            **kw,
+        )
+    else:
+        _check_backend(backend)
+    impl = impl or reference.mha_prefill
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_kv, **kw)
 
 
 def mla_decode_with_kvcache(

@@ -63,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn.pallas_kernels.mosaic_common import cast_layout, plgpu_kernel, swizzle_transforms, vec_iota
 
-__all__ = ["mha_prefill", "mha_extend", "unsupported_reason", "PrefillConfig", "TILE_Q"]
+__all__ = ["mha_prefill", "mha_extend", "unsupported_reason", "extend_unsupported_reason", "PrefillConfig", "TILE_Q"]
 
 _LOG2E = math.log2(math.e)
 TILE_Q = 128  # query rows per tile: two consumer warpgroups of 64
@@ -114,8 +114,11 @@ def _choose_blocks(d: int, dv: int) -> tuple[int, int]:
     return 128, 2
 
 
-def unsupported_reason(q, k, v, *, is_causal=True, window_left=-1, page_size=0, **_) -> str | None:
-    """None when the kernel can serve this call, else a one-line reason."""
+def unsupported_reason(q, k, v, *, page_size=0, **_) -> str | None:
+    """None when the kernel can serve this prefill call (``k``/``v`` ragged) or, with
+    ``page_size``, this extend call (``k``/``v`` the paged cache), else a one-line reason."""
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return "no query rows or heads"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q dtype {q.dtype} (bf16/f16 only)"
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -129,6 +132,11 @@ def unsupported_reason(q, k, v, *, is_causal=True, window_left=-1, page_size=0, 
     if page_size and page_size not in SUPPORTED_PAGE_SIZES:
         return f"page_size={page_size} (supported: {SUPPORTED_PAGE_SIZES})"
     return None
+
+
+def extend_unsupported_reason(q, k_cache, v_cache, **kw) -> str | None:
+    """:func:`unsupported_reason` of an extend over ``[num_pages, page_size, Hkv, D]`` caches."""
+    return unsupported_reason(q, k_cache, v_cache, page_size=k_cache.shape[1], **kw)
 
 
 # ---------------------------------------------------------------------------
@@ -592,6 +600,8 @@ def mha_prefill(
     k_scale=1.0,
     v_scale=1.0,
     return_lse=False,
+    max_seqlen_q=None,
+    max_seqlen_kv=None,
 ):
     """Ragged attention without a cache (Mosaic GPU, Hopper).
 
@@ -601,6 +611,8 @@ def mha_prefill(
         ``cu_seqlens_kv`` (default ``cu_seqlens_q``).
       is_causal, window_left, logit_cap, sinks (f32 ``[Hq]``), softmax_scale,
         k_scale, v_scale, return_lse: as in ``jattn.ops.mha_prefill``.
+      max_seqlen_q, max_seqlen_kv: accepted for the op's signature; the kernel
+        reads the lengths from the offsets.
 
     Returns ``out [num_tokens, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]`` are 0), and
     with ``return_lse`` the natural-log LSE f32 ``[num_tokens, Hq]``.
@@ -645,6 +657,7 @@ def mha_extend(
     k_scale=1.0,
     v_scale=1.0,
     return_lse=False,
+    max_seqlen_q=None,
 ):
     """Ragged queries over a paged cache that already holds their K/V (Mosaic GPU).
 

@@ -39,8 +39,9 @@ def test_info_says_what_each_op_runs_here(capsys):
 def test_op_backend_follows_the_dispatch(monkeypatch):
     assert jattn.ops.op_backend("mha_decode") == ("xla", None)  # auto on the CPU
     assert jattn.ops.op_backend("mha_extend", "xla") == ("xla", None)
-    name, why = jattn.ops.op_backend("mha_prefill", "mosaic")
+    name, why = jattn.ops.op_backend("mla_decode", "mosaic")
     assert name == "xla" and "no mosaic kernel" in why
+    assert jattn.ops.op_backend("mha_prefill", "mosaic") == ("mosaic", None)  # interpreted here
     monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
     assert jattn.ops.op_backend("mha_decode") == ("mosaic", None)
     monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
@@ -59,22 +60,21 @@ def test_named_backend_is_a_preference(monkeypatch):
     assert backend is None and "every op runs on xla" in note and "\n" not in note
     for target in (jattn.ops, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "hopper")
-    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
-    assert backend is None  # auto: mosaic decode, xla elsewhere
-    assert note == (
-        "--backend mosaic: mha_extend, mha_prefill on xla (no mosaic kernel is built for this "
-        "op yet); mha_decode on mosaic where auto picks it"
+    # every MHA op has a mosaic kernel: the loop runs on mosaic, nothing to announce
+    assert jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS) == ("mosaic", None)
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)  # no MLA kernel yet
+    assert backend is None and note == (
+        "--backend mosaic: mla_decode on xla (no mosaic kernel is built for this op yet); "
+        "mha_prefill on mosaic where auto picks it"
     )
     for target in (jattn.ops, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
     assert backend is None and note == (
-        "--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (no "
-        "mosaic kernel is built for this op yet; the mosaic backend needs a "
-        "Hopper (sm90+) GPU)"
+        "--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (the mosaic backend needs a Hopper (sm90+) GPU)"
     )
-    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)  # no MLA kernel yet
-    assert backend is None and note.startswith("--backend mosaic: mla_decode, mha_prefill on xla (no mosaic")
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)
+    assert backend is None and note.startswith("--backend mosaic: mla_decode, mha_prefill on xla (")
 
 
 def test_demo_help_mentions_synthetic(capsys):

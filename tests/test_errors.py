@@ -139,8 +139,11 @@ def _mla(**kw):
     return jattn.mla_decode_with_kvcache(*args.values(), softmax_scale=0.1, **kw)
 
 
-@pytest.mark.parametrize("backend", ["mosaic", "triton"])
-@pytest.mark.parametrize("op", [_extend, _prefill, _mla], ids=["extend", "prefill", "mla_decode"])
+@pytest.mark.parametrize(
+    "op, backend",
+    [(_extend, "triton"), (_prefill, "triton"), (_mla, "triton"), (_mla, "mosaic")],
+    ids=["extend-triton", "prefill-triton", "mla_decode-triton", "mla_decode-mosaic"],
+)
 def test_named_backend_without_kernel_raises_not_implemented(op, backend):
     with pytest.raises(NotImplementedError, match=rf"no {backend} kernel is built for this op"):
         op(backend=backend)
