@@ -37,12 +37,25 @@ from jattn.metadata import (
 )
 
 
-def _check_page_size(metadata, cache_page_size: int) -> None:
-    """The plan's slots and the cache's pages must agree (checked at trace time)."""
-    if metadata.page_size != cache_page_size:
+def _check_plan(metadata, kv_cache) -> None:
+    """The plan fits the cache (checked at trace time, on static fields only): the same
+    page size, and page ids range-checked against at most the cache's page count."""
+    if metadata.page_size != kv_cache.page_size:
         raise ValueError(
             f"metadata.page_size={metadata.page_size} differs from the KV cache's page_size="
-            f"{cache_page_size}: the plan's slots would address the wrong tokens"
+            f"{kv_cache.page_size}: the plan's slots would address the wrong tokens"
+        )
+    bound, have = metadata.num_pages, kv_cache.num_pages
+    if bound is None:
+        raise ValueError(
+            f"metadata.num_pages is None: the plan's page_table ids were never range-checked, and the "
+            f"KV cache has {have} pages; plan with num_pages={have} (config.num_pages, the num_pages "
+            "argument of init_forward_metadata, or plan_decode / plan_extend(num_pages=...))"
+        )
+    if bound > have:
+        raise ValueError(
+            f"metadata.num_pages={bound} exceeds the KV cache's {have} pages: the plan's page_table "
+            f"ids were checked against {bound} and may read or write past the pool"
         )
 
 
@@ -65,6 +78,7 @@ class _PlanningMixin:
         forward_mode: ForwardMode = ForwardMode.DECODE,
         extend_seq_lens=None,
         extend_prefix_lens=None,
+        num_pages: int | None = None,
         **kwargs,
     ) -> DecodeMetadata | ExtendMetadata:
         """Plans one forward step; returns the metadata pytree every layer reuses.
@@ -78,6 +92,8 @@ class _PlanningMixin:
             member of the same name). Decode modes plan ``q_len(mode)`` tokens per
             request; ``EXTEND`` / ``DRAFT_EXTEND`` need ``extend_seq_lens`` int[>= bs].
           extend_prefix_lens: optional int[>= bs], checked against the lengths.
+          num_pages: the KV cache's page count, the bound of the page ids when
+            ``config.num_pages`` is None (see :meth:`page_bound`).
           kwargs: passed to :func:`jattn.plan_extend` (token buckets) for extends.
         """
         mode = ForwardMode.parse(forward_mode)
@@ -95,7 +111,7 @@ class _PlanningMixin:
             req_pool_indices=np.asarray(req_pool_indices)[:bs],
             batch_buckets=self.batch_buckets,
             max_pages=cfg.max_num_pages,
-            num_pages=cfg.num_pages,
+            num_pages=self.page_bound(num_pages),
         )
         seq_lens = np.asarray(seq_lens)[:bs]
         if mode.is_extend():
@@ -117,6 +133,13 @@ class _PlanningMixin:
             **common,
         )
 
+    def page_bound(self, num_pages: int | None = None) -> int | None:
+        """The pool size a plan's page ids are checked against: ``config.num_pages``, or
+        else ``num_pages`` (the cache's page count, given by the caller). The plan records
+        it as a static field, so it must be the same for every step of a jitted loop; the
+        ``forward_*`` methods refuse a plan without one, or with more pages than the cache."""
+        return self.config.num_pages if self.config.num_pages is not None else num_pages
+
     # ---- CUDA-graph analogue: buckets chosen once, compiled on first call, refilled after.
 
     @property
@@ -130,9 +153,10 @@ class _PlanningMixin:
         return buckets
 
     def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, forward_mode: ForwardMode = ForwardMode.DECODE, **kwargs
+        self, bs: int, forward_mode: ForwardMode = ForwardMode.DECODE, num_pages: int | None = None, **kwargs
     ) -> DecodeMetadata:
-        """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with."""
+        """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with;
+        ``num_pages`` as in :meth:`init_forward_metadata` (the replays must agree)."""
         if bs not in self.batch_buckets:
             raise ValueError(f"bs={bs} is not one of the buckets {self.batch_buckets}")
         mode = ForwardMode.parse(forward_mode)
@@ -149,13 +173,23 @@ class _PlanningMixin:
             forward_mode=mode,
             batch_buckets=(bs,),
             max_pages=self.config.max_num_pages,
+            num_pages=self.page_bound(num_pages),
         )
 
     def init_forward_metadata_replay_cuda_graph(
-        self, bs: int, req_pool_indices, seq_lens, req_to_page, forward_mode: ForwardMode = ForwardMode.DECODE, **kwargs
+        self,
+        bs: int,
+        req_pool_indices,
+        seq_lens,
+        req_to_page,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+        num_pages: int | None = None,
+        **kwargs,
     ) -> DecodeMetadata:
         """A decode plan for the first ``bs`` requests, padded to the smallest bucket."""
-        return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, forward_mode)
+        return self.init_forward_metadata(
+            bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages
+        )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """The length to give padding rows of a bucket: 0 (an empty row: output 0,
@@ -236,7 +270,7 @@ class MHABackend(_PlanningMixin):
         """
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
-        _check_page_size(metadata, kv_cache.page_size)
+        _check_plan(metadata, kv_cache)
         if save_kv_cache and k is not None:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
         q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
@@ -276,7 +310,7 @@ class MHABackend(_PlanningMixin):
         engine wrote them into its pool); otherwise it raises.
         Returns ``(out [num_tokens, Hq * Dv], kv_cache)``; padding tokens give 0.
         """
-        _check_page_size(metadata, kv_cache.page_size)
+        _check_plan(metadata, kv_cache)
         q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
         k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
         v = v.reshape(-1, layer.num_kv_heads, layer.head_dim_v)
@@ -369,7 +403,7 @@ class MLABackend(_PlanningMixin):
 
     def _decode(self, query, layer, kv_cache: MLAKVCache, metadata):
         """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``)."""
-        _check_page_size(metadata, kv_cache.page_size)
+        _check_plan(metadata, kv_cache)
         return ops.mla_decode_with_kvcache(
             query,
             kv_cache.layer(layer.layer_id),

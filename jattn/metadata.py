@@ -89,8 +89,9 @@ def _pytree(cls, data):
 class DecodeMetadata:
     """Metadata of a decode step (``max_seqlen_q`` tokens per request, request-major).
 
-    The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal`` and
-    ``forward_mode`` are static (a new value compiles a new program).
+    The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
+    ``forward_mode`` and ``num_pages`` (the pool size the page ids were checked against,
+    None if unchecked) are static (a new value compiles a new program).
     """
 
     page_table: jax.Array  # i32[bs, max_pages]
@@ -102,6 +103,7 @@ class DecodeMetadata:
     page_size: int = 16
     is_causal: bool = True
     forward_mode: ForwardMode = ForwardMode.DECODE
+    num_pages: int | None = None  # the pool size every page id was checked against (None: unchecked)
 
     @property
     def batch_size(self) -> int:
@@ -143,7 +145,8 @@ class ExtendMetadata:
     """Metadata of an extend / prefill step (ragged new tokens over a paged prefix).
 
     The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
-    ``has_prefix`` (some request has a cached prefix) and ``forward_mode`` are static.
+    ``has_prefix`` (some request has a cached prefix), ``forward_mode`` and ``num_pages``
+    (as in :class:`DecodeMetadata`) are static.
     """
 
     page_table: jax.Array  # i32[bs, max_pages]
@@ -158,6 +161,7 @@ class ExtendMetadata:
     is_causal: bool = True
     has_prefix: bool = True
     forward_mode: ForwardMode = ForwardMode.EXTEND
+    num_pages: int | None = None  # the pool size every page id was checked against (None: unchecked)
 
     @property
     def batch_size(self) -> int:
@@ -219,6 +223,14 @@ def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> n
     return pt
 
 
+def _check_num_pages(num_pages) -> int | None:
+    if num_pages is None:
+        return None
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+        raise ValueError(f"num_pages={num_pages!r} must be a positive int (the pool's page count) or None")
+    return int(num_pages)
+
+
 def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None):
     need = -(-seq_lens // page_size)
     if need.size and need.max() > pt.shape[1]:
@@ -233,6 +245,8 @@ def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages
     bad = used & ((ids < 0) | (ids >= hi))
     if bad.any():
         b, i = map(int, np.argwhere(bad)[0])
+        if num_pages is None:
+            raise ValueError(f"page_table[{b}, {i}]={pt[b, i]} is not a page id (negative or past int32)")
         raise ValueError(f"page_table[{b}, {i}]={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)")
     dummy = used & (ids == DUMMY_PAGE)
     if dummy.any():
@@ -309,7 +323,9 @@ def plan_decode(
       batch_buckets: the batch is padded to the smallest bucket >= bs (powers of two
         when None).
       max_pages: page-table width (default: power-of-two bucket of the need).
-      num_pages: pool size, to validate page ids.
+      num_pages: the pool's page count: every page id a request uses must be below it.
+        The plan records it (static); the backends refuse a plan without it, or with
+        more pages than their cache has (None leaves ids unchecked, for direct op use).
       forward_mode: a decode mode (``DECODE``, ``TARGET_VERIFY``, ``DRAFT_BLOCK``) or
         None to read it off ``q_len`` and ``is_causal``.
 
@@ -331,6 +347,7 @@ def plan_decode(
         raise ValueError(
             f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens (0 marks a padding row)"
         )
+    num_pages = _check_num_pages(num_pages)
     pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
     _check_pages(pt, sl, page_size, num_pages)
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
@@ -362,6 +379,7 @@ def plan_decode(
         page_size=page_size,
         is_causal=is_causal,
         forward_mode=mode,
+        num_pages=num_pages,
     )
 
 
@@ -429,6 +447,7 @@ def plan_extend(
         given = _as_int_array(extend_prefix_lens, "extend_prefix_lens", 1)
         if given.shape != prefix.shape or (given != prefix).any():
             raise ValueError("lengths inconsistent: extend_prefix_lens + extend_seq_lens != seq_lens")
+    num_pages = _check_num_pages(num_pages)
     pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
     _check_pages(pt, sl, page_size, num_pages)
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
@@ -464,6 +483,7 @@ def plan_extend(
         is_causal=is_causal,
         has_prefix=bool((prefix > 0).any()),
         forward_mode=forward_mode,
+        num_pages=num_pages,
     )
 
 
@@ -486,14 +506,21 @@ _pytree(PrefixChunk, ("cu_seqlens_kv", "slots"))
 
 
 def plan_prefix_chunks(
-    prefix_lens, page_table, *, page_size: int, chunk_size: int, batch_size: int | None = None
+    prefix_lens,
+    page_table,
+    *,
+    page_size: int,
+    chunk_size: int,
+    batch_size: int | None = None,
+    num_pages: int | None = None,
 ) -> tuple:
     """Splits every request's cached prefix into chunks of at most ``chunk_size`` tokens.
 
     Chunk ``c`` holds prefix tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of each
     request (a request whose prefix is shorter has 0 keys in it: its rows come out as
     ``o = 0, lse = -inf`` and merge as a no-op). ``batch_size`` pads the requests to a
-    bucket (default: ``len(prefix_lens)``). Returns a tuple of :class:`PrefixChunk`.
+    bucket (default: ``len(prefix_lens)``); ``num_pages`` (the pool's page count) bounds
+    the page ids of the prefixes. Returns a tuple of :class:`PrefixChunk`.
     """
     pre = _as_int_array(prefix_lens, "prefix_lens", 1)
     pt = _as_int_array(page_table, "page_table", 2)
@@ -504,7 +531,7 @@ def plan_prefix_chunks(
         raise ValueError(f"prefix_lens[{b}]={pre[b]} is negative")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
-    _check_pages(pt[: pre.shape[0]], pre, page_size, None)
+    _check_pages(pt[: pre.shape[0]], pre, page_size, _check_num_pages(num_pages))
     bs = pre.shape[0] if batch_size is None else batch_size
     if bs < pre.shape[0]:
         raise ValueError(f"batch_size={bs} is smaller than the {pre.shape[0]} requests")

@@ -564,3 +564,76 @@ def test_cli_help_lists_subcommands():
     assert res.returncode == 0, res.stderr
     for cmd in ("demo", "generate", "bench"):
         assert cmd in res.stdout
+
+
+# ----------------------------------------------------------------------------- page-id bound
+
+
+def test_backends_refuse_plans_not_checked_against_their_cache():
+    """An out-of-range page id never reaches a kernel: a plan checked against no bound, or
+    against more pages than the cache has, is refused at trace time; with config.num_pages
+    None the planning path takes the cache's page count, and a jitted step sees one
+    static bound (no retrace)."""
+    rng = np.random.default_rng(3)
+    num_pages, ps = 12, 4
+    layer = LayerSpec(0, 4, 2, 8)
+    cache = PagedKVCache(
+        k=(jnp.asarray(rng.standard_normal((num_pages, ps, 2, 8)), jnp.float32),),
+        v=(jnp.asarray(rng.standard_normal((num_pages, ps, 2, 8)), jnp.float32),),
+    )
+    be = MHABackend(MHAConfig(4, 2, 8, page_size=ps, context_len=32, kernel_backend="xla", batch_buckets=(2,)))
+    assert be.page_bound() is None and be.page_bound(num_pages) == num_pages
+    r2p = np.array([[3, 4, 0, 0, 0, 0, 0, 0], [5, 10**6, 0, 0, 0, 0, 0, 0]])
+    q = jnp.ones((2, 32), jnp.float32)
+    unchecked = be.init_forward_metadata(2, np.arange(2), np.array([7, 6]), r2p)
+    assert unchecked.num_pages is None
+    with pytest.raises(ValueError, match=r"metadata\.num_pages is None: the plan's page_table ids .* num_pages=12"):
+        be.forward_decode(q, None, None, layer, cache, unchecked)
+    with pytest.raises(ValueError, match=r"page_table\[1, 1\]=1000000 out of range \[0, 12\)"):
+        be.init_forward_metadata(2, np.arange(2), np.array([7, 6]), r2p, num_pages=num_pages)
+    too_big = jattn.plan_decode([7, 6], page_size=ps, page_table=[[3, 4], [5, 20]], num_pages=21, max_pages=8)
+    with pytest.raises(
+        ValueError, match=r"metadata\.num_pages=21 exceeds the KV cache's 12 pages: the plan's page_table"
+    ):
+        be.forward_decode(q, None, None, layer, cache, too_big)
+    ext = jattn.plan_extend([7, 6], [7, 6], page_size=ps, page_table=[[3, 4], [5, 20]], num_pages=21)
+    kv = jnp.ones((ext.num_tokens, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"metadata\.num_pages=21 exceeds"):
+        be.forward_extend(jnp.ones((ext.num_tokens, 32), jnp.float32), kv, kv, layer, cache, ext)
+    # the cache's page count through the planning path: capture, then replays, one trace
+    traces = []
+
+    @jax.jit
+    def step(cache, md, q):
+        traces.append(1)
+        return be.forward_decode(q, None, None, layer, cache, md)
+
+    cap = be.init_forward_metadata_capture_cuda_graph(2, num_pages=num_pages)
+    step(cache, cap, q)
+    r2p[1, 1] = 11
+    for lens in ([7, 6], [2, 8]):
+        md = be.init_forward_metadata_replay_cuda_graph(2, np.arange(2), np.array(lens), r2p, num_pages=num_pages)
+        out, _ = step(cache, md, q)
+        assert np.isfinite(np.asarray(out)).all()
+    assert len(traces) == 1
+    # config.num_pages wins over the argument (plans of one backend share one bound)
+    be2 = MHABackend(MHAConfig(4, 2, 8, page_size=ps, context_len=32, num_pages=10, kernel_backend="xla"))
+    assert be2.init_forward_metadata(2, np.arange(2), np.array([7, 3]), r2p, num_pages=12).num_pages == 10
+
+
+def test_mla_backend_refuses_unchecked_plans():
+    rng = np.random.default_rng(4)
+    cfg, be, layer, cache = _mla_setup(rng, num_pages=8)
+    r2p = _mla_pages(rng, [20, 3], 16, 8, cfg.max_num_pages)
+    q = jnp.ones((4, 4, 64 + 16), jnp.float32)
+    md = be.init_forward_metadata(2, np.arange(2), np.array([20, 3]), r2p)
+    assert md.num_pages == 8
+    be.forward_decode(q, None, None, layer, cache, md, save_kv_cache=False)
+    unchecked = jattn.plan_decode([20, 3], page_size=16, page_table=r2p, batch_buckets=(4,))
+    with pytest.raises(ValueError, match=r"metadata\.num_pages is None: the plan's page_table ids .* num_pages=8"):
+        be.forward_decode(q, None, None, layer, cache, unchecked, save_kv_cache=False)
+    big = jattn.plan_extend(
+        [20, 3], [2, 1], page_size=16, page_table=r2p, num_pages=9, forward_mode=ForwardMode.DRAFT_EXTEND
+    )
+    with pytest.raises(ValueError, match=r"metadata\.num_pages=9 exceeds the KV cache's 8 pages"):
+        be.forward_draft_extend(jnp.ones((big.num_tokens, 4, 80), jnp.float32), None, None, layer, cache, big, False)

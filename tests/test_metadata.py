@@ -309,3 +309,42 @@ def test_capture_then_replay_metadata_does_not_retrace():
     assert len(traces) == 1
     out = np.asarray(out)
     assert np.isfinite(out).all() and (out[5] == 0).all() and np.abs(out[:5]).sum() > 0
+
+
+# ----------------------------------------------------------------------------- page-id bound
+
+
+def test_plans_record_the_page_bound_they_were_checked_against():
+    """A plan records num_pages (static); ids at or past it are refused, and without it
+    (None) ids are not range-checked, which the backends refuse (tests below)."""
+    pt = np.array([[3, 5], [10**6, 0]])
+    md = jattn.plan_decode([20, 5], page_size=16, page_table=pt)
+    assert md.num_pages is None and int(md.page_table[1, 0]) == 10**6
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\]=1000000 out of range \[0, 64\) \(num_pages"):
+        jattn.plan_decode([20, 5], page_size=16, page_table=pt, num_pages=64)
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\]=1000000 out of range \[0, 64\)"):
+        jattn.plan_extend([20, 5], [2, 5], page_size=16, page_table=pt, num_pages=64)
+    md = jattn.plan_decode([20, 5], page_size=16, page_table=[[3, 5], [63, 0]], num_pages=64)
+    assert md.num_pages == 64
+    md = jattn.plan_extend([20, 5], [2, 5], page_size=16, page_table=[[3, 5], [63, 0]], num_pages=np.int64(64))
+    assert md.num_pages == 64 and type(md.num_pages) is int
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"num_pages=.* must be a positive int"):
+            jattn.plan_decode([5], page_size=16, page_table=[[3]], num_pages=bad)
+    # the bound is a static field: plans of one pool share a treedef, another bound does not
+    a = jattn.plan_decode([5, 9], page_size=4, page_table=[[3, 2, 0], [4, 5, 6]], num_pages=8)
+    b = jattn.plan_decode([2, 12], page_size=4, page_table=[[7, 0, 0], [1, 2, 3]], num_pages=8)
+    c = jattn.plan_decode([2, 12], page_size=4, page_table=[[7, 0, 0], [1, 2, 3]], num_pages=9)
+    tree = jax.tree_util.tree_structure
+    assert tree(a) == tree(b) and tree(a) != tree(c)
+    # with_seq_lens (the DFLASH fill) keeps it
+    assert a.with_seq_lens(np.array([4, 8])).num_pages == 8
+
+
+def test_plan_prefix_chunks_checks_page_ids():
+    pt = np.array([[2, 70], [5, 0]])
+    jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8)  # no bound given: not range-checked
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\]=70 out of range \[0, 64\)"):
+        jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8, num_pages=64)
+    chunks = jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8, num_pages=71)
+    assert max(int(c.slots.max()) for c in chunks) < 71 * 16
