@@ -17,9 +17,16 @@ Layout of the work:
   masked to ``-inf`` (block-diagonal GQA mask), so the ``P @ V`` ``wgmma`` only
   mixes each query head with its own KV head.
 * num_kv_heads not a multiple of 8: a page's tail box is shifted back by whole
-  8-row tiles only, so it can hold up to 7 rows of the page's unused tail; the
-  compute warpgroup zeroes those V rows in shared memory (last block of a
-  request only).
+  8-row tiles only, so it can hold up to 7 rows of the page's unused tail.
+* Masked keys contribute nothing, whatever they hold (docs/SEMANTICS.md). Scores
+  are selected to ``-inf``; V is the danger (``P = 0`` times NaN is NaN). Only a
+  *boundary* block holds columns masked for some query row: the last blocks
+  (past the length, a page's unused tail, draft tokens past a query's causal
+  limit) and, with a window, its first blocks. There the compute warpgroups take
+  ``Q V^T`` (non-finite exactly in the columns whose V row is) to flag the rows
+  that see such a column, then rewrite the V tile in shared memory with its
+  non-finite entries replaced by 0, and a flagged row gets NaN in its softmax
+  denominator. Full blocks skip all of it (one scalar test per block).
 * Each split writes a normalised partial output and its log-sum-exp;
   ``combine.combine_splits`` merges the splits and applies sinks and
   ``v_scale``. With one split there is nothing to merge.
@@ -37,7 +44,7 @@ bytes); the compute warpgroup upcasts each K and V tile through registers into
 an f16 tile for the wgmma (q is cast to f16 for these calls; the output is
 returned in q's dtype).
 
-Under the Mosaic GPU interpreter (CPU tests) the two matmuls are plain dots on
+Under the Mosaic GPU interpreter (CPU tests) the matmuls are plain dots on
 the shared-memory tiles (the interpreter's wgmma takes neither a transposed B
 nor A in registers) and TMA reads are clamped into bounds; everything else
 (page addressing, the TMA ring and barriers, masks, softmax, combine) is the
@@ -117,9 +124,10 @@ def _decode_kernel(
     q_bar,
     k_free,
     v_free,
+    edge_bar=None,  # C > 1: the compute warpgroups meet here on a boundary block
     kc_smem=None,  # [block_n, D] f16: FP8 K upcast (C == 1 only)
-    vc_smem=None,
-):  # [block_n, D] f16: FP8 V upcast
+    vc_smem=None,  # [block_n, D] f16: FP8 V upcast
+):
     bs = cfg.bs
     C, S = bs.compute_wgs, bs.num_stages
     BT, N, D = bs.block_tokens, cfg.block_n, cfg.head_dim
@@ -311,8 +319,38 @@ def _decode_kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             return p.astype(dtype), acc, m_new, l_i
 
+        zero_rows = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+        def edge_block(blk):
+            """Whether block ``blk`` holds a column masked for some query row: past the
+            length or a query's causal limit (the last blocks), or before some query's
+            window (the window's first blocks). Every other block is visible to all rows."""
+            causal_slack = n - 1 if cfg.is_causal else 0
+            edge = blk * BTB + BTB > seq_len - causal_slack
+            if cfg.window_left >= 0:
+                edge = edge | (blk * BTB < seq_len - 1 - cfg.window_left)
+            return edge
+
+        def clean_edge_tile(v_tile, blk):
+            """A boundary block's V tile made safe to multiply by P: its non-finite
+            entries are replaced by 0 in shared memory, so a masked column (P = 0) adds
+            exactly nothing. Returns the per-row poison, NaN for a query row that sees a
+            column whose V held a non-finite value (else 0): a visible column of
+            ``Q V^T`` is non-finite exactly where its V row is. Full blocks skip this."""
+            t = jnp.where(head_ok & token_ok(blk), qk_sync(v_tile), 0.0)
+            poison = (t * 0.0).sum(axis=1)  # 0 * inf and NaN stay NaN
+            if edge_bar is not None:  # every warpgroup reads the tile before any rewrites it
+                plgpu.barrier_arrive(edge_bar)
+                plgpu.barrier_wait(edge_bar)
+            v = v_tile[...]
+            v_tile[...] = jnp.where(v - v == 0, v, jnp.zeros(v.shape, v.dtype))
+            plgpu.commit_smem()
+            return poison
+
         def pv_step(acc, p16, slot, blk):
-            """Wait for the block's V, acc += P @ V, free the V slot."""
+            """Wait for the block's V, acc += P @ V, free the V slot. Returns the
+            accumulator and the per-row poison of :func:`clean_edge_tile` (0 on full
+            blocks), which the caller adds to the softmax denominator."""
             plgpu.barrier_wait(v_bar.at[slot])
             v_tile = v_smem.at[slot]
             if vc_smem is not None:
@@ -320,29 +358,12 @@ def _decode_kernel(
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_free.at[slot])
                 v_tile = vc_smem
-            if ALIGN > 1:
-                # The last block may hold rows of the page's unused tail (anything, NaN
-                # included): P is 0 there but 0 * NaN is not, so zero those V rows
-                # (in the f16 upcast tile for FP8: no pointwise ops on 8-bit types).
-                vt = v_tile
-
-                @pl.when(blk * BTB + BTB > seq_len)
-                def _():
-                    vrows = (
-                        lax.broadcasted_iota(jnp.int32, (N, D), 0)
-                        if cfg.interpret
-                        else plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA)
-                    )
-                    _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
-                    vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
-                    plgpu.commit_smem()
-
+            # A boundary block may hold masked columns whose V is anything (a page's
+            # unused tail, tokens outside the window, draft tokens a query must not
+            # see): P is 0 there but 0 * NaN is not.
+            poison = lax.cond(edge_block(blk), lambda: clean_edge_tile(v_tile, blk), lambda: zero_rows)
             if cfg.interpret:
-                # Here the last block may hold the page's unused tail (no TMA zero fill
-                # when clamped at the page start): zero those rows as TMA would have.
-                _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
-                vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
-                acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
+                acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
             else:
 
                 def pv(acc_ref):
@@ -351,7 +372,7 @@ def _decode_kernel(
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             if vc_smem is None:
                 plgpu.barrier_arrive(v_free.at[slot])
-            return acc
+            return acc, poison
 
         def body(i, carry):
             """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
@@ -362,8 +383,8 @@ def _decode_kernel(
             s = qk_sync(k_tile_for(slot))
             plgpu.barrier_arrive(k_free.at[slot])
             p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
-            acc = pv_step(acc, p16, slot, blk)
-            return acc, m_new, l_i
+            acc, poison = pv_step(acc, p16, slot, blk)
+            return acc, m_new, l_i + poison
 
         def body_overlap(i, carry):
             """Block i with the next block's Q K^T in flight on the tensor cores while
@@ -384,14 +405,15 @@ def _decode_kernel(
             if cfg.interpret:
                 s_next = qk_sync(k_next)
                 p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
-                acc = pv_step(acc, p16, slot, blk)
+                acc, poison = pv_step(acc, p16, slot, blk)
+                l_i = l_i + poison
             else:
 
                 def scope(s_ref):
                     plgpu.wgmma(s_ref, qo_smem, k_next.T)
                     p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
-                    acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
-                    return acc2, m_new, l_new, s_ref[...]
+                    acc2, poison = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
+                    return acc2, m_new, l_new + poison, s_ref[...]
 
                 acc, m_new, l_i, s_next = pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
 
@@ -448,12 +470,30 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
     if fp8 and C != 1:
         raise NotImplementedError("FP8 KV uses one compute warpgroup")
     extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
+    n_edge = 1 if C > 1 else 0
 
     def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        def body(*scratch):
+            named, rest = scratch[:9], scratch[9:]
+            edge_bar = rest[0] if n_edge else None
+            _decode_kernel(
+                cfg,
+                dtype,
+                pt_ref,
+                lens_ref,
+                scale_ref,
+                q_ref,
+                k_ref,
+                v_ref,
+                o_ref,
+                lse_ref,
+                *named,
+                edge_bar,
+                *rest[n_edge:],
+            )
+
         pl.run_scoped(
-            lambda *scratch: _decode_kernel(
-                cfg, dtype, pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch
-            ),
+            body,
             plgpu.SMEM((C, 64, D), dtype, transforms=tr),
             plgpu.SMEM((S, N, D), k2.dtype, transforms=kv_tr),
             plgpu.SMEM((S, N, D), v2.dtype, transforms=kv_tr),
@@ -463,6 +503,7 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
             plgpu.Barrier(num_barriers=C),
             plgpu.Barrier(num_arrivals=C, num_barriers=S),
             plgpu.Barrier(num_arrivals=C, num_barriers=S),
+            *[plgpu.Barrier(num_arrivals=C)] * n_edge,
             *extra,
             collective_axes="wg",
         )

@@ -265,6 +265,125 @@ def test_auto_dispatch_skips_measured_slow_shapes(monkeypatch):
     assert picked == ["xla", "mosaic", "mosaic"]
 
 
+# ---------------------------------------------------------------------------
+# Poison: NaN / Inf in keys a query does not see must change nothing.
+NAN, INF = float("nan"), float("inf")
+
+
+def _sees(length, n, i, j, causal, window):
+    pos = length - n + i
+    return 0 <= j < length and (not causal or j <= pos) and (window < 0 or j >= pos - window)
+
+
+def _poison_check(c: Case, spots, *, interpret: bool, options: md.KernelOptions = md.KernelOptions()):
+    """Runs the kernel on caches poisoned at ``spots`` and checks it against the f32
+    reference on the clean caches. A spot is ``(request, key positions, kv head or None
+    (all), "k" / "v" / "kv", value, checked)``: a query that does not see the key must
+    come out as on clean data; with ``checked`` a query that sees it must be non-finite
+    in the heads that read that kv head (other heads of that query are not checked).
+    Unused pages and page tails hold NaN as in every case here."""
+    q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed)
+    kw = _kwargs(c, sinks, ks, vs)
+    ref_out, _ = reference.mha_decode(q, k, v, table, lens, **kw)
+    kp, vp = np.array(k), np.array(v)
+    tab = np.asarray(table)
+    group = c.hq // c.hkv
+    n_tok = len(c.lens) * c.q_len
+    seen = np.zeros((n_tok, c.hq), bool)  # must be non-finite
+    touched = np.zeros(n_tok, bool)  # query tokens that see some poisoned key
+    for b, js, h, which, value, checked in spots:
+        heads = range(c.hkv) if h is None else [h]
+        for j in js:
+            page, off = tab[b, j // c.page_size], j % c.page_size
+            for hh in heads:
+                if "k" in which:
+                    kp[page, off, hh, 0] = value
+                if "v" in which:
+                    vp[page, off, hh, c.d - 1] = value
+                for i in range(c.q_len):
+                    if _sees(c.lens[b], c.q_len, i, j, c.causal, c.window_left):
+                        touched[b * c.q_len + i] = True
+                        if checked:
+                            seen[b * c.q_len + i, hh * group : (hh + 1) * group] = True
+    kp, vp = jnp.asarray(kp, k.dtype), jnp.asarray(vp, v.dtype)
+    bsz = _block_sizes(c, k, table)
+    if interpret:
+        with gpu_interpret():
+            out, _ = md.mha_decode(q, kp, vp, table, lens, block_sizes=bsz, options=options, **kw)
+    else:
+        out, _ = md.mha_decode(q, kp, vp, table, lens, block_sizes=bsz, options=options, **kw)
+    out = np.asarray(out, np.float32)
+    ref_out = np.asarray(ref_out, np.float32)
+    assert (~np.isfinite(out[seen])).any(axis=-1).all(), "a query that sees a non-finite V or K came out finite"
+    tol = 2e-2 if c.kv == "same" else 3e-2
+    clean = ~touched
+    assert clean.any()
+    assert np.isfinite(out[clean]).all(), "poison in masked keys leaked into the output"
+    np.testing.assert_allclose(out[clean], ref_out[clean], atol=tol, rtol=tol)
+
+
+# (case, spots); positions are chosen against each case's masks (see _sees)
+POISON_CPU = {
+    # q_len 4 * 32 heads = two 64-row tiles: two compute warpgroups share each V tile
+    "verify_qlen4_two_wgs": (
+        Case(lens=(40, 5), hq=32, hkv=8, d=64, q_len=4),
+        [
+            (0, [39], 1, "v", NAN, True),
+            (0, [38], 2, "v", INF, True),
+            (0, [37], 0, "k", NAN, True),
+            (0, [39], 3, "k", INF, False),
+            (1, [4], 0, "v", -INF, True),
+        ],
+    ),
+    "window_own_pages": (
+        Case(lens=(90, 20), window_left=24),
+        [(0, range(0, 64), None, "kv", NAN, True), (0, [64], 3, "v", INF, True), (1, [3], 2, "v", NAN, True)],
+    ),
+    "window_qlen3": (
+        Case(lens=(77,), q_len=3, window_left=5),
+        [
+            (0, [69], 0, "v", INF, True),
+            (0, [68], 1, "kv", NAN, True),
+            (0, [76], 1, "v", NAN, True),
+            (0, [76], 2, "k", NAN, True),
+        ],
+    ),
+    "noncausal_window_qlen4": (
+        Case(lens=(40, 9), q_len=4, causal=False, window_left=6),
+        [(0, [30], 0, "v", NAN, True), (0, [29], 2, "kv", INF, True), (1, [2], 4, "v", NAN, True)],
+    ),
+    "fp8_qlen2": (
+        Case(lens=(37, 16), kv="fp8", q_len=2),
+        [(0, [36], 0, "v", NAN, True), (0, [36], 1, "k", NAN, True), (1, [15], 3, "v", NAN, True)],
+    ),
+    "hkv2_tail_qlen2": (
+        Case(lens=(45, 7), hq=8, hkv=2, page_size=32, q_len=2),
+        [(0, [44], 1, "v", NAN, True), (1, [6], 0, "v", INF, True), (0, [43], 0, "k", NAN, True)],
+    ),
+}
+
+
+@needs_interp
+@pytest.mark.parametrize("name", list(POISON_CPU))
+def test_interpreted_masked_poison(name):
+    """NaN / Inf in future draft tokens, outside the window (the request's own pages
+    included), in masked K, in page tails and unused pages: only queries that see a
+    poisoned key are non-finite."""
+    if on_gpu():
+        pytest.skip("interpreter tests run on the CPU")
+    c, spots = POISON_CPU[name]
+    _poison_check(c, spots, interpret=True)
+
+
+@needs_interp
+def test_interpreted_masked_poison_other_loop():
+    """The same with the plain block loop (overlap_qk's other setting)."""
+    if on_gpu():
+        pytest.skip("interpreter tests run on the CPU")
+    c, spots = POISON_CPU["verify_qlen4_two_wgs"]
+    _poison_check(c, spots, interpret=True, options=_flipped("overlap_qk"))
+
+
 # Full shapes on the GPU.
 GPU_CASES = {
     "llama8b_b4_l4096_p16": Case(lens=(4096, 1, 97, 3000), hq=32, hkv=8, d=128),
@@ -360,6 +479,39 @@ def test_gpu_deterministic_and_jit_metadata():
     n = f._cache_size()
     f(q, k, v, table[::-1], lens[::-1]).block_until_ready()
     assert f._cache_size() == n
+
+
+POISON_GPU = {
+    "qlen4_verify": (
+        GPU_CASES["qlen4_verify"],
+        [
+            (0, [999], 1, "v", NAN, True),
+            (0, [998], 2, "v", INF, True),
+            (0, [997], 0, "k", NAN, True),
+            (1, [36], 5, "v", -INF, True),
+            (1, [35], None, "kv", NAN, True),
+        ],
+    ),
+    "window_cap_sinks": (
+        GPU_CASES["window_cap_sinks"],
+        [(0, range(0, 1856), None, "kv", NAN, True), (0, [1871], 3, "v", INF, True), (1, [3], 2, "v", NAN, True)],
+    ),
+    "fp8_qlen4_page64": (
+        GPU_CASES["fp8_qlen4_page64"],
+        [(0, [699], 0, "v", NAN, True), (0, [698], 1, "k", NAN, True), (1, [4], 3, "v", NAN, True)],
+    ),
+    "hkv2_group4": (GPU_CASES["hkv2_group4"], [(0, [1000], 1, "v", NAN, True), (0, [999], 0, "k", NAN, True)]),
+    "qlen8_noncausal": (GPU_CASES["qlen8_noncausal"], [(0, [599], 3, "v", NAN, True)]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(POISON_GPU))
+def test_gpu_masked_poison(name):
+    c, spots = POISON_GPU[name]
+    _poison_check(c, spots, interpret=False)
+    if name == "qlen4_verify":
+        _poison_check(c, spots, interpret=False, options=_flipped("overlap_qk"))
 
 
 @pytest.mark.gpu
