@@ -10,7 +10,7 @@ MQA) and feature combinations: causal / non-causal, sliding window, logit cap, s
 softmax scale, FP8 KV with scales, multi-token verify and draft blocks, LSE.
 
 Drawn examples per property come from ``JATTN_FUZZ_EXAMPLES`` (default 4, plus one explicit
-example per property with every feature on; the whole file runs in about a minute and a half
+example per property with every feature on; the whole file runs in about 70 s
 on one CPU core); ``JATTN_FUZZ_EXAMPLES=500`` is the long run. Runs are derandomized (the
 same examples every run) unless ``JATTN_FUZZ_RANDOM=1``; ``JATTN_FUZZ_SHRINK=0`` reports a
 failure without shrinking it. The Mosaic GPU kernel runs interpreted on the CPU (slow: a
@@ -990,11 +990,11 @@ def mosaic_cases(draw, big: bool = False):
         group = draw(st.sampled_from([1, 2, 4, 8, 16]))
         d = draw(st.sampled_from([64, 128, 256]))
         ps = draw(st.sampled_from([16, 32, 64, 128]))
-        bs = draw(st.integers(1, 6))
-        lens = draw(st.lists(st.one_of(_lengths(ps, 3000), st.integers(0, 300)), min_size=bs, max_size=bs))
+        bs = draw(st.integers(1, 4))
+        lens = draw(st.lists(st.one_of(_lengths(ps, 1500), st.integers(0, 300)), min_size=bs, max_size=bs))
         n = draw(st.integers(1, 8))
         splits = draw(st.sampled_from([0, 0, 1, 2, 5, 17]))
-        window = draw(st.one_of(st.just(-1), st.integers(0, 600)))
+        window = draw(st.one_of(st.just(-1), st.integers(0, 400)))
     else:
         # The interpreter simulates every CTA (split x request): a few seconds each.
         hkv = draw(st.sampled_from([1, 2]))
@@ -1035,13 +1035,13 @@ def mosaic_cases(draw, big: bool = False):
 
 
 def _naive_decode(c, q, kc, vc, pool, kw):
-    """naive.mha_decode for the case; at GPU sizes only for the first and the last KV head
-    and their query heads (naive loops over every head in Python). Returns the truth, its
-    LSE and the query heads they cover."""
+    """naive.mha_decode for the case; at GPU sizes only for the last KV head and its query
+    heads (naive loops over every query and head in Python). Returns the truth, its LSE
+    and the query heads they cover."""
     heads = np.arange(c["hq"])
-    if c.get("big") and c["hkv"] > 2:
+    if c.get("big") and c["hkv"] > 1:
         group = c["hq"] // c["hkv"]
-        kv_sel = np.array([0, c["hkv"] - 1])
+        kv_sel = np.array([c["hkv"] - 1])
         heads = (kv_sel[:, None] * group + np.arange(group)[None]).reshape(-1)
         q, kc, vc = q[:, heads], kc[:, :, kv_sel], vc[:, :, kv_sel]
         if kw.get("sinks") is not None:
