@@ -128,12 +128,15 @@ def block_shape(num_kv_heads, head_dim, page_size, target_n=None):
 
 
 def smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
-    """Shared memory of one CTA: K/V ring, q/output tiles, LSE rows, barriers."""
+    """Shared memory of one CTA: K/V ring, q/output tiles, LSE rows, the boundary-block
+    flag rows (several queries per request; counted always, at the largest block),
+    barriers."""
     ring = 2 * stages * block_n * head_dim * kv_itemsize
     if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
         ring += 2 * block_n * head_dim * q_itemsize
     q = compute_wgs * 64 * head_dim * q_itemsize
-    return ring + q + compute_wgs * 64 * 4 + 4096  # + lse, barriers, 1 KB alignments
+    flags = compute_wgs * (256 + 64) * 4
+    return ring + q + compute_wgs * 64 * 4 + flags + 4096  # + lse, barriers, 1 KB alignments
 
 
 def choose_block_sizes(

@@ -17,16 +17,21 @@ Layout of the work:
   masked to ``-inf`` (block-diagonal GQA mask), so the ``P @ V`` ``wgmma`` only
   mixes each query head with its own KV head.
 * num_kv_heads not a multiple of 8: a page's tail box is shifted back by whole
-  8-row tiles only, so it can hold up to 7 rows of the page's unused tail.
+  8-row tiles only, so it can hold up to 7 rows of the page's unused tail, which
+  the compute warpgroup zeroes in shared memory (last block of a request only).
 * Masked keys contribute nothing, whatever they hold (docs/SEMANTICS.md). Scores
   are selected to ``-inf``; V is the danger (``P = 0`` times NaN is NaN). Only a
-  *boundary* block holds columns masked for some query row: the last blocks
-  (past the length, a page's unused tail, draft tokens past a query's causal
-  limit) and, with a window, its first blocks. There the compute warpgroups take
-  ``Q V^T`` (non-finite exactly in the columns whose V row is) to flag the rows
-  that see such a column, then rewrite the V tile in shared memory with its
-  non-finite entries replaced by 0, and a flagged row gets NaN in its softmax
-  denominator. Full blocks skip all of it (one scalar test per block).
+  *boundary* block holds masked columns whose V may be anything: the last blocks
+  (past the length, draft tokens past a query's causal limit) and, with a window,
+  its first blocks. Without a window and with one query per request (or
+  non-causal queries) there is none: the tail past the length is never loaded,
+  or zeroed as above. Otherwise, on a
+  boundary block only, the compute warpgroup rewrites the V tile in shared
+  memory: rows no query sees become 0; rows some queries see and others do not
+  (at most ``q_len - 1`` draft tokens and as many at the window's edge) get
+  their non-finite entries replaced by 0, and the queries that see such a row
+  are flagged (a small shared-memory table) and come out NaN. Full blocks pay
+  one scalar test.
 * Each split writes a normalised partial output and its log-sum-exp;
   ``combine.combine_splits`` merges the splits and applies sinks and
   ``v_scale``. With one split there is nothing to merge.
@@ -101,6 +106,12 @@ def _interpreting() -> bool:
 
 # ---------------------------------------------------------------------------
 # The kernel.
+def _has_partial_columns(cfg: DecodeConfig) -> bool:
+    """Whether some key is seen by some queries of a request and not by others (several
+    queries per request with a causal mask or a window)."""
+    return cfg.q_len > 1 and (cfg.is_causal or cfg.window_left >= 0)
+
+
 def _decode_kernel(
     cfg: DecodeConfig,
     dtype,
@@ -124,7 +135,8 @@ def _decode_kernel(
     q_bar,
     k_free,
     v_free,
-    edge_bar=None,  # C > 1: the compute warpgroups meet here on a boundary block
+    edge_bar=None,  # partial columns, C > 1: the compute warpgroups meet on a boundary block
+    flag_smem=None,  # partial columns: f32[C, block_n + 64], bad V rows then per-row poison
     kc_smem=None,  # [block_n, D] f16: FP8 K upcast (C == 1 only)
     vc_smem=None,  # [block_n, D] f16: FP8 V upcast
 ):
@@ -254,6 +266,12 @@ def _decode_kernel(
         def rows2d(x):
             return lax.broadcast_in_dim(x, (64, N), [0])
 
+        def load_rows(ref):
+            """A [64] f32 row vector from shared memory, in the score tile's row layout."""
+            if cfg.interpret:
+                return ref[...]
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
         def cols2d(x):
             return lax.broadcast_in_dim(x, (64, N), [1])
 
@@ -319,7 +337,14 @@ def _decode_kernel(
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             return p.astype(dtype), acc, m_new, l_i
 
-        zero_rows = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        # Boundary blocks (see the module docstring). `partial`: some column is masked for
+        # some query rows only (draft tokens past a query's causal limit, a window's edge
+        # with several queries); `clean`: a boundary block may hold a masked column whose V
+        # is anything. One query, causal, no window: neither (the block of a request's
+        # last, partial page holds only valid tokens, or zeros, or with kv heads not a
+        # multiple of 8 a few rows of the page's tail, which are zeroed).
+        partial = _has_partial_columns(cfg)
+        clean = partial or cfg.window_left >= 0
 
         def edge_block(blk):
             """Whether block ``blk`` holds a column masked for some query row: past the
@@ -331,26 +356,79 @@ def _decode_kernel(
                 edge = edge | (blk * BTB < seq_len - 1 - cfg.window_left)
             return edge
 
+        def tile_row(blk, t, h):
+            """The row of block ``blk``'s V tile that holds token ``t`` of KV head ``h``
+            (for the piece that counts it), and whether the block holds it."""
+            rel = t - blk * BTB
+            p = jnp.clip(lax.div(jnp.maximum(rel, 0), jnp.int32(BT)), 0, PPB - 1)
+            first = piece_first_token(blk, 0)
+            for jj in range(1, PPB):
+                first = jnp.where(p == jj, piece_first_token(blk, jj), first)
+            row = p * PR + (t - first) * HKV + h
+            ok = (rel >= 0) & (rel < BTB) & (t >= 0) & (row >= 0) & (row < N)
+            return jnp.clip(row, 0, N - 1), ok
+
+        # Partial columns: token seq_len + c (static c < 0) is seen by the queries i of
+        # `seen` (static, from the masks of docs/SEMANTICS.md).
+        partial_cols = []
+        if partial:
+            offs = [1 - n + j for j in range(n - 1)] if cfg.is_causal else []
+            if cfg.window_left >= 0:
+                offs += [-n - cfg.window_left + j for j in range(n - 1)]
+            for c in sorted(set(offs)):
+                seen = [
+                    (not cfg.is_causal or c <= i - n) and (cfg.window_left < 0 or c >= i - n - cfg.window_left)
+                    for i in range(n)
+                ]
+                if any(seen) and not all(seen):
+                    partial_cols.append((c, seen))
+
         def clean_edge_tile(v_tile, blk):
-            """A boundary block's V tile made safe to multiply by P: its non-finite
-            entries are replaced by 0 in shared memory, so a masked column (P = 0) adds
-            exactly nothing. Returns the per-row poison, NaN for a query row that sees a
-            column whose V held a non-finite value (else 0): a visible column of
-            ``Q V^T`` is non-finite exactly where its V row is. Full blocks skip this."""
-            t = jnp.where(head_ok & token_ok(blk), qk_sync(v_tile), 0.0)
-            poison = (t * 0.0).sum(axis=1)  # 0 * inf and NaN stay NaN
-            if edge_bar is not None:  # every warpgroup reads the tile before any rewrites it
-                plgpu.barrier_arrive(edge_bar)
-                plgpu.barrier_wait(edge_bar)
+            """A boundary block's V tile made safe to multiply by P: rows no query sees
+            become 0, and rows some queries see but not all have their non-finite entries
+            replaced by 0 (in shared memory), so a masked column (P = 0) adds exactly
+            nothing. The queries that see such a row holding a non-finite V are recorded
+            in ``flag_smem`` (they come out NaN). Rows every query sees are left as they
+            are: a non-finite V there reaches every row by itself."""
+            rows = iota(N, 0)  # [N]: the tile's rows, in the layout of its row vectors
+            j_, t_in, _ = col_parts(rows)
+            tok, vis_some = col_tokens(blk, j_, t_in)
+            vis_all = vis_some
+            if cfg.is_causal and n > 1:
+                vis_all = vis_all & (tok <= seq_len - n)
+            if cfg.window_left >= 0:
+                vis_all = vis_all & (tok >= seq_len - 1 - cfg.window_left)
+                vis_some = vis_some & (tok >= seq_len - n - cfg.window_left)
             v = v_tile[...]
-            v_tile[...] = jnp.where(v - v == 0, v, jnp.zeros(v.shape, v.dtype))
+            finite = v - v == 0
+            if partial_cols:
+                one, zero = jnp.ones(v.shape, v.dtype), jnp.zeros(v.shape, v.dtype)
+                flag_smem[wg, pl.ds(0, N)] = jnp.where(finite, zero, one).max(axis=1).astype(jnp.float32)
+                if edge_bar is not None:  # every warpgroup has read the tile before any rewrites it
+                    plgpu.barrier_arrive(edge_bar)
+                    plgpu.barrier_wait(edge_bar)
+
+            def tile2d(x):
+                return lax.broadcast_in_dim(x, (N, D), [0])
+
+            keep = tile2d(vis_all) | (tile2d(vis_some) & finite)
+            v_tile[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
             plgpu.commit_smem()
-            return poison
+            if partial_cols:
+                seen_bad = [jnp.float32(0.0)] * n  # per query of the request
+                for c, seen in partial_cols:
+                    bad = jnp.float32(0.0)
+                    for h in range(HKV):
+                        row, ok = tile_row(blk, seq_len + c, h)
+                        bad = jnp.maximum(bad, jnp.where(ok, flag_smem[wg, row], 0.0))
+                    seen_bad = [jnp.maximum(f, bad) if s_ else f for f, s_ in zip(seen_bad, seen)]
+                row_flag = load_rows(flag_smem.at[wg, pl.ds(N, 64)])
+                for i in range(n):
+                    row_flag = jnp.where(qi == i, jnp.maximum(row_flag, seen_bad[i]), row_flag)
+                flag_smem[wg, pl.ds(N, 64)] = row_flag
 
         def pv_step(acc, p16, slot, blk):
-            """Wait for the block's V, acc += P @ V, free the V slot. Returns the
-            accumulator and the per-row poison of :func:`clean_edge_tile` (0 on full
-            blocks), which the caller adds to the softmax denominator."""
+            """Wait for the block's V, acc += P @ V, free the V slot."""
             plgpu.barrier_wait(v_bar.at[slot])
             v_tile = v_smem.at[slot]
             if vc_smem is not None:
@@ -358,12 +436,33 @@ def _decode_kernel(
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_free.at[slot])
                 v_tile = vc_smem
-            # A boundary block may hold masked columns whose V is anything (a page's
-            # unused tail, tokens outside the window, draft tokens a query must not
-            # see): P is 0 there but 0 * NaN is not.
-            poison = lax.cond(edge_block(blk), lambda: clean_edge_tile(v_tile, blk), lambda: zero_rows)
+            if clean:
+                # A boundary block may hold masked columns whose V is anything: P is 0
+                # there but 0 * NaN is not.
+                pl.when(edge_block(blk))(lambda: clean_edge_tile(v_tile, blk))
+            elif ALIGN > 1:
+                # The last block may hold rows of the page's unused tail (anything, NaN
+                # included): P is 0 there but 0 * NaN is not, so zero those V rows
+                # (in the f16 upcast tile for FP8: no pointwise ops on 8-bit types).
+                vt = v_tile
+
+                @pl.when(blk * BTB + BTB > seq_len)
+                def _():
+                    vrows = (
+                        lax.broadcasted_iota(jnp.int32, (N, D), 0)
+                        if cfg.interpret
+                        else plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA)
+                    )
+                    _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
+                    vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
+                    plgpu.commit_smem()
+
             if cfg.interpret:
-                acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+                # Here the last block may hold the page's unused tail (no TMA zero fill
+                # when clamped at the page start): zero those rows as TMA would have.
+                _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
+                vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
+                acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
             else:
 
                 def pv(acc_ref):
@@ -372,7 +471,7 @@ def _decode_kernel(
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             if vc_smem is None:
                 plgpu.barrier_arrive(v_free.at[slot])
-            return acc, poison
+            return acc
 
         def body(i, carry):
             """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
@@ -383,8 +482,8 @@ def _decode_kernel(
             s = qk_sync(k_tile_for(slot))
             plgpu.barrier_arrive(k_free.at[slot])
             p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
-            acc, poison = pv_step(acc, p16, slot, blk)
-            return acc, m_new, l_i + poison
+            acc = pv_step(acc, p16, slot, blk)
+            return acc, m_new, l_i
 
         def body_overlap(i, carry):
             """Block i with the next block's Q K^T in flight on the tensor cores while
@@ -405,15 +504,14 @@ def _decode_kernel(
             if cfg.interpret:
                 s_next = qk_sync(k_next)
                 p16, acc, m_new, l_i = softmax_step(s_cur, blk, acc, m_i, l_i)
-                acc, poison = pv_step(acc, p16, slot, blk)
-                l_i = l_i + poison
+                acc = pv_step(acc, p16, slot, blk)
             else:
 
                 def scope(s_ref):
                     plgpu.wgmma(s_ref, qo_smem, k_next.T)
                     p16, acc2, m_new, l_new = softmax_step(s_cur, blk, acc, m_i, l_i)
-                    acc2, poison = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
-                    return acc2, m_new, l_new + poison, s_ref[...]
+                    acc2 = pv_step(acc2, p16, slot, blk)  # waits for both wgmma groups
+                    return acc2, m_new, l_new, s_ref[...]
 
                 acc, m_new, l_i, s_next = pl.run_scoped(scope, plgpu.ACC((64, N), jnp.float32))
 
@@ -423,6 +521,8 @@ def _decode_kernel(
 
             return acc, m_new, l_i, s_next
 
+        if partial:  # per-row poison of clean_edge_tile: none yet
+            flag_smem[wg, pl.ds(N, 64)] = cast(jnp.zeros((64,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         if cfg.overlap_qk and kc_smem is None:
             # Prologue: the first block's scores (a CTA with no blocks computes them on
             # an unloaded slot and never uses them).
@@ -440,6 +540,9 @@ def _decode_kernel(
         else:
             acc, m_i, l_i = lax.fori_loop(0, count, body, (acc, m_i, l_i))
 
+        if partial:  # a query that sees a non-finite V zeroed in a boundary block: NaN
+            plgpu.commit_smem()
+            l_i = jnp.where(load_rows(flag_smem.at[wg, pl.ds(N, 64)]) > 0, jnp.nan, l_i)
         empty = l_i == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -470,12 +573,17 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
     if fp8 and C != 1:
         raise NotImplementedError("FP8 KV uses one compute warpgroup")
     extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
-    n_edge = 1 if C > 1 else 0
+    # Queries that see some columns of a boundary block and not others: a flag scratch,
+    # and with two compute warpgroups a barrier (see clean_edge_tile).
+    partial = _has_partial_columns(cfg)
+    n_bar = 1 if partial and C > 1 else 0
+    flags = [plgpu.SMEM((C, N + 64), jnp.float32)] if partial else []
 
     def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
         def body(*scratch):
             named, rest = scratch[:9], scratch[9:]
-            edge_bar = rest[0] if n_edge else None
+            edge_bar = rest[0] if n_bar else None
+            flag_smem = rest[n_bar] if partial else None
             _decode_kernel(
                 cfg,
                 dtype,
@@ -489,7 +597,8 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
                 lse_ref,
                 *named,
                 edge_bar,
-                *rest[n_edge:],
+                flag_smem,
+                *rest[n_bar + len(flags) :],
             )
 
         pl.run_scoped(
@@ -503,7 +612,8 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
             plgpu.Barrier(num_barriers=C),
             plgpu.Barrier(num_arrivals=C, num_barriers=S),
             plgpu.Barrier(num_arrivals=C, num_barriers=S),
-            *[plgpu.Barrier(num_arrivals=C)] * n_edge,
+            *[plgpu.Barrier(num_arrivals=C)] * n_bar,
+            *flags,
             *extra,
             collective_axes="wg",
         )
