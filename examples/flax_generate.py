@@ -69,7 +69,9 @@ def main():
 
     # prefill: all prompts as one ragged extend batch
     lens = np.array([len(x) for x in ids])
-    md = plan_extend(lens, lens, page_size=page_size, page_table=page_table, max_pages=pages_per_req)
+    md = plan_extend(
+        lens, lens, page_size=page_size, page_table=page_table, max_pages=pages_per_req, num_pages=num_pages
+    )
     tokens = np.zeros(md.num_tokens, np.int32)
     tokens[: lens.sum()] = np.concatenate(ids)
     last = np.maximum(md.cu_seqlens_q[1:] - 1, 0)
@@ -82,7 +84,9 @@ def main():
     # simplicity; the engine in jattn.models.engine drops them and frees their pages)
     for _ in range(args.max_new_tokens - 1):
         seq_lens += 1
-        md = plan_decode(seq_lens, page_size=page_size, page_table=page_table, max_pages=pages_per_req)
+        md = plan_decode(
+            seq_lens, page_size=page_size, page_table=page_table, max_pages=pages_per_req, num_pages=num_pages
+        )
         tokens = np.zeros(md.num_tokens, np.int32)
         tokens[: len(ids)] = [o[-1] for o in out]
         nxt, kv_cache = forward(state, kv_cache, tokens, md, np.arange(md.batch_size))

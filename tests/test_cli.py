@@ -179,3 +179,18 @@ def test_bench_bridge_host_part_runs_on_cpu(capsys):
     assert main(["bench", "bridge", "--reps", "3"]) == 0
     out = capsys.readouterr().out
     assert "host: forward_decode B1" in out and "host: bare jitted call on cached arguments" in out
+
+
+@pytest.mark.parametrize(
+    "script, argv",
+    [("flax_generate.py", ["--tiny", "--max-new-tokens", "3"]), ("jit_serving_step.py", ["--requests", "3"])],
+)
+def test_jax_examples_run(script, argv, monkeypatch, capsys):
+    """The examples run as written (they plan with the pool's num_pages, as the backends require)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / script
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), e.code
+    assert capsys.readouterr().out.strip()

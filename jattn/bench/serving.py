@@ -63,6 +63,7 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
         page_table=table,
         batch_buckets=c.batch_buckets,
         max_pages=engine.max_pages,
+        num_pages=c.num_pages,
     )
     tokens = np.zeros(md.num_tokens, np.int32)
     z = np.zeros(md.batch_size, np.float32)
