@@ -32,10 +32,14 @@ Layout of the work (FlashAttention-3 style):
   staggers them (ping-pong): while one warpgroup's softmax runs, the other's
   matmuls use the tensor cores.
 * Blocks wholly inside every row's visible range skip the mask; only the edge
-  blocks (causal diagonal, window start, the request's last block) compute it.
-  In the last block, V rows past the request's keys (the next request's keys,
-  a page's unused tail, TMA zero fill) are zeroed in shared memory before the
-  ``P V`` product, so whatever they hold contributes nothing.
+  blocks (causal diagonal, window start, the request's first and last blocks)
+  compute it. Masked keys contribute nothing, whatever they hold: on an edge
+  block the two warpgroups flag the rows that see a non-finite V (``ones @ V^T``
+  is non-finite in exactly those columns) and then replace the tile's
+  non-finite entries by 0 in shared memory, so ``P = 0`` times the tile is 0
+  (the next request's keys, a page's unused tail, a future token's V). This
+  cleaning (``clean_edges``) is on under the interpreter and not yet on the GPU,
+  where only V rows outside the request are zeroed, until a GPU run checks it.
 * Output tiles are written whole (TMA) into a per-tile buffer, then gathered
   into the ragged output; the LSE likewise.
 
@@ -95,6 +99,7 @@ class PrefillConfig:
     num_pages: int
     max_pages: int
     interpret: bool
+    clean_edges: bool  # non-finite V on edge blocks: flag and clean (else only zero keys outside)
 
     @property
     def group(self) -> int:
@@ -171,6 +176,7 @@ def _kernel(
     k_free,
     v_free,
     sched,
+    edge,
 ):
     BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
     h = lax.axis_index("heads")
@@ -250,6 +256,17 @@ def _kernel(
 
             fetch(v_ref, v_smem, v_bar, slot, lo + i)
 
+        if cfg.interpret:
+            # The interpreter requires every phase of a barrier to be observed: wait for
+            # the consumers to free the last slots (on the GPU nothing waits on them).
+            for j in range(S):
+
+                @pl.when(count > j)
+                def _():
+                    last = lax.rem(count - 1 - j, jnp.int32(S))
+                    plgpu.barrier_wait(k_free.at[last])
+                    plgpu.barrier_wait(v_free.at[last])
+
     @pl.when(wg < 2)
     def _consumer():
         interp = cfg.interpret
@@ -320,6 +337,34 @@ def _kernel(
                 vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
                 plgpu.commit_smem()
 
+        if cfg.clean_edges:
+            ones = cast(jnp.full((64, DV), 1.0, dtype), plgpu.Layout.WGMMA)
+
+        def clean_edge_tile(slot, blk):
+            """An edge block's V tile made safe to multiply by P: a masked key (P = 0)
+            must add exactly nothing, but 0 * NaN is NaN. Column j of ``ones @ V^T`` is
+            non-finite exactly when V row j holds a non-finite value; a row that sees
+            such a column gets NaN poison (added to its softmax denominator). Then the
+            tile's non-finite entries are replaced by 0 in shared memory, after both
+            warpgroups have read it (they share the tile and take the same edge blocks)."""
+            v_tile = v_smem.at[slot]
+            if interp:
+                t = lax.dot_general(ones, v_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            else:
+
+                def scope(acc_ref):
+                    plgpu.wgmma(acc_ref, ones, v_tile.T)
+                    return acc_ref[...]
+
+                t = pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32))
+            poison = (jnp.where(mask_of(blk), t, 0.0) * 0.0).sum(axis=1)  # 0 * inf and NaN stay NaN
+            plgpu.barrier_arrive(edge)  # both warpgroups have read the tile
+            plgpu.barrier_wait(edge)
+            v = v_tile[...]
+            v_tile[...] = jnp.where(v - v == 0, v, jnp.zeros(v.shape, v.dtype))
+            plgpu.commit_smem()
+            return poison
+
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(i, jnp.int32(S))
@@ -342,7 +387,9 @@ def _kernel(
             if not interp:
                 plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
-            if masked:
+            if masked and cfg.clean_edges:
+                l_i = l_i + clean_edge_tile(slot, blk)
+            elif masked:
                 zero_tail(slot, blk)
             if interp:
                 acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
@@ -360,10 +407,16 @@ def _kernel(
         l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = cast(jnp.full((64, DV), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        # Blocks [full_lo, full_hi) need no mask for any row of this warpgroup: every
+        # Blocks [full_lo, full_hi) need no mask for any query row of the tile: every
         # key is >= 0 and < n_kv, <= the first row's position (causal), >= the last
-        # row's window start. The rest of [lo, hi) are edge blocks.
-        first_pos, last_pos = off + r0, off + jnp.minimum(r0 + 63, jnp.maximum(n_q - 1, 0))
+        # row's window start. The rest of [lo, hi) are edge blocks, the same ones in
+        # both warpgroups (they meet on each).
+        if cfg.clean_edges:  # the tile's rows: both warpgroups take the same edge blocks
+            first_pos = off + jnp.maximum(q0, 0)
+            last_pos = off + jnp.maximum(jnp.minimum(q0 + TILE_Q - 1, n_q - 1), 0)
+        else:  # this warpgroup's rows
+            first_pos = off + jnp.maximum(r0, 0)
+            last_pos = off + jnp.maximum(jnp.minimum(r0 + 63, n_q - 1), 0)
         key_end = jnp.minimum(first_pos + 1, n_kv) if cfg.is_causal else n_kv
         full_hi = jnp.clip(lax.div(jnp.maximum(key_end, 0) + dk, jnp.int32(BK)), lo, hi)
         key_start = jnp.maximum(last_pos - cfg.window_left, 0) if cfg.window_left >= 0 else 0
@@ -423,6 +476,7 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
@@ -497,7 +551,16 @@ def _pad_rows(x, rows: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("page_size", "is_causal", "window_left", "logit_cap", "softmax_scale", "return_lse", "interpret"),
+    static_argnames=(
+        "page_size",
+        "is_causal",
+        "window_left",
+        "logit_cap",
+        "softmax_scale",
+        "return_lse",
+        "interpret",
+        "clean_edges",
+    ),
 )
 def _attention(
     q,
@@ -518,6 +581,7 @@ def _attention(
     softmax_scale,
     return_lse,
     interpret,
+    clean_edges,
 ):
     t, hq, d = q.shape
     dv = v.shape[-1]
@@ -540,6 +604,7 @@ def _attention(
         num_pages=k.shape[0] if page_size else 0,
         max_pages=page_table.shape[1],
         interpret=interpret,
+        clean_edges=clean_edges,
     )
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
     scales = jnp.concatenate(
@@ -578,6 +643,17 @@ def _attention(
     return (o, lse) if return_lse else o
 
 
+# The edge-block cleaning has run under the interpreter only: it is the default there
+# and off on the GPU until a GPU run has compiled and checked it (docs/PERF.md).
+CLEAN_EDGES_DEFAULT = {"interpret": True, "gpu": False}
+
+
+def _clean_edges(clean_edges):
+    if clean_edges is not None:
+        return bool(clean_edges)
+    return CLEAN_EDGES_DEFAULT["interpret" if _interpreting() else "gpu"]
+
+
 def _v_scale_arg(v_scale):
     """None for a Python 1.0 (the output then needs no multiply), else the scale."""
     if isinstance(v_scale, (int, float)) and float(v_scale) == 1.0:
@@ -602,6 +678,7 @@ def mha_prefill(
     return_lse=False,
     max_seqlen_q=None,
     max_seqlen_kv=None,
+    clean_edges=None,
 ):
     """Ragged attention without a cache (Mosaic GPU, Hopper).
 
@@ -613,6 +690,9 @@ def mha_prefill(
         k_scale, v_scale, return_lse: as in ``jattn.ops.mha_prefill``.
       max_seqlen_q, max_seqlen_kv: accepted for the op's signature; the kernel
         reads the lengths from the offsets.
+      clean_edges: make masked keys contribute nothing whatever their V holds (edge
+        blocks flag and clean non-finite V, see the module docstring); False only
+        zeroes V rows outside the request. None: :data:`CLEAN_EDGES_DEFAULT`.
 
     Returns ``out [num_tokens, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]`` are 0), and
     with ``return_lse`` the natural-log LSE f32 ``[num_tokens, Hq]``.
@@ -638,6 +718,7 @@ def mha_prefill(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
         interpret=_interpreting(),
+        clean_edges=_clean_edges(clean_edges),
     )
 
 
@@ -658,6 +739,7 @@ def mha_extend(
     v_scale=1.0,
     return_lse=False,
     max_seqlen_q=None,
+    clean_edges=None,
 ):
     """Ragged queries over a paged cache that already holds their K/V (Mosaic GPU).
 
@@ -686,4 +768,5 @@ def mha_extend(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
         interpret=_interpreting(),
+        clean_edges=_clean_edges(clean_edges),
     )

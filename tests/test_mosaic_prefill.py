@@ -35,6 +35,8 @@ class Case:
     logit_cap: float = 0.0
     sinks: bool = False
     pad_tokens: int = 5  # NaN rows after the ragged q/k/v
+    poison: int = -1  # >= 0: key of request 0 whose V is NaN (and the next key's K +inf)
+    clean_edges: bool | None = None  # the kernel option (None: its default here)
 
 
 def _inputs(c: Case, seed: int, dtype):
@@ -76,12 +78,17 @@ def _opts(c: Case):
     return dict(is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
 
 
+def _kernel_opts(c: Case):
+    # a poison case needs the edge cleaning, whatever the device's default
+    return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges)
+
+
 def _run(c: Case, x, dtype):
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     s = None if x["sinks"] is None else jnp.asarray(x["sinks"])
     if not c.page_size:
         return mp.mha_prefill(
-            cast(x["q"]), cast(x["k"]), cast(x["v"]), x["cu_q"], x["cu_kv"], sinks=s, return_lse=True, **_opts(c)
+            cast(x["q"]), cast(x["k"]), cast(x["v"]), x["cu_q"], x["cu_kv"], sinks=s, return_lse=True, **_kernel_opts(c)
         )
     return mp.mha_extend(
         cast(x["q"]),
@@ -92,7 +99,7 @@ def _run(c: Case, x, dtype):
         x["cu_q"],
         sinks=s,
         return_lse=True,
-        **_opts(c),
+        **_kernel_opts(c),
     )
 
 
@@ -129,28 +136,57 @@ def _oracle(c: Case, x, dtype):
     )
 
 
+def _poison(c: Case, x):
+    """NaN in V of key ``c.poison`` of request 0 and +inf in K of the key after it (all
+    heads); returns the query rows of request 0 that see either (they must come out
+    non-finite, every other row as on clean data)."""
+    j = c.poison
+    prefix = (c.prefix or (0,) * len(c.q_lens))[0]
+    kv0 = prefix + c.q_lens[0]
+    assert j + 1 < kv0
+    for key, arr, val in ((j, "v", np.nan), (j + 1, "k", np.inf)):
+        if c.page_size:
+            x[arr][x["table"][0, key // c.page_size], key % c.page_size] = val
+        else:
+            x[arr][x["cu_kv"][0] + key] = val
+    pos = kv0 - c.q_lens[0] + np.arange(c.q_lens[0])  # each query's key position
+    sees = pos >= j if c.causal else np.ones_like(pos, bool)
+    if c.window_left >= 0:
+        sees &= pos - c.window_left <= j + 1
+    return np.flatnonzero(sees)
+
+
 def _check(c: Case, dtype, seed=0, tol=2e-2):
     x = _inputs(c, seed, dtype)
-    o, lse = _run(c, x, dtype)
-    want_o, want_lse = _oracle(c, x, dtype)
+    want_o, want_lse = (np.asarray(a) for a in _oracle(c, x, dtype))  # on clean data
+    bad = _poison(c, x) if c.poison >= 0 else np.zeros(0, int)
+    out = _run(c, x, dtype)
+    o, lse = np.asarray(out[0], np.float32), np.asarray(out[1])
     n = int(x["cu_q"][-1])
-    o, lse = np.asarray(o, np.float32), np.asarray(lse)
-    assert np.isfinite(o[:n]).all(), "NaN/Inf in a real row"
-    np.testing.assert_allclose(o[:n], np.asarray(want_o)[:n], atol=tol, rtol=tol)
-    np.testing.assert_allclose(lse[:n], np.asarray(want_lse)[:n], atol=tol, rtol=tol)
+    rows = np.setdiff1d(np.arange(n), bad)
+    if bad.size:
+        assert not np.isfinite(o[bad]).all(axis=(1, 2)).any(), "a row that sees a NaN V must be non-finite"
+    assert np.isfinite(o[rows]).all(), "NaN/Inf in a real row"
+    np.testing.assert_allclose(o[rows], want_o[rows], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse[rows], want_lse[rows], atol=tol, rtol=tol)
     assert (o[n:] == 0).all() and np.isneginf(lse[n:]).all(), "padding rows must be 0 / -inf"
-    o2, _ = _run(c, x, dtype)
-    assert np.array_equal(np.asarray(o2, np.float32), o, equal_nan=True), "not deterministic"
+    o2 = np.asarray(_run(c, x, dtype)[0], np.float32)
+    assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
 # Interpreted (slow: about a minute per case on one CI core, so the default run keeps
-# three that cover ragged tiles across requests with lengths 0 and 1, the paged
-# extend with pages smaller than a block plus window, cap and sinks, and the
-# non-causal 192/128 MLA shape; `-m slow` runs the rest).
+# three: ragged tiles across requests with lengths 0 and 1 and a NaN/Inf-poisoned
+# future key; the paged extend with pages smaller than a block, window, cap, sinks
+# and poison; more KV blocks than ring stages on the GPU's default edge path.
+# `-m slow` runs the rest, the non-causal 192/128 MLA shape among them).
 CPU_CASES = [
-    Case(q_lens=(97, 0, 1, 13)),
-    Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True),
-    Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False),
+    Case(q_lens=(97, 0, 1, 13), poison=40),
+    Case(
+        q_lens=(9, 3), prefix=(40, 0), page_size=16, hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True, poison=44
+    ),
+    # more KV blocks than ring stages (the ring wraps around), the GPU's default edge path
+    Case(q_lens=(2, 40), prefix=(300, 0), page_size=32, hq=1, hkv=1, clean_edges=False),
+    pytest.param(Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False), marks=pytest.mark.slow),
     pytest.param(Case(q_lens=(130, 5)), marks=pytest.mark.slow),
     pytest.param(Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True), marks=pytest.mark.slow),
     pytest.param(Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1), marks=pytest.mark.slow),
@@ -165,11 +201,11 @@ def test_interpreted(c):
 
 
 GPU_CASES = [
-    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128),
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128, poison=500),
     Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False),
-    Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True),
-    Case(q_lens=(900, 33), hq=16, hkv=16, d=192, dv=128),
-    Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128),
+    Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, poison=700),
+    Case(q_lens=(900, 33), hq=16, hkv=16, d=192, dv=128, poison=10),
+    Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128, poison=2100),
     Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=32, hkv=8, d=128, window_left=700),
     Case(q_lens=(256,), prefix=(4000,), page_size=128, hq=8, hkv=1, d=128),
 ]
@@ -181,3 +217,42 @@ def test_gpu(c):
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, tol=3e-2)
+
+
+LOWER_CASES = [
+    ("prefill", 128, 128, False, -1),
+    ("prefill", 192, 128, True, -1),
+    ("prefill", 256, 256, True, 64),
+    ("extend16", 128, 128, True, 64),
+]
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernels themselves")
+@pytest.mark.parametrize("mode, d, dv, clean, window", LOWER_CASES, ids=str)
+def test_lowers_for_cuda(mode, d, dv, clean, window):
+    """The kernel lowers for CUDA on this CPU: Mosaic GPU's layout inference and TMA
+    tiling rules run at lowering, so this catches, without a GPU, programs the
+    interpreter accepts and the GPU compiler rejects (e.g. a GMEM row count that is not
+    a multiple of 8, which the kernel pads)."""
+    import jax
+
+    t = 1001  # not a multiple of 8
+    q = jnp.zeros((t, 8, d), jnp.bfloat16)
+    cu = jnp.array([0, 500, t], jnp.int32)
+    if mode == "prefill":
+        k, v = jnp.zeros((t, 2, d), jnp.bfloat16), jnp.zeros((t, 2, dv), jnp.bfloat16)
+
+        def fn(q, k, v, cu):
+            return mp.mha_prefill(q, k, v, cu, window_left=window, clean_edges=clean, return_lse=True)
+
+        args = (q, k, v, cu)
+    else:
+        k, v = jnp.zeros((80, 16, 2, d), jnp.bfloat16), jnp.zeros((80, 16, 2, dv), jnp.bfloat16)
+        pt, lens = jnp.zeros((2, 40), jnp.int32), jnp.array([600, 501], jnp.int32)
+
+        def fn(q, k, v, cu):
+            return mp.mha_extend(q, k, v, pt, lens, cu, window_left=window, clean_edges=clean)
+
+        args = (q, k, v, cu)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_prefill" in text
