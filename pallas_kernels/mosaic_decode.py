@@ -241,6 +241,18 @@ def _decode_kernel(
             for j, (page, row) in enumerate(src):
                 plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, PR)], dst(v_smem, j), v_bar.at[slot])
 
+        if cfg.interpret:
+            # The interpreter requires every phase of a barrier to be observed: wait for
+            # the compute warpgroups to free the last slots (on the GPU nothing waits on
+            # them), so CTAs with more blocks than ring stages run interpreted too.
+            for j in range(S):
+
+                @pl.when(count > j)
+                def _():
+                    last = lax.rem(count - 1 - j, jnp.int32(S))
+                    plgpu.barrier_wait(k_free.at[last])
+                    plgpu.barrier_wait(v_free.at[last])
+
     @pl.when(wg < C)
     def _compute():
         if C > 1:

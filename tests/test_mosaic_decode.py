@@ -154,6 +154,8 @@ CPU_CASES = {
     "one_split_fp8_sinks": Case(lens=(61, 0, 7), kv="fp8", sinks=True, splits=1),
     "one_split_bf16": Case(lens=(50, 1), hq=16, splits=1),
     "three_splits_qlen2": Case(lens=(97, 2), q_len=2, splits=3),
+    # more KV blocks than ring stages in one CTA: the ring wraps around
+    "ring_wraps_one_split": Case(lens=(65,), hq=8, hkv=8, d=64, page_size=16, splits=1),
 }
 
 
@@ -521,3 +523,27 @@ def test_gpu_out_of_range_page_ids_stay_in_pool():
     bad = table.at[0, 0].set(10**6).at[1, 1].set(-5)
     out = md.mha_decode(q, k, v, bad, lens)
     assert out.shape == q.shape  # no fault; ids are clamped into the pool
+
+
+LOWER_CASES = {
+    "qlen1": Case(lens=(300, 5), hq=32, hkv=8, d=128),
+    "qlen4_causal_window": Case(lens=(300, 5), hq=32, hkv=8, d=128, q_len=4, window_left=100),
+    "draft_block": Case(lens=(300, 9), hq=16, hkv=4, q_len=8, causal=False),
+    "fp8_sinks_cap": Case(lens=(300,), hq=32, hkv=8, d=128, kv="fp8", sinks=True, logit_cap=30.0),
+    "d256_page64": Case(lens=(500,), hq=16, hkv=2, d=256, page_size=64, q_len=2),
+}
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_lowers_for_cuda(name, monkeypatch):
+    """The kernel lowers for CUDA on this CPU: Mosaic GPU's layout inference and TMA
+    rules run at lowering, so programs the interpreter accepts but the GPU compiler
+    rejects fail here, without a GPU."""
+    c = LOWER_CASES[name]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel's "GPU here?" check
+    q, k, v, table, lens, sinks, ks, vs = _inputs(c, 0)
+    kw = _kwargs(c, sinks, ks, vs)
+    fn = jax.jit(lambda q, k, v, table, lens: md.mha_decode(q, k, v, table, lens, **kw))
+    text = fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_paged_decode" in text
