@@ -587,7 +587,8 @@ def _attention(
     dv = v.shape[-1]
     hkv = k.shape[-2]
     bs = cu_q.shape[0] - 1
-    num_tiles = -(-t // TILE_Q) + 2 * bs  # partial tiles and the 8-row alignment: < 2 per request
+    # Request b has ceil((n_b + dq_b) / 128) <= (n_b + 7 + 127) / 128 tiles (dq_b < 8).
+    num_tiles = -(-(t + (TILE_Q + 6) * bs) // TILE_Q)
     bk, stages = _choose_blocks(d, dv)
     cfg = PrefillConfig(
         head_dim=d,

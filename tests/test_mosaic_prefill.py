@@ -180,7 +180,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2):
 # and poison; more KV blocks than ring stages on the GPU's default edge path.
 # `-m slow` runs the rest, the non-causal 192/128 MLA shape among them).
 CPU_CASES = [
-    Case(q_lens=(97, 0, 1, 13), poison=40),
+    Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40),
     Case(
         q_lens=(9, 3), prefix=(40, 0), page_size=16, hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True, poison=44
     ),
