@@ -142,6 +142,15 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={v!r} must be an integer >= {lo}")
         if not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1:
             raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r} must be an integer >= 1")
+        for name in ("batch_buckets", "token_buckets"):
+            bk = getattr(self, name)
+            if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
+                raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
+        if self.token_buckets and max(self.token_buckets) < 16:
+            raise ValueError(
+                f"EngineConfig.token_buckets={self.token_buckets!r}: the largest must be >= 16 "
+                "(an extend step's tokens are padded to at least 16)"
+            )
 
     @property
     def max_batch(self) -> int:

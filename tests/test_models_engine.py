@@ -412,3 +412,18 @@ def test_new_weights_through_engine_state(llama):
     eng.state = nnx.split(other)[1]
     assert len(eng.params) == len(jax.tree_util.tree_leaves(eng.state))
     assert eng.generate([prompt], params)[0].output_tokens == want_other
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(page_size=0), "page_size"),
+        (dict(num_pages=1), "num_pages"),
+        (dict(max_prefill_tokens=0), "max_prefill_tokens"),
+        (dict(token_buckets=(8,)), "token_buckets"),
+        (dict(batch_buckets=(0, 4)), "batch_buckets"),
+    ],
+)
+def test_engine_config_refuses_what_cannot_serve(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
