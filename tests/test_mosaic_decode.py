@@ -162,8 +162,14 @@ CPU_CASES = {
 needs_interp = pytest.mark.skipif(not interpreter_available(), reason="no Mosaic GPU interpreter in this JAX")
 
 
+# About four minutes interpreted on a CI core: in the `slow` run; the GPU cases cover q_len 8.
+SLOW_CPU_CASES = {"page128_qlen8_two_tiles"}
+
+
 @needs_interp
-@pytest.mark.parametrize("name", list(CPU_CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CPU_CASES else n for n in CPU_CASES]
+)
 def test_interpreted(name):
     if on_gpu():
         pytest.skip("interpreter tests run on the CPU")
