@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run GPU checks and benchmarks in ONE device call (see /work/shared/gpu/README.md).
+# Run GPU checks and benchmarks in ONE call on a GPU machine.
 #
 #   bash scripts/gpu.sh "python3 -m pytest -q -m gpu tests/test_mosaic_decode.py" \
 #                       "python3 -m jattn bench decode"
