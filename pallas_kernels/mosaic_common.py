@@ -7,6 +7,7 @@
   rows are ``head_dim`` elements, as TMA and ``wgmma`` want it.
 * :func:`cast_layout` / :func:`vec_iota`: register-layout hints that the
   Mosaic GPU interpreter does not take (CPU tests run the same kernel bodies).
+* :func:`drain_free_barriers`: the end of a producer's K/V ring under the interpreter.
 
 Interpreter setup lives in ``interpret.py``; the split-KV combine in
 ``combine.py``.
@@ -18,9 +19,10 @@ import inspect
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["plgpu_kernel", "swizzle_transforms", "cast_layout", "vec_iota"]
+__all__ = ["plgpu_kernel", "swizzle_transforms", "cast_layout", "vec_iota", "drain_free_barriers"]
 
 _KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
 _OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
@@ -53,3 +55,17 @@ def vec_iota(size: int, dim: int, *, interpret: bool):
         return lax.broadcasted_iota(jnp.int32, (size,), 0)
     layout = plgpu.Layout.WGMMA.reduce(1 - dim)
     return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+
+def drain_free_barriers(count, num_stages: int, *free_barriers) -> None:
+    """Producer side, after its loop over ``count`` ring steps: wait on the last
+    ``min(count, num_stages)`` phases of each slot's "free" barriers. The Mosaic GPU
+    interpreter requires every barrier phase to be observed (on the GPU nothing needs
+    these waits), so CTAs with more blocks than ring stages run interpreted too."""
+    for j in range(num_stages):
+
+        @pl.when(count > j)
+        def _():
+            last = lax.rem(count - 1 - j, jnp.int32(num_stages))
+            for bar in free_barriers:
+                plgpu.barrier_wait(bar.at[last])

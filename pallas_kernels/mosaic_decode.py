@@ -81,7 +81,13 @@ from jattn.pallas_kernels.decode_tuning import (
     decode_config,
     unsupported_reason,
 )
-from jattn.pallas_kernels.mosaic_common import cast_layout, plgpu_kernel, swizzle_transforms, vec_iota
+from jattn.pallas_kernels.mosaic_common import (
+    cast_layout,
+    drain_free_barriers,
+    plgpu_kernel,
+    swizzle_transforms,
+    vec_iota,
+)
 
 __all__ = [
     "mha_decode",
@@ -242,16 +248,7 @@ def _decode_kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[page, pl.ds(row, PR)], dst(v_smem, j), v_bar.at[slot])
 
         if cfg.interpret:
-            # The interpreter requires every phase of a barrier to be observed: wait for
-            # the compute warpgroups to free the last slots (on the GPU nothing waits on
-            # them), so CTAs with more blocks than ring stages run interpreted too.
-            for j in range(S):
-
-                @pl.when(count > j)
-                def _():
-                    last = lax.rem(count - 1 - j, jnp.int32(S))
-                    plgpu.barrier_wait(k_free.at[last])
-                    plgpu.barrier_wait(v_free.at[last])
+            drain_free_barriers(count, S, k_free, v_free)
 
     @pl.when(wg < C)
     def _compute():

@@ -65,7 +65,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn.pallas_kernels.mosaic_common import cast_layout, plgpu_kernel, swizzle_transforms, vec_iota
+from jattn.pallas_kernels.mosaic_common import (
+    cast_layout,
+    drain_free_barriers,
+    plgpu_kernel,
+    swizzle_transforms,
+    vec_iota,
+)
 
 __all__ = ["mha_prefill", "mha_extend", "unsupported_reason", "extend_unsupported_reason", "PrefillConfig", "TILE_Q"]
 
@@ -257,15 +263,7 @@ def _kernel(
             fetch(v_ref, v_smem, v_bar, slot, lo + i)
 
         if cfg.interpret:
-            # The interpreter requires every phase of a barrier to be observed: wait for
-            # the consumers to free the last slots (on the GPU nothing waits on them).
-            for j in range(S):
-
-                @pl.when(count > j)
-                def _():
-                    last = lax.rem(count - 1 - j, jnp.int32(S))
-                    plgpu.barrier_wait(k_free.at[last])
-                    plgpu.barrier_wait(v_free.at[last])
+            drain_free_barriers(count, S, k_free, v_free)
 
     @pl.when(wg < 2)
     def _consumer():
