@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench prefill", description=__doc__)
     ap.add_argument("--rows", default="", help="comma-separated row labels (default: all)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument(
+        "--clean-edges",
+        default="default",
+        help="the kernel's clean_edges option: default, on, off, or both (two jattn columns)",
+    )
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     if jax.default_backend() != "gpu":
         print(f"bench prefill needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
@@ -67,7 +72,13 @@ def main(argv: list[str] | None = None) -> None:
         fa3 = None
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     rng = np.random.default_rng(0)
-    header = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul", "FA3 TFLOP/s", "cuDNN TFLOP/s"]
+    variants = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
+    if variants is None:
+        ap.error(f"--clean-edges {args.clean_edges!r}: choose default, on, off or both")
+    header = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul"]
+    if len(variants) > 1:
+        header += ["clean ms", "clean TFLOP/s"]
+    header += ["FA3 TFLOP/s", "cuDNN TFLOP/s"]
     out = []
     for label, hq, hkv, d, dv, causal, lens in ROWS:
         if want and label not in want:
@@ -87,16 +98,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
                 return None
 
-        def ours(i, q, k, v, cu):
-            return mp.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i)
-
-        s = timed(ours)
         row = [label, f"{hq}/{hkv}", f"{d}/{dv}", t_tok]
-        row += (
-            ["-", "-", "-"]
-            if s is None
-            else [f"{s * 1e3:.3f}", f"{flops / s / 1e12:.0f}", f"{100 * flops / s / rate:.0f}"]
-        )
+        for n, clean in enumerate(variants):
+
+            def ours(i, q, k, v, cu, clean=clean):
+                return mp.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean)
+
+            s = timed(ours)
+            cols = [f"{s * 1e3:.3f}", f"{flops / s / 1e12:.0f}"] if s is not None else ["-", "-"]
+            if n == 0:
+                cols.append("-" if s is None else f"{100 * flops / s / rate:.0f}")
+            row += cols
         peers = []
         if fa3 is not None and not args.no_peers:
 
