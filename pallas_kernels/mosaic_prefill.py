@@ -176,13 +176,14 @@ def _kernel(
     k_smem,  # [S, BK, D]
     v_smem,  # [S, BK, Dv]
     lse_smem,  # f32[2, 64]
+    bad_smem,  # f32[S, BK]: an edge block's V rows holding a non-finite value (clean_edges)
     k_bar,
     v_bar,
     q_bar,
     k_free,
     v_free,
     sched,
-    edge,
+    cleaned,  # per slot: warpgroup 0 has cleaned the slot's V tile (clean_edges)
 ):
     BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
     h = lax.axis_index("heads")
@@ -335,33 +336,37 @@ def _kernel(
                 vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
                 plgpu.commit_smem()
 
-        if cfg.clean_edges:
-            ones = cast(jnp.full((64, DV), 1.0, dtype), plgpu.Layout.WGMMA)
-
-        def clean_edge_tile(slot, blk):
-            """An edge block's V tile made safe to multiply by P: a masked key (P = 0)
-            must add exactly nothing, but 0 * NaN is NaN. Column j of ``ones @ V^T`` is
-            non-finite exactly when V row j holds a non-finite value; a row that sees
-            such a column gets NaN poison (added to its softmax denominator). Then the
-            tile's non-finite entries are replaced by 0 in shared memory, after both
-            warpgroups have read it (they share the tile and take the same edge blocks)."""
-            v_tile = v_smem.at[slot]
+        def load_cols(ref):
+            """A [BK] f32 vector from shared memory, in the score tile's column layout."""
             if interp:
-                t = lax.dot_general(ones, v_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            else:
+                return ref[...]
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
-                def scope(acc_ref):
-                    plgpu.wgmma(acc_ref, ones, v_tile.T)
-                    return acc_ref[...]
+        def clean_edge_tile(slot, ok):
+            """An edge block's V tile made safe to multiply by P, and the poison of the
+            rows that see a non-finite V. A masked key (P = 0) must add exactly nothing,
+            but 0 * NaN is NaN: warpgroup 0 records which V rows hold a non-finite value
+            (``bad_smem``) and replaces those entries by 0 in shared memory; both
+            warpgroups then read the record (``cleaned`` orders it before their P @ V)
+            and a row whose mask ``ok`` admits a flagged key gets NaN in its softmax
+            denominator. Warpgroup 0 runs ahead of warpgroup 1 (ping-pong), so the
+            wait rarely stalls."""
+            v_tile = v_smem.at[slot]
 
-                t = pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32))
-            poison = (jnp.where(mask_of(blk), t, 0.0) * 0.0).sum(axis=1)  # 0 * inf and NaN stay NaN
-            plgpu.barrier_arrive(edge)  # both warpgroups have read the tile
-            plgpu.barrier_wait(edge)
-            v = v_tile[...]
-            v_tile[...] = jnp.where(v - v == 0, v, jnp.zeros(v.shape, v.dtype))
-            plgpu.commit_smem()
-            return poison
+            @pl.when(wg == 0)
+            def _():
+                v = v_tile[...]
+                finite = v - v == 0
+                one, zero = jnp.ones(v.shape, v.dtype), jnp.zeros(v.shape, v.dtype)
+                bad_smem[slot] = jnp.where(finite, zero, one).max(axis=1).astype(jnp.float32)
+                v_tile[...] = jnp.where(finite, v, zero)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(cleaned.at[slot])
+
+            plgpu.barrier_wait(cleaned.at[slot])
+            bad = lax.broadcast_in_dim(load_cols(bad_smem.at[slot]), (64, BK), [1])
+            hit = jnp.where(ok & (bad > 0), 1.0, 0.0).max(axis=1)
+            return jnp.where(hit > 0, jnp.nan, 0.0)
 
         def step(i, carry, masked: bool):
             acc, m_i, l_i = carry
@@ -374,7 +379,8 @@ def _kernel(
             if cfg.logit_cap > 0:
                 x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
             if masked:
-                x = jnp.where(mask_of(blk), x, -jnp.inf)
+                ok = mask_of(blk)
+                x = jnp.where(ok, x, -jnp.inf)
             m_new = jnp.maximum(m_i, x.max(axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_i - m_use)
@@ -386,7 +392,7 @@ def _kernel(
                 plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
             if masked and cfg.clean_edges:
-                l_i = l_i + clean_edge_tile(slot, blk)
+                l_i = l_i + clean_edge_tile(slot, ok)
             elif masked:
                 zero_tail(slot, blk)
             if interp:
@@ -469,13 +475,14 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
             plgpu.SMEM((S, BK, D), dtype, transforms=tq),
             plgpu.SMEM((S, BK, DV), dtype, transforms=tv),
             plgpu.SMEM((2, 64), jnp.float32),
+            plgpu.SMEM((S, BK), jnp.float32),
             plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
             plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=1, num_barriers=S),
             collective_axes="wg",
         )
 
