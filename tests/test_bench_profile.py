@@ -228,3 +228,92 @@ def test_stamp_kernel_join_reads_element_zero_of_every_input():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == str(3 + 5 - 2 + 1 + 2 + 3 + 4 + 5)
+
+
+def _visible_pairs(row):
+    """(query, key) pairs a row's masks let through, counted by brute force."""
+    total = 0
+    for n in row.lens:
+        pos = row.prefix + np.arange(n)[:, None]  # query positions
+        keys = np.arange(row.prefix + n)[None, :]
+        total += int((keys <= pos).sum()) if row.causal else n * (row.prefix + n)
+    return total
+
+
+@pytest.mark.parametrize("label", ["4x4096", "4x4096 nc", "ragged 16", "mla 128h", "extend 16x512/4096"])
+def test_bench_prefill_rows_flops_and_inputs(label):
+    """``bench prefill`` builds each row's inputs and FLOPs on any device: scaled down
+    64x here, the FLOPs are 2 * visible pairs * Hq * (D + Dv) and the arrays have the
+    shapes the kernels take."""
+    from jattn.bench import prefill
+
+    spec = next(r for r in prefill.ROWS if r.label == label)
+    inp = prefill.build_row(spec, scale=64)
+    row = inp.row
+    assert row.lens == tuple(max(1, n // 64) for n in spec.lens)
+    assert inp.flops == 2 * _visible_pairs(row) * row.hq * (row.d + row.dv)
+    q = inp.args[0]
+    assert q.shape == (sum(row.lens), row.hq, row.d) and q.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(inp.args[-1]), np.concatenate([[0], np.cumsum(row.lens)]))
+    if not row.extend:
+        k, v = inp.args[1:3]
+        assert k.shape == (sum(row.lens), row.hkv, row.d) and v.shape == (sum(row.lens), row.hkv, row.dv)
+
+
+def test_bench_prefill_full_size_flops():
+    from jattn.bench import prefill
+
+    rows = {r.label: r for r in prefill.ROWS}
+    assert prefill.row_flops(rows["4x4096"]) == 2 * 4 * (4096 * 4097 / 2) * 32 * 256
+    assert prefill.row_flops(rows["4x4096 nc"]) == 2 * 4 * 4096**2 * 32 * 256
+    assert prefill.row_flops(rows["mla 128h"]) == 2 * 2 * (4096 * 4097 / 2) * 128 * 320
+    # each new query i of 512 sees 4096 + i + 1 keys
+    assert prefill.row_flops(rows["extend 16x512/4096"]) == 2 * 16 * (512 * 4096 + 512 * 513 / 2) * 32 * 256
+    r16 = rows["ragged 16"].lens
+    assert len(r16) == 16 and r16[0] == 128 and r16[-1] == 8192 and list(r16) == sorted(set(r16))
+
+
+def test_bench_prefill_extend_inputs_are_a_valid_paged_cache():
+    """The extend row: a random permuted page table (no page used twice, every page of
+    the pool used), cache_seqlens = prefix + new tokens, and the reference extend over
+    those inputs equals attention over each request's gathered K/V."""
+    import jattn
+    from jattn.bench import prefill
+
+    spec = next(r for r in prefill.ROWS if r.extend)
+    assert spec.page_size == 64 and spec.prefix == 4096 and spec.lens == (512,) * 16
+    inp = prefill.build_row(spec, scale=32)
+    row = inp.row
+    q, k_cache, v_cache, table, seqlens, cu = inp.args
+    pages_per = -(-(row.prefix + row.lens[0]) // row.page_size)
+    assert inp.page_table.shape == (16, pages_per)
+    assert sorted(inp.page_table.ravel().tolist()) == list(range(k_cache.shape[0]))
+    assert not np.array_equal(inp.page_table.ravel(), np.arange(inp.page_table.size))  # permuted
+    np.testing.assert_array_equal(inp.cache_seqlens, [row.prefix + n for n in row.lens])
+    assert k_cache.shape == (16 * pages_per, row.page_size, row.hkv, row.d)
+    out = jattn.mha_extend_with_kvcache(
+        q, k_cache, v_cache, table, seqlens, cu, max_seqlen_q=max(row.lens), is_causal=True, backend="xla"
+    )
+    b = 3
+    kv_len = int(seqlens[b])
+    flat = lambda c: np.asarray(c, np.float32)[inp.page_table[b]].reshape(-1, row.hkv, c.shape[-1])[:kv_len]  # noqa: E731
+    k, v = flat(k_cache), flat(v_cache)
+    qb = np.asarray(q, np.float32)[int(cu[b]) : int(cu[b + 1])]
+    g = row.hq // row.hkv
+    s = np.einsum("qhd,khd->hqk", qb, np.repeat(k, g, axis=1)) / np.sqrt(row.d)
+    pos = row.prefix + np.arange(len(qb))
+    s = np.where(np.arange(kv_len)[None, None, :] <= pos[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v, g, axis=1))
+    np.testing.assert_allclose(np.asarray(out[int(cu[b]) : int(cu[b + 1])], np.float32), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_bench_prefill_without_a_gpu_says_so(capsys):
+    from jattn.bench import prefill
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU: the bench would run")
+    prefill.main(["--rows", "extend 16x512/4096"])
+    assert "needs a GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        prefill.main(["--rows", "no such row"])

@@ -1,18 +1,23 @@
 """``python -m jattn bench prefill``: ragged prefill / paged extend on the GPU.
 
-Rows are (head dims, heads, request lengths). Each row times jattn's Mosaic GPU
-kernel beside the peers that run here: FlashAttention-3 (``flash-attn3-jax``,
-varlen) and cuDNN (``jax.nn.dot_product_attention``, equal lengths only), and
-reports TFLOP/s (causal FLOPs count only the visible half) against the measured
-bf16 matmul rate. Calls are timed inside one jit with distinct inputs
-(``jattn.bench.common.time_rotated``).
+Rows are (head dims, heads, request lengths, and for an extend the paged prefix).
+Each row times jattn's Mosaic GPU kernel beside the peers that run here:
+FlashAttention-3 (``flash-attn3-jax``: varlen for prefill, paged KV cache for
+extend), cuDNN (``jax.nn.dot_product_attention``, equal lengths only) and torch's
+``scaled_dot_product_attention`` with its flash and cuDNN backends (equal-length
+prefill only, CUDA events), and reports TFLOP/s (causal FLOPs count only the
+visible half) against the measured bf16 matmul rate. JAX calls are timed inside one
+jit with distinct inputs (``jattn.bench.common.time_rotated``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import statistics
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +25,106 @@ import numpy as np
 
 from jattn.bench import common
 
-# (label, Hq, Hkv, D, Dv, causal, lengths)
+# 16 request lengths spread geometrically from 128 to 8192 tokens.
+RAGGED16 = tuple(int(round(128 * 64 ** (j / 15))) for j in range(16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One benchmark row: ``lens`` new tokens per request; an extend (``prefix`` > 0)
+    attends over ``prefix`` cached tokens plus its own, in a paged cache."""
+
+    label: str
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    causal: bool
+    lens: tuple[int, ...]
+    prefix: int = 0
+    page_size: int = 64
+
+    @property
+    def extend(self) -> bool:
+        return self.prefix > 0
+
+    @property
+    def equal_lengths(self) -> bool:
+        return len(set(self.lens)) == 1
+
+    def scaled(self, scale: int) -> Row:
+        """The same row with lengths and prefix divided by ``scale`` (CPU tests)."""
+        return dataclasses.replace(
+            self,
+            lens=tuple(max(1, n // scale) for n in self.lens),
+            prefix=max(1, self.prefix // scale) if self.prefix else 0,
+        )
+
+
 ROWS = (
-    ("1x4096", 32, 8, 128, 128, True, (4096,)),
-    ("4x4096", 32, 8, 128, 128, True, (4096,) * 4),
-    ("1x16384", 32, 8, 128, 128, True, (16384,)),
-    ("ragged mix", 32, 8, 128, 128, True, (8192, 2048, 1000, 512, 512, 97, 1)),
-    ("4x4096 nc", 32, 8, 128, 128, False, (4096,) * 4),
-    ("4x4096 d64", 32, 8, 64, 64, True, (4096,) * 4),
-    ("4x4096 d256", 16, 4, 256, 256, True, (4096,) * 4),
-    ("4x4096 mla", 16, 16, 192, 128, True, (4096,) * 4),
+    Row("1x4096", 32, 8, 128, 128, True, (4096,)),
+    Row("4x4096", 32, 8, 128, 128, True, (4096,) * 4),
+    Row("4x4096 mha", 32, 32, 128, 128, True, (4096,) * 4),
+    Row("1x16384", 32, 8, 128, 128, True, (16384,)),
+    Row("ragged mix", 32, 8, 128, 128, True, (8192, 2048, 1000, 512, 512, 97, 1)),
+    Row("ragged 16", 32, 8, 128, 128, True, RAGGED16),
+    Row("4x4096 nc", 32, 8, 128, 128, False, (4096,) * 4),
+    Row("4x4096 d64", 32, 8, 64, 64, True, (4096,) * 4),
+    Row("4x4096 d256", 16, 4, 256, 256, True, (4096,) * 4),
+    Row("4x4096 mla", 16, 16, 192, 128, True, (4096,) * 4),
+    Row("mla 128h", 128, 128, 192, 128, True, (4096,) * 2),
+    Row("extend 16x512/4096", 32, 8, 128, 128, True, (512,) * 16, prefix=4096, page_size=64),
 )
 
 
-def _flops(lens, hq, d, dv, causal):
-    pairs = sum(n * (n + 1) / 2 if causal else n * n for n in lens)
-    return 2 * pairs * hq * (d + dv)
+def row_flops(row: Row) -> float:
+    """Attention FLOPs of a row: 2 * (query, key) pairs * Hq * (D + Dv). A causal query
+    i (0-based) of a request sees ``prefix + i + 1`` keys, a non-causal one all
+    ``prefix + n``."""
+    pairs = 0
+    for n in row.lens:
+        pairs += n * row.prefix + (n * (n + 1) // 2 if row.causal else n * n)
+    return 2.0 * pairs * row.hq * (row.d + row.dv)
+
+
+@dataclasses.dataclass
+class RowInputs:
+    """A row's arrays: ``args`` is what the jattn and FA3 steps take, ``(q, k, v, cu)``
+    for a prefill (ragged ``[tokens, H, D]``) and ``(q, k_cache, v_cache, page_table,
+    cache_seqlens, cu)`` for an extend (caches ``[pages, page_size, Hkv, D]``)."""
+
+    row: Row
+    args: tuple
+    flops: float
+    cu_seqlens: np.ndarray
+    page_table: np.ndarray | None = None
+    cache_seqlens: np.ndarray | None = None
+
+
+def build_row(row: Row, *, scale: int = 1, seed: int = 0) -> RowInputs:
+    """The inputs and FLOP count of ``row`` (lengths divided by ``scale``)."""
+    if scale != 1:
+        row = row.scaled(scale)
+    rng = np.random.default_rng(seed)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    t_tok = sum(row.lens)
+    cu = np.concatenate([[0], np.cumsum(row.lens)]).astype(np.int32)
+    q = jax.random.normal(kq, (t_tok, row.hq, row.d), jnp.bfloat16)
+    flops = row_flops(row)
+    if not row.extend:
+        k = jax.random.normal(kk, (t_tok, row.hkv, row.d), jnp.bfloat16)
+        v = jax.random.normal(kv, (t_tok, row.hkv, row.dv), jnp.bfloat16)
+        return RowInputs(row, (q, k, v, jnp.asarray(cu)), flops, cu)
+    seqlens = np.asarray([row.prefix + n for n in row.lens], np.int32)
+    pages_per = -(-int(seqlens.max()) // row.page_size)
+    bs = len(row.lens)
+    num_pages = bs * pages_per
+    # every request its own pages, scattered over the pool: no page used twice
+    table = rng.permutation(num_pages).astype(np.int32).reshape(bs, pages_per)
+    k_cache = jax.random.normal(kk, (num_pages, row.page_size, row.hkv, row.d), jnp.bfloat16)
+    v_cache = jax.random.normal(kv, (num_pages, row.page_size, row.hkv, row.dv), jnp.bfloat16)
+    args = (q, k_cache, v_cache, jnp.asarray(table), jnp.asarray(seqlens), jnp.asarray(cu))
+    return RowInputs(row, args, flops, cu, table, seqlens)
 
 
 def matmul_rate(n: int = 8192) -> float:
@@ -49,16 +138,97 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / t.seconds
 
 
+def _torch_cuda():
+    """torch when it sees a CUDA device, else None (imported only when asked)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+TORCH_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+
+
+def torch_sdpa_seconds(torch, row: Row, backend: str, *, calls: int = 10, reps: int = 3) -> float | None:
+    """Seconds per call of torch's ``scaled_dot_product_attention`` on ``[B, H, S, D]``
+    bf16 CUDA tensors with one SDPA backend (an equal-length prefill row), CUDA events
+    around ``calls`` calls after a warm-up, median of ``reps``. GQA runs with
+    ``enable_gqa=True``, else (a backend that refuses it) with the KV heads repeated.
+    None, with the reason printed, when the backend refuses the row."""
+    try:
+        return _torch_sdpa_seconds(torch, row, backend, calls, reps)
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _torch_sdpa_seconds(torch, row: Row, backend: str, calls: int, reps: int) -> float | None:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, s = len(row.lens), row.lens[0]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h, d: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v = mk(row.hq, row.d), mk(row.hkv, row.d), mk(row.hkv, row.dv)
+    tries = [("mha", k, v, {})]
+    if row.hq != row.hkv:
+        rep = row.hq // row.hkv
+        tries = [
+            ("enable_gqa", k, v, dict(enable_gqa=True)),
+            ("repeated kv", k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), {}),
+        ]
+    why = []
+    for how, kk, vv, kw in tries:
+
+        def call(kk=kk, vv=vv, kw=kw):
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=row.causal, **kw)
+
+        with sdpa_kernel(getattr(SDPBackend, backend)), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                call()  # warm-up
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                msgs = [str(x.message).splitlines()[0][:200] for x in w] + [str(e).splitlines()[0][:200]]
+                why.append(f"{how}: " + "; ".join(msgs))
+                continue
+            ts = []
+            for _ in range(reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(calls):
+                    call()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3 / calls)
+        if how == "repeated kv":
+            print(f"{row.label}: torch {backend} refused enable_gqa ({why[0][:300]}); timed with the KV heads repeated")
+        return statistics.median(ts)
+    print(f"{row.label}: torch {backend} refused: {' | '.join(why)[:600]}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench prefill", description=__doc__)
-    ap.add_argument("--rows", default="", help="comma-separated row labels (default: all)")
-    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS) + ", merge",
+    )
+    ap.add_argument("--no-peers", action="store_true", help="time jattn only")
     ap.add_argument(
         "--clean-edges",
         default="default",
         help="the kernel's clean_edges option: default, on, off, or both (two jattn columns)",
     )
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    variants = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
+    if variants is None:
+        ap.error(f"--clean-edges {args.clean_edges!r}: choose default, on, off or both")
+    want = {r.strip() for r in args.rows.split(",") if r.strip()}
+    unknown = want - {r.label for r in ROWS} - {"merge"}
+    if unknown:
+        ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}, merge")
     if jax.default_backend() != "gpu":
         print(f"bench prefill needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
         return
@@ -70,39 +240,42 @@ def main(argv: list[str] | None = None) -> None:
         import flash_attn3_jax as fa3
     except ImportError:
         fa3 = None
-    want = {r.strip() for r in args.rows.split(",") if r.strip()}
-    rng = np.random.default_rng(0)
-    variants = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
-    if variants is None:
-        ap.error(f"--clean-edges {args.clean_edges!r}: choose default, on, off or both")
+    torch = None if args.no_peers else _torch_cuda()
+    if torch is not None:
+        print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) SDPA peers: {', '.join(TORCH_BACKENDS)}")
     header = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul"]
     if len(variants) > 1:
         header += ["clean ms", "clean TFLOP/s"]
-    header += ["FA3 TFLOP/s", "cuDNN TFLOP/s"]
+    header += ["FA3 TFLOP/s", "cuDNN TFLOP/s", "torch flash TFLOP/s", "torch cuDNN TFLOP/s"]
     out = []
-    for label, hq, hkv, d, dv, causal, lens in ROWS:
-        if want and label not in want:
+    for spec in ROWS:
+        if want and spec.label not in want:
             continue
-        t_tok = sum(lens)
-        q = jnp.asarray(rng.standard_normal((t_tok, hq, d)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((t_tok, hkv, d)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((t_tok, hkv, dv)), jnp.bfloat16)
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-        flops = _flops(lens, hq, d, dv, causal)
+        inp = build_row(spec)
+        lens, d, causal, flops = spec.lens, spec.d, spec.causal, inp.flops
 
         def timed(fn):
             try:
-                t = common.time_rotated(fn, (q, k, v, cu), n_lo=1, n_hi=4, reps=3)
+                t = common.time_rotated(fn, inp.args, n_lo=1, n_hi=4, reps=3)
                 return t.seconds
             except Exception as e:  # noqa: BLE001 - a peer that cannot run this row
-                print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"{spec.label}: {type(e).__name__}: {str(e)[:300]}")
                 return None
 
-        row = [label, f"{hq}/{hkv}", f"{d}/{dv}", t_tok]
+        tokens = f"{sum(lens)} (+{len(lens)}x{spec.prefix} cached)" if spec.extend else sum(lens)
+        row = [spec.label, f"{spec.hq}/{spec.hkv}", f"{d}/{spec.dv}", tokens]
         for n, clean in enumerate(variants):
+            if spec.extend:
 
-            def ours(i, q, k, v, cu, clean=clean):
-                return mp.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean)
+                def ours(i, q, kc, vc, pt, sl, cu, clean=clean):
+                    return mp.mha_extend(
+                        q, kc, vc, pt, sl, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean
+                    )
+
+            else:
+
+                def ours(i, q, k, v, cu, clean=clean):
+                    return mp.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean)
 
             s = timed(ours)
             cols = [f"{s * 1e3:.3f}", f"{flops / s / 1e12:.0f}"] if s is not None else ["-", "-"]
@@ -111,24 +284,39 @@ def main(argv: list[str] | None = None) -> None:
             row += cols
         peers = []
         if fa3 is not None and not args.no_peers:
+            if spec.extend:
+                b, n_new = len(lens), lens[0]
 
-            def fa(i, q, k, v, cu):
-                return fa3.flash_mha_varlen(
-                    q,
-                    k,
-                    v,
-                    cu,
-                    cu,
-                    max_seqlen_q=max(lens),
-                    max_seqlen_k=max(lens),
-                    softmax_scale=(1.0 + 1e-3 * i) / math.sqrt(d),
-                    is_causal=causal,
-                )
+                def fa(i, q, kc, vc, pt, sl, cu):
+                    return fa3.flash_mha_with_kvcache(
+                        q.reshape(b, n_new, q.shape[1], q.shape[2]),
+                        kc,
+                        vc,
+                        cache_seqlens=sl,
+                        page_table=pt,
+                        softmax_scale=(1.0 + 1e-3 * i) / math.sqrt(d),
+                        is_causal=causal,
+                    )
+
+            else:
+
+                def fa(i, q, k, v, cu):
+                    return fa3.flash_mha_varlen(
+                        q,
+                        k,
+                        v,
+                        cu,
+                        cu,
+                        max_seqlen_q=max(lens),
+                        max_seqlen_k=max(lens),
+                        softmax_scale=(1.0 + 1e-3 * i) / math.sqrt(d),
+                        is_causal=causal,
+                    )
 
             peers.append(timed(fa))
         else:
             peers.append(None)
-        if len(set(lens)) == 1 and not args.no_peers and d == dv:
+        if spec.equal_lengths and not spec.extend and not args.no_peers and d == spec.dv:
             b, n = len(lens), lens[0]
 
             def cudnn(i, q, k, v, cu):
@@ -145,12 +333,20 @@ def main(argv: list[str] | None = None) -> None:
             peers.append(timed(cudnn))
         else:
             peers.append(None)
+        for backend in TORCH_BACKENDS:
+            s = None
+            if torch is not None and spec.equal_lengths and not spec.extend:
+                try:
+                    s = torch_sdpa_seconds(torch, spec, backend)
+                except Exception as e:  # noqa: BLE001 - a torch failure costs its cell only
+                    print(f"{spec.label}: torch {backend}: {type(e).__name__}: {str(e)[:300]}")
+            peers.append(s)
         row += ["-" if p is None else f"{flops / p / 1e12:.0f}" for p in peers]
         out.append(row)
         print(" | ".join(str(x) for x in row), flush=True)
     print(common.fmt_table(header, out))
     if not want or "merge" in want:
-        _merge_row(rng)
+        _merge_row(np.random.default_rng(0))
 
 
 def _merge_row(rng, tokens: int = 16384, hq: int = 32, d: int = 128) -> None:
