@@ -40,8 +40,12 @@ Layout of the work (FlashAttention-3 style):
   (the next request's keys, a page's unused tail, a future token's V). This
   cleaning (``clean_edges``) is on under the interpreter and not yet on the GPU,
   where only V rows outside the request are zeroed, until a GPU run checks it.
-* Output tiles are written whole (TMA) into a per-tile buffer, then gathered
-  into the ragged output; the LSE likewise.
+* Each warpgroup's 64 output rows go by TMA straight into the ragged output when
+  they lie inside their request; the at most two chunks per request that straddle
+  its first or last row go to a small side buffer and are put in place after the
+  kernel (a scatter of at most 128 rows per request). The rows past the last
+  request (padding) are one more request with no keys, so the kernel writes every
+  output row (0, LSE -inf). The LSE likewise.
 
 The entry points are :func:`mha_prefill` and :func:`mha_extend`;
 :func:`unsupported_reason` says whether a call can be served. The f32 oracles
@@ -158,7 +162,6 @@ def _kernel(
     # inputs
     tile_req_ref,  # i32[T]: request of each launched tile (-1: none)
     tile_loc_ref,  # i32[T]: which tile of its request (0, 1, ...)
-    tile_id_ref,  # i32[T]: the tile's slot in the output buffer
     cu_q_ref,  # i32[bs + 1]
     kv_start_ref,  # i32[bs]: first key row (contiguous) or 0 (paged)
     kv_len_ref,  # i32[bs]
@@ -168,8 +171,10 @@ def _kernel(
     k_ref,  # [Tk, Hkv, D] or [num_pages, page_size, Hkv, D]
     v_ref,  # same with Dv
     # outputs
-    o_ref,  # [tiles, 128, Hq, Dv]
-    lse_ref,  # f32[tiles, Hq, 128] natural log
+    o_ref,  # [Tq, Hq, Dv]: the ragged output (chunks wholly inside their request)
+    lse_ref,  # f32[Hq, Tq] natural log, likewise
+    o_side_ref,  # [2 * bs, 64, Hq, Dv]: chunks that straddle a request's edge
+    lse_side_ref,  # f32[2 * bs, Hq, 64]
     # scratch
     q_smem,  # [2, 64, D] (the output tile reuses it when Dv == D)
     o_smem,  # [2, 64, Dv] or None
@@ -450,24 +455,42 @@ def _kernel(
             out_smem[...] = acc.astype(dtype)
             lse_smem[wg] = lse
             plgpu.commit_smem()
-            tid = tile_id_ref[t]
-            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[tid, pl.ds(wg * 64, 64), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tid, h, pl.ds(wg * 64, 64)])
+            # A chunk of 64 rows wholly inside the request goes straight to its rows of
+            # the ragged output; one that straddles the request's first or last row
+            # (its other rows belong to the neighbours) goes to the request's side slot
+            # (2b: the first chunk, 2b + 1: the last), merged in after the kernel.
+            inside = (r0 >= 0) & (r0 + 64 <= n_q)
+            some = (r0 < n_q) & (r0 + 64 > 0)
+            row = q_base + loc * TILE_Q + wg * 64
+
+            @pl.when(inside)
+            def _():
+                plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(row, 64), h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(row, 64)])
+
+            @pl.when(some & ~inside)
+            def _():
+                side = 2 * b + jnp.where(r0 < 0, 0, 1)
+                plgpu.copy_smem_to_gmem(out_smem, o_side_ref.at[side, :, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_side_ref.at[side, h])
+
             plgpu.wait_smem_to_gmem(0)
 
 
 def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
-    tile_req, tile_loc, tile_id, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
+    tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
     BK, S, D, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim, cfg.head_dim_v
-    hq = cfg.num_q_heads
+    hq, tq, bs = cfg.num_q_heads, q.shape[0], kv_len.shape[0]
     out_type = (
-        jax.ShapeDtypeStruct((num_tiles, TILE_Q, hq, DV), dtype),
-        jax.ShapeDtypeStruct((num_tiles, hq, TILE_Q), jnp.float32),
+        jax.ShapeDtypeStruct((tq, hq, DV), dtype),
+        jax.ShapeDtypeStruct((hq, tq), jnp.float32),
+        jax.ShapeDtypeStruct((2 * bs, 64, hq, DV), dtype),
+        jax.ShapeDtypeStruct((2 * bs, hq, 64), jnp.float32),
     )
     tq, tv = swizzle_transforms(dtype, D), swizzle_transforms(dtype, DV)
 
     def entry(*refs):
-        ins, outs = refs[:11], refs[11:]
+        ins, outs = refs[:10], refs[10:]
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *ins, *outs, *scratch),
             plgpu.SMEM((2, 64, D), dtype, transforms=tq),
@@ -498,7 +521,7 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=name,
     )
-    return kernel(tile_req, tile_loc, tile_id, cu_q, kv_start, kv_len, page_table, scales, q, k, v)
+    return kernel(tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v)
 
 
 def _segment_ids(ends, n: int):
@@ -511,8 +534,7 @@ def _segment_ids(ends, n: int):
 
 def _tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int):
     """Tiles of every request in launch order, longest work first: ``tile_req`` (-1:
-    no tile), ``tile_loc`` (which tile of its request) and ``tile_id`` (its slot in the
-    output buffer), i32[num_tiles]; and each request's first slot ``tile_base`` i32[bs].
+    no tile) and ``tile_loc`` (which tile of its request), i32[num_tiles].
 
     Tile ``j`` of a request covers the rows ``8 * (cu_q[b] // 8) + 128 * j + [0, 128)``
     (8-row aligned, see the kernel)."""
@@ -532,22 +554,29 @@ def _tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: in
     work = jnp.where(valid, jnp.maximum(hi - lo, 0) + 1, -1)  # +1: a tile of no keys still writes
     order = jnp.argsort(-work, stable=True).astype(jnp.int32)
     tile_req = jnp.where(valid, req, -1)[order]
-    return tile_req, loc[order].astype(jnp.int32), order, base.astype(jnp.int32)
+    return tile_req, loc[order].astype(jnp.int32)
 
 
-def _gather(o_tiles, lse_tiles, cu_q, tile_base, num_tokens: int):
-    """Ragged rows [num_tokens, Hq, Dv] / [num_tokens, Hq] from the per-tile buffers;
-    rows past cu_q[-1] are 0 (LSE -inf)."""
-    x = jnp.arange(num_tokens, dtype=jnp.int32)
-    r = _segment_ids(cu_q[1:-1], num_tokens)
-    local = x - cu_q[r] + cu_q[r] % 8  # row within the request's aligned tiles
-    tile = tile_base[r] + local // TILE_Q
-    row = local % TILE_Q
-    real = x < cu_q[-1]
-    tile = jnp.where(real, tile, 0)
-    o = jnp.where(real[:, None, None], o_tiles[tile, row], 0)
-    lse = jnp.where(real[:, None], lse_tiles[tile, :, row], -jnp.inf)
-    return o, lse
+def _merge_sides(o, lse, o_side, lse_side, cu_q):
+    """The ragged output with the straddling chunks of ``o_side`` / ``lse_side`` put
+    in their rows: slot ``2b`` holds request ``b``'s first chunk (rows ``-dq .. 63 -
+    dq`` of the request, when ``dq = cu_q[b] % 8 > 0``), slot ``2b + 1`` its last
+    chunk when that one straddles the request's end. ``lse`` comes in ``[Hq, Tq]``
+    and leaves ``[Tq, Hq]``."""
+    tq = o.shape[0]
+    n_q = cu_q[1:] - cu_q[:-1]
+    dq = cu_q[:-1] % 8
+    j = jnp.arange(64, dtype=jnp.int32)
+    first_r = -dq  # request row of the first chunk's row 0
+    last_r = first_r + 64 * ((n_q - 1 + dq) // 64)  # ... and of the last chunk's
+    first_ok = dq > 0
+    last_ok = (last_r >= 0) & (last_r + 64 > n_q)
+    r = jnp.stack([first_r, last_r], 1)[:, :, None] + j  # [bs, 2, 64] request rows
+    ok = jnp.stack([first_ok, last_ok], 1)[:, :, None] & (r >= 0) & (r < n_q[:, None, None]) & (n_q > 0)[:, None, None]
+    target = jnp.where(ok, cu_q[:-1, None, None] + r, tq).reshape(-1)  # out of range: dropped
+    o = o.at[target].set(o_side.reshape((-1,) + o_side.shape[2:]), mode="drop")
+    lse = lse.at[:, target].set(jnp.moveaxis(lse_side, 1, 0).reshape(lse.shape[0], -1), mode="drop")
+    return o, lse.T
 
 
 def _pad_rows(x, rows: int):
@@ -591,6 +620,12 @@ def _attention(
     t, hq, d = q.shape
     dv = v.shape[-1]
     hkv = k.shape[-2]
+    # The rows past cu_q[-1] (padding) are one more request with no keys: the kernel
+    # writes them as 0 / -inf, so every output row is written once, by the kernel.
+    cu_q = jnp.concatenate([cu_q.astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
+    kv_start = jnp.concatenate([kv_start.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    kv_len = jnp.concatenate([kv_len.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    page_table = jnp.concatenate([page_table, jnp.zeros((1, page_table.shape[1]), page_table.dtype)])
     bs = cu_q.shape[0] - 1
     # Request b has ceil((n_b + dq_b) / 128) <= (n_b + 7 + 127) / 128 tiles (dq_b < 8).
     num_tiles = -(-(t + (TILE_Q + 6) * bs) // TILE_Q)
@@ -616,11 +651,7 @@ def _attention(
     scales = jnp.concatenate(
         [jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.zeros((hq,), jnp.float32) if sinks is None else sinks]
     ).astype(jnp.float32)
-    cu_q = cu_q.astype(jnp.int32)
-    kv_len = kv_len.astype(jnp.int32)
-    tile_req, tile_loc, tile_id, tile_base = _tile_plan(
-        cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left
-    )
+    tile_req, tile_loc = _tile_plan(cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left)
     # The tiled TMA view of a ragged array needs a multiple of 8 rows; under the
     # interpreter no box may read out of bounds either (the GPU zero-fills those rows).
     qp, kp, vp = q, k, v
@@ -632,9 +663,8 @@ def _attention(
     arrays = (
         tile_req,
         tile_loc,
-        tile_id,
         cu_q,
-        kv_start.astype(jnp.int32),
+        kv_start,
         kv_len,
         page_table.astype(jnp.int32),
         scales,
@@ -642,8 +672,10 @@ def _attention(
         kp,
         vp,
     )
-    o_tiles, lse_tiles = _run(cfg, q.dtype, arrays, num_tiles)
-    o, lse = _gather(o_tiles, lse_tiles, cu_q, tile_base, t)
+    o, lse, o_side, lse_side = _run(cfg, q.dtype, arrays, num_tiles)
+    o, lse = _merge_sides(o, lse, o_side, lse_side, cu_q)
+    if o.shape[0] != t:
+        o, lse = o[:t], lse[:t]
     if v_scale is not None:
         o = (o.astype(jnp.float32) * v_scale).astype(q.dtype)
     return (o, lse) if return_lse else o
