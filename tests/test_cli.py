@@ -159,6 +159,50 @@ def test_bench_serving_options_have_help(capsys):
         assert len(text) == 2 or opts.splitlines()[opts.splitlines().index(line) + 1].startswith(" " * 10), line
 
 
+def test_bench_serving_long_context_rows_on_cpu(tmp_path, capsys):
+    """``bench serving --long-context`` at tiny sizes: one row per prompt length, batch and
+    backend (auto beside xla), prefill tok/s and TTFT reported, nothing recompiled in the
+    timed runs, the rows of one prompt length sharing their extend program; xla rows over
+    ``--xla-max-tokens`` are skipped with the reason; the GPU-time estimate comes first."""
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "serving", "--cpu", "--models", "tiny", "--long-context", "--prompt-lens", "64,128"]
+    argv += ["--batch", "2,4", "--prefill-tokens", "128", "--xla-max-tokens", "256", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.index("estimate:") < text.index("tiny Llama: built")
+    assert "prefill tokens (warm-ups included)" in text
+    assert "bs=4 prompt=128 [backend xla]: skipped: xla: 4 x 128 = 512 prompt tokens > --xla-max-tokens 256" in text
+    rows = json.loads(out.read_text())
+    got = [(r["prompt_len"], r["batch"], r["backend"]) for r in rows]
+    assert got == [
+        (p, b, be) for p in (64, 128) for b in (2, 4) for be in ("auto", "xla") if (p, b, be) != (128, 4, "xla")
+    ]
+    for r in rows:
+        assert r["gen_len"] == 16 and r["recompiles_in_timed_run"] == 0, r
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_ms_median"] > 0
+    # batch 4 reuses the extend program of batch 2 (same pool and buckets): only its decode compiles
+    assert [r["warmup_programs"] for r in rows if r["batch"] == 4] == [1, 1, 1]
+    assert "| tiny Llama | 2 | 128 |" in text and "auto prefill tok/s | xla prefill tok/s" in text
+
+
+def test_bench_serving_estimate_of_the_long_context_rows():
+    """The printed budget of the GPU run: Llama-3-8B, 4k and 16k prompts at batch 8 and 32,
+    both backends except xla at 32 x 16k."""
+    from jattn.bench import serving
+
+    cfg = serving._config("llama3-8b")
+    runs = [(bs, p, be) for p in (4096, 16384) for bs in (8, 32) for be in ("auto", "xla")]
+    runs = [r for r in runs if r != (32, 16384, "xla")]
+    est = serving.estimate(cfg, runs, 16, 16, 16384, light_warmup=True)
+    # timed prompts plus one extend step's worth of warm-up prompts per row
+    timed = 2 * (8 + 32) * 4096 + (8 + 32) * 16384 + 8 * 16384
+    warm = 4 * 4096 * 4 + 16384 * 3
+    assert est.prefill_tokens == timed + warm
+    assert 10e15 < est.gemm_flops < 25e15 and est.programs == 11 and 100 < est.seconds < 1200
+
+
 def test_without_torch_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     assert main(["bench", "bridge"]) == 1

@@ -9,12 +9,23 @@ weights; a Llama-3-8B-shaped random model) and batch size: ``bs`` requests of
 * engine decode step time (host planning + dispatch + device + fetching the tokens);
 * device time of the same jitted decode step called back to back with no host sync in
   between (the GPU's busy time per step: kernels plus launch gaps, an upper bound on the
-  sum of kernel times), so the difference is host overhead.
+  sum of kernel times), so the difference is host overhead;
+* prefill tokens/s (extend steps that did not compile) and time to first token.
+
+``--long-context`` runs the long-prompt rows where the attention kernels decide the
+result: Llama-3-8B shapes, prompts of 4096 and 16384 tokens at batch 8 and 32, 16
+generated tokens, backends auto and xla side by side (each default can be overridden,
+e.g. ``--prompt-lens``). It warms up with a few full-length prompts and one decode step
+of the batch instead of the whole batch, and skips xla rows of more than
+``--xla-max-tokens`` prompt tokens (the reference attention visits every key of the
+context for every query, in f32). It prints an estimate of the run's GPU time first.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import sys
@@ -28,6 +39,17 @@ from jattn.metadata import plan_decode
 from jattn.models.config import LlamaConfig
 from jattn.models.engine import Engine, EngineConfig, SamplingParams
 from jattn.models.llama import Llama
+
+
+def _config(name: str, dtype: str = "bfloat16") -> LlamaConfig:
+    """The model shapes of ``name`` (SmolLM2's GGUF has the same shapes as its config)."""
+    if name == "smollm2":
+        return LlamaConfig.smollm2_135m(dtype=dtype, param_dtype=dtype)
+    if name == "llama3-8b":
+        return LlamaConfig.llama3_8b(dtype=dtype, param_dtype=dtype)
+    if name == "tiny":
+        return LlamaConfig.tiny(dtype=dtype, param_dtype=dtype)
+    raise SystemExit(f"unknown model {name!r}: smollm2, llama3-8b, tiny")
 
 
 def _model(name: str, dtype: str):
@@ -112,6 +134,13 @@ def _profile_step(engine: Engine, bs: int, seq_len: int, n: int = 6) -> dict:
     )
 
 
+def _extend_batch(bs: int, prompt_len: int, prefill_tokens: int) -> tuple[int, int]:
+    """(new tokens per extend step, requests per extend step) of ``bs`` prompts of
+    ``prompt_len`` tokens: prompts longer than ``prefill_tokens`` go in chunks."""
+    budget = max(1, min(min(bs, 32) * prompt_len, prefill_tokens))
+    return budget, max(1, min(bs, budget // prompt_len))
+
+
 def run_one(
     model,
     bs: int,
@@ -122,16 +151,25 @@ def run_one(
     profile: bool = False,
     command_buffers: bool | str = True,
     prefill_tokens: int = 16384,
+    light_warmup: bool = False,
+    num_pages: int | None = None,
+    batch_buckets: tuple | None = None,
 ) -> dict:
+    """One row. ``light_warmup``: compile with as many full-length prompts as one
+    extend step takes (the batch bucket of that size is added) and one decode step of
+    the batch, instead of generating for the whole batch twice (long prompts).
+    ``num_pages`` / ``batch_buckets``: the pool and buckets (default: what this row
+    needs); rows that share them share their extend program."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
-    buckets = tuple(sorted({1, bs}))
+    budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
+    buckets = batch_buckets or tuple(sorted({1, bs} | ({per_step} if light_warmup else set())))
     ecfg = EngineConfig(
         page_size=page_size,
-        num_pages=1 + bs * pages_per,
+        num_pages=num_pages or 1 + bs * pages_per,
         max_context=max_context,
         max_running=bs,
-        max_prefill_tokens=min(min(bs, 32) * prompt_len, max(prefill_tokens, prompt_len)),
+        max_prefill_tokens=budget,
         batch_buckets=buckets,
         token_buckets=None,
         kernel_backend=backend,
@@ -140,10 +178,20 @@ def run_one(
     engine = Engine(model, ecfg)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
+    traces = engine._traces[0]
     t0 = time.perf_counter()
-    # warm-up: the same shapes (compiles the extend and decode programs of this batch size)
-    engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)], SamplingParams(max_new_tokens=3))
+    if light_warmup:
+        # the extend program(s) of a full step of prompts (all chunks of a long one), no decode
+        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(per_step)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=1))
+        # the decode program of the batch's bucket
+        jax.block_until_ready(_decode_step_call(engine, bs, prompt_len + 1)())
+    else:
+        # the same shapes (compiles the extend and decode programs of this batch size)
+        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=3))
     warm = time.perf_counter() - t0
+    warm_traces = engine._traces[0] - traces
     compiled = engine.metrics.compilations
     engine.metrics = type(engine.metrics)(compilations=compiled)
     t0 = time.perf_counter()
@@ -154,23 +202,98 @@ def run_one(
     m = engine.metrics
     assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
     ttft = sorted(1e3 * (r.first_token_time - r.arrival_time) for r in reqs)
+    recompiles = m.compilations - compiled
     dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
     extra = _profile_step(engine, bs, prompt_len + gen_len // 2) if profile else {}
+    del engine
     return dict(
         **extra,
         batch=bs,
         prompt_len=prompt_len,
         gen_len=gen_len,
+        prefill_tokens_per_step=budget,
+        prefill_tok_s=m.prompt_tokens / m.prefill_time if m.prefill_time else 0.0,
         decode_tok_s=m.decode_tokens_per_s,
         overall_tok_s=m.generated_tokens / wall,
+        total_tok_s=(m.prompt_tokens + m.generated_tokens) / wall,
         engine_step_ms=m.median_decode_step_ms,
         ttft_ms_median=ttft[len(ttft) // 2],
         ttft_ms_max=ttft[-1],
         prefill_s=m.prefill_time,
+        wall_s=wall,
         device_step_ms=dev_ms,
-        recompiles_in_timed_run=m.compilations - compiled,
+        recompiles_in_timed_run=recompiles,
         warmup_s=warm,
+        warmup_programs=warm_traces,
     )
+
+
+# Rough device rates for the time estimate (H200, bf16): big GEMMs, jattn's Mosaic
+# attention, and the xla reference's f32 attention (bound by the elementwise passes over
+# its 16M-element score tiles, counted over every key it visits).
+EST_GEMM_FLOPS = 550e12
+EST_KERNEL_ATTN_FLOPS = 400e12
+EST_XLA_ATTN_FLOPS = 20e12
+EST_HBM_BYTES = 3.5e12
+EST_COMPILE_S = 40.0  # per program of an 8B model (a row compiles 2-3)
+
+
+@dataclasses.dataclass
+class Estimate:
+    prefill_tokens: int = 0
+    gemm_flops: float = 0.0
+    attn_flops: float = 0.0  # causal, what a kernel computes
+    xla_attn_flops: float = 0.0  # every key of the context, what the reference computes
+    seconds: float = 0.0
+    programs: int = 0
+
+    def line(self) -> str:
+        return (
+            f"estimate: {self.prefill_tokens:,} prefill tokens (warm-ups included), "
+            f"{self.gemm_flops / 1e15:.1f} PFLOP in the linear layers, {self.attn_flops / 1e15:.2f} PFLOP "
+            f"causal attention on the kernel backends + {self.xla_attn_flops / 1e15:.2f} PFLOP visited by "
+            f"the xla reference; ~{self.seconds:.0f} s of GPU time with {self.programs} programs to "
+            f"compile at ~{EST_COMPILE_S:.0f} s each (assumed rates: GEMM {EST_GEMM_FLOPS / 1e12:.0f}, "
+            f"kernel attention {EST_KERNEL_ATTN_FLOPS / 1e12:.0f}, xla attention {EST_XLA_ATTN_FLOPS / 1e12:.0f} "
+            f"TFLOP/s, HBM {EST_HBM_BYTES / 1e12:.1f} TB/s)"
+        )
+
+
+def estimate(cfg: LlamaConfig, runs, gen_len: int, page_size: int, prefill_tokens: int, light_warmup: bool):
+    """Rough GPU work of ``runs`` ((bs, prompt_len, backend name) triples) on a model
+    of ``cfg``'s shapes: prefill tokens, FLOPs, seconds. With ``light_warmup`` the rows
+    of one prompt length and backend share their extend program (a shared pool)."""
+    h, hq, hkv, d, L = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    layer_params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg.intermediate_size
+    weight_bytes = 2 * (L * layer_params + 2 * h * cfg.vocab_size)
+    kv_bytes_per_token = 2 * L * 2 * hkv * d
+    est = Estimate()
+    programs = set()
+    for bs, prompt, be in runs:
+        ctx = prompt + gen_len + page_size
+        budget, per_step = _extend_batch(bs, prompt, prefill_tokens)
+        n_req = bs + (per_step if light_warmup else bs)
+        toks = n_req * prompt
+        gemm = 2 * L * layer_params * toks + 2 * h * cfg.vocab_size * n_req
+        attn = 2 * L * hq * 2 * d * (prompt * (prompt + 1) / 2) * n_req
+        xla = 2 * L * hq * 2 * d * prompt * ctx * n_req if be == "xla" else 0.0
+        decode_steps = gen_len + (1 if light_warmup else 3) + 21
+        decode_s = decode_steps * (weight_bytes + bs * (prompt + gen_len) * kv_bytes_per_token) / EST_HBM_BYTES
+        if be == "xla":
+            decode_s *= 3  # the reference decode reads the cache in f32 chunks
+        est.prefill_tokens += toks
+        est.gemm_flops += gemm
+        est.attn_flops += attn if be != "xla" else 0.0
+        est.xla_attn_flops += xla
+        shared = (prompt, be, per_step) if light_warmup else (bs, prompt, be)
+        programs |= {("extend",) + shared, ("decode", bs, prompt, be)}
+        if prompt > budget:  # chunks after the first extend over a prefix: a second program
+            programs.add(("extend prefix",) + shared)
+        est.seconds += gemm / EST_GEMM_FLOPS + decode_s
+        est.seconds += xla / EST_XLA_ATTN_FLOPS if be == "xla" else attn / EST_KERNEL_ATTN_FLOPS
+    est.programs = len(programs)
+    est.seconds += est.programs * EST_COMPILE_S
+    return est
 
 
 def main(argv=None) -> int:
@@ -181,13 +304,26 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--models",
-        default="smollm2,llama3-8b",
+        default=None,
         help="comma-separated: smollm2 (SmolLM2-135M), llama3-8b (its shapes, random "
-        "weights), tiny (default: smollm2,llama3-8b)",
+        "weights), tiny (default: smollm2,llama3-8b; llama3-8b in the long-context preset)",
     )
-    ap.add_argument("--batch", default="1,32,128", help="comma-separated batch sizes (default 1,32,128)")
+    ap.add_argument(
+        "--batch", default=None, help="comma-separated batch sizes (default 1,32,128; 8,32 in the long-context preset)"
+    )
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
-    ap.add_argument("--gen-len", type=int, default=64, help="generated tokens per request (default 64)")
+    ap.add_argument(
+        "--prompt-lens",
+        default=None,
+        help="comma-separated prompt lengths, each a row per batch and backend (instead of the one "
+        "prompt length; 4096,16384 in the long-context preset)",
+    )
+    ap.add_argument(
+        "--gen-len",
+        type=int,
+        default=None,
+        help="generated tokens per request (default 64; 16 in the long-context preset)",
+    )
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     ap.add_argument(
         "--prefill-tokens",
@@ -198,9 +334,23 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype (default bfloat16)")
     ap.add_argument(
         "--backend",
-        default="auto",
+        default=None,
         help=f"attention kernel backend(s), comma-separated to compare side by side, each one of "
-        f"{', '.join(backend_choices())} (default auto)",
+        f"{', '.join(backend_choices())} (default auto; auto,xla in the long-context preset)",
+    )
+    ap.add_argument(
+        "--long-context",
+        action="store_true",
+        help="the long-context preset: llama3-8b, prompts 4096,16384 at batch 8,32, gen 16, backends "
+        "auto,xla (options given explicitly win), a light warm-up, xla rows over the xla token limit "
+        "skipped; prints an estimate of the GPU time first",
+    )
+    ap.add_argument(
+        "--xla-max-tokens",
+        type=int,
+        default=None,
+        help="skip xla-backend rows of more than this many prompt tokens, batch x prompt "
+        "(default 131072 in the long-context preset, else 0: no limit)",
     )
     ap.add_argument(
         "--cpu", action="store_true", help="run on the CPU anyway (minutes with the default models; try --models tiny)"
@@ -221,6 +371,15 @@ def main(argv=None) -> int:
         "--json", default=None, help="write the rows to this file (default: $OUT/serving.json when OUT is set)"
     )
     args = ap.parse_args(argv)
+    long = args.long_context
+    models = args.models or ("llama3-8b" if long else "smollm2,llama3-8b")
+    batches = [int(b) for b in (args.batch or ("8,32" if long else "1,32,128")).split(",") if b]
+    prompt_lens = [int(p) for p in (args.prompt_lens or ("4096,16384" if long else str(args.prompt_len))).split(",")]
+    gen_len = args.gen_len if args.gen_len is not None else (16 if long else 64)
+    backend_arg = args.backend or ("auto,xla" if long else "auto")
+    xla_max = args.xla_max_tokens if args.xla_max_tokens is not None else (131072 if long else 0)
+    for name in models.split(","):
+        _config(name)  # an unknown name fails here, before anything runs
     if jax.default_backend() != "gpu" and not args.cpu:
         print(
             f"bench serving needs a GPU (jax default backend is {jax.default_backend()}); nothing to do "
@@ -230,7 +389,7 @@ def main(argv=None) -> int:
     from jattn.demo import MHA_OPS, choose_backend
 
     backends = []
-    for name in args.backend.split(","):
+    for name in backend_arg.split(","):
         if name not in backend_choices():
             ap.error(f"--backend {name!r}: choose from {', '.join(backend_choices())}")
         backend, notice = choose_backend(name, MHA_OPS)
@@ -241,40 +400,85 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(
         f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-        f"backend {args.backend}, dtype {args.dtype}",
+        f"backend {backend_arg}, dtype {args.dtype}",
         flush=True,
     )
+
+    def skip_reason(bs, prompt, be_name):
+        if be_name == "xla" and xla_max and bs * prompt > xla_max:
+            return (
+                f"xla: {bs} x {prompt} = {bs * prompt} prompt tokens > --xla-max-tokens {xla_max} (its "
+                "reference attention visits every key of the context for each query in f32: no [q x k] "
+                "matrix beyond a 16M-element tile, but minutes of GPU time; --xla-max-tokens 0 runs it)"
+            )
+        return None
+
+    plan = {}
+    for name in models.split(","):
+        plan[name] = [
+            (bs, p, cb, be)
+            for p in prompt_lens
+            for bs in batches
+            for cb in settings
+            for be in backends
+            if skip_reason(bs, p, be[0]) is None
+        ]
+        est = estimate(
+            _config(name, args.dtype),
+            [(bs, p, be[0]) for bs, p, _, be in plan[name]],
+            gen_len,
+            args.page_size,
+            args.prefill_tokens,
+            light_warmup=long,
+        )
+        print(f"{name}: {len(plan[name])} rows; {est.line()}", flush=True)
     rows = []
-    for name in args.models.split(","):
+    for name in models.split(","):
         t0 = time.perf_counter()
         model, desc = _model(name, args.dtype)
         print(f"\n{desc}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-        runs = [(int(b), cb, be) for b in args.batch.split(",") for cb in settings for be in backends]
-        for bs, cb, (be_name, backend) in runs:
+        for p in prompt_lens:
+            for bs in batches:
+                for be_name in dict.fromkeys(b[0] for b in backends):
+                    why = skip_reason(bs, p, be_name)
+                    if why:
+                        print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
+        shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
+        for bs, prompt_len, cb, (be_name, backend) in plan[name]:
+            pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             try:
                 r = run_one(
                     model,
                     bs,
-                    args.prompt_len,
-                    args.gen_len,
+                    prompt_len,
+                    gen_len,
                     args.page_size,
                     backend,
                     profile=args.profile,
                     command_buffers=cb,
                     prefill_tokens=args.prefill_tokens,
+                    light_warmup=long,
+                    num_pages=pool,
+                    batch_buckets=buckets,
                 )
             except Exception as e:  # keep going: report what ran
-                print(f"  bs={bs}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
+            finally:
+                gc.collect()  # the row's KV pool goes before the next one is made
             r["model"] = desc + tag
+            r["backend"] = be_name
             rows.append(r)
             print(
-                f"  bs={bs:4d}{tag}: decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
+                f"  bs={bs:4d} prompt={prompt_len}{tag}: prefill {r['prefill_tok_s']:9.0f} tok/s, "
+                f"decode {r['decode_tok_s']:9.1f} tok/s, overall {r['overall_tok_s']:9.1f} tok/s, "
                 f"engine step {r['engine_step_ms']:7.2f} ms, device step {r['device_step_ms']:7.2f} ms, "
                 f"TTFT median {r['ttft_ms_median']:.0f} ms (max {r['ttft_ms_max']:.0f}), "
-                f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s",
+                f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s "
+                f"({r['warmup_programs']} programs), "
+                f"timed run {r['wall_s']:.1f} s",
                 flush=True,
             )
         del model
@@ -282,13 +486,19 @@ def main(argv=None) -> int:
     if out:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| model | batch | prompt | decode tok/s | overall tok/s | engine step ms | device step ms | TTFT ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| model | batch | prompt | prefill tok/s | decode tok/s | overall tok/s | engine step ms "
+        "| device step ms | TTFT ms median / max |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | "
-            f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | {r['ttft_ms_median']:.0f} |"
+            f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.0f} | "
+            f"{r['overall_tok_s']:.0f} | {r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | "
+            f"{r['ttft_ms_median']:.0f} / {r['ttft_ms_max']:.0f} |"
         )
+    if len(backends) > 1:
+        _side_by_side(rows, [b[0] for b in backends])
     prof_rows = [r for r in rows if "span_us" in r]
     if prof_rows:
         print("\n| model | batch | engine step ms | device span ms | kernel sum ms | attention ms | kernels/step |")
@@ -299,6 +509,38 @@ def main(argv=None) -> int:
                 f"{r['kernel_sum_us'] / 1e3:.3f} | {r['attention_us'] / 1e3:.3f} | {r['kernels_per_step']} |"
             )
     return 0
+
+
+def _shared_pools(plan, gen_len: int, page_size: int, prefill_tokens: int) -> dict:
+    """``{(prompt_len, command buffers, backend name): (num_pages, batch buckets)}``: one
+    pool (for the largest batch) and one bucket set for the rows of one prompt length
+    and backend, so that they compile one extend program between them."""
+    groups: dict = {}
+    for bs, p, cb, (be_name, _) in plan:
+        groups.setdefault((p, cb, be_name), []).append(bs)
+    out = {}
+    for (p, cb, be_name), sizes in groups.items():
+        pages_per = -(-(p + gen_len + page_size) // page_size)
+        buckets = {1} | set(sizes) | {_extend_batch(bs, p, prefill_tokens)[1] for bs in sizes}
+        out[(p, cb, be_name)] = (1 + max(sizes) * pages_per, tuple(sorted(buckets)))
+    return out
+
+
+def _side_by_side(rows, names) -> None:
+    """One line per (model, batch, prompt): each backend's prefill tok/s, decode tok/s
+    and median TTFT beside the others ('-': skipped or failed)."""
+    key = lambda r: (r["model"].split(" [backend")[0], r["batch"], r["prompt_len"])  # noqa: E731
+    by = {}
+    for r in rows:
+        by.setdefault(key(r), {})[r["backend"]] = r
+    cols = [f"{n} {what}" for what in ("prefill tok/s", "decode tok/s", "TTFT ms") for n in names]
+    print("\n| model | batch | prompt | " + " | ".join(cols) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |")
+    for (model, bs, p), per in by.items():
+        cells = []
+        for field, fmt in (("prefill_tok_s", "{:.0f}"), ("decode_tok_s", "{:.0f}"), ("ttft_ms_median", "{:.0f}")):
+            cells += [fmt.format(per[n][field]) if n in per else "-" for n in names]
+        print(f"| {model} | {bs} | {p} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
