@@ -34,12 +34,15 @@ Layout of the work (FlashAttention-3 style):
 * Blocks wholly inside every row's visible range skip the mask; only the edge
   blocks (causal diagonal, window start, the request's first and last blocks)
   compute it. Masked keys contribute nothing, whatever they hold: on an edge
-  block the two warpgroups flag the rows that see a non-finite V (``ones @ V^T``
-  is non-finite in exactly those columns) and then replace the tile's
-  non-finite entries by 0 in shared memory, so ``P = 0`` times the tile is 0
+  block warpgroup 0 records which V rows hold a non-finite value and replaces
+  those entries by 0 in shared memory; each row that sees a recorded key comes
+  out NaN, and ``P = 0`` times the cleaned tile is 0
   (the next request's keys, a page's unused tail, a future token's V). This
-  cleaning (``clean_edges``) is on under the interpreter and not yet on the GPU,
-  where only V rows outside the request are zeroed, until a GPU run checks it.
+  cleaning (``clean_edges``) is on for causal and windowed calls, and runs only
+  when some V row a query could see masked is non-finite (one check per call
+  outside the kernel, ``v_bad``): otherwise, and without causal or window masks,
+  zeroing the V rows outside the request is exact, since P = 0 times a finite
+  value is 0.
 * Each warpgroup's 64 output rows go by TMA straight into the ragged output when
   they lie inside their request; the at most two chunks per request that straddle
   its first or last row go to a small side buffer and are put in place after the
@@ -77,7 +80,15 @@ from jattn.pallas_kernels.mosaic_common import (
     vec_iota,
 )
 
-__all__ = ["mha_prefill", "mha_extend", "unsupported_reason", "extend_unsupported_reason", "PrefillConfig", "TILE_Q"]
+__all__ = [
+    "mha_prefill",
+    "mha_extend",
+    "unsupported_reason",
+    "extend_unsupported_reason",
+    "PrefillConfig",
+    "PrefillOptions",
+    "TILE_Q",
+]
 
 _LOG2E = math.log2(math.e)
 TILE_Q = 128  # query rows per tile: two consumer warpgroups of 64
@@ -89,6 +100,20 @@ def _interpreting() -> bool:
     from jattn.pallas_kernels.interpret import interpreting
 
     return interpreting()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOptions:
+    """Scheduling choices of the consumer loop (static; the defaults are the measured
+    best on the H200, docs/PERF.md)."""
+
+    # Fence the softmax results (acc, l, m, P) before the warpgroup hands the tensor
+    # cores over, so the compiler cannot sink softmax work past the hand-over.
+    fence_softmax: bool = False
+    # Wait for the next block's K while this block's P @ V runs, not before its Q K^T.
+    # Deadlocks under the Mosaic GPU interpreter together with the edge cleaning
+    # (docs/PERF.md), so it is off and refused there.
+    prefetch_k: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +135,7 @@ class PrefillConfig:
     max_pages: int
     interpret: bool
     clean_edges: bool  # non-finite V on edge blocks: flag and clean (else only zero keys outside)
+    options: PrefillOptions = PrefillOptions()
 
     @property
     def group(self) -> int:
@@ -166,7 +192,7 @@ def _kernel(
     kv_start_ref,  # i32[bs]: first key row (contiguous) or 0 (paged)
     kv_len_ref,  # i32[bs]
     page_table_ref,  # i32[bs, max_pages] (paged) or i32[1, 1]
-    scale_ref,  # f32[1 + Hq]: score scale, then the sinks (natural log units)
+    scale_ref,  # f32[2 + Hq]: score scale, the sinks (natural log units), then v_bad (> 0: some V may be non-finite)
     q_ref,  # [Tq, Hq, D]
     k_ref,  # [Tk, Hkv, D] or [num_pages, page_size, Hkv, D]
     v_ref,  # same with Dv
@@ -373,11 +399,12 @@ def _kernel(
             hit = jnp.where(ok & (bad > 0), 1.0, 0.0).max(axis=1)
             return jnp.where(hit > 0, jnp.nan, 0.0)
 
-        def step(i, carry, masked: bool):
+        def step(i, carry, masked: bool, clean: bool = False):
             acc, m_i, l_i = carry
             slot = lax.rem(i, jnp.int32(S))
             blk = lo + i
-            plgpu.barrier_wait(k_bar.at[slot])
+            if not prefetch_k:
+                plgpu.barrier_wait(k_bar.at[slot])
             s = qk(slot)
             plgpu.barrier_arrive(k_free.at[slot])
             x = s * xscale
@@ -393,10 +420,12 @@ def _kernel(
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
+            if cfg.options.fence_softmax:
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
             if not interp:
                 plgpu.barrier_arrive(sched)  # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
-            if masked and cfg.clean_edges:
+            if masked and clean:
                 l_i = l_i + clean_edge_tile(slot, ok)
             elif masked:
                 zero_tail(slot, blk)
@@ -407,10 +436,21 @@ def _kernel(
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if prefetch_k:
+                        wait_next_k(i)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if interp and prefetch_k:
+                wait_next_k(i)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
+
+        prefetch_k = cfg.options.prefetch_k
+
+        def wait_next_k(i):
+            @pl.when(i + 1 < count)
+            def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(S))])
 
         m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -431,12 +471,32 @@ def _kernel(
         key_start = jnp.maximum(last_pos - cfg.window_left, 0) if cfg.window_left >= 0 else 0
         full_lo = jnp.clip(lax.div(key_start + dk + BK - 1, jnp.int32(BK)), lo, full_hi)
 
+        if prefetch_k:  # the first block's K; each step waits for the next one
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
         if not interp:
             pl.when(wg == 1)(sched_sync)  # warpgroup 0 goes first
         carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, full_lo - lo, functools.partial(step, masked=True), carry)
+        v_bad = scale_ref[1 + cfg.num_q_heads] > 0
+
+        def edge_steps(a, b, carry, in_request_masks: bool):
+            """Edge steps [a, b). Where a key inside the request is masked for some rows
+            (``in_request_masks``) and some V may be non-finite (``v_bad``, decided per
+            call outside the kernel), with the cleaning; else zeroing the V rows outside
+            the request, which is then exact (P = 0 times a finite V is 0)."""
+            if not (cfg.clean_edges and in_request_masks):
+                return lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+            mid = jnp.where(v_bad, b, a)  # the same in both warpgroups
+            carry = lax.fori_loop(a, mid, functools.partial(step, masked=True, clean=True), carry)
+            return lax.fori_loop(mid, b, functools.partial(step, masked=True), carry)
+
+        window = cfg.window_left >= 0
+        carry = edge_steps(0, full_lo - lo, carry, window)  # the window's first blocks, the request's first
         carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_hi - lo, count, functools.partial(step, masked=True), carry)
+        acc, m_i, l_i = edge_steps(full_hi - lo, count, carry, cfg.is_causal or window)  # diagonal, last
         if not interp:
             pl.when(wg == 0)(sched_sync)
 
@@ -579,6 +639,29 @@ def _merge_sides(o, lse, o_side, lse_side, cu_q):
     return o, lse.T
 
 
+def _v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size: int, window_left: int, num_q: int):
+    """bool[]: whether a V row that some query could see masked holds a non-finite
+    value, so the kernel must clean its edge blocks. Prefill: any of the requests' V
+    rows (one pass over V). Extend: the new tokens' V rows in the cache (the causal
+    diagonal holds only those); with a sliding window the window's first keys may
+    lie in the prefix, so always. Arrays as passed to the kernel (with the padding
+    request last)."""
+    if page_size == 0:
+        end = jnp.max(kv_start + kv_len)
+        real = jnp.arange(v.shape[0], dtype=jnp.int32) < end
+        return jnp.any(real[:, None, None] & ~jnp.isfinite(v))
+    if window_left >= 0:
+        return jnp.bool_(True)
+    x = jnp.arange(num_q, dtype=jnp.int32)
+    r = jnp.clip(_segment_ids(cu_q[1:-1], num_q), 0, kv_len.shape[0] - 1)  # request of each row
+    pos = kv_len[r] - (cu_q[r + 1] - cu_q[r]) + x - cu_q[r]  # its key position
+    real = (x < cu_q[-1]) & (pos >= 0)
+    pos = jnp.maximum(pos, 0)
+    page = jnp.clip(page_table[r, jnp.minimum(pos // page_size, page_table.shape[1] - 1)], 0, v.shape[0] - 1)
+    rows = v[page, pos % page_size]  # [num_q, Hkv, Dv]
+    return jnp.any(real[:, None, None] & ~jnp.isfinite(rows))
+
+
 def _pad_rows(x, rows: int):
     return jnp.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
 
@@ -594,6 +677,7 @@ def _pad_rows(x, rows: int):
         "return_lse",
         "interpret",
         "clean_edges",
+        "options",
     ),
 )
 def _attention(
@@ -616,7 +700,10 @@ def _attention(
     return_lse,
     interpret,
     clean_edges,
+    options,
 ):
+    if options.prefetch_k and interpret and clean_edges:
+        raise NotImplementedError("PrefillOptions(prefetch_k=True) with clean_edges under the interpreter")
     t, hq, d = q.shape
     dv = v.shape[-1]
     hkv = k.shape[-2]
@@ -646,10 +733,16 @@ def _attention(
         max_pages=page_table.shape[1],
         interpret=interpret,
         clean_edges=clean_edges,
+        options=options,
     )
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
+    v_bad = _v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size, window_left, t) if clean_edges else 0
     scales = jnp.concatenate(
-        [jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.zeros((hq,), jnp.float32) if sinks is None else sinks]
+        [
+            jnp.reshape(scale, (1,)).astype(jnp.float32),
+            jnp.zeros((hq,), jnp.float32) if sinks is None else sinks,
+            jnp.reshape(v_bad, (1,)).astype(jnp.float32),
+        ]
     ).astype(jnp.float32)
     tile_req, tile_loc = _tile_plan(cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left)
     # The tiled TMA view of a ragged array needs a multiple of 8 rows; under the
@@ -681,15 +774,13 @@ def _attention(
     return (o, lse) if return_lse else o
 
 
-# The edge-block cleaning has run under the interpreter only: it is the default there
-# and off on the GPU until a GPU run has compiled and checked it (docs/PERF.md).
-CLEAN_EDGES_DEFAULT = {"interpret": True, "gpu": False}
-
-
-def _clean_edges(clean_edges):
+def _clean_edges(clean_edges, is_causal: bool, window_left: int) -> bool:
+    """The edge cleaning where a key inside the request can be masked for some rows
+    (causal, sliding window); without either, zeroing the V rows outside the request
+    is exact and cheaper. An explicit True/False wins."""
     if clean_edges is not None:
         return bool(clean_edges)
-    return CLEAN_EDGES_DEFAULT["interpret" if _interpreting() else "gpu"]
+    return bool(is_causal or window_left >= 0)
 
 
 def _v_scale_arg(v_scale):
@@ -717,6 +808,7 @@ def mha_prefill(
     max_seqlen_q=None,
     max_seqlen_kv=None,
     clean_edges=None,
+    options: PrefillOptions | None = None,
 ):
     """Ragged attention without a cache (Mosaic GPU, Hopper).
 
@@ -730,7 +822,9 @@ def mha_prefill(
         reads the lengths from the offsets.
       clean_edges: make masked keys contribute nothing whatever their V holds (edge
         blocks flag and clean non-finite V, see the module docstring); False only
-        zeroes V rows outside the request. None: :data:`CLEAN_EDGES_DEFAULT`.
+        zeroes V rows outside the request. None: on where it is needed (causal or
+        windowed calls).
+      options: :class:`PrefillOptions` (scheduling; None: the defaults).
 
     Returns ``out [num_tokens, Hq, Dv]`` (rows past ``cu_seqlens_q[-1]`` are 0), and
     with ``return_lse`` the natural-log LSE f32 ``[num_tokens, Hq]``.
@@ -756,7 +850,8 @@ def mha_prefill(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
         interpret=_interpreting(),
-        clean_edges=_clean_edges(clean_edges),
+        clean_edges=_clean_edges(clean_edges, is_causal, int(window_left)),
+        options=options or PrefillOptions(),
     )
 
 
@@ -778,6 +873,7 @@ def mha_extend(
     return_lse=False,
     max_seqlen_q=None,
     clean_edges=None,
+    options: PrefillOptions | None = None,
 ):
     """Ragged queries over a paged cache that already holds their K/V (Mosaic GPU).
 
@@ -806,5 +902,6 @@ def mha_extend(
         softmax_scale=softmax_scale,
         return_lse=return_lse,
         interpret=_interpreting(),
-        clean_edges=_clean_edges(clean_edges),
+        clean_edges=_clean_edges(clean_edges, is_causal, int(window_left)),
+        options=options or PrefillOptions(),
     )
