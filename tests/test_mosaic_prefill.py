@@ -256,3 +256,76 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
         args = (q, k, v, cu)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_prefill" in text
+
+
+def _padded_plan_arrays(x, c: Case):
+    """The kernel's view of a case's arrays: the padding request appended, as in
+    ``mosaic_prefill._attention``."""
+    t = x["q"].shape[0]
+    cu_q = np.concatenate([x["cu_q"], [t]]).astype(np.int32)
+    if c.page_size:
+        kv_start = np.zeros(len(c.q_lens) + 1, np.int32)
+        kv_len = np.concatenate([x["lens"], [0]]).astype(np.int32)
+        table = np.concatenate([x["table"], np.zeros((1, x["table"].shape[1]), np.int32)])
+    else:
+        kv_start = np.concatenate([x["cu_kv"][:-1], [0]]).astype(np.int32)
+        kv_len = np.concatenate([np.diff(x["cu_kv"]), [0]]).astype(np.int32)
+        table = np.zeros((1, 1), np.int32)
+    return cu_q, kv_start, kv_len, table
+
+
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(q_lens=(97, 0, 1, 13), poison=40),
+        Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=44),
+        Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=20),  # in the prefix: visible to all
+    ],
+    ids=str,
+)
+def test_v_bad_flag(c):
+    """The per-call check that turns the edge cleaning on: False on clean data even
+    with NaN padding rows and NaN unused pages (else every call pays the cleaning),
+    True for a non-finite V among the rows it covers (else the poison tests fail)."""
+    x = _inputs(c, 0, jnp.float32)
+    cu_q, kv_start, kv_len, table = _padded_plan_arrays(x, c)
+
+    def flag(v):
+        return bool(
+            mp._v_may_be_nonfinite(
+                jnp.asarray(v), cu_q, kv_start, kv_len, table, c.page_size, c.window_left, x["q"].shape[0]
+            )
+        )
+
+    assert not flag(x["v"]), "clean data (NaN only in padding / unused pages) must not ask for the cleaning"
+    _poison(c, x)
+    prefix = (c.prefix or (0,))[0]
+    # extend: only the new tokens' V is checked (the causal diagonal holds only them)
+    assert flag(x["v"]) == (not c.page_size or c.poison >= prefix)
+
+
+def test_merge_sides_places_every_row():
+    """Each real row comes from the direct output or from exactly its side slot."""
+    cu_q = jnp.asarray([0, 3, 3, 70, 200, 205], jnp.int32)  # starts 3, 70, 200 are not 8-aligned
+    t, hq, dv = 208, 2, 4
+    bs = cu_q.shape[0] - 1
+    o = jnp.full((t, hq, dv), -1.0)
+    lse = jnp.full((hq, t), -1.0)
+    side = jnp.arange(2 * bs * 64, dtype=jnp.float32).reshape(2 * bs, 64, 1, 1) * jnp.ones((1, 1, hq, dv))
+    lse_side = jnp.broadcast_to(jnp.arange(2 * bs * 64, dtype=jnp.float32).reshape(2 * bs, 1, 64), (2 * bs, hq, 64))
+    out, out_lse = mp._merge_sides(o, lse, side, lse_side, cu_q)
+    out, out_lse = np.asarray(out[:, 0, 0]), np.asarray(out_lse[:, 0])
+    for b in range(bs):
+        s, e = int(cu_q[b]), int(cu_q[b + 1])
+        dq = s % 8
+        for r in range(e - s):
+            chunk, j = divmod(r + dq, 64)
+            last = (e - s - 1 + dq) // 64
+            straddles = (chunk == 0 and dq > 0) or (chunk == last and (chunk * 64 - dq + 64 > e - s))
+            if chunk == 0 and dq > 0:
+                want = (2 * b) * 64 + j
+            elif straddles:
+                want = (2 * b + 1) * 64 + j
+            else:
+                want = -1.0  # written by the kernel directly
+            assert out[s + r] == want and out_lse[s + r] == want, (b, r)
