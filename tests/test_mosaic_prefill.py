@@ -18,6 +18,7 @@ import pytest
 
 from jattn import reference
 from jattn.pallas_kernels import mosaic_prefill as mp
+from jattn.pallas_kernels import prefill_plan
 from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
 
 
@@ -292,7 +293,7 @@ def test_v_bad_flag(c):
 
     def flag(v):
         return bool(
-            mp._v_may_be_nonfinite(
+            prefill_plan.v_may_be_nonfinite(
                 jnp.asarray(v), cu_q, kv_start, kv_len, table, c.page_size, c.window_left, x["q"].shape[0]
             )
         )
@@ -313,7 +314,7 @@ def test_merge_sides_places_every_row():
     lse = jnp.full((hq, t), -1.0)
     side = jnp.arange(2 * bs * 64, dtype=jnp.float32).reshape(2 * bs, 64, 1, 1) * jnp.ones((1, 1, hq, dv))
     lse_side = jnp.broadcast_to(jnp.arange(2 * bs * 64, dtype=jnp.float32).reshape(2 * bs, 1, 64), (2 * bs, hq, 64))
-    out, out_lse = mp._merge_sides(o, lse, side, lse_side, cu_q)
+    out, out_lse = prefill_plan.merge_sides(o, lse, side, lse_side, cu_q)
     out, out_lse = np.asarray(out[:, 0, 0]), np.asarray(out_lse[:, 0])
     for b in range(bs):
         s, e = int(cu_q[b]), int(cu_q[b + 1])

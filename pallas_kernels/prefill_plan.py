@@ -1,0 +1,102 @@
+"""Host-side arrays of the ragged prefill / paged extend kernel (``mosaic_prefill.py``).
+
+Plain XLA around the kernel, jitted with it:
+
+* :func:`tile_plan`: the 128-row query tiles of every request in launch order,
+  longest work first;
+* :func:`merge_sides`: the output chunks that straddle a request's edge put in
+  their rows of the ragged output;
+* :func:`v_may_be_nonfinite`: the per-call check that turns the kernel's edge
+  cleaning on;
+* :func:`segment_ids`, :func:`pad_rows`: helpers.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+TILE_Q = 128  # query rows per tile (the kernel's two consumer warpgroups of 64)
+
+__all__ = ["TILE_Q", "segment_ids", "tile_plan", "merge_sides", "v_may_be_nonfinite", "pad_rows"]
+
+
+def segment_ids(ends, n: int):
+    """i32[n]: for each index i, how many of ``ends`` are <= i (the segment of i when
+    ``ends`` are the segments' sorted end offsets). A scatter-add and a prefix sum: no
+    search loop, which XLA runs step by step on the GPU."""
+    marks = jnp.zeros((n,), jnp.int32).at[ends].add(1, mode="drop")
+    return jnp.cumsum(marks).astype(jnp.int32)
+
+
+def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int):
+    """Tiles of every request in launch order, longest work first: ``tile_req`` (-1:
+    no tile) and ``tile_loc`` (which tile of its request), i32[num_tiles].
+
+    Tile ``j`` of a request covers the rows ``8 * (cu_q[b] // 8) + 128 * j + [0, 128)``
+    (8-row aligned, see the kernel)."""
+    n_q = cu_q[1:] - cu_q[:-1]
+    dq = cu_q[:-1] % 8
+    tiles = jnp.where(n_q > 0, (n_q + dq + TILE_Q - 1) // TILE_Q, 0)
+    cum = jnp.cumsum(tiles)
+    base = cum - tiles
+    ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = segment_ids(cum[:-1], num_tiles)
+    valid = ids < cum[-1]
+    loc = ids - base[req]
+    q0 = loc * TILE_Q - dq[req]
+    off = kv_len[req] - n_q[req]
+    hi = jnp.minimum(off + jnp.minimum(q0 + TILE_Q, n_q[req]), kv_len[req]) if is_causal else kv_len[req]
+    lo = jnp.clip(off + q0 - window_left, 0, None) if window_left >= 0 else 0
+    work = jnp.where(valid, jnp.maximum(hi - lo, 0) + 1, -1)  # +1: a tile of no keys still writes
+    order = jnp.argsort(-work, stable=True).astype(jnp.int32)
+    tile_req = jnp.where(valid, req, -1)[order]
+    return tile_req, loc[order].astype(jnp.int32)
+
+
+def merge_sides(o, lse, o_side, lse_side, cu_q):
+    """The ragged output with the straddling chunks of ``o_side`` / ``lse_side`` put
+    in their rows: slot ``2b`` holds request ``b``'s first chunk (rows ``-dq .. 63 -
+    dq`` of the request, when ``dq = cu_q[b] % 8 > 0``), slot ``2b + 1`` its last
+    chunk when that one straddles the request's end. ``lse`` comes in ``[Hq, Tq]``
+    and leaves ``[Tq, Hq]``."""
+    tq = o.shape[0]
+    n_q = cu_q[1:] - cu_q[:-1]
+    dq = cu_q[:-1] % 8
+    j = jnp.arange(64, dtype=jnp.int32)
+    first_r = -dq  # request row of the first chunk's row 0
+    last_r = first_r + 64 * ((n_q - 1 + dq) // 64)  # ... and of the last chunk's
+    first_ok = dq > 0
+    last_ok = (last_r >= 0) & (last_r + 64 > n_q)
+    r = jnp.stack([first_r, last_r], 1)[:, :, None] + j  # [bs, 2, 64] request rows
+    ok = jnp.stack([first_ok, last_ok], 1)[:, :, None] & (r >= 0) & (r < n_q[:, None, None]) & (n_q > 0)[:, None, None]
+    target = jnp.where(ok, cu_q[:-1, None, None] + r, tq).reshape(-1)  # out of range: dropped
+    o = o.at[target].set(o_side.reshape((-1,) + o_side.shape[2:]), mode="drop")
+    lse = lse.at[:, target].set(jnp.moveaxis(lse_side, 1, 0).reshape(lse.shape[0], -1), mode="drop")
+    return o, lse.T
+
+
+def v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size: int, window_left: int, num_q: int):
+    """bool[]: whether a V row that some query could see masked holds a non-finite
+    value, so the kernel must clean its edge blocks. Prefill: any of the requests' V
+    rows (one pass over V). Extend: the new tokens' V rows in the cache (the causal
+    diagonal holds only those); with a sliding window the window's first keys may
+    lie in the prefix, so always. Arrays as passed to the kernel (with the padding
+    request last)."""
+    if page_size == 0:
+        end = jnp.max(kv_start + kv_len)
+        real = jnp.arange(v.shape[0], dtype=jnp.int32) < end
+        return jnp.any(real[:, None, None] & ~jnp.isfinite(v))
+    if window_left >= 0:
+        return jnp.bool_(True)
+    x = jnp.arange(num_q, dtype=jnp.int32)
+    r = jnp.clip(segment_ids(cu_q[1:-1], num_q), 0, kv_len.shape[0] - 1)  # request of each row
+    pos = kv_len[r] - (cu_q[r + 1] - cu_q[r]) + x - cu_q[r]  # its key position
+    real = (x < cu_q[-1]) & (pos >= 0)
+    pos = jnp.maximum(pos, 0)
+    page = jnp.clip(page_table[r, jnp.minimum(pos // page_size, page_table.shape[1] - 1)], 0, v.shape[0] - 1)
+    rows = v[page, pos % page_size]  # [num_q, Hkv, Dv]
+    return jnp.any(real[:, None, None] & ~jnp.isfinite(rows))
+
+
+def pad_rows(x, rows: int):
+    return jnp.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
