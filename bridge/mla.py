@@ -26,6 +26,19 @@ from .convert import to_jax
 __all__ = ["TorchMLABackend"]
 
 
+def _llama_4_scaled(x, llama_4_scaling):
+    """``x`` (tokens first) times the per-token ``llama_4_scaling`` ([T], [T, 1] or
+    [T, 1, 1]) in f32, back in ``x``'s dtype: the query scaling SGLang's MLA backend
+    applies before the attention (the rule of jattn.backends.apply_llama_4_scaling)."""
+    if x is None or llama_4_scaling is None:
+        return x
+    s = llama_4_scaling
+    if s.numel() != x.shape[0] or any(d != 1 for d in s.shape[1:]):
+        raise ValueError(f"llama_4_scaling shape {tuple(s.shape)} must be [T], [T, 1] or [T, 1, 1] with T={x.shape[0]}")
+    y = x.reshape(x.shape[0], -1).float() * s.reshape(-1, 1).to(device=x.device, dtype=torch.float32)
+    return y.to(x.dtype).reshape(x.shape)
+
+
 class TorchMLABackend(_BridgeBase):
     """jattn DeepSeek MLA for a torch engine (SGLang's ``TRTLLMMLABackend`` methods).
 
@@ -158,8 +171,11 @@ class TorchMLABackend(_BridgeBase):
             ``init_forward_metadata`` is used).
         Returns: [T, H * kv_lora_rank] in q's dtype.
         """
-        if cos_sin_cache is not None or llama_4_scaling is not None:
-            raise NotImplementedError("fused rope (cos_sin_cache) and llama_4_scaling are not supported")
+        if cos_sin_cache is not None:
+            raise NotImplementedError(
+                "fused rope (cos_sin_cache) is not supported yet: apply the rope to q_rope/k_rope"
+            )
+        q, q_rope = _llama_4_scaled(q, llama_4_scaling), _llama_4_scaled(q_rope, llama_4_scaling)
         return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
 
     def forward_extend(
@@ -185,8 +201,11 @@ class TorchMLABackend(_BridgeBase):
         Prefill writes no cache (the latent is not among its inputs): pass
         ``save_kv_cache=False`` and write it with the pool's ``set_mla_kv_buffer``.
         """
-        if cos_sin_cache is not None or llama_4_scaling is not None:
-            raise NotImplementedError("fused rope (cos_sin_cache) and llama_4_scaling are not supported")
+        if cos_sin_cache is not None:
+            raise NotImplementedError(
+                "fused rope (cos_sin_cache) is not supported yet: apply the rope to q_rope/k_rope"
+            )
+        q, q_rope = _llama_4_scaled(q, llama_4_scaling), _llama_4_scaled(q_rope, llama_4_scaling)
         if self._jbackend.is_absorbed(self.forward_mode):
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
         if save_kv_cache:

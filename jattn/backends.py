@@ -377,6 +377,18 @@ def _front_unpad(y, cu_seqlens_q, max_seqlen_q: int, num_tokens: int):
     return jnp.where(real, out, 0)
 
 
+def apply_llama_4_scaling(query, llama_4_scaling):
+    """``query`` [T, H, D] times a per-token scale (f32 ``[T]``, ``[T, 1]`` or
+    ``[T, 1, 1]``), computed in f32 and returned in the query's dtype; ``None``: the
+    query unchanged."""
+    if llama_4_scaling is None:
+        return query
+    s = jnp.asarray(llama_4_scaling, jnp.float32)
+    if s.size != query.shape[0] or any(d != 1 for d in s.shape[1:]):
+        raise ValueError(f"llama_4_scaling shape {s.shape} must be [T], [T, 1] or [T, 1, 1] with T={query.shape[0]}")
+    return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
+
+
 class MLABackend(_PlanningMixin):
     """DeepSeek MLA: absorbed decode over the 576-wide latent cache (also target verify
     and draft extend), ragged non-absorbed prefill (192/128) with LSE, and the chunked
@@ -390,13 +402,15 @@ class MLABackend(_PlanningMixin):
         kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
-    def _absorbed_query(self, q_nope, q_rope, layer):
+    def _absorbed_query(self, q_nope, q_rope, layer, llama_4_scaling=None):
         cfg = self.config
         if q_rope is None:  # already the full 576-wide absorbed query
-            return q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
-        q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
-        return jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+            query = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        else:
+            q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
+            q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
+            query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+        return apply_llama_4_scaling(query, llama_4_scaling)
 
     def _scale(self, layer: LayerSpec) -> float:
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
@@ -435,10 +449,13 @@ class MLABackend(_PlanningMixin):
         save_kv_cache: bool = True,
         q_rope=None,  # [T, H, r]
         k_rope=None,  # [T, r]
+        llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
     ):
-        """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``."""
+        """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``.
+        ``llama_4_scaling`` multiplies each token's whole absorbed query (in f32, then
+        back to the query's dtype) before the attention, as SGLang's backend does."""
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
-        out = self._decode(self._absorbed_query(q, q_rope, layer), layer, kv_cache, metadata)
+        out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling), layer, kv_cache, metadata)
         return out.reshape(out.shape[0], -1), kv_cache
 
     def forward_draft_extend(
@@ -452,13 +469,14 @@ class MLABackend(_PlanningMixin):
         save_kv_cache: bool = True,
         q_rope=None,
         k_rope=None,
+        llama_4_scaling=None,
     ):
         """Absorbed attention with a different number of new tokens per request (draft
         extend, or an extend over a prefix run absorbed): the queries are padded per
         request to ``max_seqlen_q`` and unpadded after. Padded rows never write the
         cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``."""
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
-        query = self._absorbed_query(q, q_rope, layer)
+        query = self._absorbed_query(q, q_rope, layer, llama_4_scaling)
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
         out = self._decode(padded, layer, kv_cache, metadata)
         out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
@@ -475,11 +493,23 @@ class MLABackend(_PlanningMixin):
         save_kv_cache: bool = True,
         q_rope=None,
         k_rope=None,
+        llama_4_scaling=None,
     ):
         """Absorbed attention for any plan: :meth:`forward_decode` for a decode-mode plan
         (decode, target verify), :meth:`forward_draft_extend` for an extend-mode plan."""
         fwd = self.forward_decode if metadata.forward_mode.is_decode() else self.forward_draft_extend
-        return fwd(q, k, v, layer, kv_cache, metadata, save_kv_cache, q_rope=q_rope, k_rope=k_rope)
+        return fwd(
+            q,
+            k,
+            v,
+            layer,
+            kv_cache,
+            metadata,
+            save_kv_cache,
+            q_rope=q_rope,
+            k_rope=k_rope,
+            llama_4_scaling=llama_4_scaling,
+        )
 
     @staticmethod
     def is_absorbed(forward_mode) -> bool:
@@ -497,10 +527,12 @@ class MLABackend(_PlanningMixin):
         q_rope=None,  # [T, H, qk_rope]
         k_rope=None,  # [T, qk_rope], shared by every head
         return_lse: bool = False,
+        llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
     ):
         """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked
         (natural-log LSE f32[T, H])."""
         q, k = self._qk(q, k, q_rope, k_rope)
+        q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,
             k,
@@ -526,10 +558,13 @@ class MLABackend(_PlanningMixin):
         max_seqlen_kv: int,
         q_rope=None,
         k_rope=None,
+        llama_4_scaling=None,
     ):
         """Non-causal attention of the new tokens to one cached prefix chunk, with LSE.
-        A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op)."""
+        A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op).
+        ``llama_4_scaling`` as in :meth:`forward_extend`."""
         q, k = self._qk(q, k, q_rope, k_rope)
+        q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,
             k,

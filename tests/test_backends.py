@@ -637,3 +637,33 @@ def test_mla_backend_refuses_unchecked_plans():
     )
     with pytest.raises(ValueError, match=r"metadata\.num_pages=9 exceeds the KV cache's 8 pages"):
         be.forward_draft_extend(jnp.ones((big.num_tokens, 4, 80), jnp.float32), None, None, layer, cache, big, False)
+
+
+def test_mla_backend_llama_4_scaling_scales_the_query():
+    """``llama_4_scaling`` equals the same call on a query scaled per token by hand (in
+    f32), in decode and in draft extend; a wrong shape is refused by name."""
+    from jattn.backends import apply_llama_4_scaling
+
+    rng = np.random.default_rng(11)
+    cfg, be, layer, cache = _mla_setup(rng)
+    big_r, r, h = 64, 16, 4
+    lens = [40, 9]
+    r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
+    rows = rng.standard_normal((sum(lens), big_r + r)).astype(np.float32)
+    loc = np.array([r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L)], np.int32)
+    cache = be.save_kv(layer, cache, jnp.asarray(loc), jnp.asarray(rows[:, :big_r]), jnp.asarray(rows[:, big_r:]))
+    for mode, kw in ((ForwardMode.DECODE, {}), (ForwardMode.EXTEND, {"extend_seq_lens": np.array([3, 1])})):
+        md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, mode, **kw)
+        t = md.num_tokens
+        q_nope = jnp.asarray(rng.standard_normal((t, h, big_r)), jnp.float32)
+        q_rope = jnp.asarray(rng.standard_normal((t, h, r)), jnp.float32)
+        s = jnp.asarray(rng.uniform(0.5, 3.0, (t, 1, 1)), jnp.float32)
+        got, _ = be.forward_absorbed(
+            q_nope, None, None, layer, cache, md, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s
+        )
+        want, _ = be.forward_absorbed(q_nope * s, None, None, layer, cache, md, save_kv_cache=False, q_rope=q_rope * s)
+        plain, _ = be.forward_absorbed(q_nope, None, None, layer, cache, md, save_kv_cache=False, q_rope=q_rope)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        assert not np.allclose(np.asarray(got), np.asarray(plain), atol=1e-3), "the scaling changed nothing"
+    with pytest.raises(ValueError, match="llama_4_scaling shape"):
+        apply_llama_4_scaling(jnp.zeros((4, 2, 8)), jnp.ones((3,)))
