@@ -6,6 +6,7 @@ pool, stream ordering in both directions with large buffers, bf16 and FP8.
 """
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -857,40 +858,13 @@ def test_unsupported_planning_inputs_are_refused():
 def test_mla_full_width_query_without_q_rope():
     """The documented full-width absorbed query ([T, H * (R + r)], q_rope=None) equals the
     split form (q_nope with q_rope)."""
-    H, R, r, ps = 2, 16, 8, 4
-    cfg = MLAConfig(
-        num_heads=H,
-        kv_lora_rank=R,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=r,
-        v_head_dim=8,
-        page_size=ps,
-        context_len=16,
-        num_pages=8,
-        dtype="float32",
-        kv_cache_dtype="float32",
-        kernel_backend="xla",
-    )
-    pool = TorchMLAKVPool(
-        num_layers=1, num_pages=8, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.float32, device=DEV
-    )
+    be, pool, layer, H, R, r = _tiny_mla()
     g = torch.Generator().manual_seed(5)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=g))
-    be = TorchMLABackend(cfg, pool)
-    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, scaling=0.3)
-    be.init_forward_metadata(
-        2,
-        0,
-        torch.tensor([0, 1]),
-        torch.tensor([6, 3]),
-        torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32),
-        ForwardMode.DECODE,
-    )
+    decode = functools.partial(be.forward_decode, token_to_kv_pool=pool)
     q_nope, q_rope = torch.randn(2, H, R, generator=g).to(DEV), torch.randn(2, H, r, generator=g).to(DEV)
-    split = be.forward_decode(
-        q_nope.reshape(2, -1), None, None, layer, save_kv_cache=False, q_rope=q_rope.reshape(2, -1)
-    ).clone()
-    full = be.forward_decode(torch.cat([q_nope, q_rope], -1).reshape(2, -1), None, None, layer, save_kv_cache=False)
+    split = decode(q_nope.reshape(2, -1), None, None, layer, save_kv_cache=False, q_rope=q_rope.reshape(2, -1)).clone()
+    full = decode(torch.cat([q_nope, q_rope], -1).reshape(2, -1), None, None, layer, save_kv_cache=False)
     torch.testing.assert_close(full, split, rtol=0, atol=0)
     assert split.abs().sum() > 0
 
@@ -898,49 +872,24 @@ def test_mla_full_width_query_without_q_rope():
 def test_mla_llama_4_scaling_and_fused_rope():
     """``llama_4_scaling`` ([T, 1, 1]) equals the call on q and q_rope scaled per token by
     hand; ``cos_sin_cache`` (fused rope) is refused by name."""
-    H, R, r, ps = 2, 16, 8, 4
-    cfg = MLAConfig(
-        num_heads=H,
-        kv_lora_rank=R,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=r,
-        v_head_dim=8,
-        page_size=ps,
-        context_len=16,
-        num_pages=8,
-        dtype="float32",
-        kv_cache_dtype="float32",
-        kernel_backend="xla",
-    )
-    pool = TorchMLAKVPool(
-        num_layers=1, num_pages=8, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.float32, device=DEV
-    )
+    be, pool, layer, H, R, r = _tiny_mla()
     g = torch.Generator().manual_seed(7)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=g))
-    be = TorchMLABackend(cfg, pool)
-    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, scaling=0.3)
-    be.init_forward_metadata(
-        2,
-        0,
-        torch.tensor([0, 1]),
-        torch.tensor([6, 3]),
-        torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32),
-        ForwardMode.DECODE,
-    )
+    decode = functools.partial(be.forward_decode, token_to_kv_pool=pool)
     q_nope = torch.randn(2, H * R, generator=g).to(DEV)
     q_rope = torch.randn(2, H * r, generator=g).to(DEV)
     s = torch.tensor([[[0.5]], [[2.5]]]).to(DEV)
-    got = be.forward_decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s).clone()
-    want = be.forward_decode(
+    got = decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s).clone()
+    want = decode(
         q_nope * s.reshape(2, 1), None, None, layer, save_kv_cache=False, q_rope=q_rope * s.reshape(2, 1)
     ).clone()
-    plain = be.forward_decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope).clone()
+    plain = decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope).clone()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(got, plain, atol=1e-3), "the scaling changed nothing"
     with pytest.raises(ValueError, match="llama_4_scaling shape"):
-        be.forward_decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s[:1])
+        decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s[:1])
     with pytest.raises(NotImplementedError, match="cos_sin_cache"):
-        be.forward_decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, cos_sin_cache=torch.ones(4, r))
+        decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, cos_sin_cache=torch.ones(4, r))
 
 
 # ----------------------------------------------------------------------------- parameters, pools, bounds
