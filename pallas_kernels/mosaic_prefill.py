@@ -105,8 +105,9 @@ def _interpreting() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOptions:
-    """Scheduling choices of the consumer loop (static; the defaults are the measured
-    best on the H200, docs/PERF.md)."""
+    """Scheduling choices of the consumer loop (static). Both are off: their H200 A/B
+    (docs/PERF.md) was within the run-to-run noise, and ``prefetch_k`` is not yet
+    understood under the interpreter."""
 
     # Fence the softmax results (acc, l, m, P) before the warpgroup hands the tensor
     # cores over, so the compiler cannot sink softmax work past the hand-over.
