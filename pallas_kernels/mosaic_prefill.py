@@ -656,8 +656,11 @@ def _attention(
         options=options,
     )
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
+    # Only causal and windowed calls have keys inside a request that some rows do not
+    # see (the kernel's edge_steps reads v_bad for those alone): no pass over V otherwise.
+    needs_check = clean_edges and (is_causal or window_left >= 0)
     v_bad = (
-        plan.v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size, window_left, t) if clean_edges else 0
+        plan.v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size, window_left, t) if needs_check else 0
     )
     scales = jnp.concatenate(
         [
