@@ -154,6 +154,11 @@ def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} must be one of {OPS}")
+    if op == "attn_merge_state":
+        try:
+            return ("triton" if _merge_impl(backend) is not None else "xla"), None
+        except NotImplementedError as e:
+            return "xla", str(e)
     try:
         impl = _pick(op, backend, KERNELS["mosaic"].get(op), lambda *a, **k: None)
     except NotImplementedError as e:
@@ -482,18 +487,38 @@ def mla_decode_with_kvcache(
     )
 
 
-def attn_merge_state(o_a, lse_a, o_b, lse_b):
+def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
     """Merges partial attentions over disjoint keys: ``(o, lse)`` (natural-log LSE).
 
     o_*: [tokens, heads, head_dim] (result in o_a's dtype); lse_*: f32[tokens, heads].
     Both ``-inf`` gives ``o = 0, lse = -inf``; the formula is in docs/SEMANTICS.md.
+    backend: None (auto: the fused Triton kernel on a GPU with jax-triton, else xla),
+    ``"triton"`` (the kernel; raises where it cannot run) or ``"xla"``.
     """
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
         raise ValueError(
             f"shapes must be o [T, H, D] and lse [T, H], equal for both: got {o_a.shape}, "
             f"{lse_a.shape}, {o_b.shape}, {lse_b.shape}"
         )
+    impl = _merge_impl(backend)
+    if impl is not None:
+        return impl(o_a, lse_a, o_b, lse_b)
     return reference.attn_merge_state(o_a, lse_a, o_b, lse_b)
+
+
+def _merge_impl(backend):
+    """The fused merge (``pallas_kernels.merge_state``) where it serves ``backend``, else None."""
+    _check_backend(backend)
+    if backend == "xla":
+        return None
+    if backend == "mosaic":
+        raise NotImplementedError("attn_merge_state: no mosaic kernel (the fused merge is a Triton kernel)")
+    mod = _kernel_module("merge_state")
+    if mod is not None and mod.kernel_runs_here():
+        return mod.merge_state
+    if backend == "triton":
+        raise NotImplementedError("attn_merge_state: the triton kernel needs a CUDA GPU with jax-triton installed")
+    return None
 
 
 def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):

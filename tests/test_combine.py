@@ -1,4 +1,5 @@
-"""The split-KV merge (``jattn.pallas_kernels.combine``) against a float64 merge.
+"""The split-KV merge (``jattn.pallas_kernels.combine``) and the two-state merge
+(``jattn.pallas_kernels.merge_state``, ``attn_merge_state``) against float64 merges.
 
 Three runs of the same cases: the Triton kernel's source under Triton's CPU
 interpreter on torch tensors (a subprocess with ``TRITON_INTERPRET=1``, which
@@ -18,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from naive import merge_state as merge_state_f64
 
-from jattn.pallas_kernels import combine
+from jattn.pallas_kernels import combine, merge_state
 
 # (splits, bs, rows, m_rows, head_dim, num_q_heads, sinks, v_scale, partial dtype)
 CASES = {
@@ -29,6 +31,42 @@ CASES = {
     "d256_sinks": (5, 4, 64, 64, 256, 16, True, None, "float32"),
     "300_splits_two_chunks": (300, 1, 8, 8, 64, 8, True, 2.0, "float16"),
 }
+
+
+# attn_merge_state: (tokens, heads, head_dim, dtype of o_a, dtype of o_b)
+MERGE_CASES = {
+    "t97_h3_d128_f32": (97, 3, 128, "float32", "float32"),
+    "t1_h8_d192_fp16": (1, 8, 192, "float16", "float16"),
+    "t33_h5_d96_f16_f32": (33, 5, 96, "float16", "float32"),
+    "t300_h4_d512_f32": (300, 4, 512, "float32", "float32"),
+}
+
+
+def _merge_inputs(name):
+    """Random partial states; some rows empty on one side, one row empty on both."""
+    t, h, d, da, db = MERGE_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    o_a = rng.standard_normal((t, h, d)).astype(da)
+    o_b = rng.standard_normal((t, h, d)).astype(db)
+    lse_a = (rng.standard_normal((t, h)) * 4).astype(np.float32)
+    lse_b = (rng.standard_normal((t, h)) * 4).astype(np.float32)
+    lse_a[::4, 0] = -np.inf  # only b has keys
+    lse_b[1::5, -1] = -np.inf  # only a has keys
+    lse_a[-1, :], lse_b[-1, :] = -np.inf, -np.inf  # neither: o = 0, lse = -inf
+    lse_b[::7, h // 2] += 30.0  # one side dominates
+    return o_a, lse_a, o_b, lse_b
+
+
+def _compare_merge(name, out, lse_out, atol):
+    o_a, lse_a, o_b, lse_b = _merge_inputs(name)
+    ref, ref_lse = merge_state_f64(o_a, lse_a, o_b, lse_b)
+    out, lse_out = np.asarray(out, np.float64), np.asarray(lse_out, np.float64)
+    assert out.shape == ref.shape and lse_out.shape == ref_lse.shape
+    np.testing.assert_allclose(out, ref, atol=atol, rtol=atol)
+    np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+    assert np.all(out[-1] == 0)  # the row with no keys on either side
 
 
 def _inputs(name):
@@ -115,6 +153,35 @@ def run_interpreted(name: str, path: str) -> None:
     np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
 
 
+def run_merge_interpreted(name: str, path: str) -> None:
+    """Like :func:`run_interpreted`, for the two-state merge kernel (outputs NaN-poisoned
+    before the run, so a row the kernel skips fails the comparison)."""
+    import torch
+
+    from jattn.pallas_kernels import triton_glue
+
+    o_a, lse_a, o_b, lse_b = _merge_inputs(name)
+    t, h, d = o_a.shape
+    grid, params = merge_state.merge_launch_params(t * h, d)
+    runs = []
+    for _ in range(2):
+        out = torch.full((t * h, d), float("nan"), dtype=torch.float32)
+        lse_out = torch.full((t * h,), float("nan"), dtype=torch.float32)
+        triton_glue.launch_interpreted(
+            merge_state._merge_kernel,
+            grid,
+            torch.from_numpy(o_a.astype(np.float32).reshape(t * h, d)),
+            torch.from_numpy(lse_a.reshape(t * h)),
+            torch.from_numpy(o_b.astype(np.float32).reshape(t * h, d)),
+            torch.from_numpy(lse_b.reshape(t * h)),
+            out,
+            lse_out,
+            **params,
+        )
+        runs.append((out.numpy().reshape(t, h, d), lse_out.numpy().reshape(t, h)))
+    np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """All cases in one TRITON_INTERPRET=1 subprocess (Triton reads it at import)."""
@@ -126,12 +193,13 @@ def interpreted(tmp_path_factory):
     code = (
         "import sys; sys.path.insert(0, {tests!r}); import test_combine as t\n"
         "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
+        "for n in {merge!r}: t.run_merge_interpreted(n, {d!r} + '/' + n + '.npz')\n"
+    ).format(tests=os.path.dirname(__file__), names=list(CASES), merge=list(MERGE_CASES), d=str(d))
     r = subprocess.run(
         [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    return {n: np.load(d / f"{n}.npz") for n in CASES}
+    return {n: np.load(d / f"{n}.npz") for n in (*CASES, *MERGE_CASES)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -141,6 +209,48 @@ def test_triton_kernel_interpreted_matches_float64(name, interpreted):
     # deterministic: a second run is bit-identical
     np.testing.assert_array_equal(res["out"], res["out2"])
     np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_merge_kernel_interpreted_matches_float64(name, interpreted):
+    res = interpreted[name]
+    _compare_merge(name, res["out"], res["lse"], atol=2e-5)
+    np.testing.assert_array_equal(res["out"], res["out2"])
+    np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+def test_merge_launch_params():
+    # whole rows per program, 4096 elements: 32 rows of 128; d 96 pads to 128 columns
+    assert merge_state.merge_launch_params(1000, 128) == ((32,), dict(R=1000, D=128, DP=128, BLOCK_R=32))
+    assert merge_state.merge_launch_params(3, 96) == ((1,), dict(R=3, D=96, DP=128, BLOCK_R=4))
+    assert merge_state.merge_launch_params(10, 512)[0] == (2,)
+
+
+@pytest.mark.parametrize("backend", [None, "xla"])
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_attn_merge_state_matches_float64(name, backend):
+    """The op on this device: the Triton kernel on a GPU with jax-triton (auto), else XLA."""
+    import jattn
+
+    o_a, lse_a, o_b, lse_b = _merge_inputs(name)
+    out, lse_out = jattn.attn_merge_state(*map(jnp.asarray, (o_a, lse_a, o_b, lse_b)), backend=backend)
+    assert out.dtype == o_a.dtype and lse_out.dtype == jnp.float32
+    _compare_merge(name, out, lse_out, atol=2e-3 if o_a.dtype == np.float16 else 2e-5)
+
+
+def test_attn_merge_state_backends():
+    import jattn
+    from jattn.ops import op_backend
+
+    x, lse = jnp.ones((2, 1, 8)), jnp.zeros((2, 1))
+    with pytest.raises(NotImplementedError, match="no mosaic kernel"):
+        jattn.attn_merge_state(x, lse, x, lse, backend="mosaic")
+    if merge_state.kernel_runs_here():
+        assert op_backend("attn_merge_state") == ("triton", None)
+    else:
+        with pytest.raises(NotImplementedError, match="needs a CUDA GPU with jax-triton"):
+            jattn.attn_merge_state(x, lse, x, lse, backend="triton")
+        assert op_backend("attn_merge_state")[0] == "xla"
 
 
 def test_launch_interpreted_refuses_without_the_env(monkeypatch):
@@ -260,4 +370,19 @@ def test_gpu_triton_combine_matches_float64(name):
     _compare(name, out, lse_out, atol=2e-5)
     out2, lse2 = f(*args)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+    assert "triton_kernel_call" in f.lower(*args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_gpu_triton_merge_matches_float64(name):
+    if not merge_state.kernel_runs_here():
+        pytest.skip("jax-triton not installed here")
+    args = tuple(map(jnp.asarray, _merge_inputs(name)))
+    f = jax.jit(merge_state.merge_state)
+    out, lse_out = f(*args)
+    _compare_merge(name, out, lse_out, atol=2e-3 if args[0].dtype == jnp.float16 else 2e-5)
+    out2, lse2 = f(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+    np.testing.assert_array_equal(np.asarray(lse_out), np.asarray(lse2))
     assert "triton_kernel_call" in f.lower(*args).as_text()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -350,26 +351,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _merge_row(rng, tokens: int = 16384, hq: int = 32, d: int = 128) -> None:
-    """``attn_merge_state`` (the chunked-prefix merge): achieved bandwidth against the
-    device's copy bandwidth, and how many kernels XLA made of it."""
+    """``attn_merge_state`` (the chunked-prefix merge) on each backend that runs here:
+    achieved bandwidth against the device's copy bandwidth, and the kernels in its program."""
     import jattn
+    from jattn.pallas_kernels import merge_state
 
     o_a, o_b = (jnp.asarray(rng.standard_normal((tokens, hq, d)), jnp.bfloat16) for _ in range(2))
     l_a, l_b = (jnp.asarray(rng.standard_normal((tokens, hq)), jnp.float32) for _ in range(2))
-
-    def step(i, o_a, l_a, o_b, l_b):
-        return jattn.attn_merge_state(o_a, l_a + i, o_b, l_b)
-
-    t = common.time_rotated(step, (o_a, l_a, o_b, l_b), n_lo=2, n_hi=12, reps=5)
     nbytes = 3 * o_a.size * 2 + 3 * l_a.size * 4
     copy_bw, _ = common.copy_bandwidth()
-    hlo = jax.jit(jattn.attn_merge_state).lower(o_a, l_a, o_b, l_b).compile().as_text()
-    kernels = hlo.count("kind=kLoop") + hlo.count("kind=kInput") + hlo.count("custom_call_target")
-    print(
-        f"attn_merge_state [{tokens}, {hq}, {d}] bf16: {t.seconds * 1e6:.1f} us, "
-        f"{nbytes / t.seconds / 1e12:.2f} TB/s ({100 * nbytes / t.seconds / copy_bw:.0f}% of copy "
-        f"{copy_bw / 1e12:.2f} TB/s); XLA fusions: {kernels}"
-    )
+    for backend in ("xla", "triton") if merge_state.kernel_runs_here() else ("xla",):
+
+        def step(i, o_a, l_a, o_b, l_b, backend=backend):
+            return jattn.attn_merge_state(o_a, l_a + i, o_b, l_b, backend=backend)
+
+        t = common.time_rotated(step, (o_a, l_a, o_b, l_b), n_lo=2, n_hi=12, reps=5)
+        f = functools.partial(jattn.attn_merge_state, backend=backend)
+        hlo = jax.jit(f).lower(o_a, l_a, o_b, l_b).compile().as_text()
+        kernels = hlo.count("kind=kLoop") + hlo.count("kind=kInput") + hlo.count("custom_call_target")
+        print(
+            f"attn_merge_state [{tokens}, {hq}, {d}] bf16, {backend}: {t.seconds * 1e6:.1f} us, "
+            f"{nbytes / t.seconds / 1e12:.2f} TB/s ({100 * nbytes / t.seconds / copy_bw:.0f}% of copy "
+            f"{copy_bw / 1e12:.2f} TB/s); kernels: {kernels}"
+        )
 
 
 if __name__ == "__main__":
