@@ -134,6 +134,10 @@ class EngineConfig:
     # (ENGINE_COMMAND_BUFFERS), False or "off" = none, "xla" = XLA's defaults, any other
     # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").
     command_buffers: bool | str = True
+    # A jax.sharding.Mesh to serve on (None: one device): tensor-parallel heads over its
+    # axis mesh_axis (jattn.models.parallel.for_engine); the step stays one jit.
+    mesh: object = None
+    mesh_axis: str = "tp"
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -352,7 +356,8 @@ def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = 
     """``(jitted step, trace counter)`` shared by every engine of the same model structure
     and backend config, so a new engine reuses the programs already compiled."""
     graphdef, _ = nnx.split(model)
-    key = (graphdef, type(backend), backend.config, str(command_buffer_options(command_buffers)) if _is_gpu() else None)
+    cb = str(command_buffer_options(command_buffers)) if _is_gpu() else None
+    key = (graphdef, type(backend), backend.config, getattr(backend, "sharding_key", None), cb)
     if key not in _STEP_FNS:
         counter = [0]
 
@@ -391,6 +396,15 @@ class Engine:
         self.config = c = config
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
+        if c.mesh is not None:
+            from jattn.models.parallel import for_engine
+
+            if backend is not None:
+                raise ValueError("EngineConfig.mesh: the engine builds the sharded backend; pass backend=None")
+            model, backend = for_engine(
+                model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend
+            )
+            self.model = model  # the tensor-parallel copy
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend
@@ -408,6 +422,11 @@ class Engine:
 
     def _new_cache(self):
         c = self.config
+        if c.mesh is not None:
+            from jattn.models.parallel import make_cache
+
+            dtype = c.kv_cache_dtype or self.model.config.dtype
+            return make_cache(self.model, self.backend, num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
         return self.model.make_cache(
             num_pages=c.num_pages, page_size=c.page_size, dtype=c.kv_cache_dtype or self.model.config.dtype
         )
