@@ -219,6 +219,12 @@ def check_mosaic_interpreted():
 
     if not interpreter_available():
         return "skip: the Mosaic GPU interpreter is not available in this jax"
+    if os.environ.get("JATTN_SHARDING_MOSAIC") != "1":
+        return (
+            "skip: the Mosaic GPU interpreter is unreliable inside shard_map on several virtual devices "
+            "(jax 0.10.2: one pass, then 'Barrier remains allocated' raised in its callback thread and a hang; "
+            "docs/TESTING.md); JATTN_SHARDING_MOSAIC=1 runs it"
+        )
     tp = TensorParallel(_mesh(n=2))
     rng = np.random.default_rng(10)
     kc, vc, pt, _ = _pool(rng, [20, 3], 16, 2, 64, 64)
