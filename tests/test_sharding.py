@@ -440,7 +440,8 @@ def check_mla_dp():
 
 
 def multihost_case(mesh) -> dict:
-    """The Llama TP steps and one TP decode op on ``mesh``; host arrays out (replicated)."""
+    """A tensor-parallel Llama prefill, one TP decode op and the engine on ``mesh``; host
+    arrays out (replicated on every process)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -468,7 +469,15 @@ def multihost_case(mesh) -> dict:
     tp = TensorParallel(mesh)
     dec = jax.jit(lambda *a: tp.mha_decode_with_kvcache(*a, backend="xla"), out_shardings=rep)
     out["decode"] = dec(put(q, mesh), put(kc, mesh), put(vc, mesh), dmd.page_table, dmd.cache_seqlens)
-    return {k: np.asarray(v.addressable_data(0)) for k, v in out.items()}
+    out = {k: np.asarray(v.addressable_data(0)) for k, v in out.items()}
+    # the engine on the mesh, as is
+    from jattn.models.engine import Engine, EngineConfig, SamplingParams
+
+    prompts = [list(rng.integers(0, 101, n)) for n in (5, 9)]
+    ec = dict(page_size=4, num_pages=24, max_context=32, batch_buckets=(2,), token_buckets=(16,), max_prefill_tokens=16)
+    reqs = Engine(model, EngineConfig(**ec, mesh=mesh)).generate(prompts, SamplingParams(max_new_tokens=4))
+    out["engine_tokens"] = np.array([r.output_tokens for r in reqs])
+    return out
 
 
 def check_multihost_reference(out_dir):
