@@ -27,6 +27,10 @@ Layout of the work (FlashAttention-3 style):
   query head's KV head by TMA into a ring of ``num_stages`` slots. Only the blocks
   the tile can see are fetched: with a causal mask the blocks past the tile's last
   query, with a sliding window the blocks before the first query's window.
+* **FP8 e4m3 K/V** (an extend over an FP8 cache): the TMA lands each block in an
+  FP8 tile and the producer upcasts it to f16 (exact) into the ring, so the
+  consumers' loop is the one above; ``k_scale`` is folded into the score scale
+  and ``v_scale`` multiplies the output. The queries are computed in f16 then.
 * The two **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` on the
   tensor cores (``wgmma``) with an online softmax in base 2. A shared barrier
   staggers them (ping-pong): while one warpgroup's softmax runs, the other's
@@ -138,6 +142,7 @@ class PrefillConfig:
     interpret: bool
     clean_edges: bool  # non-finite V on edge blocks: flag and clean (else only zero keys outside)
     options: PrefillOptions = PrefillOptions()
+    kv_fp8: bool = False  # FP8 e4m3 K/V: staged by TMA, upcast to f16 into the ring by the producer
 
     @property
     def group(self) -> int:
@@ -149,9 +154,13 @@ class PrefillConfig:
         return 1 if self.page_size == 0 or self.page_size >= self.block_kv else self.block_kv // self.page_size
 
 
-def _choose_blocks(d: int, dv: int) -> tuple[int, int]:
+def _choose_blocks(d: int, dv: int, kv_fp8: bool = False) -> tuple[int, int]:
     """(block_kv, num_stages) by head width: the ring and the two query tiles fit
-    in shared memory, and the score tile plus the accumulator fit in registers."""
+    in shared memory, and the score tile plus the accumulator fit in registers.
+    FP8 at head_dim 256: the landing tiles leave room for one ring slot (the landing
+    tiles are then the second buffer)."""
+    if d == 256 and kv_fp8:
+        return 64, 1
     if max(d, dv) > 128:
         return 64, 2
     return 128, 2
@@ -164,8 +173,10 @@ def unsupported_reason(q, k, v, *, page_size=0, **_) -> str | None:
         return "no query rows or heads"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q dtype {q.dtype} (bf16/f16 only)"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"k/v dtype {k.dtype}/{v.dtype} differs from q's {q.dtype} (FP8 KV runs on xla)"
+    if k.dtype != v.dtype:
+        return f"k dtype {k.dtype} differs from v's {v.dtype}"
+    if k.dtype != q.dtype and k.dtype != jnp.float8_e4m3fn:
+        return f"k/v dtype {k.dtype} (q's dtype {q.dtype}, or FP8 e4m3)"
     d, dv = q.shape[-1], v.shape[-1]
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims {d}/{dv} (supported: {SUPPORTED_HEAD_DIMS})"
@@ -217,6 +228,10 @@ def _kernel(
     v_free,
     sched,
     cleaned,  # per slot: warpgroup 0 has cleaned the slot's V tile (clean_edges)
+    k_stage,  # FP8 K/V (kv_fp8): [1, BK, D] / [1, BK, Dv] e4m3 landing tiles of the TMA, else None
+    v_stage,
+    k_sbar,  # their TMA barriers
+    v_sbar,
 ):
     BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
     h = lax.axis_index("heads")
@@ -261,7 +276,7 @@ def _kernel(
     @pl.when(wg == 2)
     def _producer():
         if not cfg.interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_PRODUCER_REGS[cfg.kv_fp8], action="decrease")
 
         def fetch(ref, smem, bar, slot, blk):
             if cfg.page_size == 0:
@@ -279,6 +294,51 @@ def _kernel(
                 pidx = jnp.minimum(blk * cfg.pieces + j, cfg.max_pages - 1)
                 page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
                 plgpu.copy_gmem_to_smem(ref.at[page, :, kvh], smem.at[slot, pl.ds(j * ps, ps)], bar.at[slot])
+
+        def upcast(stage, ring, slot, width):
+            """An FP8 tile from its landing buffer into ring slot ``slot`` as f16 (exact),
+            in [64, 64] pieces (32 values a thread), then made visible to the wgmma."""
+            for r in range(0, BK, 64):
+                for c in range(0, width, 64):
+                    x = stage[0, pl.ds(r, 64), pl.ds(c, 64)]
+                    ring[slot, pl.ds(r, 64), pl.ds(c, 64)] = x.astype(ring.dtype)
+            plgpu.commit_smem()
+
+        if cfg.kv_fp8:  # K(i + 1) lands while V(i) is upcast; the f16 ring runs ahead as before
+
+            @pl.when(count > 0)
+            def _():
+                fetch(k_ref, k_stage, k_sbar, 0, lo)
+
+            @pl.loop(0, count)
+            def _fetch_fp8(i):
+                slot = lax.rem(i, jnp.int32(S))
+                fetch(v_ref, v_stage, v_sbar, 0, lo + i)
+                plgpu.barrier_wait(k_sbar.at[0])
+
+                @pl.when(i >= S)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                upcast(k_stage, k_smem, slot, cfg.head_dim)  # ends with a warpgroup barrier:
+                plgpu.barrier_arrive(k_bar.at[slot])  # k_stage's reads are done before its refill
+
+                @pl.when(i + 1 < count)
+                def _():
+                    fetch(k_ref, k_stage, k_sbar, 0, lo + i + 1)
+
+                plgpu.barrier_wait(v_sbar.at[0])
+
+                @pl.when(i >= S)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                upcast(v_stage, v_smem, slot, DV)
+                plgpu.barrier_arrive(v_bar.at[slot])
+
+            if cfg.interpret:
+                drain_free_barriers(count, S, k_free, v_free)
+            return
 
         @pl.loop(0, count)
         def _fetch(i):
@@ -303,7 +363,7 @@ def _kernel(
     def _consumer():
         interp = cfg.interpret
         if not interp:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_CONSUMER_REGS[cfg.kv_fp8], action="increase")
         qo_smem = q_smem.at[wg]
         out_smem = qo_smem if o_smem is None else o_smem.at[wg]
         r0 = q0 + wg * 64  # first row of this warpgroup within the request
@@ -539,6 +599,12 @@ def _kernel(
             plgpu.wait_smem_to_gmem(0)
 
 
+# Register budgets per thread (producer, consumers) by kv_fp8: 232 x 256 + 40 x 128 fills the
+# 64K registers; the FP8 producer holds [64, 64] upcast pieces and needs more.
+_PRODUCER_REGS = {False: 40, True: 56}
+_CONSUMER_REGS = {False: 232, True: 224}
+
+
 def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
     tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
     BK, S, D, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim, cfg.head_dim_v
@@ -550,6 +616,21 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
         jax.ShapeDtypeStruct((2 * bs, hq, 64), jnp.float32),
     )
     tq, tv = swizzle_transforms(dtype, D), swizzle_transforms(dtype, DV)
+    # FP8: the TMA lands in [1, BK, width] e4m3 tiles of 64-byte swizzle, (8, 64) tiles
+    # like the f16 ring's, so the producer upcasts [64, 64] pieces tile for tile.
+    f8 = k.dtype
+    stage_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+    staging = (
+        [
+            plgpu.SMEM((1, BK, D), f8, transforms=stage_tr),
+            plgpu.SMEM((1, BK, DV), f8, transforms=stage_tr),
+            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=1),
+            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=1),
+        ]
+        if cfg.kv_fp8
+        else [None] * 4
+    )
+    ring_arrivals = 1 if cfg.kv_fp8 else cfg.pieces  # the producer's arrive, or the TMA's
 
     def entry(*refs):
         ins, outs = refs[:10], refs[10:]
@@ -561,18 +642,21 @@ def _run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
             plgpu.SMEM((S, BK, DV), dtype, transforms=tv),
             plgpu.SMEM((2, 64), jnp.float32),
             plgpu.SMEM((S, BK), jnp.float32),
-            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
-            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
+            plgpu.Barrier(num_arrivals=ring_arrivals, num_barriers=S),
+            plgpu.Barrier(num_arrivals=ring_arrivals, num_barriers=S),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
+            *staging,
             collective_axes="wg",
         )
 
     mode = f"paged{cfg.page_size}" if cfg.page_size else "ragged"
-    name = f"jattn_prefill_{mode}_d{D}x{DV}_bk{BK}_s{S}{'_causal' if cfg.is_causal else ''}"
+    name = (
+        f"jattn_prefill_{mode}_d{D}x{DV}_bk{BK}_s{S}{'_fp8' if cfg.kv_fp8 else ''}{'_causal' if cfg.is_causal else ''}"
+    )
     kernel = plgpu_kernel(
         entry,
         out_type,
@@ -636,7 +720,10 @@ def _attention(
     bs = cu_q.shape[0] - 1
     # Request b has ceil((n_b + dq_b) / 128) <= (n_b + 7 + 127) / 128 tiles (dq_b < 8).
     num_tiles = -(-(t + (TILE_Q + 6) * bs) // TILE_Q)
-    bk, stages = _choose_blocks(d, dv)
+    # FP8 KV computes in f16: e4m3 -> f16 is exact; a bf16 q -> f16 keeps 10 mantissa bits.
+    kv_fp8 = jnp.dtype(k.dtype).itemsize == 1
+    bk, stages = _choose_blocks(d, dv, kv_fp8)
+    cdtype = jnp.dtype(jnp.float16) if kv_fp8 else q.dtype
     cfg = PrefillConfig(
         head_dim=d,
         head_dim_v=dv,
@@ -654,6 +741,7 @@ def _attention(
         interpret=interpret,
         clean_edges=clean_edges,
         options=options,
+        kv_fp8=kv_fp8,
     )
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
     # Only causal and windowed calls have keys inside a request that some rows do not
@@ -672,9 +760,9 @@ def _attention(
     tile_req, tile_loc = plan.tile_plan(cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left)
     # The tiled TMA view of a ragged array needs a multiple of 8 rows; under the
     # interpreter no box may read out of bounds either (the GPU zero-fills those rows).
-    qp, kp, vp = q, k, v
+    qp, kp, vp = q.astype(cdtype), k, v
     if interpret or t % 8:
-        qp = plan.pad_rows(q, TILE_Q if interpret else -t % 8)
+        qp = plan.pad_rows(qp, TILE_Q if interpret else -t % 8)
     if not page_size and (interpret or k.shape[0] % 8):
         extra = bk if interpret else -k.shape[0] % 8
         kp, vp = plan.pad_rows(k, extra), plan.pad_rows(v, extra)
@@ -690,12 +778,14 @@ def _attention(
         kp,
         vp,
     )
-    o, lse, o_side, lse_side = _run(cfg, q.dtype, arrays, num_tiles)
+    o, lse, o_side, lse_side = _run(cfg, cdtype, arrays, num_tiles)
     o, lse = plan.merge_sides(o, lse, o_side, lse_side, cu_q)
     if o.shape[0] != t:
         o, lse = o[:t], lse[:t]
     if v_scale is not None:
         o = (o.astype(jnp.float32) * v_scale).astype(q.dtype)
+    elif o.dtype != q.dtype:
+        o = o.astype(q.dtype)
     return (o, lse) if return_lse else o
 
 

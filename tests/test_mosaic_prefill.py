@@ -38,6 +38,21 @@ class Case:
     pad_tokens: int = 5  # NaN rows after the ragged q/k/v
     poison: int = -1  # >= 0: key of request 0 whose V is NaN (and the next key's K +inf)
     clean_edges: bool | None = None  # the kernel option (None: its default here)
+    kv_fp8: bool = False  # K/V as FP8 e4m3 with the scales below (the oracle reads the same bytes)
+
+
+_FP8_SCALES = (0.37, 1.9)  # k_scale, v_scale of the FP8 cases
+
+
+def _kv(c: Case, a, dtype, which: int):
+    """K (which=0) or V (1) as the kernel gets it: ``dtype``, or FP8 of ``a / scale``."""
+    if not c.kv_fp8:
+        return jnp.asarray(a, dtype)
+    return reference.quantize_fp8(jnp.asarray(a, jnp.float32), _FP8_SCALES[which])
+
+
+def _scales(c: Case):
+    return dict(k_scale=_FP8_SCALES[0], v_scale=_FP8_SCALES[1]) if c.kv_fp8 else {}
 
 
 def _inputs(c: Case, seed: int, dtype):
@@ -85,36 +100,26 @@ def _kernel_opts(c: Case):
 
 
 def _run(c: Case, x, dtype):
-    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    q, k, v = jnp.asarray(x["q"], dtype), _kv(c, x["k"], dtype, 0), _kv(c, x["v"], dtype, 1)
     s = None if x["sinks"] is None else jnp.asarray(x["sinks"])
+    kw = dict(sinks=s, return_lse=True, **_kernel_opts(c), **_scales(c))
     if not c.page_size:
-        return mp.mha_prefill(
-            cast(x["q"]), cast(x["k"]), cast(x["v"]), x["cu_q"], x["cu_kv"], sinks=s, return_lse=True, **_kernel_opts(c)
-        )
-    return mp.mha_extend(
-        cast(x["q"]),
-        cast(x["k"]),
-        cast(x["v"]),
-        x["table"],
-        x["lens"],
-        x["cu_q"],
-        sinks=s,
-        return_lse=True,
-        **_kernel_opts(c),
-    )
+        return mp.mha_prefill(q, k, v, x["cu_q"], x["cu_kv"], **kw)
+    return mp.mha_extend(q, k, v, x["table"], x["lens"], x["cu_q"], **kw)
 
 
 def _oracle(c: Case, x, dtype):
     # the oracle sees the same rounded inputs, in f32
     r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
+    k, v = (_kv(c, x[n], dtype, i).astype(jnp.float32) for i, n in enumerate("kv"))
     s = None if x["sinks"] is None else jnp.asarray(x["sinks"])
     mq = max(max(c.q_lens), 1)
     if not c.page_size:
         kv_lens = np.diff(x["cu_kv"])
         return reference.mha_prefill(
             r(x["q"]),
-            r(x["k"]),
-            r(x["v"]),
+            k,
+            v,
             jnp.asarray(x["cu_q"]),
             jnp.asarray(x["cu_kv"]),
             max_seqlen_q=mq,
@@ -122,11 +127,12 @@ def _oracle(c: Case, x, dtype):
             sinks=s,
             return_lse=True,
             **_opts(c),
+            **_scales(c),
         )
     return reference.mha_extend(
         r(x["q"]),
-        r(x["k"]),
-        r(x["v"]),
+        k,
+        v,
         jnp.asarray(x["table"]),
         jnp.asarray(x["lens"]),
         jnp.asarray(x["cu_q"]),
@@ -134,6 +140,7 @@ def _oracle(c: Case, x, dtype):
         sinks=s,
         return_lse=True,
         **_opts(c),
+        **_scales(c),
     )
 
 
@@ -187,6 +194,8 @@ CPU_CASES = [
     ),
     # more KV blocks than ring stages (the ring wraps around), the GPU's default edge path
     Case(q_lens=(2, 40), prefix=(300, 0), page_size=32, hq=1, hkv=1, clean_edges=False),
+    # FP8 KV: the producer's upcast into the f16 ring, pages smaller than a block, poison
+    Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92),
     pytest.param(Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False), marks=pytest.mark.slow),
     pytest.param(Case(q_lens=(130, 5)), marks=pytest.mark.slow),
     pytest.param(Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True), marks=pytest.mark.slow),
@@ -209,6 +218,10 @@ GPU_CASES = [
     Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128, poison=2100),
     Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=32, hkv=8, d=128, window_left=700),
     Case(q_lens=(256,), prefix=(4000,), page_size=128, hq=8, hkv=1, d=128),
+    Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128, kv_fp8=True, poison=2100),
+    Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=16, hkv=4, d=256, window_left=700, kv_fp8=True),
+    Case(q_lens=(97, 1000), prefix=(33, 0), page_size=128, hq=16, hkv=16, d=64, causal=False, kv_fp8=True),
+    Case(q_lens=(400, 1), hq=16, hkv=16, d=192, dv=128, kv_fp8=True, sinks=True),
 ]
 
 
@@ -225,6 +238,9 @@ LOWER_CASES = [
     ("prefill", 192, 128, True, -1),
     ("prefill", 256, 256, True, 64),
     ("extend16", 128, 128, True, 64),
+    ("extend16_fp8", 128, 128, True, -1),
+    ("extend64_fp8", 256, 256, False, 64),
+    ("prefill_fp8", 192, 128, True, -1),
 ]
 
 
@@ -240,15 +256,17 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
     t = 1001  # not a multiple of 8
     q = jnp.zeros((t, 8, d), jnp.bfloat16)
     cu = jnp.array([0, 500, t], jnp.int32)
-    if mode == "prefill":
-        k, v = jnp.zeros((t, 2, d), jnp.bfloat16), jnp.zeros((t, 2, dv), jnp.bfloat16)
+    kvd = jnp.float8_e4m3fn if mode.endswith("_fp8") else jnp.bfloat16
+    ps = 64 if mode.startswith("extend64") else 16
+    if mode.startswith("prefill"):
+        k, v = jnp.zeros((t, 2, d), kvd), jnp.zeros((t, 2, dv), kvd)
 
         def fn(q, k, v, cu):
             return mp.mha_prefill(q, k, v, cu, window_left=window, clean_edges=clean, return_lse=True)
 
         args = (q, k, v, cu)
     else:
-        k, v = jnp.zeros((80, 16, 2, d), jnp.bfloat16), jnp.zeros((80, 16, 2, dv), jnp.bfloat16)
+        k, v = jnp.zeros((80, ps, 2, d), kvd), jnp.zeros((80, ps, 2, dv), kvd)
         pt, lens = jnp.zeros((2, 40), jnp.int32), jnp.array([600, 501], jnp.int32)
 
         def fn(q, k, v, cu):

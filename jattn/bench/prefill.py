@@ -44,6 +44,7 @@ class Row:
     lens: tuple[int, ...]
     prefix: int = 0
     page_size: int = 64
+    fp8: bool = False  # the extend's caches in FP8 e4m3 (scale 1)
 
     @property
     def extend(self) -> bool:
@@ -75,6 +76,7 @@ ROWS = (
     Row("4x4096 mla", 16, 16, 192, 128, True, (4096,) * 4),
     Row("mla 128h", 128, 128, 192, 128, True, (4096,) * 2),
     Row("extend 16x512/4096", 32, 8, 128, 128, True, (512,) * 16, prefix=4096, page_size=64),
+    Row("extend 16x512/4096 fp8", 32, 8, 128, 128, True, (512,) * 16, prefix=4096, page_size=64, fp8=True),
 )
 
 
@@ -124,6 +126,8 @@ def build_row(row: Row, *, scale: int = 1, seed: int = 0) -> RowInputs:
     table = rng.permutation(num_pages).astype(np.int32).reshape(bs, pages_per)
     k_cache = jax.random.normal(kk, (num_pages, row.page_size, row.hkv, row.d), jnp.bfloat16)
     v_cache = jax.random.normal(kv, (num_pages, row.page_size, row.hkv, row.dv), jnp.bfloat16)
+    if row.fp8:
+        k_cache, v_cache = k_cache.astype(jnp.float8_e4m3fn), v_cache.astype(jnp.float8_e4m3fn)
     args = (q, k_cache, v_cache, jnp.asarray(table), jnp.asarray(seqlens), jnp.asarray(cu))
     return RowInputs(row, args, flops, cu, table, seqlens)
 
