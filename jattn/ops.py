@@ -492,8 +492,9 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
 
     o_*: [tokens, heads, head_dim] (result in o_a's dtype); lse_*: f32[tokens, heads].
     Both ``-inf`` gives ``o = 0, lse = -inf``; the formula is in docs/SEMANTICS.md.
-    backend: None (auto: the fused Triton kernel on a GPU with jax-triton, else xla),
-    ``"triton"`` (the kernel; raises where it cannot run) or ``"xla"``.
+    backend: None or ``"xla"`` (XLA's fusion: on the H200 it streams at the copy
+    bandwidth, docs/PERF.md), or ``"triton"`` (one fused Triton kernel through
+    jax-triton, the same source the torch bridge can launch; raises where it cannot run).
     """
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
         raise ValueError(
@@ -507,18 +508,17 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
 
 
 def _merge_impl(backend):
-    """The fused merge (``pallas_kernels.merge_state``) where it serves ``backend``, else None."""
+    """The Triton merge (``pallas_kernels.merge_state``) for ``backend="triton"``, else None
+    (auto picks XLA's fusion: measured faster)."""
     _check_backend(backend)
-    if backend == "xla":
+    if backend in (None, "xla"):
         return None
     if backend == "mosaic":
         raise NotImplementedError("attn_merge_state: no mosaic kernel (the fused merge is a Triton kernel)")
     mod = _kernel_module("merge_state")
     if mod is not None and mod.kernel_runs_here():
         return mod.merge_state
-    if backend == "triton":
-        raise NotImplementedError("attn_merge_state: the triton kernel needs a CUDA GPU with jax-triton installed")
-    return None
+    raise NotImplementedError("attn_merge_state: the triton kernel needs a CUDA GPU with jax-triton installed")
 
 
 def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):

@@ -10,11 +10,12 @@ Both ``-inf`` gives ``o = 0, lse = -inf``.
 
 :func:`merge_state` runs it as one Triton-language kernel through jax-triton
 (``triton_glue``): one program per block of ``(token, head)`` rows that reads
-both outputs and both LSEs once and writes each result once (the XLA ops read
-the LSEs in a second pass and convert through f32 arrays). Instructions sm80
+both outputs and both LSEs once and writes each result once. Instructions sm80
 has; any head width (the columns are padded to a power of two and masked).
-Where jax-triton cannot run (CPU, the Mosaic GPU interpreter) it is the XLA
-ops of ``jattn.reference.attn_merge_state``.
+``jattn.attn_merge_state`` uses it only when asked (``backend="triton"``): XLA's
+own fusion of the same arithmetic streams at least as fast on the H200
+(docs/PERF.md). Where jax-triton cannot run (CPU, the Mosaic GPU interpreter)
+it is the XLA ops of ``jattn.reference.attn_merge_state``.
 """
 
 from __future__ import annotations

@@ -214,13 +214,17 @@ def time_rotated(
     Every call's outputs leave the jit (so nothing is dead code and no call is
     deduplicated) without per-call work on them: a reduction per call would add a
     kernel and a launch gap per call, a large share of a batch-1 decode. With
-    ``join=True`` (default) they leave as one concatenated array per dtype, one
-    copy kernel per jit call, which the differential cancels; the calls' outputs
-    are then buffers inside the program, as a layer's attention output is inside a
-    serving step. ``join=False`` returns every output as its own array, a fresh
+    ``join=True`` (default) they leave as one concatenated array per dtype: the
+    calls' outputs are then buffers inside the program, as a layer's attention
+    output is inside a serving step. The concatenation copies every output once
+    more, a cost per call that the differential does not cancel: negligible for
+    a decode's small output, but for outputs of 100 MB (a long prefill, a merge, a
+    large matmul) it adds hundreds of us per call to a kernel XLA cannot write into
+    the joined buffer (a custom call: Mosaic, Triton, FA3, cuDNN, cuBLAS), so time
+    those with ``join=False``. That returns every output as its own array, a fresh
     runtime buffer per call and execution: on the H200 hosts that cost the batch-1
-    rows several us per call (docs/PERF.md), which times the harness,
-    not the op.
+    decode rows several us per call (docs/PERF.md), which times the harness, not
+    the op.
 
     ``graph=True`` compiles the calls as XLA command buffers (CUDA graphs), as the
     serving engine runs its step: launch gaps between kernels shrink. ``graph="off"``

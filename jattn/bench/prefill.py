@@ -6,8 +6,11 @@ FlashAttention-3 (``flash-attn3-jax``: varlen for prefill, paged KV cache for
 extend), cuDNN (``jax.nn.dot_product_attention``, equal lengths only) and torch's
 ``scaled_dot_product_attention`` with its flash and cuDNN backends (equal-length
 prefill only, CUDA events), and reports TFLOP/s (causal FLOPs count only the
-visible half) against the measured bf16 matmul rate. JAX calls are timed inside one
-jit with distinct inputs (``jattn.bench.common.time_rotated``).
+visible half) against the measured bf16 matmul rate. Every figure is GPU time per
+call: JAX calls inside one jit with distinct inputs, each output its own array,
+between two GPU clock stamps (``jattn.bench.common.time_rotated(join=False,
+device=True)``: joining 100 MB outputs would copy each once more per call), torch
+calls between CUDA events.
 """
 
 from __future__ import annotations
@@ -139,8 +142,8 @@ def matmul_rate(n: int = 8192) -> float:
     def step(i, a):
         return (a * (1 + i)) @ a
 
-    t = common.time_rotated(step, (a,), n_lo=1, n_hi=4, reps=3)
-    return 2 * n**3 / t.seconds
+    t = common.time_rotated(step, (a,), n_lo=1, n_hi=4, reps=3, join=False, device=True)
+    return 2 * n**3 / (t.device_seconds or t.seconds)
 
 
 def _torch_cuda():
@@ -261,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def timed(fn):
             try:
-                t = common.time_rotated(fn, inp.args, n_lo=1, n_hi=4, reps=3)
-                return t.seconds
+                t = common.time_rotated(fn, inp.args, n_lo=1, n_hi=4, reps=3, join=False, device=True)
+                return t.device_seconds or t.seconds
             except Exception as e:  # noqa: BLE001 - a peer that cannot run this row
                 print(f"{spec.label}: {type(e).__name__}: {str(e)[:300]}")
                 return None
@@ -369,7 +372,8 @@ def _merge_row(rng, tokens: int = 16384, hq: int = 32, d: int = 128) -> None:
         def step(i, o_a, l_a, o_b, l_b, backend=backend):
             return jattn.attn_merge_state(o_a, l_a + i, o_b, l_b, backend=backend)
 
-        t = common.time_rotated(step, (o_a, l_a, o_b, l_b), n_lo=2, n_hi=12, reps=5)
+        t = common.time_rotated(step, (o_a, l_a, o_b, l_b), n_lo=2, n_hi=12, reps=5, join=False, device=True)
+        t = dataclasses.replace(t, seconds=t.device_seconds or t.seconds)
         f = functools.partial(jattn.attn_merge_state, backend=backend)
         hlo = jax.jit(f).lower(o_a, l_a, o_b, l_b).compile().as_text()
         kernels = hlo.count("kind=kLoop") + hlo.count("kind=kInput") + hlo.count("custom_call_target")
