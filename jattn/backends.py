@@ -35,6 +35,7 @@ from jattn.metadata import (
     plan_decode,
     plan_extend,
 )
+from jattn.mla_rope import MLARope
 
 
 def _check_plan(metadata, kv_cache) -> None:
@@ -402,7 +403,7 @@ class MLABackend(_PlanningMixin):
         kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
-    def _absorbed_query(self, q_nope, q_rope, layer, llama_4_scaling=None):
+    def _absorbed_query(self, q_nope, q_rope, layer, llama_4_scaling=None, rope=None):
         cfg = self.config
         if q_rope is None:  # already the full 576-wide absorbed query
             query = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
@@ -410,7 +411,19 @@ class MLABackend(_PlanningMixin):
             q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
             q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
             query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+        if rope is not None:  # fused rope (and the FP8 query of an FP8 cache)
+            return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
         return apply_llama_4_scaling(query, llama_4_scaling)
+
+    def _rope(self, metadata, cos_sin_cache, is_neox, positions, fp8: bool):
+        """The step's :class:`~jattn.mla_rope.MLARope` (None without ``cos_sin_cache``):
+        positions from the plan unless given."""
+        if cos_sin_cache is None:
+            return None
+        pos = metadata.positions if positions is None else positions
+        if pos is None:
+            raise ValueError("cos_sin_cache needs positions: the plan has none (a slimmed plan); pass positions=")
+        return MLARope(pos, cos_sin_cache, bool(is_neox), fp8)
 
     def _scale(self, layer: LayerSpec) -> float:
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
@@ -431,11 +444,12 @@ class MLABackend(_PlanningMixin):
             backend=self.config.kernel_backend,
         )
 
-    def _write(self, layer, kv_cache, metadata, save_kv_cache, k, k_rope):
+    def _write(self, layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope=None):
         if not save_kv_cache:
             return kv_cache
         if k is None or k_rope is None:
             raise ValueError("save_kv_cache needs both k (c_kv) and k_rope")
+        k_rope = k_rope if rope is None else rope.key(k_rope)
         return self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
 
     def forward_decode(
@@ -450,12 +464,20 @@ class MLABackend(_PlanningMixin):
         q_rope=None,  # [T, H, r]
         k_rope=None,  # [T, r]
         llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
+        cos_sin_cache=None,  # [max_position, r]: q_rope / k_rope arrive unrotated
+        is_neox: bool = False,
+        positions=None,  # i32[T]; default: the plan's
     ):
         """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``.
         ``llama_4_scaling`` multiplies each token's whole absorbed query (in f32, then
-        back to the query's dtype) before the attention, as SGLang's backend does."""
-        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
-        out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling), layer, kv_cache, metadata)
+        back to the query's dtype) before the attention, as SGLang's backend does.
+
+        With ``cos_sin_cache`` the rope of ``q_rope`` / ``k_rope`` is applied here (at
+        ``positions``, the plan's by default; ``is_neox`` picks the pairing) and, on an
+        FP8 cache, the query is quantised to e4m3 with scale 1 (:mod:`jattn.mla_rope`)."""
+        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
+        out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope), layer, kv_cache, metadata)
         return out.reshape(out.shape[0], -1), kv_cache
 
     def forward_draft_extend(
@@ -470,13 +492,19 @@ class MLABackend(_PlanningMixin):
         q_rope=None,
         k_rope=None,
         llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        positions=None,
     ):
         """Absorbed attention with a different number of new tokens per request (draft
         extend, or an extend over a prefix run absorbed): the queries are padded per
         request to ``max_seqlen_q`` and unpadded after. Padded rows never write the
-        cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``."""
-        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope)
-        query = self._absorbed_query(q, q_rope, layer, llama_4_scaling)
+        cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``.
+        ``cos_sin_cache``, ``is_neox``, ``positions`` (ragged, one per token) as in
+        :meth:`forward_decode`."""
+        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
+        query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
         out = self._decode(padded, layer, kv_cache, metadata)
         out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
@@ -494,6 +522,7 @@ class MLABackend(_PlanningMixin):
         q_rope=None,
         k_rope=None,
         llama_4_scaling=None,
+        **rope,  # cos_sin_cache=, is_neox=, positions= (see forward_decode)
     ):
         """Absorbed attention for any plan: :meth:`forward_decode` for a decode-mode plan
         (decode, target verify), :meth:`forward_draft_extend` for an extend-mode plan."""
@@ -509,6 +538,7 @@ class MLABackend(_PlanningMixin):
             q_rope=q_rope,
             k_rope=k_rope,
             llama_4_scaling=llama_4_scaling,
+            **rope,
         )
 
     @staticmethod
@@ -528,10 +558,19 @@ class MLABackend(_PlanningMixin):
         k_rope=None,  # [T, qk_rope], shared by every head
         return_lse: bool = False,
         llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        positions=None,
     ):
         """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked
-        (natural-log LSE f32[T, H])."""
+        (natural-log LSE f32[T, H]). With ``cos_sin_cache`` the last ``qk_rope_head_dim``
+        columns of q and k (``q_rope`` / ``k_rope``) are rotated here, at the plan's
+        positions unless ``positions`` is given (no FP8 here: the prefill reads no cache)."""
+        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, False)
         q, k = self._qk(q, k, q_rope, k_rope)
+        if rope is not None:
+            r = self.config.qk_rope_head_dim
+            q, k = rope.rotate_tail(q, r), rope.rotate_tail(k, r)
         q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,
