@@ -29,6 +29,7 @@ from jattn.metadata import (
     plan_extend,
     plan_prefix_chunks,
 )
+from jattn.multistep import MLAMultiStepDraftBackend, MultiStepMetadata
 from jattn.ops import (
     BACKENDS,
     attn_merge_state,
@@ -54,6 +55,8 @@ __all__ = [
     "MLABackend",
     "MLAConfig",
     "MLAKVCache",
+    "MLAMultiStepDraftBackend",
+    "MultiStepMetadata",
     "PageAllocator",
     "PagePoolExhausted",
     "PagedKVCache",
