@@ -468,8 +468,8 @@ class _BridgeBase:
             v = self._outs[okey] = _View(t, jax.dlpack.from_dlpack(t, copy=False))
         return v
 
-    def _param(self, x: torch.Tensor | None):
-        """The f32 JAX copy of a per-layer constant (``sinks``) as it is now: reused
+    def _param(self, x: torch.Tensor | None, name: str = "sinks"):
+        """The f32 JAX copy of a per-layer constant (``sinks``, ``cos_sin_cache``) as it is now: reused
         while ``x`` is the very tensor it was read from with the same version counter
         (bumped by every in-place torch op), data pointer, shape and dtype; re-read
         otherwise. O(1) per call. Writes that bypass the version counter (through
@@ -487,11 +487,11 @@ class _BridgeBase:
         ):
             return p.array
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"sinks must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         # An explicit torch copy: JAX's DLPack import with copy=True still aliases an
         # f32 CPU tensor, and the copy must not change with (or outlive) the caller's.
         c = x.detach().to(dtype=torch.float32, copy=True).contiguous()
-        check_shareable(c, "sinks")
+        check_shareable(c, name)
         p = _Param(_ref(x, self._params, id(x)), x, jax.dlpack.from_dlpack(c, copy=False))
         self._params[id(x)] = p
         return p.array

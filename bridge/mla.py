@@ -19,6 +19,7 @@ import torch
 from jattn.backends import MLABackend, MLAConfig
 from jattn.kv_cache import MLAKVCache
 from jattn.metadata import bucket
+from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase, _host
 from .convert import to_jax
@@ -85,7 +86,21 @@ class TorchMLABackend(_BridgeBase):
 
         return self._view(pool, self._pool_state(pool), (i, "kv"), f"kv_buffer[layer {i}]", buf, (w,), mismatch)
 
-    def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs):
+    def _rope_key(self, k_rope, n: int, cs, is_neox: bool):
+        """The rotated ``k_rope`` [n, r] (f32 torch) for the pool's own writer: the core's
+        rope (:class:`jattn.mla_rope.MLARope`) at the plan's positions, one small jitted call."""
+        fn = self._fns.get(("mla_rope_key", is_neox))
+        if fn is None:
+            fn = self._fns[("mla_rope_key", is_neox)] = jax.jit(
+                lambda kr, pos, cs: MLARope(pos[: kr.shape[0]], cs, is_neox).key(kr)
+            )
+        out = fn(to_jax(k_rope.reshape(n, -1).contiguous()), self.forward_metadata.positions, cs)
+        self.sync.after_jax(out)
+        return torch.from_dlpack(out)
+
+    def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs, rope=None, l4=None):
+        """``rope``: ``(cos_sin_cache, is_neox)`` for the fused rope (None: q_rope / k_rope
+        arrive rotated); ``l4``: ``llama_4_scaling`` for the core (fused path only)."""
         spec = self._spec(layer)
         md = self._md_call
         if md is None:
@@ -97,10 +112,15 @@ class TorchMLABackend(_BridgeBase):
         jax_writes = save_kv_cache and self.kv_writer == "jax"
         if save_kv_cache and (k is None or k_rope is None):
             raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
+        cs = None if rope is None else self._param(rope[0], "cos_sin_cache")
+        is_neox = rope is not None and bool(rope[1])
         if save_kv_cache and not jax_writes:
             loc = kwargs.get("out_cache_loc")
             loc = (self._loc_t if loc is None else loc)[:n]
-            pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
+            if cs is None:
+                pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
+            else:  # the rotated k_pe (f32), quantised by the pool's writer
+                pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R).float(), self._rope_key(k_rope, n, cs, is_neox))
         parts = [q.reshape(n, -1)]
         if q_rope is not None:
             parts.append(q_rope.reshape(n, H * r).to(q.dtype))
@@ -110,9 +130,26 @@ class TorchMLABackend(_BridgeBase):
         rows = md.num_tokens
         stage = self._staged(("mla", self.forward_mode, H), parts, rows)
         core, spec0 = self._jbackend, self._shape_spec(layer)
+        fused, has_l4 = cs is not None, l4 is not None
+        fused_extra = ()
+        if fused:
+            fused_extra = (cs, self.forward_metadata.positions)
+            if has_l4:
+                if l4.numel() != n or any(d != 1 for d in l4.shape[1:]):
+                    raise ValueError(
+                        f"llama_4_scaling shape {tuple(l4.shape)} must be [T], [T, 1] or [T, 1, 1] with T={n}"
+                    )
+                fused_extra += (self._staged(("mla_l4", H), [l4.reshape(n, 1).float()], rows),)
 
         def build():
             def body(stage, kvs, md, *extra):
+                extra = list(extra)
+                pool_kv = None if jax_writes else extra.pop(0)
+                ropekw = {}
+                if fused:
+                    ropekw = dict(cos_sin_cache=extra.pop(0), positions=extra.pop(0), is_neox=is_neox)
+                    if has_l4:
+                        ropekw["llama_4_scaling"] = extra.pop(0).reshape(-1)
                 t = stage.shape[0]
                 w = H * (R + r)  # q_nope then q_rope, or the full absorbed query
                 if has_rope:
@@ -122,16 +159,16 @@ class TorchMLABackend(_BridgeBase):
                 c_kv = k_pe = None
                 if jax_writes:
                     c_kv, k_pe = stage[:, w : w + R], stage[:, w + R :]
-                cache = MLAKVCache(kv=(kvs[0] if jax_writes else extra[0],), kv_lora_rank=R)
+                cache = MLAKVCache(kv=(kvs[0] if jax_writes else pool_kv,), kv_lora_rank=R)
                 o, cache = core.forward_absorbed(
-                    qa, c_kv, None, spec0, cache, md, save_kv_cache=jax_writes, q_rope=qr, k_rope=k_pe
+                    qa, c_kv, None, spec0, cache, md, save_kv_cache=jax_writes, q_rope=qr, k_rope=k_pe, **ropekw
                 )
                 return o.astype(stage.dtype), ((cache.kv[0],) if jax_writes else ())
 
             return body
 
-        extra = () if jax_writes else (view.jax,)
-        fkey = ("mla", self.forward_mode, spec0, jax_writes, len(parts), has_rope)
+        extra = (() if jax_writes else (view.jax,)) + fused_extra
+        fkey = ("mla", self.forward_mode, spec0, jax_writes, len(parts), has_rope, fused, is_neox, has_l4)
         out = self._call(
             fkey,
             build,
@@ -169,14 +206,26 @@ class TorchMLABackend(_BridgeBase):
           k: c_kv [T, kv_lora_rank]; k_rope: [T, rope] (written when ``save_kv_cache``).
           v: unused (the value is the latent). forward_batch: unused (the plan of
             ``init_forward_metadata`` is used).
+          cos_sin_cache: [max_position, rope] (cos then sin; any float dtype, read as f32):
+            q_rope / k_rope arrive unrotated and the core rotates them at the plan's
+            positions (``is_neox`` picks the pairing); on an FP8 pool the query is also
+            quantised to e4m3 (scale 1), as SGLang's fused ``mla_rope_quantize_fp8``.
         Returns: [T, H * kv_lora_rank] in q's dtype.
         """
-        if cos_sin_cache is not None:
-            raise NotImplementedError(
-                "fused rope (cos_sin_cache) is not supported yet: apply the rope to q_rope/k_rope"
-            )
-        q, q_rope = _llama_4_scaled(q, llama_4_scaling), _llama_4_scaled(q_rope, llama_4_scaling)
-        return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
+        return self._absorbed_call(
+            q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, llama_4_scaling, kwargs
+        )
+
+    def _absorbed_call(
+        self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, l4, kwargs
+    ):
+        if cos_sin_cache is None:  # rotated inputs: llama_4_scaling on the torch side, as before
+            q, q_rope = _llama_4_scaled(q, l4), _llama_4_scaled(q_rope, l4)
+            return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
+        if save_kv_cache and k_rope is None:
+            raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
+        rope = (cos_sin_cache, is_neox)
+        return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs, rope=rope, l4=l4)
 
     def forward_extend(
         self,
@@ -201,13 +250,26 @@ class TorchMLABackend(_BridgeBase):
         Prefill writes no cache (the latent is not among its inputs): pass
         ``save_kv_cache=False`` and write it with the pool's ``set_mla_kv_buffer``.
         """
+        if self._jbackend.is_absorbed(self.forward_mode):
+            return self._absorbed_call(
+                q,
+                k,
+                layer,
+                forward_batch,
+                save_kv_cache,
+                q_rope,
+                k_rope,
+                cos_sin_cache,
+                is_neox,
+                llama_4_scaling,
+                kwargs,
+            )
         if cos_sin_cache is not None:
             raise NotImplementedError(
-                "fused rope (cos_sin_cache) is not supported yet: apply the rope to q_rope/k_rope"
+                "cos_sin_cache (fused rope) on the ragged MLA prefill (EXTEND) is not supported by the bridge: "
+                "apply the rope to q_rope/k_rope (jattn.MLABackend.forward_extend takes it)"
             )
         q, q_rope = _llama_4_scaled(q, llama_4_scaling), _llama_4_scaled(q_rope, llama_4_scaling)
-        if self._jbackend.is_absorbed(self.forward_mode):
-            return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
         if save_kv_cache:
             raise ValueError(
                 "ragged MLA prefill cannot write the latent cache from per-head k/v: pass "

@@ -10,6 +10,8 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ from jattn.bridge import (
     to_jax,
     to_torch,
 )
+from jattn.bridge.pool import layer_spec
 
 ON_GPU = jax.default_backend() == "gpu"
 DEV = "cuda" if ON_GPU else "cpu"
@@ -888,8 +891,102 @@ def test_mla_llama_4_scaling_and_fused_rope():
     assert not torch.allclose(got, plain, atol=1e-3), "the scaling changed nothing"
     with pytest.raises(ValueError, match="llama_4_scaling shape"):
         decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, llama_4_scaling=s[:1])
-    with pytest.raises(NotImplementedError, match="cos_sin_cache"):
-        decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, cos_sin_cache=torch.ones(4, r))
+    with pytest.raises(ValueError, match="cos_sin_cache is 4 wide"):
+        decode(q_nope, None, None, layer, save_kv_cache=False, q_rope=q_rope, cos_sin_cache=torch.ones(16, 4))
+
+
+def _np_pool(buf, ps):
+    """A torch latent pool buffer as numpy [pages, page_size, width] (FP8 through its bytes)."""
+    if buf.dtype == torch.float8_e4m3fn:
+        a = buf.cpu().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    else:
+        a = buf.cpu().numpy()
+    return a.reshape(-1, ps, a.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,mode,is_neox",
+    [
+        (torch.float8_e4m3fn, ForwardMode.DECODE, False),
+        (torch.float8_e4m3fn, DRAFT_EXTEND, True),
+        (torch.float32, ForwardMode.TARGET_VERIFY, False),
+    ],
+)
+def test_mla_fused_rope_and_fp8_query_match_the_core(kv_dtype, mode, is_neox):
+    """``cos_sin_cache`` through the bridge (unrotated q_rope / k_rope, the pool's own
+    writer on the CPU): the output and the pool afterwards equal the core MLABackend's
+    fused call on the same plan and inputs (rope at the plan's positions; on FP8 the
+    query quantised, llama_4_scaling after it)."""
+    from jattn import MLABackend, MLAKVCache
+
+    g = torch.Generator().manual_seed(13)
+    H, R, r, ps, pages = 2, 16, 8, 4, 12
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=r,
+        v_head_dim=8,
+        page_size=ps,
+        context_len=24,
+        num_pages=pages,
+        dtype="float32",
+        kv_cache_dtype="float8_e4m3fn" if fp8 else "float32",
+        spec_num_tokens=2,
+        kernel_backend="xla",
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=pages, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=kv_dtype, device=DEV
+    )
+    pool.kv_buffer[0].copy_((torch.randn(pool.kv_buffer[0].shape, generator=g) * 2).to(kv_dtype).to(DEV))
+    before = _np_pool(pool.kv_buffer[0], ps).copy()
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R, k_scale=0.5 if fp8 else None)
+    be = TorchMLABackend(cfg, pool)
+    r2p = torch.tensor([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([11, 6])
+    news = torch.tensor({ForwardMode.DECODE: [1, 1], ForwardMode.TARGET_VERIFY: [2, 2]}.get(mode, [3, 1]))
+    plan = dict(extend_seq_lens=news)
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), lens, r2p, mode, **plan)
+    n = int(news.sum())
+    q = torch.randn(n, H * R, generator=g) * 50  # past 448 somewhere: clamped on FP8
+    qr, c, kp = torch.randn(n, H * r, generator=g), torch.randn(n, R, generator=g), torch.randn(n, r, generator=g)
+    s = torch.rand(n, 1, 1, generator=g) + 0.5
+    ang = torch.arange(24.0)[:, None] / 10000 ** (torch.arange(0, r, 2) / r)
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    fwd = be.forward_decode if mode is ForwardMode.DECODE else be.forward_extend
+    dev = [x.to(DEV) for x in (q, qr, c, kp, cs, s)]
+    kw = dict(q_rope=dev[1], k_rope=dev[3], cos_sin_cache=dev[4], is_neox=is_neox, llama_4_scaling=dev[5])
+    out = fwd(dev[0], dev[2], None, layer, None, save_kv_cache=True, **kw).cpu().clone()
+    # the core on the same plan, inputs and pool
+    core = MLABackend(cfg)
+    md = core.init_forward_metadata(2, np.arange(2), lens.numpy(), r2p.numpy(), mode, extend_seq_lens=news.numpy())
+    t = md.num_tokens
+
+    def pad(x, *shape):
+        return jnp.pad(jnp.asarray(x.numpy()), ((0, t - n), (0, 0))).reshape(t, *shape)
+
+    cache = MLAKVCache(kv=(jnp.asarray(before),), kv_lora_rank=R)
+    want, cache = core.forward_absorbed(
+        pad(q, H, R),
+        pad(c, R),
+        None,
+        layer_spec(layer),
+        cache,
+        md,
+        q_rope=pad(qr, H, r),
+        k_rope=pad(kp, r),
+        cos_sin_cache=jnp.asarray(cs.numpy()),
+        is_neox=is_neox,
+        llama_4_scaling=jnp.pad(jnp.asarray(s.numpy().reshape(-1)), (0, t - n), constant_values=1.0),
+    )
+    np.testing.assert_allclose(out.numpy(), np.asarray(want)[:n], rtol=1e-5, atol=1e-5)
+    after = _np_pool(pool.kv_buffer[0], ps).astype(np.float32)
+    core_pool = np.asarray(cache.kv[0]).astype(np.float32)
+    real = np.ones(pages, bool)
+    real[0] = False  # the dummy page takes the core's padding-row writes
+    np.testing.assert_allclose(after[real], core_pool[real], rtol=1e-6, atol=1e-6)  # FP8: equal
+    assert not np.array_equal(after, before.astype(np.float32)), "nothing was written"
 
 
 # ----------------------------------------------------------------------------- parameters, pools, bounds
