@@ -415,16 +415,6 @@ class MLABackend(_PlanningMixin):
             return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
         return apply_llama_4_scaling(query, llama_4_scaling)
 
-    def _rope(self, metadata, cos_sin_cache, is_neox, positions, fp8: bool):
-        """The step's :class:`~jattn.mla_rope.MLARope` (None without ``cos_sin_cache``):
-        positions from the plan unless given."""
-        if cos_sin_cache is None:
-            return None
-        pos = metadata.positions if positions is None else positions
-        if pos is None:
-            raise ValueError("cos_sin_cache needs positions: the plan has none (a slimmed plan); pass positions=")
-        return MLARope(pos, cos_sin_cache, bool(is_neox), fp8)
-
     def _scale(self, layer: LayerSpec) -> float:
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
 
@@ -469,13 +459,11 @@ class MLABackend(_PlanningMixin):
         positions=None,  # i32[T]; default: the plan's
     ):
         """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``.
-        ``llama_4_scaling`` multiplies each token's whole absorbed query (in f32, then
-        back to the query's dtype) before the attention, as SGLang's backend does.
-
-        With ``cos_sin_cache`` the rope of ``q_rope`` / ``k_rope`` is applied here (at
-        ``positions``, the plan's by default; ``is_neox`` picks the pairing) and, on an
-        FP8 cache, the query is quantised to e4m3 with scale 1 (:mod:`jattn.mla_rope`)."""
-        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        ``llama_4_scaling`` multiplies each token's absorbed query in f32, as SGLang does.
+        ``cos_sin_cache``: q_rope / k_rope are rotated here (at the plan's ``positions``
+        unless given; ``is_neox`` the pairing) and an FP8 cache's query is quantised
+        (scale 1, +-448): :mod:`jattn.mla_rope`, docs/SEMANTICS.md."""
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope), layer, kv_cache, metadata)
         return out.reshape(out.shape[0], -1), kv_cache
@@ -502,7 +490,7 @@ class MLABackend(_PlanningMixin):
         cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``.
         ``cos_sin_cache``, ``is_neox``, ``positions`` (ragged, one per token) as in
         :meth:`forward_decode`."""
-        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
@@ -566,7 +554,7 @@ class MLABackend(_PlanningMixin):
         (natural-log LSE f32[T, H]). With ``cos_sin_cache`` the last ``qk_rope_head_dim``
         columns of q and k (``q_rope`` / ``k_rope``) are rotated here, at the plan's
         positions unless ``positions`` is given (no FP8 here: the prefill reads no cache)."""
-        rope = self._rope(metadata, cos_sin_cache, is_neox, positions, False)
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, False)
         q, k = self._qk(q, k, q_rope, k_rope)
         if rope is not None:
             r = self.config.qk_rope_head_dim

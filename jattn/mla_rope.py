@@ -86,6 +86,17 @@ class MLARope:
     is_neox: bool = False
     fp8: bool = False
 
+    @classmethod
+    def for_plan(cls, metadata, cos_sin_cache, is_neox, positions, fp8: bool):
+        """The rope of one step (None without ``cos_sin_cache``): at ``positions``, else
+        the plan's."""
+        if cos_sin_cache is None:
+            return None
+        pos = metadata.positions if positions is None else positions
+        if pos is None:
+            raise ValueError("cos_sin_cache needs positions: the plan has none (a slimmed plan); pass positions=")
+        return cls(pos, cos_sin_cache, bool(is_neox), fp8)
+
     def key(self, k_pe):
         """``k_pe`` ``[T, r]`` (or ``[T, 1, r]``) rotated, f32; None stays None. The write
         into the latent cache quantises it (``set_mla_kv_buffer``)."""
