@@ -132,7 +132,14 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
 
 
 # kernel backend -> {op: kernel module}; an op missing here has no kernel in that backend yet
-KERNELS = {"mosaic": {"mha_decode": "mosaic_decode", "mha_extend": "mosaic_prefill", "mha_prefill": "mosaic_prefill"}}
+KERNELS = {
+    "mosaic": {
+        "mha_decode": "mosaic_decode",
+        "mha_extend": "mosaic_prefill",
+        "mha_prefill": "mosaic_prefill",
+        "mla_decode": "mosaic_mla",
+    }
+}
 OPS = (
     "mha_decode",
     "mha_extend",
@@ -472,12 +479,7 @@ def mla_decode_with_kvcache(
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     if q.shape[0] != bs * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
-    _pick("mla_decode", backend, None, None)
-    return reference.mla_decode(
-        q,
-        kv_cache,
-        page_table,
-        cache_seqlens,
+    kw = dict(
         kv_lora_rank=kv_lora_rank,
         softmax_scale=softmax_scale,
         max_seqlen_q=max_seqlen_q,
@@ -485,6 +487,20 @@ def mla_decode_with_kvcache(
         kv_scale=kv_scale,
         return_lse=return_lse,
     )
+    if 0 in (q.shape[0], q.shape[1], page_table.shape[1]):
+        _check_backend(backend)  # nothing to compute: the kernel has no empty launch
+        return reference.mla_decode(q, kv_cache, page_table, cache_seqlens, **kw)
+    impl = _pick(
+        "mla_decode",
+        backend,
+        KERNELS["mosaic"]["mla_decode"],
+        lambda mod, *a, **k: mod.unsupported_reason(*a, **k),
+        q,
+        kv_cache,
+        **kw,
+    )
+    impl = impl or reference.mla_decode
+    return impl(q, kv_cache, page_table, cache_seqlens, **kw)
 
 
 def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):

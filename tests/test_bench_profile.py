@@ -317,3 +317,31 @@ def test_bench_prefill_without_a_gpu_says_so(capsys):
     assert "needs a GPU" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         prefill.main(["--rows", "no such row"])
+
+
+def test_bench_mla_bytes_flops_and_lengths():
+    from jattn.bench import mla
+
+    rng = np.random.default_rng(0)
+    row = mla.Row(64, 4096, 16)
+    lens = mla.lengths(row, rng)
+    nbytes, flops = mla.row_bytes_flops(row, lens)
+    assert nbytes == 64 * 4096 * 576 * 2 + 64 * 16 * (576 + 512) * 2  # one row tile: KV once
+    assert flops == 2.0 * 16 * 64 * 4096 * (576 + 512)
+    big = mla.Row(64, 4096, 128, q_len=2)  # 256 rows: 4 tiles, each reads the latent rows
+    assert mla.row_bytes_flops(big, lens)[0] == 4 * 64 * 4096 * 576 * 2 + 64 * 256 * 1088 * 2
+    assert mla.row_bytes_flops(mla.Row(64, 4096, 16, fp8=True), lens)[0] == 64 * 4096 * 576 + 64 * 16 * 1088 * 2
+    un = mla.lengths(mla.Row(64, 4096, 16, uneven=True), rng)
+    assert un.min() >= 512 and un.max() <= 4096 and len(set(un.tolist())) > 10
+    assert len({r.label for r in mla.ROWS}) == len(mla.ROWS)
+
+
+def test_bench_mla_without_a_gpu_says_so(capsys):
+    from jattn.bench import mla
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU: the bench would run")
+    mla.main(["--rows", "64x4096 h16 q1"])
+    assert "needs a GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mla.main(["--rows", "no such row"])

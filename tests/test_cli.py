@@ -39,9 +39,8 @@ def test_info_says_what_each_op_runs_here(capsys):
 def test_op_backend_follows_the_dispatch(monkeypatch):
     assert jattn.ops.op_backend("mha_decode") == ("xla", None)  # auto on the CPU
     assert jattn.ops.op_backend("mha_extend", "xla") == ("xla", None)
-    name, why = jattn.ops.op_backend("mla_decode", "mosaic")
-    assert name == "xla" and "no mosaic kernel" in why
-    assert jattn.ops.op_backend("mha_prefill", "mosaic") == ("mosaic", None)  # interpreted here
+    assert jattn.ops.op_backend("mla_decode", "mosaic") == ("mosaic", None)  # interpreted here
+    assert jattn.ops.op_backend("mha_prefill", "mosaic") == ("mosaic", None)
     monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
     assert jattn.ops.op_backend("mha_decode") == ("mosaic", None)
     monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
@@ -62,11 +61,8 @@ def test_named_backend_is_a_preference(monkeypatch):
         monkeypatch.setattr(target, "device_kind", lambda: "hopper")
     # every MHA op has a mosaic kernel: the loop runs on mosaic, nothing to announce
     assert jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS) == ("mosaic", None)
-    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)  # no MLA kernel yet
-    assert backend is None and note == (
-        "--backend mosaic: mla_decode on xla (no mosaic kernel is built for this op yet); "
-        "mha_prefill on mosaic where auto picks it"
-    )
+    # and so has every MLA op (absorbed decode, the 192/128 prefill)
+    assert jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS) == ("mosaic", None)
     for target in (jattn.ops, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
@@ -92,9 +88,9 @@ def test_cli_refuses_triton_and_unknown_bench(capsys):
     assert e.value.code == 2 and "invalid choice: 'triton'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "nope"])
-    assert e.value.code == 2 and "decode, prefill, bridge, serving" in capsys.readouterr().err
+    assert e.value.code == 2 and "decode, prefill, mla, bridge, serving" in capsys.readouterr().err
     assert main(["bench", "--help"]) == 0
-    assert "{decode,prefill,bridge,serving}" in capsys.readouterr().out
+    assert "{decode,prefill,mla,bridge,serving}" in capsys.readouterr().out
 
 
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):

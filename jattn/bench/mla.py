@@ -1,0 +1,158 @@
+"""``python -m jattn bench mla``: DeepSeek MLA absorbed paged decode on the GPU.
+
+The latent cache is ``[pages, 64, 576]`` (512 latent + 64 rope columns), the output
+512 wide. Each row (batch, length, heads, q_len, lengths even or uneven, cache
+dtype) times jattn's Mosaic GPU kernel beside JAX's reference path (XLA) on the
+same data, in GPU time per call (``common.time_rotated(device=True)``, each output
+its own array), and reports the achieved bandwidth (latent rows read once per row
+tile of 64 query rows; the query and output counted too) against the copy
+bandwidth measured in the same run, and TFLOP/s (``2 * rows * L * (576 + 512)``)
+against the bf16 matmul rate. Page tables rotate over a pool larger than L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.bench import common
+
+R, W, PAGE = 512, 576, 64
+NUM_ROT = 4
+SCALE = 1.0 / 192**0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    bs: int
+    length: int
+    heads: int
+    q_len: int = 1
+    uneven: bool = False  # lengths spread from length/8 to length (mean ~length/2)
+    fp8: bool = False
+
+    @property
+    def label(self) -> str:
+        extra = (" uneven" if self.uneven else "") + (" fp8" if self.fp8 else "")
+        return f"{self.bs}x{self.length} h{self.heads} q{self.q_len}{extra}"
+
+
+ROWS = (
+    Row(64, 4096, 16),
+    Row(128, 4096, 16),
+    Row(1, 32768, 16),
+    Row(64, 4096, 16, q_len=2),
+    Row(64, 4096, 16, uneven=True),
+    Row(64, 4096, 128),
+    Row(128, 4096, 128),
+    Row(64, 4096, 128, q_len=2),
+    Row(64, 4096, 16, fp8=True),
+)
+
+
+def lengths(row: Row, rng) -> np.ndarray:
+    if not row.uneven:
+        return np.full((row.bs,), row.length, np.int32)
+    return rng.integers(row.length // 8, row.length + 1, row.bs).astype(np.int32)
+
+
+def row_bytes_flops(row: Row, lens: np.ndarray) -> tuple[float, float]:
+    """Bytes a kernel must move (the latent rows once per 64 query rows, q, out) and FLOPs."""
+    itemsize = 1 if row.fp8 else 2
+    m_rows = row.q_len * row.heads
+    tiles = -(-m_rows // 64)
+    kv = float(lens.sum()) * W * itemsize * tiles
+    qo = row.bs * m_rows * (W + R) * 2
+    flops = 2.0 * m_rows * float(lens.sum()) * (W + R)
+    return kv + qo, flops
+
+
+def _setup(row: Row, rng, num_q: int):
+    lens = lengths(row, rng)
+    max_pages = -(-int(lens.max()) // PAGE)
+    dtype = jnp.float8_e4m3fn if row.fp8 else jnp.bfloat16
+    page_bytes = PAGE * W * jnp.dtype(dtype).itemsize
+    num_pages = common.rotation_pages(row.bs * max_pages, page_bytes)
+    tables = common.random_page_tables(rng, NUM_ROT, row.bs, max_pages, num_pages)
+    kv = (jax.random.normal(jax.random.key(1), (num_pages, PAGE, W), jnp.float32) * 0.5).astype(dtype)
+    qs = jax.random.normal(jax.random.key(2), (num_q, row.bs * row.q_len, row.heads, W), jnp.bfloat16)
+    return qs, kv, jnp.asarray(tables), jnp.asarray(lens), lens
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jattn bench mla", description=__doc__)
+    ap.add_argument(
+        "--rows", default="", help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS)
+    )
+    ap.add_argument("--no-xla", action="store_true", help="time jattn only")
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    want = {r.strip() for r in args.rows.split(",") if r.strip()}
+    unknown = want - {r.label for r in ROWS}
+    if unknown:
+        ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}")
+    if jax.default_backend() != "gpu":
+        print(f"bench mla needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+        return
+    import jattn
+    from jattn.bench.prefill import matmul_rate
+    from jattn.pallas_kernels import mosaic_mla
+
+    copy_bw, how = common.copy_bandwidth()
+    rate = matmul_rate()
+    print(
+        f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy {copy_bw / 1e12:.2f} TB/s ({how}); "
+        f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    header = ["row", "backend", "us (GPU)", "TB/s", "% copy", "TFLOP/s", "% matmul", "xla us", "speedup"]
+    out = []
+    rng = np.random.default_rng(0)
+    n_hi = 8
+    for row in ROWS:
+        if want and row.label not in want:
+            continue
+        qs, kv, tables, lens, lens_np = _setup(row, rng, n_hi)
+        nbytes, flops = row_bytes_flops(row, lens_np)
+        kw = dict(kv_lora_rank=R, softmax_scale=SCALE, max_seqlen_q=row.q_len, is_causal=True)
+
+        def timed(backend):
+            def step(i, qs, kv, tables, lens):
+                return jattn.mla_decode_with_kvcache(qs[i], kv, tables[i % NUM_ROT], lens, backend=backend, **kw)
+
+            try:
+                t = common.time_rotated(step, (qs, kv, tables, lens), n_hi=n_hi, reps=3, join=False, device=True)
+                return t.device_seconds or t.seconds
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run this row
+                print(f"{row.label}: {backend}: {type(e).__name__}: {str(e)[:300]}")
+                return None
+
+        why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
+        if why:
+            print(f"{row.label}: the mosaic kernel refuses it ({why}): xla only")
+        ours = None if why else timed("mosaic")
+        ref = None if args.no_xla else timed("xla")
+        s = ours if ours is not None else ref
+        cells = [row.label, "mosaic" if ours is not None else "xla"]
+        if s is None:
+            cells += ["-"] * 7
+        else:
+            cells += [
+                f"{s * 1e6:.1f}",
+                f"{nbytes / s / 1e12:.2f}",
+                f"{100 * nbytes / s / copy_bw:.0f}",
+                f"{flops / s / 1e12:.0f}",
+                f"{100 * flops / s / rate:.0f}",
+                "-" if ref is None else f"{ref * 1e6:.1f}",
+                "-" if ref is None or ours is None else f"{ref / ours:.1f}x",
+            ]
+        out.append(cells)
+        print(" | ".join(cells), flush=True)
+    print(common.fmt_table(header, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Tests of the Mosaic GPU MLA absorbed decode kernel (``jattn.pallas_kernels.mosaic_mla``).
+
+Each case runs on the CPU under the Mosaic GPU interpreter (f16, small) and on an
+H200 (marker ``gpu``, bf16, full shapes) against the f32 ``jattn.reference.mla_decode``.
+Inputs are fresh random draws; unused pages and the page tails past each request's
+length hold NaN, page tables are permuted, and poison cases put a NaN in the V part
+of one cached row (rows that see it must come out non-finite, every other row exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import reference
+from jattn.pallas_kernels import mosaic_mla as mm
+from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
+
+R, W = 512, 576
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    heads: int = 16
+    q_len: int = 1
+    causal: bool = True
+    page_size: int = 64
+    num_splits: int | None = None
+    poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
+
+
+def _inputs(c: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    bs, ps = len(c.lens), c.page_size
+    max_pages = max(1, max(-(-n // ps) for n in c.lens)) + 1
+    num_pages = bs * max_pages + 2
+    kv = np.full((num_pages, ps, W), np.nan, np.float32)
+    table = rng.permutation(num_pages)[: bs * max_pages].reshape(bs, max_pages).astype(np.int32)
+    for b, n in enumerate(c.lens):
+        for t in range(n):
+            kv[table[b, t // ps], t % ps] = rng.standard_normal(W) * 0.5
+        npg = -(-n // ps)
+        table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)  # never read
+    q = (rng.standard_normal((bs * c.q_len, c.heads, W)) * 0.5).astype(np.float32)
+    return q, kv, table, np.asarray(c.lens, np.int32)
+
+
+def _poison(c: Case, kv, table):
+    """NaN in V of key ``lens[0] - 1 - c.poison`` of request 0; returns the output rows
+    (query index i of request 0) that see it."""
+    j = c.lens[0] - 1 - c.poison
+    kv[table[0, j // c.page_size], j % c.page_size, 7] = np.nan
+    i = np.arange(c.q_len)
+    sees = (c.lens[0] - c.q_len + i >= j) if c.causal else np.ones(c.q_len, bool)
+    return np.flatnonzero(sees)
+
+
+def _check(c: Case, dtype, seed=0, tol=2e-2):
+    q, kv, table, lens = _inputs(c, seed)
+    scale = 1.0 / np.sqrt(192.0)
+    kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
+    r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
+    want_o, want_lse = (np.asarray(a) for a in reference.mla_decode(r(q), r(kv), table, lens, **kw))
+    bad = _poison(c, kv, table) if c.poison >= 0 else np.zeros(0, int)
+    args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(table), jnp.asarray(lens))
+    o, lse = mm.mla_decode(*args, num_splits=c.num_splits, **kw)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert o.shape == (len(c.lens) * c.q_len, c.heads, R) and lse.shape == o.shape[:2]
+    rows = np.setdiff1d(np.arange(o.shape[0]), bad)
+    if bad.size:
+        assert not np.isfinite(o[bad]).all(axis=(1, 2)).any(), "a row that sees a NaN V must be non-finite"
+    assert np.isfinite(o[rows]).all(), "NaN/Inf in a real row"
+    np.testing.assert_allclose(o[rows], want_o[rows], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse[rows], want_lse[rows], atol=tol, rtol=tol)
+    empty = np.repeat(lens == 0, c.q_len)
+    assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
+    o2 = np.asarray(mm.mla_decode(*args, num_splits=c.num_splits, **kw)[0], np.float32)
+    assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
+
+
+# Interpreted: slow (the 576-wide tiles), so the default run keeps two cases.
+CPU_CASES = [
+    # lengths 0, 1, 97 and a page tail; pages smaller than a block; two splits; poison
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3),
+    # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks
+    Case(lens=(66,), heads=16, q_len=3, page_size=64, poison=1),
+    pytest.param(Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+@pytest.mark.parametrize("c", CPU_CASES, ids=str)
+def test_interpreted(c):
+    with gpu_interpret():
+        _check(c, jnp.float16)
+
+
+GPU_CASES = [
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0),
+    Case(lens=(3000, 65), heads=128, q_len=2, page_size=64, poison=1),
+    Case(lens=(1000, 5, 300), heads=64, q_len=4, page_size=32),
+    Case(lens=(513, 4000), heads=32, q_len=8, causal=False, page_size=16),
+    Case(lens=(32768,), heads=16, page_size=128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+def test_gpu(c):
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    _check(c, jnp.bfloat16, tol=3e-2)
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+@pytest.mark.parametrize("heads, q_len, page_size", [(16, 1, 64), (128, 2, 16), (32, 4, 128)])
+def test_lowers_for_cuda(heads, q_len, page_size):
+    """Mosaic GPU's layout inference and TMA rules run at lowering: this catches on the
+    CPU programs the interpreter accepts and the GPU compiler rejects."""
+    bs = 3
+    q = jnp.zeros((bs * q_len, heads, W), jnp.bfloat16)
+    kv = jnp.zeros((40, page_size, W), jnp.bfloat16)
+    pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
+
+    def fn(q, kv):
+        return mm.mla_decode(q, kv, pt, lens, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, num_splits=2)
+
+    text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_mla_decode" in text
+
+
+def test_unsupported_reasons():
+    q = jnp.zeros((2, 16, W), jnp.bfloat16)
+    kv = jnp.zeros((4, 64, W), jnp.bfloat16)
+    assert mm.unsupported_reason(q, kv, kv_lora_rank=R) is None
+    assert "FP8" in mm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R)
+    assert "576 / 512" in mm.unsupported_reason(q[..., :320], kv[..., :320], kv_lora_rank=256)
+    assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
+    assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)
+
+
+def test_choose_num_splits():
+    assert mm.choose_num_splits(1, 1, 512) == 64  # batch 1 at 32k: capped
+    assert mm.choose_num_splits(64, 1, 64) == 5  # 64 x 4096: ~2 CTAs per SM
+    assert mm.choose_num_splits(128, 2, 64) == 2
+    assert mm.choose_num_splits(4, 1, 1) == 1  # a block or two: no split
