@@ -29,6 +29,11 @@ Layout of the work:
 * Each split writes its normalised partial output and base-2 LSE;
   ``combine.combine_splits`` merges them and applies ``kv_scale`` to the output.
 
+Status: the kernel passes its tests under the Mosaic GPU interpreter and lowers for
+CUDA with jax 0.10, but on the H200 (jax 0.11.2) Mosaic GPU's layout inference
+finds no solution for it, so :func:`unsupported_reason` refuses every call on a
+GPU and ``jattn.mla_decode_with_kvcache`` runs on xla there.
+
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
 Mosaic GPU interpreter (CPU tests) the matmuls are plain dots on the
@@ -105,7 +110,15 @@ class MLADecodeConfig:
 
 
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
-    """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason."""
+    """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason.
+
+    On a GPU it serves nothing yet: Mosaic GPU's layout inference (jax 0.11.2) finds no
+    layout assignment for this kernel (docs/PERF.md), so calls go to xla; the kernel runs
+    under the interpreter (tests) and lowers for CUDA with jax 0.10."""
+    from jattn.pallas_kernels.interpret import interpreting, on_gpu
+
+    if on_gpu() and not interpreting():
+        return "the kernel does not compile on the GPU yet (Mosaic GPU layout inference finds no solution)"
     width = kv_cache.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q dtype {q.dtype} (bf16/f16 only)"
