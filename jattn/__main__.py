@@ -30,7 +30,11 @@ _OP_LABELS = {
     "set_mla_kv_buffer": "kv write (mla)",
 }
 
-_BACKEND_LABELS = {"mosaic": "Pallas Mosaic GPU kernels, Hopper", "xla": "plain JAX, any device"}
+_BACKEND_LABELS = {
+    "mosaic": "Pallas Mosaic GPU kernels, Hopper",
+    "triton": "Triton kernels through jax-triton, Ampere and newer",
+    "xla": "plain JAX, any device",
+}
 
 
 def _info() -> int:

@@ -126,8 +126,33 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
                 return getattr(mod, op)
             if backend == "mosaic":
                 raise NotImplementedError(f"{op}: the mosaic backend cannot serve this call: {reason}")
+    triton_module = KERNELS["triton"].get(op)
+    if backend in (None, "triton") and triton_module is not None:
+        impl = _pick_triton(op, backend, triton_module, *args, **kwargs)
+        if impl is not None:
+            return impl
     if backend in ("mosaic", "triton"):
         raise NotImplementedError(f"{op}: no {backend} kernel is built for this op yet")
+    return None
+
+
+def _pick_triton(op: str, backend, module: str, *args, **kwargs):
+    """The Triton kernel of ``op`` where it runs (a CUDA GPU with jax-triton) and serves the
+    call: when asked by name, and under auto on GPUs other than Hopper (Hopper: mosaic)."""
+    from jattn.pallas_kernels import triton_glue
+
+    mod = _kernel_module(module)
+    if mod is None or not triton_glue.available():
+        if backend == "triton":
+            raise NotImplementedError(f"{op}: the triton backend needs a CUDA GPU with jax-triton installed")
+        return None
+    if backend is None and device_kind() == "hopper":
+        return None
+    reason = mod.unsupported_reason(*args, **kwargs) if args else None  # no call: op_backend
+    if reason is None:
+        return getattr(mod, op)
+    if backend == "triton":
+        raise NotImplementedError(f"{op}: the triton backend cannot serve this call: {reason}")
     return None
 
 
@@ -138,7 +163,8 @@ KERNELS = {
         "mha_extend": "mosaic_prefill",
         "mha_prefill": "mosaic_prefill",
         "mla_decode": "mosaic_mla",
-    }
+    },
+    "triton": {"mha_decode": "triton_decode"},
 }
 OPS = (
     "mha_decode",
@@ -170,7 +196,10 @@ def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
         impl = _pick(op, backend, KERNELS["mosaic"].get(op), lambda *a, **k: None)
     except NotImplementedError as e:
         return "xla", str(e)
-    return ("mosaic" if impl is not None else "xla"), None
+    if impl is None:
+        return "xla", None
+    module = impl.__module__.rsplit(".", 1)[-1]
+    return next(b for b in KERNELS if module in KERNELS[b].values()), None
 
 
 # ----------------------------------------------------------------------------- ops

@@ -1,0 +1,276 @@
+"""The Triton paged decode kernel (``jattn.pallas_kernels.triton_decode``).
+
+CPU: the kernel source under Triton's interpreter on torch CPU tensors
+(``launch_torch``, a subprocess with ``TRITON_INTERPRET=1``; f16/f32, since the
+interpreter's ``tl.dot`` is wrong on bf16), its split partials merged in float64
+and compared with the float64 decode of ``tests/naive.py``. GPU (marker ``gpu``):
+``jattn.mha_decode_with_kvcache(backend="triton")`` through jax-triton in bf16 and
+FP8 against the f32 reference. Inputs are fresh random draws; unused pages and page
+tails hold NaN, page tables are permuted, and poison cases put NaN in the V of a
+draft token that earlier queries do not see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from naive import mha_decode as decode_f64
+
+from jattn.pallas_kernels.interpret import on_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    hq: int = 8
+    hkv: int = 2
+    d: int = 64
+    page_size: int = 16
+    q_len: int = 1
+    causal: bool = True
+    window_left: int = -1
+    logit_cap: float = 0.0
+    num_splits: int | None = None
+    poison: bool = False  # NaN in V of request 0's last token (seen only by its last query)
+    dtype: str = "float32"
+
+
+CASES = {
+    "gqa4_lens_0_1_97_two_splits": Case(lens=(97, 0, 1, 40), num_splits=2),
+    "verify_q3_causal_poison": Case(lens=(70, 33), hq=4, hkv=1, q_len=3, poison=True, page_size=32),
+    "window_cap_fp16": Case(lens=(130, 5), hq=4, hkv=4, d=128, window_left=20, logit_cap=5.0, dtype="float16"),
+    "draft_block_noncausal": Case(lens=(50,), hq=2, hkv=2, q_len=4, causal=False, num_splits=3),
+}
+
+
+def _inputs(name):
+    c = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    bs, ps = len(c.lens), c.page_size
+    max_pages = max(1, max(-(-n // ps) for n in c.lens)) + 1
+    num_pages = bs * max_pages + 2
+    k = np.full((num_pages, ps, c.hkv, c.d), np.nan, np.float32)
+    v = np.full((num_pages, ps, c.hkv, c.d), np.nan, np.float32)
+    table = rng.permutation(num_pages)[: bs * max_pages].reshape(bs, max_pages).astype(np.int32)
+    for b, n in enumerate(c.lens):
+        for t in range(n):
+            k[table[b, t // ps], t % ps] = rng.standard_normal((c.hkv, c.d))
+            v[table[b, t // ps], t % ps] = rng.standard_normal((c.hkv, c.d))
+        npg = -(-n // ps)
+        table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)  # never read
+    q = rng.standard_normal((bs * c.q_len, c.hq, c.d)).astype(np.float32)
+    k, v, q = k.astype(c.dtype), v.astype(c.dtype), q.astype(c.dtype)
+    return c, q, k, v, table, np.asarray(c.lens, np.int32)
+
+
+def _poisoned(c, v, table):
+    """NaN in V of request 0's last token; the rows (of request 0) that see it."""
+    j = c.lens[0] - 1
+    v = v.copy()
+    v[table[0, j // c.page_size], j % c.page_size, :, 3] = np.nan
+    sees = np.arange(c.q_len) == c.q_len - 1 if c.causal else np.ones(c.q_len, bool)
+    return v, np.flatnonzero(sees)
+
+
+def _merge(o, lse):
+    """float64 merge of split partials (base-2 LSE; a NaN partial or LSE poisons its row)."""
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    mx = lse.max(0)
+    mxs = np.where(np.isneginf(mx), 0.0, mx)
+    w = np.exp2(lse - mxs)
+    ws = w.sum(0)
+    out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
+    lse_n = np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
+    return out, lse_n
+
+
+def run_interpreted(name: str, path: str) -> None:
+    """In a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice."""
+    import torch
+
+    from jattn.pallas_kernels import triton_decode as td
+
+    c, q, k, v, table, lens = _inputs(name)
+    if c.poison:
+        v, _ = _poisoned(c, v, table)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    runs = []
+    for _ in range(2):
+        o, lse = td.launch_torch(
+            t(q),
+            t(k),
+            t(v),
+            t(table),
+            t(lens),
+            max_seqlen_q=c.q_len,
+            is_causal=c.causal,
+            window_left=c.window_left,
+            logit_cap=c.logit_cap,
+            num_splits=c.num_splits,
+        )
+        runs.append((o.numpy(), lse.numpy()))
+    np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    d = tmp_path_factory.mktemp("tdecode")
+    code = (
+        "import sys; sys.path.insert(0, {tests!r}); import test_triton_decode as t\n"
+        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
+    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {n: np.load(d / f"{n}.npz") for n in CASES}
+
+
+def _expect(name):
+    c, q, k, v, table, lens = _inputs(name)
+    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
+    want, want_lse = decode_f64(q, k, v, table, lens, **kw)  # on clean data
+    bad = np.zeros(0, int)
+    if c.poison:
+        _, bad = _poisoned(c, v, table)
+    return c, want, want_lse, bad
+
+
+def _compare(name, out, lse, atol):
+    c, want, want_lse, bad = _expect(name)
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad)
+    if bad.size:
+        assert not np.isfinite(out[bad]).all(axis=(1, 2)).any(), "a row that sees a NaN V must be non-finite"
+    assert np.isfinite(out[rows]).all(), "NaN/Inf leaked into a real row"
+    np.testing.assert_allclose(out[rows], want[rows], atol=atol, rtol=atol)
+    fin = np.isfinite(want_lse[rows])
+    np.testing.assert_allclose(lse[rows][fin], want_lse[rows][fin], atol=atol, rtol=atol)
+    empty = np.repeat(np.asarray(c.lens) == 0, c.q_len)
+    assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreted_matches_float64(name, interpreted):
+    res = interpreted[name]
+    c = CASES[name]
+    o, lse = _merge(res["o"], res["lse"])  # [bs, q_len * hq, D]
+    bs = len(c.lens)
+    out = o.reshape(bs, c.q_len, c.hq, c.d).reshape(bs * c.q_len, c.hq, c.d)
+    _compare(name, out, lse.reshape(bs * c.q_len, c.hq), atol=2e-2 if c.dtype == "float16" else 2e-4)
+    np.testing.assert_array_equal(res["o"], res["o2"])  # deterministic
+    np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+def test_launch_params():
+    from jattn.pallas_kernels import triton_decode as td
+
+    grid, p = td.launch_params(64, 32, 8, 128, 1, 4096)
+    assert grid == (64, 8, 1) and p == dict(BLOCK_M=16, BLOCK_N=64, SPLITS=1)
+    grid, p = td.launch_params(1, 32, 8, 128, 4, 32768)
+    assert grid == (1, 8, 33) and p["BLOCK_M"] == 16
+    assert td.launch_params(2, 64, 1, 256, 8, 512)[1] == dict(BLOCK_M=512, BLOCK_N=32, SPLITS=2)
+
+
+def test_unsupported_reasons():
+    from jattn.pallas_kernels import triton_decode as td
+
+    q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+    kc = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    assert td.unsupported_reason(q, kc, kc) is None
+    assert td.unsupported_reason(q, kc.astype(jnp.float8_e4m3fn), kc.astype(jnp.float8_e4m3fn)) is None
+    assert "head_dim=96" in td.unsupported_reason(q[..., :96], kc[..., :96], kc[..., :96])
+    assert "max_seqlen_q=9" in td.unsupported_reason(q, kc, kc, max_seqlen_q=9)
+    assert "cache dtype" in td.unsupported_reason(q, kc.astype(jnp.float16), kc.astype(jnp.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_matches_reference(name, fp8):
+    """Through jax-triton in bf16 (the cases' shapes), and with an FP8 cache."""
+    import jattn
+    from jattn import reference
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not triton_glue.available():
+        pytest.skip("needs a GPU with jax-triton")
+    c, q, k, v, table, lens = _inputs(name)
+    if c.poison:
+        v, bad = _poisoned(c, v, table)
+    kw = dict(
+        max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap, return_lse=True
+    )
+    kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, kd), jnp.asarray(v, kd), jnp.asarray(table), jnp.asarray(lens))
+    out, lse = jattn.mha_decode_with_kvcache(*args, backend="triton", **kw)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    want, want_lse = reference.mha_decode(f32(args[0]), f32(args[1]), f32(args[2]), args[3], args[4], **kw)
+    out, want = np.asarray(out, np.float32), np.asarray(want)
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison else [])
+    np.testing.assert_allclose(out[rows], want[rows], atol=4e-2, rtol=4e-2)
+    np.testing.assert_allclose(np.asarray(lse)[rows], np.asarray(want_lse)[rows], atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_launch_equals_jax_path_and_captures_in_a_cuda_graph():
+    """The same source launched natively on torch CUDA tensors: its partials equal the
+    jax-triton launch's, and a torch CUDA graph of the launch replays to the same values."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import jax
+
+    from jattn.pallas_kernels import triton_decode as td
+    from jattn.pallas_kernels import triton_glue
+
+    if not triton_glue.available():
+        pytest.skip("needs jax-triton")
+    name = "gqa4_lens_0_1_97_two_splits"
+    c, q, k, v, table, lens = _inputs(name)
+    dev = lambda a, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt)  # noqa: E731
+    tq, tk, tv = dev(q), dev(k), dev(v)
+    tt, tl_ = dev(table, torch.int32), dev(lens, torch.int32)
+    o, lse = td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)
+    torch.cuda.synchronize()
+    grid, params = td.launch_params(len(c.lens), c.hq, c.hkv, c.d, 1, table.shape[1] * c.page_size, 2)
+    jargs = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(table), jnp.asarray(lens)]
+    kw = td._constexprs(
+        jargs[0], jargs[1], jargs[3], q_len=1, is_causal=True, window_left=-1, logit_cap=0.0, params=params
+    )
+    jo, jl = triton_glue.triton_call(
+        td._decode_kernel,
+        *jargs,
+        td._scale(None, 1.0, c.d),
+        out_shape=(
+            jax.ShapeDtypeStruct(tuple(o.shape), jnp.float32),
+            jax.ShapeDtypeStruct(tuple(lse.shape), jnp.float32),
+        ),
+        grid=grid,
+        name="t",
+        num_warps=4,
+        num_stages=2,
+        **kw,
+    )
+    np.testing.assert_array_equal(o.cpu().numpy(), np.asarray(jo))
+    np.testing.assert_array_equal(lse.cpu().numpy(), np.asarray(jl))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)  # warm-up on the capture stream
+        with torch.cuda.graph(g, stream=s):
+            og, lg = td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)
+    g.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(og.cpu().numpy(), o.cpu().numpy())
+    np.testing.assert_array_equal(lg.cpu().numpy(), lse.cpu().numpy())
