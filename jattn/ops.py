@@ -138,7 +138,8 @@ def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwarg
 
 def _pick_triton(op: str, backend, module: str, *args, **kwargs):
     """The Triton kernel of ``op`` where it runs (a CUDA GPU with jax-triton) and serves the
-    call: when asked by name, and under auto on GPUs other than Hopper (Hopper: mosaic)."""
+    call, when asked for by name. Auto does not pick it yet: it has run under Triton's
+    interpreter only, not yet on a GPU (docs/PERF.md)."""
     from jattn.pallas_kernels import triton_glue
 
     mod = _kernel_module(module)
@@ -146,7 +147,7 @@ def _pick_triton(op: str, backend, module: str, *args, **kwargs):
         if backend == "triton":
             raise NotImplementedError(f"{op}: the triton backend needs a CUDA GPU with jax-triton installed")
         return None
-    if backend is None and device_kind() == "hopper":
+    if backend is None:
         return None
     reason = mod.unsupported_reason(*args, **kwargs) if args else None  # no call: op_backend
     if reason is None:
