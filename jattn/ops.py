@@ -165,7 +165,7 @@ KERNELS = {
         "mha_prefill": "mosaic_prefill",
         "mla_decode": "mosaic_mla",
     },
-    "triton": {"mha_decode": "triton_decode"},
+    "triton": {"mha_decode": "triton_decode", "mha_prefill": "triton_prefill", "mha_extend": "triton_prefill"},
 }
 OPS = (
     "mha_decode",

@@ -1,0 +1,549 @@
+"""Ragged prefill and paged extend attention in the Triton language (Ampere and newer).
+
+One kernel serves both ops, as ``mosaic_prefill.py`` does for Mosaic GPU:
+
+* **prefill** (``jattn.ops.mha_prefill``): ragged q, k, v without a cache; request
+  ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, its keys rows
+  ``cu_seqlens_kv[b]:cu_seqlens_kv[b+1]`` of k / v (``PAGE = 0``);
+* **extend** (``jattn.ops.mha_extend_with_kvcache``): ragged q over a paged cache that
+  already holds the new tokens; request ``b``'s keys are its first ``cache_seqlens[b]``
+  tokens, gathered through ``page_table[b]`` (``PAGE`` = the page size).
+
+Causal masks are aligned bottom-right: query ``i`` of ``n`` sees keys ``j <= L - n + i``.
+
+Work layout: a **tile** is ``BLOCK_M`` consecutive query rows of one request; the grid
+is ``(tiles, query heads)``. The tile list (:func:`tile_plan`, computed on the device
+next to the launch: a cumulative sum, a segment search and a sort, no host sync) holds
+every request's ``ceil(n_b / BLOCK_M)`` tiles with no padding between requests, longest
+work first; slots past the real tiles are ``-1`` and exit at once. The rows past
+``cu_seqlens_q[-1]`` are one more request without keys, so the kernel itself writes
+every output row (0, LSE ``-inf``).
+
+Each program walks the keys its tile can see in blocks of ``BLOCK_N``: with a causal
+mask the loop stops after the tile's last query (blocks above the diagonal are never
+loaded), with a sliding window it starts at the block holding the first query's first
+key. Scores and ``P @ V`` are ``tl.dot`` products (mma on sm80), the softmax is online
+in base 2. ``head_dim_qk = 192`` is two dots (128 + 64 columns). FP8 e4m3 K/V are
+upcast to the query's dtype after the load; ``k_scale`` is in the score scale and
+``v_scale``, like the sinks, is applied to the final output in the kernel.
+
+Masked keys contribute nothing, whatever they hold: keys outside the request (the
+next request's rows, padding rows, a page's unused tail, pages past the request) are
+not loaded (masked loads give 0); where a key inside the request is visible to some
+rows of the tile and not to others (causal diagonal, window start), a V row holding a
+non-finite value is replaced by 0 and the rows that do see it are made NaN. Scores of
+masked keys are selected to ``-inf`` (never multiplied).
+
+:func:`mha_prefill` and :func:`mha_extend` launch it from JAX through jax-triton
+(``triton_glue``); :func:`launch_torch` launches the same source on torch tensors
+(a CUDA stream, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``, as the CPU
+tests do). :func:`unsupported_reason` says whether a call can be served.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+try:  # the kernel source needs triton.language only when it is compiled or interpreted
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton not installed
+    tl = None
+
+__all__ = ["mha_prefill", "mha_extend", "launch_torch", "unsupported_reason", "launch_params", "tile_plan"]
+
+SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+_LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
+
+
+def _prefill_kernel(
+    tile_req_ptr,  # i32[NUM_TILES]: request of each tile (-1: no tile)
+    tile_q0_ptr,  # i32[NUM_TILES]: the tile's first query row within its request
+    cu_q_ptr,  # i32[NREQ + 1] query offsets (the padding request last)
+    kv_start_ptr,  # i32[NREQ]: first key row (ragged; 0 for paged)
+    kv_len_ptr,  # i32[NREQ]: keys L per request
+    pt_ptr,  # i32[NREQ, MAX_PAGES] page table (read when PAGE > 0)
+    params_ptr,  # f32[2 + HQ]: softmax scale * k_scale, v_scale, sinks
+    q_ptr,  # [T, HQ, D]
+    k_ptr,  # ragged [NUM_KV, HKV, D] or paged [NUM_PAGES, PAGE, HKV, D]
+    v_ptr,  # ragged [NUM_KV, HKV, DV] or paged [NUM_PAGES, PAGE, HKV, DV]
+    o_ptr,  # [T, HQ, DV], q's dtype
+    lse_ptr,  # f32[T, HQ], natural log
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    DA: tl.constexpr,  # head_dim_qk = DA + DB, both powers of two (DB = 0: one dot)
+    DB: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE: tl.constexpr,  # 0: ragged K/V
+    MAX_PAGES: tl.constexpr,
+    NUM_PAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,  # -1: off
+    LOGIT_CAP: tl.constexpr,  # 0: off
+    HAS_SINKS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # a key inside the request may be seen by some rows and not others
+):
+    tid = tl.program_id(0)
+    h = tl.program_id(1)
+    D: tl.constexpr = DA + DB
+    kvh = h // (HQ // HKV)
+    req = tl.load(tile_req_ptr + tid)
+    valid = req >= 0
+    req = tl.maximum(req, 0)
+    q0 = tl.load(tile_q0_ptr + tid)
+    row0 = tl.load(cu_q_ptr + req)
+    n_q = tl.load(cu_q_ptr + req + 1) - row0
+    kv_len = tl.load(kv_len_ptr + req)
+    kv0 = tl.load(kv_start_ptr + req)
+    n_rows = tl.where(valid, tl.minimum(n_q - q0, BLOCK_M), 0)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = q0 + rows  # query index within the request
+    qpos = kv_len - n_q + qi  # each row's own key position
+    # Keys the tile can see: [lo, hi).
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(hi, kv_len - n_q + q0 + n_rows)
+    lo = 0
+    if WINDOW >= 0:
+        lo = tl.maximum(kv_len - n_q + q0 - WINDOW, 0) // BLOCK_N * BLOCK_N
+    hi = tl.where(n_rows > 0, tl.maximum(hi, 0), 0)
+    lo = tl.minimum(lo, hi)
+
+    tok_row = (row0 + qi).to(tl.int64) * HQ + h  # row of [T * HQ]
+    cols_a = tl.arange(0, DA)
+    q_a = tl.load(q_ptr + tok_row[:, None] * D + cols_a[None, :], mask=row_ok[:, None], other=0.0)
+    if DB > 0:
+        cols_b = DA + tl.arange(0, DB)
+        q_b = tl.load(q_ptr + tok_row[:, None] * D + cols_b[None, :], mask=row_ok[:, None], other=0.0)
+    cols_v = tl.arange(0, DV)
+    scale = tl.load(params_ptr) * 1.4426950408889634  # to base 2
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DV), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for t0 in range(lo, hi, BLOCK_N):
+        tok = t0 + offs_n
+        tok_ok = tok < hi
+        if PAGE > 0:
+            page = tl.load(pt_ptr + req * MAX_PAGES + tok // PAGE, mask=tok_ok, other=0)
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+            kv_row = (page.to(tl.int64) * PAGE + tok % PAGE) * HKV + kvh
+        else:
+            kv_row = (kv0 + tok).to(tl.int64) * HKV + kvh
+        k_a = tl.load(k_ptr + kv_row[None, :] * D + cols_a[:, None], mask=tok_ok[None, :], other=0.0)
+        x = tl.dot(q_a, k_a.to(q_a.dtype))
+        if DB > 0:
+            k_b = tl.load(k_ptr + kv_row[None, :] * D + cols_b[:, None], mask=tok_ok[None, :], other=0.0)
+            x += tl.dot(q_b, k_b.to(q_b.dtype))
+        x = x * scale
+        if LOGIT_CAP > 0:
+            xc = x * (1.0 / (LOGIT_CAP * 1.4426950408889634))
+            e = tl.exp(-2.0 * tl.abs(xc))
+            th = (1.0 - e) / (1.0 + e)
+            x = tl.where(xc < 0, -th, th) * (LOGIT_CAP * 1.4426950408889634)
+        vis = tok_ok[None, :]
+        if CAUSAL:
+            vis = vis & (tok[None, :] <= qpos[:, None])
+        if WINDOW >= 0:
+            vis = vis & (tok[None, :] >= qpos[:, None] - WINDOW)
+        x = tl.where(vis, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(x - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_row[:, None] * DV + cols_v[None, :], mask=tok_ok[:, None], other=0.0).to(q_a.dtype)
+        if PARTIAL:
+            finite = (v - v) == 0
+            bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)  # [BLOCK_N]: V rows with a non-finite value
+            v = tl.where(finite, v, 0.0)
+            hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
+            l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    m_safe = tl.where(empty, 0.0, m_i)
+    denom = l_i
+    if HAS_SINKS:
+        sink = tl.load(params_ptr + 2 + h) * 1.4426950408889634
+        denom = denom + tl.exp2(sink - m_safe)
+    v_scale = tl.load(params_ptr + 1)
+    inv = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, denom))
+    out = acc * inv[:, None]
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(o_ptr + tok_row[:, None] * DV + cols_v[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + tok_row, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def unsupported_reason(q, k, v, **_) -> str | None:
+    """None when the kernel can serve this call, else a one-line reason: ``mha_prefill``
+    (``k``/``v`` ragged ``[kv_tokens, Hkv, D]``) or ``mha_extend_with_kvcache`` (``k``/``v``
+    the paged caches ``[num_pages, page_size, Hkv, D]``)."""
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return "no query rows or heads"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {q.dtype} (bf16/fp16)"
+    if k.dtype != v.dtype:
+        return f"k dtype {k.dtype} differs from v's {v.dtype}"
+    if k.dtype not in (q.dtype, jnp.float8_e4m3fn):
+        return f"k/v dtype {k.dtype} (q's dtype {q.dtype}, or FP8 e4m3)"
+    d, dv = q.shape[-1], v.shape[-1]
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        return f"head dims {d}/{dv} (supported: {SUPPORTED_HEAD_DIMS})"
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv:
+        return f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}"
+    return None
+
+
+def launch_params(d: int, dv: int, *, block_m: int | None = None, block_n: int | None = None):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by head width: the score tile and
+    the f32 accumulator fit the registers of ``num_warps`` warps, two K/V stages fit
+    an sm80's shared memory."""
+    wide = max(d, dv) > 128
+    bm = block_m or (64 if wide else 128)
+    bn = block_n or (32 if wide else 64)
+    return bm, bn, 8 if (wide or bm >= 128) else 4, 2
+
+
+def _split_dim(d: int) -> tuple[int, int]:
+    da = 1 << (d.bit_length() - 1)
+    return da, d - da
+
+
+def num_tiles_bound(num_tokens: int, num_reqs: int, block_m: int) -> int:
+    """Tile slots for ``num_reqs`` requests (the padding request included) of
+    ``num_tokens`` query rows in all: each request adds at most one partial tile."""
+    return num_tokens // block_m + num_reqs
+
+
+def tile_plan(cu_q, kv_len, num_tiles: int, *, block_m: int, is_causal: bool, window_left: int, xp=jnp):
+    """The tile list in launch order, longest work first: ``(tile_req, tile_q0)``
+    i32[num_tiles] (``tile_req = -1``: no tile). ``xp`` is ``jax.numpy`` or ``torch``
+    (both run it on the arrays' device, without a host sync)."""
+    is_torch = xp is not jnp
+    if is_torch:
+        cu_q, kv_len = cu_q.long(), kv_len.long()
+        relu = lambda a: a.clamp(min=0)  # noqa: E731
+    else:
+        relu = lambda a: jnp.maximum(a, 0)  # noqa: E731
+    n_q = cu_q[1:] - cu_q[:-1]
+    tiles = relu(n_q + block_m - 1) // block_m
+    cum = xp.cumsum(tiles, 0)
+    if is_torch:
+        ids = xp.arange(num_tiles, dtype=xp.int64, device=cu_q.device)
+        req = xp.searchsorted(cum.contiguous(), ids, right=True).clamp(max=n_q.shape[0] - 1)
+    else:
+        from jattn.pallas_kernels.prefill_plan import segment_ids
+
+        ids = jnp.arange(num_tiles, dtype=jnp.int32)
+        req = jnp.minimum(segment_ids(cum[:-1], num_tiles), n_q.shape[0] - 1)
+    valid = ids < cum[-1]
+    q0 = (ids - (cum - tiles)[req]) * block_m
+    n_b, l_b = n_q[req], kv_len[req]
+    hi = xp.minimum(l_b - n_b + xp.minimum(q0 + block_m, n_b), l_b) if is_causal else l_b
+    lo = relu(l_b - n_b + q0 - window_left) if window_left >= 0 else 0
+    work = xp.where(valid, relu(hi - lo) + 1, -1)  # +1: a tile without keys still writes
+    order = xp.argsort(-work, stable=True)
+    tile_req, tile_q0 = xp.where(valid, req, -1)[order], q0[order]
+    if is_torch:
+        return tile_req.to(xp.int32), tile_q0.to(xp.int32)
+    return tile_req.astype(jnp.int32), tile_q0.astype(jnp.int32)
+
+
+def _constexprs(q, k, v, page_table, *, paged, is_causal, window_left, logit_cap, has_sinks, bm, bn):
+    da, db = _split_dim(q.shape[-1])
+    causal = bool(is_causal)
+    return dict(
+        HQ=q.shape[1],
+        HKV=k.shape[-2],
+        DA=da,
+        DB=db,
+        DV=v.shape[-1],
+        PAGE=k.shape[1] if paged else 0,
+        MAX_PAGES=page_table.shape[1],
+        NUM_PAGES=k.shape[0] if paged else 1,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        CAUSAL=causal,
+        WINDOW=int(window_left),
+        LOGIT_CAP=float(logit_cap),
+        HAS_SINKS=bool(has_sinks),
+        PARTIAL=bool(causal or window_left >= 0),
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("paged", "is_causal", "window_left", "logit_cap", "return_lse", "block_m", "block_n")
+)
+def _attention(
+    q,
+    k,
+    v,
+    cu_q,
+    kv_start,
+    kv_len,
+    page_table,
+    params,
+    *,
+    paged,
+    is_causal,
+    window_left,
+    logit_cap,
+    return_lse,
+    block_m,
+    block_n,
+):
+    from jattn.pallas_kernels import triton_glue
+
+    t, hq, _ = q.shape
+    dv = v.shape[-1]
+    has_sinks = params.shape[0] > 2
+    if not has_sinks:
+        params = jnp.concatenate([params, jnp.zeros((hq,), jnp.float32)])
+    # The rows past cu_q[-1] (padding) are one more request without keys.
+    cu_q = jnp.concatenate([cu_q.astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
+    kv_start = jnp.concatenate([kv_start.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    kv_len = jnp.concatenate([kv_len.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    page_table = jnp.concatenate([page_table.astype(jnp.int32), jnp.zeros((1, page_table.shape[1]), jnp.int32)])
+    bm, bn, warps, stages = launch_params(q.shape[-1], dv, block_m=block_m, block_n=block_n)
+    num_tiles = num_tiles_bound(t, cu_q.shape[0] - 1, bm)
+    tile_req, tile_q0 = tile_plan(cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=window_left)
+    kw = _constexprs(
+        q,
+        k,
+        v,
+        page_table,
+        paged=paged,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        has_sinks=has_sinks,
+        bm=bm,
+        bn=bn,
+    )
+    o, lse = triton_glue.triton_call(
+        _prefill_kernel,
+        tile_req,
+        tile_q0,
+        cu_q,
+        kv_start,
+        kv_len,
+        page_table,
+        params,
+        q,
+        k,
+        v,
+        out_shape=(jax.ShapeDtypeStruct((t, hq, dv), q.dtype), jax.ShapeDtypeStruct((t, hq), jnp.float32)),
+        grid=(num_tiles, hq),
+        name="jattn_triton_prefill",
+        num_warps=warps,
+        num_stages=stages,
+        **kw,
+    )
+    return (o, lse) if return_lse else o
+
+
+def _params(softmax_scale, k_scale, v_scale, sinks, d):
+    sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    parts = [
+        jnp.reshape(jnp.asarray(k_scale, jnp.float32) * sm, (1,)),
+        jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,)),
+    ]
+    if sinks is not None:
+        parts.append(jnp.asarray(sinks, jnp.float32).reshape(-1))
+    return jnp.concatenate(parts)
+
+
+def mha_prefill(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+    max_seqlen_q=None,
+    max_seqlen_kv=None,
+    block_m=None,
+    block_n=None,
+):
+    """Ragged attention without a cache through jax-triton; arguments as in
+    ``jattn.ops.mha_prefill`` (``max_seqlen_q`` / ``max_seqlen_kv`` are accepted for the
+    op's signature: the kernel reads the lengths from the offsets; ``block_m`` /
+    ``block_n`` override the tile sizes)."""
+    cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
+    cu_kv = cu_q if cu_seqlens_kv is None else jnp.asarray(cu_seqlens_kv, jnp.int32)
+    return _attention(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_kv[:-1],
+        cu_kv[1:] - cu_kv[:-1],
+        jnp.zeros((cu_q.shape[0] - 1, 1), jnp.int32),
+        _params(softmax_scale, k_scale, v_scale, sinks, q.shape[-1]),
+        paged=False,
+        is_causal=bool(is_causal),
+        window_left=int(window_left),
+        logit_cap=float(logit_cap),
+        return_lse=bool(return_lse),
+        block_m=block_m,
+        block_n=block_n,
+    )
+
+
+def mha_extend(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    cu_seqlens_q,
+    *,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse=False,
+    max_seqlen_q=None,
+    block_m=None,
+    block_n=None,
+):
+    """Ragged queries over a paged cache that already holds their K/V, through
+    jax-triton; arguments as in ``jattn.ops.mha_extend_with_kvcache``."""
+    lens = jnp.asarray(cache_seqlens, jnp.int32)
+    return _attention(
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(cu_seqlens_q, jnp.int32),
+        jnp.zeros_like(lens),
+        lens,
+        jnp.asarray(page_table, jnp.int32),
+        _params(softmax_scale, k_scale, v_scale, sinks, q.shape[-1]),
+        paged=True,
+        is_causal=bool(is_causal),
+        window_left=int(window_left),
+        logit_cap=float(logit_cap),
+        return_lse=bool(return_lse),
+        block_m=block_m,
+        block_n=block_n,
+    )
+
+
+def launch_torch(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    page_table=None,
+    cache_seqlens=None,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    block_m=None,
+    block_n=None,
+):
+    """The kernel launched natively on torch tensors (no JAX): returns ``(out [T, Hq, Dv]
+    in q's dtype, lse f32 [T, Hq])``. A prefill with ragged ``k``/``v`` (``cu_seqlens_kv``
+    defaults to ``cu_seqlens_q``), or, given ``page_table`` and ``cache_seqlens``, an
+    extend over the paged caches ``k``/``v``. Tensors must be contiguous; on CUDA tensors
+    it runs on torch's current stream with the tile list computed there (no host sync),
+    on CPU tensors only under ``TRITON_INTERPRET=1``."""
+    import torch
+
+    from jattn.pallas_kernels import triton_glue
+
+    dev = q.device
+    i32 = lambda a: a.to(device=dev, dtype=torch.int32).contiguous()  # noqa: E731
+    t, hq, d = q.shape
+    dv = v.shape[-1]
+    paged = page_table is not None
+    cu_q = i32(cu_seqlens_q)
+    nreq = cu_q.shape[0] - 1
+    if paged:
+        kv_len = i32(cache_seqlens)
+        kv_start = torch.zeros_like(kv_len)
+        pt = i32(page_table)
+    else:
+        cu_kv = cu_q if cu_seqlens_kv is None else i32(cu_seqlens_kv)
+        kv_start, kv_len = cu_kv[:-1].contiguous(), (cu_kv[1:] - cu_kv[:-1]).contiguous()
+        pt = torch.zeros((nreq, 1), dtype=torch.int32, device=dev)
+    zero = torch.zeros((1,), dtype=torch.int32, device=dev)
+    cu_q = torch.cat([cu_q, torch.full((1,), t, dtype=torch.int32, device=dev)])
+    kv_start, kv_len = torch.cat([kv_start, zero]), torch.cat([kv_len, zero])
+    pt = torch.cat([pt, torch.zeros((1, pt.shape[1]), dtype=torch.int32, device=dev)])
+    sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    params = torch.zeros((2 + hq,), dtype=torch.float32, device=dev)
+    params[0], params[1] = float(k_scale) * sm, float(v_scale)
+    if sinks is not None:
+        params[2:] = torch.as_tensor(sinks, dtype=torch.float32).to(dev)
+    bm, bn, warps, stages = launch_params(d, dv, block_m=block_m, block_n=block_n)
+    num_tiles = num_tiles_bound(t, nreq + 1, bm)
+    tile_req, tile_q0 = tile_plan(
+        cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left), xp=torch
+    )
+    o = torch.empty((t, hq, dv), dtype=q.dtype, device=dev)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=dev)
+    kw = _constexprs(
+        q,
+        k,
+        v,
+        pt,
+        paged=paged,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        has_sinks=sinks is not None,
+        bm=bm,
+        bn=bn,
+    )
+    fn = triton_glue.jit(_prefill_kernel)
+    fn[(num_tiles, hq)](
+        tile_req.contiguous(),
+        tile_q0.contiguous(),
+        cu_q,
+        kv_start,
+        kv_len,
+        pt,
+        params,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        num_warps=warps,
+        num_stages=stages,
+        **kw,
+    )
+    return o, lse
