@@ -9,8 +9,11 @@
   and out, the work in jattn's core backends under ``jax.jit``, the KV pool viewed
   (never copied) and written in place.
 
+* ``triton_native.mha_decode``: jattn's Triton paged decode launched natively on
+  torch tensors (no JAX in the call; capturable in a torch CUDA graph).
+
 Modules: ``call`` (staging, views, jit cache, fences, per-layer plans), ``mha`` and
-``mla`` (the adapters), ``pool``, ``convert``, ``streams``.
+``mla`` (the adapters), ``pool``, ``convert``, ``streams``, ``triton_native``.
 """
 
 try:

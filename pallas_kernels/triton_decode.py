@@ -18,10 +18,10 @@ Each split writes its normalised partial output (f32) and base-2 LSE;
 ``combine.combine_splits`` merges them and applies sinks and ``v_scale``.
 
 :func:`mha_decode` launches it from JAX through jax-triton (``triton_glue``);
-:func:`launch_torch` launches the same source on torch tensors (a torch CUDA
-stream, capturable in a torch CUDA graph; or, in a ``TRITON_INTERPRET=1`` process,
-Triton's CPU interpreter, as the CPU tests do). :func:`unsupported_reason` says
-whether a call can be served.
+``jattn.bridge.triton_native`` launches the same source on torch tensors (a torch
+CUDA stream, capturable in a torch CUDA graph; or, in a ``TRITON_INTERPRET=1``
+process, Triton's CPU interpreter, as the CPU tests do). :func:`unsupported_reason`
+says whether a call can be served.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed
     tl = None
 
-__all__ = ["mha_decode", "launch_torch", "unsupported_reason", "launch_params"]
+__all__ = ["mha_decode", "unsupported_reason", "launch_params"]
 
 _LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -300,51 +300,3 @@ def mha_decode(
         return_lse=return_lse,
         num_splits=num_splits,
     )
-
-
-def launch_torch(
-    q,
-    k_cache,
-    v_cache,
-    page_table,
-    cache_seqlens,
-    *,
-    max_seqlen_q=1,
-    is_causal=True,
-    window_left=-1,
-    logit_cap=0.0,
-    softmax_scale=None,
-    k_scale=1.0,
-    num_splits=None,
-):
-    """The decode kernel launched natively on torch tensors (no JAX): returns the split
-    partials ``(o f32 [S, bs, q_len * Hq, D], lse f32 [S, bs, q_len * Hq])`` for the
-    combine (``combine._combine_kernel``). Tensors must be contiguous; on CUDA tensors
-    it runs on torch's current stream (capturable in a torch CUDA graph), on CPU tensors
-    only under ``TRITON_INTERPRET=1``."""
-    import torch
-
-    from jattn.pallas_kernels import triton_glue
-
-    bs = page_table.shape[0]
-    _, page, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    grid, params = launch_params(bs, hq, hkv, d, max_seqlen_q, page_table.shape[1] * page, num_splits)
-    splits, rows = params["SPLITS"], max_seqlen_q * hq
-    sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    scale = torch.tensor([float(k_scale) * sm], dtype=torch.float32, device=q.device)
-    o = torch.empty((splits, bs, rows, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((splits, bs, rows), dtype=torch.float32, device=q.device)
-    kw = _constexprs(
-        q,
-        k_cache,
-        page_table,
-        q_len=max_seqlen_q,
-        is_causal=is_causal,
-        window_left=window_left,
-        logit_cap=logit_cap,
-        params=params,
-    )
-    fn = triton_glue.jit(_decode_kernel)
-    fn[grid](q, k_cache, v_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw)
-    return o, lse

@@ -1,7 +1,7 @@
 """The Triton paged decode kernel (``jattn.pallas_kernels.triton_decode``).
 
 CPU: the kernel source under Triton's interpreter on torch CPU tensors
-(``launch_torch``, a subprocess with ``TRITON_INTERPRET=1``; f16/f32, since the
+(``jattn.bridge.triton_native``, a subprocess with ``TRITON_INTERPRET=1``; f16/f32, since the
 interpreter's ``tl.dot`` is wrong on bf16), its split partials merged in float64
 and compared with the float64 decode of ``tests/naive.py``. GPU (marker ``gpu``):
 ``jattn.mha_decode_with_kvcache(backend="triton")`` through jax-triton in bf16 and
@@ -40,12 +40,16 @@ class Case:
     num_splits: int | None = None
     poison: bool = False  # NaN in V of request 0's last token (seen only by its last query)
     dtype: str = "float32"
+    v_scale: float = 1.0  # the bridge's native path (the split partials carry no v_scale)
+    sinks: bool = False  # likewise
 
 
 CASES = {
     "gqa4_lens_0_1_97_two_splits": Case(lens=(97, 0, 1, 40), num_splits=2),
     "verify_q3_causal_poison": Case(lens=(70, 33), hq=4, hkv=1, q_len=3, poison=True, page_size=32),
-    "window_cap_fp16": Case(lens=(130, 5), hq=4, hkv=4, d=128, window_left=20, logit_cap=5.0, dtype="float16"),
+    "window_cap_fp16": Case(
+        lens=(130, 5), hq=4, hkv=4, d=128, window_left=20, logit_cap=5.0, dtype="float16", sinks=True, v_scale=0.7
+    ),
     "draft_block_noncausal": Case(lens=(50,), hq=2, hkv=2, q_len=4, causal=False, num_splits=3),
 }
 
@@ -95,7 +99,7 @@ def run_interpreted(name: str, path: str) -> None:
     """In a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice."""
     import torch
 
-    from jattn.pallas_kernels import triton_decode as td
+    from jattn.bridge import triton_native
 
     c, q, k, v, table, lens = _inputs(name)
     if c.poison:
@@ -103,7 +107,7 @@ def run_interpreted(name: str, path: str) -> None:
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     runs = []
     for _ in range(2):
-        o, lse = td.launch_torch(
+        o, lse = triton_native.decode_partials(
             t(q),
             t(k),
             t(v),
@@ -116,7 +120,30 @@ def run_interpreted(name: str, path: str) -> None:
             num_splits=c.num_splits,
         )
         runs.append((o.numpy(), lse.numpy()))
-    np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
+    # the bridge's native path: decode + combine launched on the torch tensors
+    sk = torch.from_numpy(_sinks(name)) if c.sinks else None
+    out, lse_n = triton_native.mha_decode(
+        t(q),
+        t(k),
+        t(v),
+        t(table),
+        t(lens),
+        max_seqlen_q=c.q_len,
+        is_causal=c.causal,
+        window_left=c.window_left,
+        logit_cap=c.logit_cap,
+        num_splits=c.num_splits,
+        sinks=sk,
+        v_scale=c.v_scale,
+        return_lse=True,
+    )
+    np.savez(
+        path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1], out=out.float().numpy(), lse_n=lse_n.numpy()
+    )
+
+
+def _sinks(name):
+    return (np.random.default_rng(zlib.crc32(name.encode()) + 1).standard_normal(CASES[name].hq) * 2).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +197,61 @@ def test_interpreted_matches_float64(name, interpreted):
     _compare(name, out, lse.reshape(bs * c.q_len, c.hq), atol=2e-2 if c.dtype == "float16" else 2e-4)
     np.testing.assert_array_equal(res["o"], res["o2"])  # deterministic
     np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bridge_native_path_equals_the_jax_path(name, interpreted):
+    """``jattn.bridge.triton_native.mha_decode`` (decode + combine launched on torch tensors,
+    sinks and v_scale in the combine) against ``jattn.mha_decode_with_kvcache`` on JAX."""
+    import jattn
+
+    res = interpreted[name]
+    c, q, k, v, table, lens = _inputs(name)
+    if c.poison:
+        v, bad = _poisoned(c, v, table)
+    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
+    sk = jnp.asarray(_sinks(name)) if c.sinks else None
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    want, want_lse = jattn.mha_decode_with_kvcache(
+        f32(q),
+        f32(k),
+        f32(v),
+        jnp.asarray(table),
+        jnp.asarray(lens),
+        sinks=sk,
+        v_scale=c.v_scale,
+        return_lse=True,
+        backend="xla",
+        **kw,
+    )
+    want, want_lse = np.asarray(want), np.asarray(want_lse)
+    out, lse = res["out"], res["lse_n"]
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison else [])
+    if c.poison:
+        assert not np.isfinite(out[bad]).all(axis=(1, 2)).any()
+    tol = 2e-2 if c.dtype == "float16" else 2e-4
+    np.testing.assert_allclose(out[rows], want[rows], atol=tol, rtol=tol)
+    fin = np.isfinite(want_lse[rows])
+    np.testing.assert_allclose(lse[rows][fin], want_lse[rows][fin], atol=tol, rtol=tol)
+
+
+def test_bridge_native_path_names_the_bad_argument():
+    torch = pytest.importorskip("torch")
+    from jattn.bridge import BridgeError, triton_native
+
+    q = torch.zeros((2, 4, 64))
+    kc = torch.zeros((3, 16, 2, 64))
+    pt, sl = torch.zeros((2, 2), dtype=torch.int32), torch.ones((2,), dtype=torch.int32)
+    with pytest.raises(BridgeError, match="page_table.dtype=torch.int64"):
+        triton_native.mha_decode(q, kc, kc, pt.long(), sl)
+    with pytest.raises(BridgeError, match="k_cache with shape .* is not contiguous"):
+        triton_native.mha_decode(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, pt, sl)
+    with pytest.raises(BridgeError, match=r"q has 2 rows; it must be batch \(2\) \* max_seqlen_q \(2\)"):
+        triton_native.mha_decode(q, kc, kc, pt, sl, max_seqlen_q=2)
+    with pytest.raises(BridgeError, match="v_cache.dtype=torch.float16"):
+        triton_native.mha_decode(q, kc, kc.half(), pt, sl)
+    with pytest.raises(BridgeError, match="TRITON_INTERPRET=1"):
+        triton_native.mha_decode(q, kc, kc, pt, sl)
 
 
 def test_launch_params():
@@ -231,6 +313,7 @@ def test_gpu_torch_launch_equals_jax_path_and_captures_in_a_cuda_graph():
         pytest.skip("needs torch with CUDA")
     import jax
 
+    from jattn.bridge import triton_native
     from jattn.pallas_kernels import triton_decode as td
     from jattn.pallas_kernels import triton_glue
 
@@ -241,7 +324,7 @@ def test_gpu_torch_launch_equals_jax_path_and_captures_in_a_cuda_graph():
     dev = lambda a, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt)  # noqa: E731
     tq, tk, tv = dev(q), dev(k), dev(v)
     tt, tl_ = dev(table, torch.int32), dev(lens, torch.int32)
-    o, lse = td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)
+    o, lse = triton_native.decode_partials(tq, tk, tv, tt, tl_, num_splits=2)
     torch.cuda.synchronize()
     grid, params = td.launch_params(len(c.lens), c.hq, c.hkv, c.d, 1, table.shape[1] * c.page_size, 2)
     jargs = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(table), jnp.asarray(lens)]
@@ -267,10 +350,42 @@ def test_gpu_torch_launch_equals_jax_path_and_captures_in_a_cuda_graph():
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)  # warm-up on the capture stream
+        triton_native.decode_partials(tq, tk, tv, tt, tl_, num_splits=2)  # warm-up on the capture stream
         with torch.cuda.graph(g, stream=s):
-            og, lg = td.launch_torch(tq, tk, tv, tt, tl_, num_splits=2)
+            og, lg = triton_native.decode_partials(tq, tk, tv, tt, tl_, num_splits=2)
     g.replay()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(og.cpu().numpy(), o.cpu().numpy())
     np.testing.assert_array_equal(lg.cpu().numpy(), lse.cpu().numpy())
+
+
+@pytest.mark.gpu
+def test_gpu_bridge_native_equals_jax_triton_and_replays_in_a_cuda_graph():
+    """``triton_native.mha_decode`` on CUDA tensors = ``mha_decode_with_kvcache(backend="triton")``
+    bit for bit (the same kernels), and its launches replay from a torch CUDA graph."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    import jattn
+    from jattn.bridge import triton_native
+    from jattn.pallas_kernels import triton_glue
+
+    if not triton_glue.available():
+        pytest.skip("needs jax-triton")
+    c, q, k, v, table, lens = _inputs("verify_q3_causal_poison")
+    dev = lambda a, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt)  # noqa: E731
+    targs = (dev(q), dev(k), dev(v), dev(table, torch.int32), dev(lens, torch.int32))
+    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
+    out, lse = triton_native.mha_decode(*targs, **kw)
+    jargs = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(table), jnp.asarray(lens)]
+    jout, jlse = jattn.mha_decode_with_kvcache(*jargs, backend="triton", **kw)
+    np.testing.assert_array_equal(out.float().cpu().numpy(), np.asarray(jout, np.float32))
+    np.testing.assert_array_equal(lse.cpu().numpy(), np.asarray(jlse))
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        triton_native.mha_decode(*targs, **kw)
+        with torch.cuda.graph(g, stream=s):
+            gout, glse = triton_native.mha_decode(*targs, **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(gout.float().cpu().numpy(), out.float().cpu().numpy())

@@ -1,0 +1,191 @@
+"""jattn's Triton kernels launched natively on torch tensors: no JAX in the call.
+
+:func:`mha_decode` runs the paged decode kernel and the split combine
+(``jattn.pallas_kernels.triton_decode`` / ``combine``) as plain Triton launches on
+torch's current CUDA stream: no DLPack views, no XLA dispatch, and the launches
+can be captured in a torch CUDA graph. Results equal ``jattn.mha_decode_with_kvcache``
+on the same data (the JAX path launches the same kernel sources through jax-triton).
+On CPU tensors it runs only in a process started with ``TRITON_INTERPRET=1``
+(Triton's interpreter, as the CPU tests do).
+
+Example (CUDA)::
+
+    from jattn.bridge import triton_native
+    out = triton_native.mha_decode(q, k_cache, v_cache, page_table, cache_seqlens)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .convert import BridgeError
+
+__all__ = ["mha_decode", "decode_partials"]
+
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(t, name, dtypes, ndim, device):
+    if not isinstance(t, torch.Tensor):
+        raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise BridgeError(f"{name}.dtype={t.dtype} must be one of {', '.join(map(str, dtypes))}")
+    if t.ndim != ndim:
+        raise BridgeError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise BridgeError(f"{name} is on {t.device}, q on {device}: all tensors must be on one device")
+    if not t.is_contiguous():
+        raise BridgeError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: the kernels "
+            "address rows by the dense layout"
+        )
+
+
+def decode_partials(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    max_seqlen_q=1,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    softmax_scale=None,
+    k_scale=1.0,
+    num_splits=None,
+):
+    """The decode kernel alone, launched on torch tensors (unchecked; :func:`mha_decode`
+    checks first): the split partials ``(o f32 [S, bs, q_len * Hq, D], lse f32 [S, bs,
+    q_len * Hq])`` (base-2 LSE) for the combine."""
+    import math
+
+    from jattn.pallas_kernels import triton_decode, triton_glue
+
+    bs = page_table.shape[0]
+    _, page, hkv, d = k_cache.shape
+    hq = q.shape[1]
+    grid, params = triton_decode.launch_params(bs, hq, hkv, d, max_seqlen_q, page_table.shape[1] * page, num_splits)
+    splits, rows = params["SPLITS"], max_seqlen_q * hq
+    sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scale = torch.tensor([float(k_scale) * sm], dtype=torch.float32, device=q.device)
+    o = torch.empty((splits, bs, rows, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((splits, bs, rows), dtype=torch.float32, device=q.device)
+    kw = triton_decode._constexprs(
+        q,
+        k_cache,
+        page_table,
+        q_len=max_seqlen_q,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        params=params,
+    )
+    fn = triton_glue.jit(triton_decode._decode_kernel)
+    fn[grid](q, k_cache, v_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw)
+    return o, lse
+
+
+def mha_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+):
+    """Paged decode on torch tensors; arguments and results as ``jattn.mha_decode_with_kvcache``
+    (q ``[bs * max_seqlen_q, Hq, D]``, caches ``[pages, page_size, Hkv, D]`` in q's dtype or
+    FP8 e4m3, int32 ``page_table [bs, max_pages]`` and ``cache_seqlens [bs]``; scales are
+    Python floats). Returns ``out`` in q's dtype, and with ``return_lse`` the natural-log
+    LSE f32 ``[bs * max_seqlen_q, Hq]``. Raises :class:`BridgeError` naming the argument
+    that breaks a rule (dtype, rank, device, contiguity, shapes)."""
+    from jattn.pallas_kernels import combine, triton_decode, triton_glue
+
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check(q, "q", _Q_DTYPES, 3, dev)
+    kv_dtypes = (q.dtype, torch.float8_e4m3fn)
+    _check(k_cache, "k_cache", kv_dtypes, 4, dev)
+    _check(v_cache, "v_cache", (k_cache.dtype,), 4, dev)
+    _check(page_table, "page_table", (torch.int32,), 2, dev)
+    _check(cache_seqlens, "cache_seqlens", (torch.int32,), 1, dev)
+    bs, hq, d = page_table.shape[0], q.shape[1], q.shape[2]
+    if v_cache.shape != k_cache.shape:
+        raise BridgeError(f"v_cache.shape={tuple(v_cache.shape)} must equal k_cache.shape={tuple(k_cache.shape)}")
+    if k_cache.shape[3] != d:
+        raise BridgeError(f"k_cache head_dim={k_cache.shape[3]} must equal q's head_dim={d}")
+    if cache_seqlens.shape[0] != bs:
+        raise BridgeError(f"cache_seqlens has {cache_seqlens.shape[0]} rows, page_table {bs}")
+    if q.shape[0] != bs * max_seqlen_q:
+        raise BridgeError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    if hq % k_cache.shape[2]:
+        raise BridgeError(f"num_q_heads={hq} must be a multiple of num_kv_heads={k_cache.shape[2]}")
+    if d not in triton_decode.SUPPORTED_HEAD_DIMS or not 1 <= max_seqlen_q <= triton_decode.MAX_Q_LEN:
+        raise BridgeError(
+            f"head_dim={d} / max_seqlen_q={max_seqlen_q}: the kernel takes head_dim "
+            f"{triton_decode.SUPPORTED_HEAD_DIMS} and max_seqlen_q 1..{triton_decode.MAX_Q_LEN}"
+        )
+    if sinks is not None and (sinks.shape != (hq,) or sinks.dtype != torch.float32 or sinks.device != dev):
+        raise BridgeError(
+            f"sinks must be f32 [{hq}] on {dev}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise BridgeError(f"q is on {dev}: CUDA tensors only")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BridgeError("tensors on the CPU run only under Triton's interpreter (TRITON_INTERPRET=1)")
+
+    o_part, lse_part = decode_partials(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        softmax_scale=softmax_scale,
+        k_scale=k_scale,
+        num_splits=num_splits,
+    )
+    splits, rows = o_part.shape[0], o_part.shape[2]
+    grid, params = combine.combine_launch_params(splits, bs, rows, d)
+    out = torch.empty((bs, rows, d), dtype=q.dtype, device=dev)
+    lse = torch.empty((bs, rows), dtype=torch.float32, device=dev)
+    sk = sinks if sinks is not None else torch.zeros((hq,), dtype=torch.float32, device=dev)
+    vs = torch.tensor([float(v_scale)], dtype=torch.float32, device=dev)
+    triton_glue.jit(combine._combine_kernel)[grid](
+        lse_part,
+        o_part,
+        sk,
+        vs,
+        out,
+        lse,
+        NUM_SPLITS=splits,
+        BS=bs,
+        ROWS=rows,
+        ROWS_LSE=rows,
+        M_ROWS=rows,
+        D=d,
+        HQ=hq,
+        HAS_SINKS=sinks is not None,
+        HAS_VSCALE=float(v_scale) != 1.0,
+        num_warps=1,
+        num_stages=1,
+        **params,
+    )
+    out = out.reshape(bs * max_seqlen_q, hq, d)
+    return (out, lse.reshape(bs * max_seqlen_q, hq)) if return_lse else out
