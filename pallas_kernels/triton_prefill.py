@@ -53,7 +53,15 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed
     tl = None
 
-__all__ = ["mha_prefill", "mha_extend", "launch_torch", "unsupported_reason", "launch_params", "tile_plan"]
+__all__ = [
+    "mha_prefill",
+    "mha_extend",
+    "launch_torch",
+    "unsupported_reason",
+    "launch_params",
+    "tile_plan",
+    "tile_plan_tensor",
+]
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 _LOG2E = 1.4426950408889634
@@ -230,38 +238,47 @@ def num_tiles_bound(num_tokens: int, num_reqs: int, block_m: int) -> int:
     return num_tokens // block_m + num_reqs
 
 
-def tile_plan(cu_q, kv_len, num_tiles: int, *, block_m: int, is_causal: bool, window_left: int, xp=jnp):
+def tile_plan(cu_q, kv_len, num_tiles: int, *, block_m: int, is_causal: bool, window_left: int):
     """The tile list in launch order, longest work first: ``(tile_req, tile_q0)``
-    i32[num_tiles] (``tile_req = -1``: no tile). ``xp`` is ``jax.numpy`` or ``torch``
-    (both run it on the arrays' device, without a host sync)."""
-    is_torch = xp is not jnp
-    if is_torch:
-        cu_q, kv_len = cu_q.long(), kv_len.long()
-        relu = lambda a: a.clamp(min=0)  # noqa: E731
-    else:
-        relu = lambda a: jnp.maximum(a, 0)  # noqa: E731
-    n_q = cu_q[1:] - cu_q[:-1]
-    tiles = relu(n_q + block_m - 1) // block_m
-    cum = xp.cumsum(tiles, 0)
-    if is_torch:
-        ids = xp.arange(num_tiles, dtype=xp.int64, device=cu_q.device)
-        req = xp.searchsorted(cum.contiguous(), ids, right=True).clamp(max=n_q.shape[0] - 1)
-    else:
-        from jattn.pallas_kernels.prefill_plan import segment_ids
+    i32[num_tiles] (``tile_req = -1``: no tile), as XLA ops on the device (a cumulative
+    sum, a segment count and a sort: no host sync)."""
+    from jattn.pallas_kernels.prefill_plan import segment_ids
 
-        ids = jnp.arange(num_tiles, dtype=jnp.int32)
-        req = jnp.minimum(segment_ids(cum[:-1], num_tiles), n_q.shape[0] - 1)
+    n_q = cu_q[1:] - cu_q[:-1]
+    tiles = jnp.maximum(n_q + block_m - 1, 0) // block_m
+    cum = jnp.cumsum(tiles)
+    ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.minimum(segment_ids(cum[:-1], num_tiles), n_q.shape[0] - 1)
     valid = ids < cum[-1]
     q0 = (ids - (cum - tiles)[req]) * block_m
     n_b, l_b = n_q[req], kv_len[req]
-    hi = xp.minimum(l_b - n_b + xp.minimum(q0 + block_m, n_b), l_b) if is_causal else l_b
-    lo = relu(l_b - n_b + q0 - window_left) if window_left >= 0 else 0
-    work = xp.where(valid, relu(hi - lo) + 1, -1)  # +1: a tile without keys still writes
-    order = xp.argsort(-work, stable=True)
-    tile_req, tile_q0 = xp.where(valid, req, -1)[order], q0[order]
-    if is_torch:
-        return tile_req.to(xp.int32), tile_q0.to(xp.int32)
-    return tile_req.astype(jnp.int32), tile_q0.astype(jnp.int32)
+    hi = jnp.minimum(l_b - n_b + jnp.minimum(q0 + block_m, n_b), l_b) if is_causal else l_b
+    lo = jnp.maximum(l_b - n_b + q0 - window_left, 0) if window_left >= 0 else 0
+    work = jnp.where(valid, jnp.maximum(hi - lo, 0) + 1, -1)  # +1: a tile without keys still writes
+    order = jnp.argsort(-work, stable=True)
+    return jnp.where(valid, req, -1)[order].astype(jnp.int32), q0[order].astype(jnp.int32)
+
+
+def tile_plan_tensor(cu_q, kv_len, num_tiles: int, *, block_m: int, is_causal: bool, window_left: int):
+    """:func:`tile_plan` on torch tensors, on their device (no host sync, capturable in a
+    CUDA graph). Written with tensor methods only: the library does not import torch."""
+    cu_q, kv_len = cu_q.long(), kv_len.long()
+    n_q = cu_q[1:] - cu_q[:-1]
+    nreq = n_q.shape[0]
+    tiles = (n_q + block_m - 1).clamp(min=0) // block_m
+    cum = tiles.cumsum(0)
+    ids = cum.new_ones(num_tiles).cumsum(0) - 1
+    marks = cum.new_zeros(num_tiles + 1)  # segment count: request b ends at tile cum[b]
+    marks.index_add_(0, cum[:-1].clamp(max=num_tiles), cum.new_ones(nreq - 1))
+    req = marks[:num_tiles].cumsum(0).clamp(max=nreq - 1)
+    valid = ids < cum[-1]
+    q0 = (ids - (cum - tiles)[req]) * block_m
+    n_b, l_b = n_q[req], kv_len[req]
+    hi = (l_b - n_b + (q0 + block_m).minimum(n_b)).minimum(l_b) if is_causal else l_b
+    lo = (l_b - n_b + q0 - window_left).clamp(min=0) if window_left >= 0 else 0
+    work = ((hi - lo).clamp(min=0) + 1).where(valid, -1)
+    order = (-work).argsort(stable=True)
+    return req.where(valid, -1)[order].int(), q0[order].int()
 
 
 def _constexprs(q, k, v, page_table, *, paged, is_causal, window_left, logit_cap, has_sinks, bm, bn):
@@ -479,42 +496,41 @@ def launch_torch(
     defaults to ``cu_seqlens_q``), or, given ``page_table`` and ``cache_seqlens``, an
     extend over the paged caches ``k``/``v``. Tensors must be contiguous; on CUDA tensors
     it runs on torch's current stream with the tile list computed there (no host sync),
-    on CPU tensors only under ``TRITON_INTERPRET=1``."""
-    import torch
-
+    on CPU tensors only under ``TRITON_INTERPRET=1``. It uses tensor methods only (the
+    library imports no torch: docs/DESIGN.md, the import rule)."""
     from jattn.pallas_kernels import triton_glue
 
     dev = q.device
-    i32 = lambda a: a.to(device=dev, dtype=torch.int32).contiguous()  # noqa: E731
+    i32 = lambda a: a.int().to(dev).contiguous()  # noqa: E731
     t, hq, d = q.shape
     dv = v.shape[-1]
     paged = page_table is not None
-    cu_q = i32(cu_seqlens_q)
-    nreq = cu_q.shape[0] - 1
+    cu_in = i32(cu_seqlens_q)
+    nreq = cu_in.shape[0] - 1
+    # The rows past cu_q[-1] (padding) are one more request without keys.
+    cu_q = cu_in.new_full((nreq + 2,), t)
+    cu_q[: nreq + 1] = cu_in
+    kv_start, kv_len = cu_in.new_zeros((nreq + 1,)), cu_in.new_zeros((nreq + 1,))
     if paged:
-        kv_len = i32(cache_seqlens)
-        kv_start = torch.zeros_like(kv_len)
-        pt = i32(page_table)
+        kv_len[:nreq] = i32(cache_seqlens)
+        pt = cu_in.new_zeros((nreq + 1, page_table.shape[1]))
+        pt[:nreq] = i32(page_table)
     else:
-        cu_kv = cu_q if cu_seqlens_kv is None else i32(cu_seqlens_kv)
-        kv_start, kv_len = cu_kv[:-1].contiguous(), (cu_kv[1:] - cu_kv[:-1]).contiguous()
-        pt = torch.zeros((nreq, 1), dtype=torch.int32, device=dev)
-    zero = torch.zeros((1,), dtype=torch.int32, device=dev)
-    cu_q = torch.cat([cu_q, torch.full((1,), t, dtype=torch.int32, device=dev)])
-    kv_start, kv_len = torch.cat([kv_start, zero]), torch.cat([kv_len, zero])
-    pt = torch.cat([pt, torch.zeros((1, pt.shape[1]), dtype=torch.int32, device=dev)])
+        cu_kv = cu_in if cu_seqlens_kv is None else i32(cu_seqlens_kv)
+        kv_start[:nreq], kv_len[:nreq] = cu_kv[:-1], cu_kv[1:] - cu_kv[:-1]
+        pt = cu_in.new_zeros((nreq + 1, 1))
     sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    params = torch.zeros((2 + hq,), dtype=torch.float32, device=dev)
+    params = q.new_zeros((2 + hq,)).float()
     params[0], params[1] = float(k_scale) * sm, float(v_scale)
     if sinks is not None:
-        params[2:] = torch.as_tensor(sinks, dtype=torch.float32).to(dev)
+        params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else q.new_tensor(list(map(float, sinks)))
     bm, bn, warps, stages = launch_params(d, dv, block_m=block_m, block_n=block_n)
     num_tiles = num_tiles_bound(t, nreq + 1, bm)
-    tile_req, tile_q0 = tile_plan(
-        cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left), xp=torch
+    tile_req, tile_q0 = tile_plan_tensor(
+        cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left)
     )
-    o = torch.empty((t, hq, dv), dtype=q.dtype, device=dev)
-    lse = torch.empty((t, hq), dtype=torch.float32, device=dev)
+    o = q.new_empty((t, hq, dv))
+    lse = params.new_empty((t, hq))
     kw = _constexprs(
         q,
         k,

@@ -241,7 +241,7 @@ def test_tile_plan_covers_every_row_once(causal, window):
     nt = tp.num_tiles_bound(int(cu[-1]), len(q_lens), bm)
     kw = dict(block_m=bm, is_causal=causal, window_left=window)
     req, q0 = (np.asarray(a) for a in tp.tile_plan(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), nt, **kw))
-    treq, tq0 = tp.tile_plan(torch.from_numpy(cu), torch.from_numpy(kv_lens.astype(np.int32)), nt, **kw, xp=torch)
+    treq, tq0 = tp.tile_plan_tensor(torch.from_numpy(cu), torch.from_numpy(kv_lens.astype(np.int32)), nt, **kw)
     np.testing.assert_array_equal(req, treq.numpy())
     np.testing.assert_array_equal(q0[req >= 0], tq0.numpy()[req >= 0])
     covered = np.zeros(int(cu[-1]), int)
