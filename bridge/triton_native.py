@@ -22,7 +22,7 @@ import torch
 
 from .convert import BridgeError
 
-__all__ = ["mha_decode", "decode_partials"]
+__all__ = ["mha_decode", "decode_partials", "prefill", "prefill_tile_plan"]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -189,3 +189,120 @@ def mha_decode(
     )
     out = out.reshape(bs * max_seqlen_q, hq, d)
     return (out, lse.reshape(bs * max_seqlen_q, hq)) if return_lse else out
+
+
+def prefill_tile_plan(cu_q, kv_len, num_tiles: int, *, block_m: int, is_causal: bool, window_left: int):
+    """``triton_prefill.tile_plan`` on torch tensors, on their device (no host sync,
+    capturable in a CUDA graph)."""
+    cu_q, kv_len = cu_q.long(), kv_len.long()
+    n_q = cu_q[1:] - cu_q[:-1]
+    nreq = n_q.shape[0]
+    tiles = (n_q + block_m - 1).clamp(min=0) // block_m
+    cum = tiles.cumsum(0)
+    ids = cum.new_ones(num_tiles).cumsum(0) - 1
+    marks = cum.new_zeros(num_tiles + 1)  # segment count: request b ends at tile cum[b]
+    marks.index_add_(0, cum[:-1].clamp(max=num_tiles), cum.new_ones(nreq - 1))
+    req = marks[:num_tiles].cumsum(0).clamp(max=nreq - 1)
+    valid = ids < cum[-1]
+    q0 = (ids - (cum - tiles)[req]) * block_m
+    n_b, l_b = n_q[req], kv_len[req]
+    hi = (l_b - n_b + (q0 + block_m).minimum(n_b)).minimum(l_b) if is_causal else l_b
+    lo = (l_b - n_b + q0 - window_left).clamp(min=0) if window_left >= 0 else 0
+    work = ((hi - lo).clamp(min=0) + 1).where(valid, -1)
+    order = (-work).argsort(stable=True)
+    return req.where(valid, -1)[order].int(), q0[order].int()
+
+
+def prefill(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv=None,
+    *,
+    page_table=None,
+    cache_seqlens=None,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    block_m=None,
+    block_n=None,
+):
+    """The kernel launched natively on torch tensors (no JAX): returns ``(out [T, Hq, Dv]
+    in q's dtype, lse f32 [T, Hq])``. A prefill with ragged ``k``/``v`` (``cu_seqlens_kv``
+    defaults to ``cu_seqlens_q``), or, given ``page_table`` and ``cache_seqlens``, an
+    extend over the paged caches ``k``/``v``. Tensors must be contiguous; on CUDA tensors
+    it runs on torch's current stream with the tile list computed there (no host sync),
+    on CPU tensors only under ``TRITON_INTERPRET=1``."""
+    import math
+
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    dev = q.device
+    i32 = lambda a: a.int().to(dev).contiguous()  # noqa: E731
+    t, hq, d = q.shape
+    dv = v.shape[-1]
+    paged = page_table is not None
+    cu_in = i32(cu_seqlens_q)
+    nreq = cu_in.shape[0] - 1
+    # The rows past cu_q[-1] (padding) are one more request without keys.
+    cu_q = cu_in.new_full((nreq + 2,), t)
+    cu_q[: nreq + 1] = cu_in
+    kv_start, kv_len = cu_in.new_zeros((nreq + 1,)), cu_in.new_zeros((nreq + 1,))
+    if paged:
+        kv_len[:nreq] = i32(cache_seqlens)
+        pt = cu_in.new_zeros((nreq + 1, page_table.shape[1]))
+        pt[:nreq] = i32(page_table)
+    else:
+        cu_kv = cu_in if cu_seqlens_kv is None else i32(cu_seqlens_kv)
+        kv_start[:nreq], kv_len[:nreq] = cu_kv[:-1], cu_kv[1:] - cu_kv[:-1]
+        pt = cu_in.new_zeros((nreq + 1, 1))
+    sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    params = q.new_zeros((2 + hq,)).float()
+    params[0], params[1] = float(k_scale) * sm, float(v_scale)
+    if sinks is not None:
+        params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else q.new_tensor(list(map(float, sinks)))
+    bm, bn, warps, stages = tp.launch_params(d, dv, block_m=block_m, block_n=block_n)
+    num_tiles = tp.num_tiles_bound(t, nreq + 1, bm)
+    tile_req, tile_q0 = prefill_tile_plan(
+        cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left)
+    )
+    o = q.new_empty((t, hq, dv))
+    lse = params.new_empty((t, hq))
+    kw = tp._constexprs(
+        q,
+        k,
+        v,
+        pt,
+        paged=paged,
+        is_causal=is_causal,
+        window_left=window_left,
+        logit_cap=logit_cap,
+        has_sinks=sinks is not None,
+        bm=bm,
+        bn=bn,
+    )
+    fn = triton_glue.jit(tp._prefill_kernel)
+    fn[(num_tiles, hq)](
+        tile_req.contiguous(),
+        tile_q0.contiguous(),
+        cu_q,
+        kv_start,
+        kv_len,
+        pt,
+        params,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        num_warps=warps,
+        num_stages=stages,
+        **kw,
+    )
+    return o, lse

@@ -1,6 +1,6 @@
 """The Triton ragged prefill / paged extend kernel (``jattn.pallas_kernels.triton_prefill``).
 
-CPU: the kernel source under Triton's interpreter on torch CPU tensors (``launch_torch``,
+CPU: the kernel source under Triton's interpreter on torch CPU tensors (``jattn.bridge.triton_native.prefill``,
 a subprocess with ``TRITON_INTERPRET=1``; f16/f32 queries, since the interpreter's
 ``tl.dot`` is wrong on bf16; one case with an FP8 e4m3 cache), each case run twice
 (bit-identical) and compared with the float64 loops of ``tests/naive.py``. GPU (marker
@@ -155,7 +155,7 @@ def run_interpreted(name: str, path: str) -> None:
     """In a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice."""
     import torch
 
-    from jattn.pallas_kernels import triton_prefill as tp
+    from jattn.bridge import triton_native
 
     c, q, k, v, cu_q, sinks, extra = _inputs(name)
 
@@ -168,7 +168,7 @@ def run_interpreted(name: str, path: str) -> None:
     kw = {key: (None if val is None else t(val)) for key, val in extra.items()}
     runs = []
     for _ in range(2):
-        o, lse = tp.launch_torch(
+        o, lse = triton_native.prefill(
             t(q), t(k), t(v), t(cu_q), **kw, **_options(c, sinks), block_m=c.block_m, block_n=c.block_n
         )
         runs.append((o.float().numpy(), lse.numpy()))
@@ -233,6 +233,7 @@ def test_tile_plan_covers_every_row_once(causal, window):
     """The device-side tile list (JAX and torch give the same): every query row of every
     request in exactly one tile, longest work first, no tile for an empty request."""
     torch = pytest.importorskip("torch")
+    from jattn.bridge import triton_native
     from jattn.pallas_kernels import triton_prefill as tp
 
     q_lens, kv_lens = np.array([97, 0, 1, 40, 16, 3]), np.array([97, 4, 1, 300, 16, 0])
@@ -241,7 +242,9 @@ def test_tile_plan_covers_every_row_once(causal, window):
     nt = tp.num_tiles_bound(int(cu[-1]), len(q_lens), bm)
     kw = dict(block_m=bm, is_causal=causal, window_left=window)
     req, q0 = (np.asarray(a) for a in tp.tile_plan(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), nt, **kw))
-    treq, tq0 = tp.tile_plan_tensor(torch.from_numpy(cu), torch.from_numpy(kv_lens.astype(np.int32)), nt, **kw)
+    treq, tq0 = triton_native.prefill_tile_plan(
+        torch.from_numpy(cu), torch.from_numpy(kv_lens.astype(np.int32)), nt, **kw
+    )
     np.testing.assert_array_equal(req, treq.numpy())
     np.testing.assert_array_equal(q0[req >= 0], tq0.numpy()[req >= 0])
     covered = np.zeros(int(cu[-1]), int)
@@ -323,6 +326,7 @@ def test_gpu_torch_launch_equals_jax_path():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
+    from jattn.bridge import triton_native
     from jattn.pallas_kernels import triton_glue
     from jattn.pallas_kernels import triton_prefill as tp
 
@@ -336,7 +340,9 @@ def test_gpu_torch_launch_equals_jax_path():
     dev = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32))).to("cuda")  # noqa: E731
     tq, tk, tv = (dev(a).to(torch.bfloat16).contiguous() for a in args)
     i32 = lambda a: torch.from_numpy(np.asarray(a)).to("cuda", torch.int32)  # noqa: E731
-    o, lse = tp.launch_torch(tq, tk, tv, i32(rest[2]), page_table=i32(rest[0]), cache_seqlens=i32(rest[1]), **opts)
+    o, lse = triton_native.prefill(
+        tq, tk, tv, i32(rest[2]), page_table=i32(rest[0]), cache_seqlens=i32(rest[1]), **opts
+    )
     torch.cuda.synchronize()
     np.testing.assert_array_equal(o.float().cpu().numpy(), np.asarray(jo, np.float32))
     np.testing.assert_array_equal(lse.cpu().numpy(), np.asarray(jl))
