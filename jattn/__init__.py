@@ -19,6 +19,7 @@ from jattn.backends import (
     register_backend,
     registered_backends,
 )
+from jattn.cascade import cascade_decode
 from jattn.kv_cache import MLAKVCache, PageAllocator, PagedKVCache, PagePoolExhausted
 from jattn.metadata import (
     DUMMY_PAGE,
@@ -60,6 +61,7 @@ __all__ = [
     "PageAllocator",
     "PagePoolExhausted",
     "PagedKVCache",
+    "cascade_decode",
     "attn_merge_state",
     "get_backend",
     "mha_decode_with_kvcache",

@@ -1,0 +1,127 @@
+"""Shared-prefix (cascade) paged decode: a group's common prefix is read once.
+
+Parallel sampling, few-shot prompts and shared system prompts give several
+requests the same leading pages. :func:`cascade_decode` takes a two-level page
+structure: ``G`` groups of ``group_size`` consecutive requests; group ``g``'s
+prefix is ``prefix_lens[g]`` tokens in the pages ``prefix_page_table[g]``, and
+request ``b`` (of group ``b // group_size``) continues with its own
+``suffix_lens[b]`` tokens in ``suffix_page_table[b]``. Request ``b``'s keys are
+the prefix followed by its suffix, and the result equals
+``mha_decode_with_kvcache`` over that concatenation:
+
+* **prefix pass**: the group's queries are the query rows of one request, so each
+  prefix page is read once per *chunk* of requests rather than once per request
+  (``mha_decode_with_kvcache`` with ``max_seqlen_q = chunk * q_len``, non-causal:
+  every query of the group comes after the whole prefix). A chunk is the largest
+  divisor of ``group_size`` whose rows fit the decode kernels' ``max_seqlen_q``
+  limit (8), unless ``prefix_chunk`` says otherwise;
+* **suffix pass**: each request over its own pages, causal as in a normal decode
+  (query ``i`` of ``q_len`` sees suffix token ``j <= suffix_len - q_len + i``);
+* **merge**: ``attn_merge_state`` of the two ``(o, lse)`` pairs, then the sinks.
+
+A suffix of 0 tokens is allowed (the request is only its prefix) when
+``max_seqlen_q == 1``; a prefix of 0 tokens gives a plain decode. Window
+attention is not supported (the window's start may fall inside the prefix).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jattn import ops
+
+__all__ = ["cascade_decode", "prefix_chunk_size"]
+
+_MAX_ROWS = 8  # the decode kernels' max_seqlen_q
+
+
+def prefix_chunk_size(group_size: int, q_len: int, limit: int = _MAX_ROWS) -> int:
+    """The largest divisor of ``group_size`` whose ``chunk * q_len`` query rows fit ``limit``."""
+    best = 1
+    for c in range(1, group_size + 1):
+        if group_size % c == 0 and c * q_len <= limit:
+            best = c
+    return best
+
+
+def cascade_decode(
+    q,
+    k_cache,
+    v_cache,
+    prefix_page_table,
+    prefix_lens,
+    suffix_page_table,
+    suffix_lens,
+    *,
+    group_size: int,
+    max_seqlen_q: int = 1,
+    logit_cap: float = 0.0,
+    sinks=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    return_lse: bool = False,
+    prefix_chunk: int | None = None,
+    backend: str | None = None,
+):
+    """Paged decode where groups of ``group_size`` consecutive requests share a prefix.
+
+    Args:
+      q: ``[bs * max_seqlen_q, Hq, D]`` request-major; ``bs = G * group_size``.
+      k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (one pool for prefixes and suffixes).
+      prefix_page_table: i32 ``[G, max_prefix_pages]``; prefix_lens: i32 ``[G]``.
+      suffix_page_table: i32 ``[bs, max_suffix_pages]``; suffix_lens: i32 ``[bs]``, the
+        new tokens included (already written to the cache).
+      group_size: requests per group (static).
+      prefix_chunk: requests per prefix pass (a divisor of ``group_size``; None: the
+        largest that keeps ``chunk * max_seqlen_q <= 8``).
+      Other arguments as in ``jattn.mha_decode_with_kvcache`` (causal within the suffix).
+
+    Returns ``out [bs * max_seqlen_q, Hq, D]`` in q's dtype, and with ``return_lse`` the
+    natural-log LSE f32 ``[bs * max_seqlen_q, Hq]``.
+    """
+    if group_size < 1 or not isinstance(group_size, int):
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1")
+    groups, bs = prefix_page_table.shape[0], suffix_page_table.shape[0]
+    if prefix_lens.shape != (groups,):
+        raise ValueError(f"prefix_lens must have shape ({groups},) (one per group), got {tuple(prefix_lens.shape)}")
+    if bs != groups * group_size:
+        raise ValueError(f"suffix_page_table has {bs} rows; it must be groups ({groups}) * group_size ({group_size})")
+    if suffix_lens.shape != (bs,):
+        raise ValueError(f"suffix_lens must have shape ({bs},) (one per request), got {tuple(suffix_lens.shape)}")
+    if q.shape[0] != bs * max_seqlen_q:
+        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    chunk = prefix_chunk_size(group_size, max_seqlen_q) if prefix_chunk is None else prefix_chunk
+    if chunk < 1 or group_size % chunk:
+        raise ValueError(f"prefix_chunk={prefix_chunk} must divide group_size={group_size}")
+    per = group_size // chunk
+    common = dict(logit_cap=logit_cap, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, backend=backend)
+    # Prefix: each chunk of a group's requests is one "request" of chunk * q_len query rows.
+    o_p, lse_p = ops.mha_decode_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        jnp.repeat(prefix_page_table, per, axis=0),
+        jnp.repeat(prefix_lens.astype(jnp.int32), per),
+        max_seqlen_q=chunk * max_seqlen_q,
+        is_causal=False,
+        return_lse=True,
+        **common,
+    )
+    o_s, lse_s = ops.mha_decode_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        suffix_page_table,
+        suffix_lens,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=True,
+        return_lse=True,
+        **common,
+    )
+    o, lse = ops.attn_merge_state(o_p, lse_p, o_s, lse_s)
+    if sinks is not None:
+        s = jnp.asarray(sinks, jnp.float32)[None, :]
+        factor = jnp.where(jnp.isneginf(lse), 1.0, 1.0 / (1.0 + jnp.exp(s - lse)))
+        o = (o.astype(jnp.float32) * factor[..., None]).astype(q.dtype)
+    return (o, lse) if return_lse else o
