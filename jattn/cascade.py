@@ -19,6 +19,10 @@ the prefix followed by its suffix, and the result equals
   (query ``i`` of ``q_len`` sees suffix token ``j <= suffix_len - q_len + i``);
 * **merge**: ``attn_merge_state`` of the two ``(o, lse)`` pairs, then the sinks.
 
+:func:`cascade_tables` derives the two-level structure from a normal decode plan
+(rows whose first pages are shared) on the device; :func:`check_shared_prefix`
+checks a grouping on the host.
+
 A suffix of 0 tokens is allowed (the request is only its prefix) when
 ``max_seqlen_q == 1``; a prefix of 0 tokens gives a plain decode. Window
 attention is not supported (the window's start may fall inside the prefix).
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 
 from jattn import ops
 
-__all__ = ["cascade_decode", "prefix_chunk_size"]
+__all__ = ["cascade_decode", "cascade_tables", "check_shared_prefix", "prefix_chunk_size"]
 
 _MAX_ROWS = 8  # the decode kernels' max_seqlen_q
 
@@ -125,3 +129,56 @@ def cascade_decode(
         factor = jnp.where(jnp.isneginf(lse), 1.0, 1.0 / (1.0 + jnp.exp(s - lse)))
         o = (o.astype(jnp.float32) * factor[..., None]).astype(q.dtype)
     return (o, lse) if return_lse else o
+
+
+def cascade_tables(page_table, seq_lens, prefix_pages, *, group_size: int, page_size: int):
+    """The cascade's page structure from a decode plan's, on the device (jittable: a new
+    grouping of the same shapes does not retrace).
+
+    ``page_table`` i32[bs, W] and ``seq_lens`` i32[bs] are a decode plan's
+    (``DecodeMetadata.page_table`` / ``cache_seqlens``); groups of ``group_size``
+    consecutive requests share their first ``prefix_pages[g]`` pages (whole pages: the
+    caller guarantees the rows hold the same ids there, see :func:`check_shared_prefix`).
+    Returns ``(prefix_page_table [G, W], prefix_lens [G], suffix_page_table [bs, W],
+    suffix_lens [bs])`` for :func:`cascade_decode`: group ``g``'s prefix is its first
+    member's first pages, each request's suffix the rest of its row, shifted left.
+    """
+    bs, width = page_table.shape
+    groups = bs // group_size
+    prefix_pages = jnp.asarray(prefix_pages, jnp.int32)
+    prefix_page_table = page_table[::group_size]
+    prefix_lens = prefix_pages * page_size
+    per_req = jnp.repeat(prefix_pages, group_size)  # [bs]
+    cols = jnp.minimum(jnp.arange(width, dtype=jnp.int32)[None, :] + per_req[:, None], width - 1)
+    suffix_page_table = jnp.take_along_axis(page_table, cols, axis=1)
+    suffix_lens = seq_lens.astype(jnp.int32) - jnp.repeat(prefix_lens, group_size)
+    assert prefix_page_table.shape[0] == groups
+    return prefix_page_table, prefix_lens, suffix_page_table, suffix_lens
+
+
+def check_shared_prefix(page_table, seq_lens, prefix_pages, *, group_size: int, page_size: int, q_len: int = 1):
+    """Host-side check of a grouping (numpy): raises ``ValueError`` naming the request whose
+    row differs from its group's first row within the shared pages, or whose own part
+    (suffix) would not hold its ``q_len`` new tokens."""
+    import numpy as np
+
+    pt, sl, pp = np.asarray(page_table), np.asarray(seq_lens), np.asarray(prefix_pages)
+    bs = pt.shape[0]
+    if bs % group_size:
+        raise ValueError(f"batch {bs} is not a multiple of group_size={group_size}")
+    if pp.shape != (bs // group_size,):
+        raise ValueError(f"prefix_pages must have shape ({bs // group_size},), got {pp.shape}")
+    for b in range(bs):
+        g = b // group_size
+        n = int(pp[g])
+        if n < 0 or n > pt.shape[1]:
+            raise ValueError(f"prefix_pages[{g}]={n} is outside [0, {pt.shape[1]}]")
+        if not np.array_equal(pt[b, :n], pt[g * group_size, :n]):
+            raise ValueError(f"request {b} does not share group {g}'s first {n} pages")
+    for b in range(bs):
+        n = int(pp[b // group_size])
+        if sl[b] - n * page_size < q_len:
+            raise ValueError(
+                f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} tokens after "
+                f"{n} shared pages of {page_size}"
+            )

@@ -127,3 +127,50 @@ def test_gpu_cascade_on_the_kernels_matches_the_reference():
     out = jattn.cascade_decode(*bf, ptab, plens, stab, slens, group_size=16)
     want = jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=16, backend="xla")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
+
+
+def test_cascade_tables_from_a_decode_plan_equal_the_plain_decode_and_do_not_retrace():
+    """Rows of a decode plan that share their first pages: the cascade over the derived
+    tables equals the plain decode of the plan; a new grouping (prefix page counts) of
+    the same shapes reuses the compiled program."""
+    import jax
+
+    from jattn.cascade import cascade_tables, check_shared_prefix
+
+    rng = np.random.default_rng(11)
+    group_size, groups, width = 4, 2, 8
+    bs = groups * group_size
+    num_pages = 64
+    k = rng.standard_normal((num_pages, PS, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((num_pages, PS, HKV, D)).astype(np.float32)
+    pages = rng.permutation(num_pages)
+    table = np.zeros((bs, width), np.int32)
+    shared = [pages[:3], pages[3:5]]  # group 0 shares 3 pages, group 1 two
+    nxt = 5
+    for b in range(bs):
+        mine = width - len(shared[b // group_size])
+        table[b] = np.concatenate([shared[b // group_size], pages[nxt : nxt + mine]])
+        nxt += mine
+    seq = np.array([3 * PS + 5, 3 * PS + 1, 3 * PS + 40, 3 * PS + 17, 2 * PS + 9, 2 * PS + 1, 2 * PS + 30, 2 * PS + 2])
+    seq = seq.astype(np.int32)
+    q = rng.standard_normal((bs, HQ, D)).astype(np.float32)
+    traces = []
+
+    @jax.jit
+    def step(q, pt, sl, prefix_pages):
+        traces.append(1)
+        tabs = cascade_tables(pt, sl, prefix_pages, group_size=group_size, page_size=PS)
+        return jattn.cascade_decode(q, k, v, *tabs, group_size=group_size)
+
+    want = np.asarray(jattn.mha_decode_with_kvcache(q, k, v, table, seq))
+    for pp in (np.array([3, 2], np.int32), np.array([1, 0], np.int32), np.array([0, 2], np.int32)):
+        check_shared_prefix(table, seq, pp, group_size=group_size, page_size=PS)
+        out = np.asarray(step(q, table, seq, pp))
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    assert len(traces) == 1, "a new grouping retraced"
+    with pytest.raises(ValueError, match="request 5 does not share group 1's first 3 pages"):
+        check_shared_prefix(table, seq, np.array([3, 3]), group_size=group_size, page_size=PS)
+    short = seq.copy()
+    short[1] = 3 * PS  # all of request 1 inside the shared pages: no room for its new token
+    with pytest.raises(ValueError, match="request 1: seq_len 48 leaves fewer than q_len=1 tokens"):
+        check_shared_prefix(table, short, np.array([3, 2]), group_size=group_size, page_size=PS)
