@@ -22,7 +22,7 @@ import torch
 
 from .convert import BridgeError
 
-__all__ = ["mha_decode", "decode_partials", "prefill", "prefill_tile_plan"]
+__all__ = ["mha_decode", "decode_partials", "mla_decode_partials", "prefill", "prefill_tile_plan"]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -304,5 +304,37 @@ def prefill(
         num_warps=warps,
         num_stages=stages,
         **kw,
+    )
+    return o, lse
+
+
+def mla_decode_partials(
+    q,
+    kv_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    kv_lora_rank,
+    softmax_scale,
+    max_seqlen_q=1,
+    is_causal=True,
+    kv_scale=1.0,
+    num_splits=None,
+):
+    """The Triton MLA decode kernel alone, launched on torch tensors (unchecked): the split
+    partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE)."""
+    from jattn.pallas_kernels import triton_glue, triton_mla
+
+    bs, h = page_table.shape[0], q.shape[1]
+    grid, params = triton_mla.launch_params(bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits)
+    rows = max_seqlen_q * h
+    scale = torch.tensor([float(softmax_scale) * float(kv_scale)], dtype=torch.float32, device=q.device)
+    o = torch.empty((params["SPLITS"], bs, rows, kv_lora_rank), dtype=torch.float32, device=q.device)
+    lse = torch.empty((params["SPLITS"], bs, rows), dtype=torch.float32, device=q.device)
+    kw = triton_mla.constexprs(
+        q, kv_cache, page_table, kv_lora_rank=kv_lora_rank, q_len=max_seqlen_q, is_causal=is_causal, params=params
+    )
+    triton_glue.jit(triton_mla._mla_kernel)[grid](
+        q, kv_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw
     )
     return o, lse

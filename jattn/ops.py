@@ -165,7 +165,13 @@ KERNELS = {
         "mha_prefill": "mosaic_prefill",
         "mla_decode": "mosaic_mla",
     },
-    "triton": {"mha_decode": "triton_decode", "mha_prefill": "triton_prefill", "mha_extend": "triton_prefill"},
+    "triton": {
+        "mha_decode": "triton_decode",
+        "mha_prefill": "triton_prefill",
+        "mha_extend": "triton_prefill",
+        "mla_decode": "triton_mla",
+        "attn_merge_state": "merge_state",  # dispatched by _merge_impl
+    },
 }
 OPS = (
     "mha_decode",

@@ -144,21 +144,10 @@ def _mla(**kw):
     return jattn.mla_decode_with_kvcache(*args.values(), softmax_scale=0.1, **kw)
 
 
-@pytest.mark.parametrize(
-    "op, backend",
-    [(_mla, "triton")],
-    ids=["mla_decode-triton"],
-)
-def test_named_backend_without_kernel_raises_not_implemented(op, backend):
-    with pytest.raises(NotImplementedError, match=rf"no {backend} kernel is built for this op"):
-        op(backend=backend)
-    op(backend="xla")  # the same call works on the reference
-
-
-@pytest.mark.parametrize("op", [_extend, _prefill], ids=["extend", "prefill"])
+@pytest.mark.parametrize("op", [_extend, _prefill, _mla], ids=["extend", "prefill", "mla_decode"])
 def test_triton_backend_says_why_it_cannot_run_the_call(op):
-    """Prefill and extend have a Triton kernel: without a GPU and jax-triton, or outside its
-    limits (these calls' f32 queries), backend="triton" says which."""
+    """Prefill, extend and MLA decode have a Triton kernel: without a GPU and jax-triton, or
+    outside its limits, backend="triton" says which."""
     with pytest.raises(NotImplementedError, match=r"the triton backend (needs a CUDA GPU|cannot serve this call)"):
         op(backend="triton")
     op(backend="xla")

@@ -1,0 +1,191 @@
+"""The Triton MLA absorbed decode kernel (``jattn.pallas_kernels.triton_mla``).
+
+CPU: the kernel source under Triton's interpreter on torch CPU tensors
+(``jattn.bridge.triton_native.mla_decode_partials``, a ``TRITON_INTERPRET=1``
+subprocess; f32/f16), its split partials merged in float64 and compared with the
+float64 MLA decode of ``tests/naive.py``. GPU (marker ``gpu``):
+``mla_decode_with_kvcache(backend="triton")`` in bf16 and FP8 against the f32
+reference. Latent width 64 + 16 on the CPU (the kernel takes any powers of two),
+576 on the GPU. Unused pages and page tails hold NaN, page tables are permuted,
+one case puts NaN in a later draft token that earlier queries do not see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from naive import mla_decode as mla_f64
+
+from jattn.pallas_kernels.interpret import on_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    heads: int = 4
+    q_len: int = 1
+    causal: bool = True
+    rank: int = 64
+    rope: int = 16
+    page_size: int = 16
+    num_splits: int | None = None
+    poison: bool = False  # NaN in request 0's last token (seen only by its last query)
+    dtype: str = "float32"
+
+
+CASES = {
+    "lens_0_1_97_two_splits": Case(lens=(97, 0, 1), num_splits=2),
+    "verify_q3_poison": Case(lens=(70,), heads=8, q_len=3, poison=True, page_size=32),
+    "heads_40_two_row_tiles_fp16": Case(lens=(33, 50), heads=20, q_len=2, causal=False, dtype="float16"),
+}
+SCALE = 0.19
+
+
+def _inputs(name):
+    c = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    bs, ps, w = len(c.lens), c.page_size, c.rank + c.rope
+    max_pages = max(1, max(-(-n // ps) for n in c.lens)) + 1
+    num_pages = bs * max_pages + 2
+    kv = np.full((num_pages, ps, w), np.nan, np.float32)
+    table = rng.permutation(num_pages)[: bs * max_pages].reshape(bs, max_pages).astype(np.int32)
+    for b, n in enumerate(c.lens):
+        for t in range(n):
+            kv[table[b, t // ps], t % ps] = rng.standard_normal(w) * 0.5
+        npg = -(-n // ps)
+        table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)
+    q = (rng.standard_normal((bs * c.q_len, c.heads, w)) * 0.5).astype(np.float32)
+    return c, q.astype(c.dtype), kv.astype(c.dtype), table, np.asarray(c.lens, np.int32)
+
+
+def _poisoned(c, kv, table):
+    j = c.lens[0] - 1
+    kv = kv.copy()
+    kv[table[0, j // c.page_size], j % c.page_size, 5] = np.nan
+    sees = np.arange(c.q_len) == c.q_len - 1 if c.causal else np.ones(c.q_len, bool)
+    return kv, np.flatnonzero(sees)
+
+
+def run_interpreted(name: str, path: str) -> None:
+    import torch
+
+    from jattn.bridge import triton_native
+
+    c, q, kv, table, lens = _inputs(name)
+    if c.poison:
+        kv, _ = _poisoned(c, kv, table)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    runs = []
+    for _ in range(2):
+        o, lse = triton_native.mla_decode_partials(
+            t(q),
+            t(kv),
+            t(table),
+            t(lens),
+            kv_lora_rank=c.rank,
+            softmax_scale=SCALE,
+            max_seqlen_q=c.q_len,
+            is_causal=c.causal,
+            num_splits=c.num_splits,
+        )
+        runs.append((o.numpy(), lse.numpy()))
+    np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    d = tmp_path_factory.mktemp("tmla")
+    code = (
+        "import sys; sys.path.insert(0, {tests!r}); import test_triton_mla as t\n"
+        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
+    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {n: np.load(d / f"{n}.npz") for n in CASES}
+
+
+def _merge(o, lse):
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    mx = lse.max(0)
+    mxs = np.where(np.isneginf(mx), 0.0, mx)
+    w = np.exp2(lse - mxs)
+    ws = w.sum(0)
+    out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
+    return out, np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreted_matches_float64(name, interpreted):
+    res = interpreted[name]
+    c, q, kv, table, lens = _inputs(name)
+    want, want_lse = mla_f64(
+        q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE, max_seqlen_q=c.q_len, is_causal=c.causal
+    )
+    o, lse = _merge(res["o"], res["lse"])
+    bs = len(c.lens)
+    out = o.reshape(bs * c.q_len, c.heads, c.rank)
+    lse = lse.reshape(bs * c.q_len, c.heads)
+    bad = _poisoned(c, kv, table)[1] if c.poison else np.zeros(0, int)
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad)
+    if bad.size:
+        assert not np.isfinite(out[bad]).all(axis=(1, 2)).any(), "a row that sees a NaN must be non-finite"
+    assert np.isfinite(out[rows]).all(), "NaN leaked into a real row"
+    tol = 2e-2 if c.dtype == "float16" else 2e-4
+    np.testing.assert_allclose(out[rows], want[rows], atol=tol, rtol=tol)
+    fin = np.isfinite(want_lse[rows])
+    np.testing.assert_allclose(lse[rows][fin], want_lse[rows][fin], atol=tol, rtol=tol)
+    empty = np.repeat(lens == 0, c.q_len)
+    assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+    np.testing.assert_array_equal(res["o"], res["o2"])
+
+
+def test_launch_params_and_reasons():
+    from jattn.pallas_kernels import triton_mla as tm
+
+    assert tm.launch_params(64, 16, 1, 4096) == ((64, 1, 5), dict(BLOCK_M=16, BLOCK_N=32, SPLITS=5))
+    assert tm.launch_params(64, 128, 2, 4096)[0] == (64, 8, 1)  # 256 rows in tiles of 32
+    q = jnp.zeros((2, 16, 576), jnp.bfloat16)
+    kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
+    assert tm.unsupported_reason(q, kv, kv_lora_rank=512) is None
+    assert tm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=512) is None
+    assert "powers of two" in tm.unsupported_reason(q, kv, kv_lora_rank=500)
+    assert "max_seqlen_q=9" in tm.unsupported_reason(q, kv, kv_lora_rank=512, max_seqlen_q=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads, q_len, lens", [(16, 1, (4096, 97, 0, 1)), (128, 2, (1000, 65))])
+def test_gpu_matches_reference(heads, q_len, lens, fp8):
+    import jattn
+    from jattn import reference
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not triton_glue.available():
+        pytest.skip("needs a GPU with jax-triton")
+    rng = np.random.default_rng(0)
+    ps, w = 64, 576
+    pages = sum(-(-n // ps) for n in lens) + 4
+    kv = (rng.standard_normal((pages, ps, w)) * 0.5).astype(np.float32)
+    table = rng.permutation(pages)[: len(lens) * (pages // len(lens))].reshape(len(lens), -1).astype(np.int32)
+    q = (rng.standard_normal((len(lens) * q_len, heads, w)) * 0.5).astype(np.float32)
+    kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, kd), jnp.asarray(table), jnp.asarray(lens, jnp.int32))
+    kw = dict(kv_lora_rank=512, softmax_scale=1 / 192**0.5, max_seqlen_q=q_len, return_lse=True)
+    out, lse = jattn.mla_decode_with_kvcache(*args, backend="triton", **kw)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    want, want_lse = reference.mla_decode(f32(args[0]), f32(args[1]), args[2], args[3], **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=4e-2, rtol=4e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=4e-2, rtol=4e-2)
