@@ -22,7 +22,7 @@ import torch
 
 from .convert import BridgeError
 
-__all__ = ["mha_decode", "decode_partials", "mla_decode_partials", "prefill", "prefill_tile_plan"]
+__all__ = ["mha_decode", "decode_partials", "mla_decode_partials", "prefill", "prefill_tile_plan", "set_kv_buffer"]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -338,3 +338,46 @@ def mla_decode_partials(
         q, kv_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw
     )
     return o, lse
+
+
+def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):
+    """``jattn.set_kv_buffer`` on a torch pool, in place: the Triton KV write (FP8
+    quantisation fused) launched natively. Caches ``[pages, page_size, Hkv, D]``, k/v
+    ``[T, Hkv, D]``, int32 ``out_cache_loc [T]``; slots outside the pool are dropped."""
+    from jattn.pallas_kernels import triton_glue, triton_kv_write
+
+    dev = k_cache.device
+    _check(out_cache_loc, "out_cache_loc", (torch.int32,), 1, dev)
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _check(cache, f"{name}_cache", (cache.dtype,), 4, dev)
+        _check(t, name, (t.dtype,), 3, dev)
+        if t.shape[0] != out_cache_loc.shape[0] or tuple(t.shape[1:]) != tuple(cache.shape[2:]):
+            raise BridgeError(
+                f"{name} {tuple(t.shape)} must be [{out_cache_loc.shape[0]}, {', '.join(map(str, cache.shape[2:]))}]"
+            )
+    if k.shape[0] == 0:
+        return k_cache, v_cache
+    num_pages, page, hkv, d = k_cache.shape
+    dv = v_cache.shape[3]
+    nblk, block = triton_kv_write.launch_params(hkv * d, hkv * dv)
+    scales = torch.tensor(
+        [1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale)],
+        dtype=torch.float32,
+        device=dev,
+    )
+    triton_glue.jit(triton_kv_write._kv_write_kernel)[(k.shape[0], nblk)](
+        k,
+        v,
+        out_cache_loc,
+        scales,
+        k_cache,
+        v_cache,
+        NUM_SLOTS=num_pages * page,
+        ROW_K=hkv * d,
+        ROW_V=hkv * dv,
+        BLOCK=block,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
+        num_stages=1,
+    )
+    return k_cache, v_cache

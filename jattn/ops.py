@@ -171,6 +171,7 @@ KERNELS = {
         "mha_extend": "triton_prefill",
         "mla_decode": "triton_mla",
         "attn_merge_state": "merge_state",  # dispatched by _merge_impl
+        "set_kv_buffer": "triton_kv_write",
     },
 }
 OPS = (
@@ -573,7 +574,7 @@ def _merge_impl(backend):
     raise NotImplementedError("attn_merge_state: the triton kernel needs a CUDA GPU with jax-triton installed")
 
 
-def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):
+def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None, backend=None):
     """Writes new tokens' K/V into the paged caches; returns ``(k_cache, v_cache)``.
 
     k: [T, num_kv_heads, head_dim], v: [T, num_kv_heads, head_dim_v] (any float dtype);
@@ -581,7 +582,8 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     slot. FP8 caches store ``clamp(x / scale, -448, 448)`` (scale None = 1.0); other caches
     store ``x`` cast to their dtype and ignore the scales. Slots outside
     ``[0, num_pages * page_size)`` are dropped. Under ``jit`` with the caches donated the
-    update is in place.
+    update is in place. backend: None or ``"xla"`` (one XLA scatter), or ``"triton"`` (the
+    Triton write through jax-triton, the source the torch bridge launches natively).
     """
     _check_int(out_cache_loc, "out_cache_loc")
     if k.shape[0] != out_cache_loc.shape[0] or v.shape[0] != out_cache_loc.shape[0]:
@@ -590,6 +592,10 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
         raise ValueError(f"k rows {k.shape[1:]} must match k_cache's [num_kv_heads, head_dim] {k_cache.shape[2:]}")
     if v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"v rows {v.shape[1:]} must match v_cache's {v_cache.shape[2:]}")
+    kw = dict(k_scale=k_scale, v_scale=v_scale)
+    impl = _pick("set_kv_buffer", backend, None, None, k_cache, v_cache, out_cache_loc, k, v, **kw)
+    if impl is not None:
+        return impl(k_cache, v_cache, out_cache_loc, k, v, **kw)
     return reference.set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale, v_scale)
 
 
