@@ -11,14 +11,13 @@ the query rows are NaN (never read), some splits and one whole row are empty.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import run_in_interpreter
 from naive import merge_state as merge_state_f64
 
 from jattn.pallas_kernels import combine, merge_state
@@ -184,22 +183,9 @@ def run_merge_interpreted(name: str, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """All cases in one TRITON_INTERPRET=1 subprocess (Triton reads it at import)."""
-    pytest.importorskip("triton")
-    pytest.importorskip("torch")
-    from jattn.pallas_kernels import triton_glue
-
-    d = tmp_path_factory.mktemp("interp")
-    code = (
-        "import sys; sys.path.insert(0, {tests!r}); import test_combine as t\n"
-        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-        "for n in {merge!r}: t.run_merge_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-    ).format(tests=os.path.dirname(__file__), names=list(CASES), merge=list(MERGE_CASES), d=str(d))
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
+    return run_in_interpreter(
+        tmp_path_factory, "test_combine", {"run_interpreted": list(CASES), "run_merge_interpreted": list(MERGE_CASES)}
     )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {n: np.load(d / f"{n}.npz") for n in (*CASES, *MERGE_CASES)}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -13,14 +13,12 @@ draft token that earlier queries do not see.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import zlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import merge_splits_f64, run_in_interpreter
 from naive import mha_decode as decode_f64
 
 from jattn.pallas_kernels.interpret import on_gpu
@@ -83,18 +81,6 @@ def _poisoned(c, v, table):
     return v, np.flatnonzero(sees)
 
 
-def _merge(o, lse):
-    """float64 merge of split partials (base-2 LSE; a NaN partial or LSE poisons its row)."""
-    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
-    mx = lse.max(0)
-    mxs = np.where(np.isneginf(mx), 0.0, mx)
-    w = np.exp2(lse - mxs)
-    ws = w.sum(0)
-    out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
-    lse_n = np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
-    return out, lse_n
-
-
 def run_interpreted(name: str, path: str) -> None:
     """In a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice."""
     import torch
@@ -148,20 +134,7 @@ def _sinks(name):
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
-    pytest.importorskip("torch")
-    from jattn.pallas_kernels import triton_glue
-
-    d = tmp_path_factory.mktemp("tdecode")
-    code = (
-        "import sys; sys.path.insert(0, {tests!r}); import test_triton_decode as t\n"
-        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {n: np.load(d / f"{n}.npz") for n in CASES}
+    return run_in_interpreter(tmp_path_factory, "test_triton_decode", {"run_interpreted": list(CASES)})
 
 
 def _expect(name):
@@ -191,7 +164,7 @@ def _compare(name, out, lse, atol):
 def test_interpreted_matches_float64(name, interpreted):
     res = interpreted[name]
     c = CASES[name]
-    o, lse = _merge(res["o"], res["lse"])  # [bs, q_len * hq, D]
+    o, lse = merge_splits_f64(res["o"], res["lse"])  # [bs, q_len * hq, D]
     bs = len(c.lens)
     out = o.reshape(bs, c.q_len, c.hq, c.d).reshape(bs * c.q_len, c.hq, c.d)
     _compare(name, out, lse.reshape(bs * c.q_len, c.hq), atol=2e-2 if c.dtype == "float16" else 2e-4)

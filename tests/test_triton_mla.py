@@ -13,14 +13,12 @@ one case puts NaN in a later draft token that earlier queries do not see.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import zlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import merge_splits_f64, run_in_interpreter
 from naive import mla_decode as mla_f64
 
 from jattn.pallas_kernels.interpret import on_gpu
@@ -101,30 +99,7 @@ def run_interpreted(name: str, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
-    pytest.importorskip("torch")
-    from jattn.pallas_kernels import triton_glue
-
-    d = tmp_path_factory.mktemp("tmla")
-    code = (
-        "import sys; sys.path.insert(0, {tests!r}); import test_triton_mla as t\n"
-        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {n: np.load(d / f"{n}.npz") for n in CASES}
-
-
-def _merge(o, lse):
-    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
-    mx = lse.max(0)
-    mxs = np.where(np.isneginf(mx), 0.0, mx)
-    w = np.exp2(lse - mxs)
-    ws = w.sum(0)
-    out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
-    return out, np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
+    return run_in_interpreter(tmp_path_factory, "test_triton_mla", {"run_interpreted": list(CASES)})
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -134,7 +109,7 @@ def test_interpreted_matches_float64(name, interpreted):
     want, want_lse = mla_f64(
         q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE, max_seqlen_q=c.q_len, is_causal=c.causal
     )
-    o, lse = _merge(res["o"], res["lse"])
+    o, lse = merge_splits_f64(res["o"], res["lse"])
     bs = len(c.lens)
     out = o.reshape(bs * c.q_len, c.heads, c.rank)
     lse = lse.reshape(bs * c.q_len, c.heads)

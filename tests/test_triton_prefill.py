@@ -15,15 +15,13 @@ put NaN in the V of a key that earlier queries do not see.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import zlib
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from interpreted import run_in_interpreter
 from naive import Pool
 from naive import mha_extend as extend_f64
 from naive import mha_prefill as prefill_f64
@@ -177,20 +175,7 @@ def run_interpreted(name: str, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
-    pytest.importorskip("torch")
-    from jattn.pallas_kernels import triton_glue
-
-    d = tmp_path_factory.mktemp("tprefill")
-    code = (
-        "import sys; sys.path.insert(0, {tests!r}); import test_triton_prefill as t\n"
-        "for n in {names!r}: t.run_interpreted(n, {d!r} + '/' + n + '.npz')\n"
-    ).format(tests=os.path.dirname(__file__), names=list(CASES), d=str(d))
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=triton_glue.interpreter_env(), capture_output=True, text=True, timeout=900
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {n: np.load(d / f"{n}.npz") for n in CASES}
+    return run_in_interpreter(tmp_path_factory, "test_triton_prefill", {"run_interpreted": list(CASES)})
 
 
 def _expect(name):

@@ -1,0 +1,52 @@
+"""Running Triton kernel sources under Triton's interpreter from the test suite.
+
+Triton reads ``TRITON_INTERPRET`` when it is first imported, so each test module's
+interpreted cases run in one fresh subprocess: :func:`run_in_interpreter` imports the
+test module there and calls its runner for every case name, each writing an ``.npz``
+that the tests then read. :func:`merge_splits_f64` merges split-KV partials (base-2
+LSE) in float64, as the kernels' combine does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def run_in_interpreter(tmp_path_factory, module: str, runs: dict[str, list[str]], timeout: int = 900) -> dict:
+    """``{case name: npz}`` after ``module.<runner>(name, path)`` ran for every ``runner:
+    names`` entry of ``runs`` in one ``TRITON_INTERPRET=1`` subprocess."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    d = tmp_path_factory.mktemp(module)
+    lines = [f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import {module} as t"]
+    lines += [
+        f"for n in {list(names)!r}: t.{runner}(n, {str(d)!r} + '/' + n + '.npz')" for runner, names in runs.items()
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)],
+        env=triton_glue.interpreter_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {n: np.load(d / f"{n}.npz") for names in runs.values() for n in names}
+
+
+def merge_splits_f64(o, lse):
+    """float64 merge of split partials ``o [S, ..., D]``, ``lse [S, ...]`` (base 2; a NaN
+    partial or LSE poisons its row); returns ``(o, natural-log lse)``."""
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    mx = lse.max(0)
+    mxs = np.where(np.isneginf(mx), 0.0, mx)
+    w = np.exp2(lse - mxs)
+    ws = w.sum(0)
+    out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
+    return out, np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
