@@ -128,10 +128,7 @@ def _attention(
     hkv = k.shape[-2]
     # The rows past cu_q[-1] (padding) are one more request with no keys: the kernel
     # writes them as 0 / -inf, so every output row is written once, by the kernel.
-    cu_q = jnp.concatenate([cu_q.astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
-    kv_start = jnp.concatenate([kv_start.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    kv_len = jnp.concatenate([kv_len.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    page_table = jnp.concatenate([page_table, jnp.zeros((1, page_table.shape[1]), page_table.dtype)])
+    cu_q, kv_start, kv_len, page_table = plan.with_padding_request(cu_q, kv_start, kv_len, page_table, t)
     bs = cu_q.shape[0] - 1
     # Request b has ceil((n_b + dq_b) / 128) <= (n_b + 7 + 127) / 128 tiles (dq_b < 8).
     num_tiles = -(-(t + (TILE_Q + 6) * bs) // TILE_Q)

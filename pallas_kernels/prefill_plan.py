@@ -100,3 +100,16 @@ def v_may_be_nonfinite(v, cu_q, kv_start, kv_len, page_table, page_size: int, wi
 
 def pad_rows(x, rows: int):
     return jnp.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
+
+
+def with_padding_request(cu_q, kv_start, kv_len, page_table, num_tokens: int):
+    """The arrays with one more request appended: the rows past ``cu_q[-1]`` (padding, up
+    to ``num_tokens``) as a request without keys, so a kernel writes every output row
+    (0, LSE -inf). All four come back int32."""
+    i32 = jnp.int32
+    return (
+        jnp.concatenate([cu_q.astype(i32), jnp.full((1,), num_tokens, i32)]),
+        jnp.concatenate([kv_start.astype(i32), jnp.zeros((1,), i32)]),
+        jnp.concatenate([kv_len.astype(i32), jnp.zeros((1,), i32)]),
+        jnp.concatenate([page_table.astype(i32), jnp.zeros((1, page_table.shape[1]), i32)]),
+    )

@@ -48,6 +48,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels import prefill_plan
+
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed
@@ -308,10 +310,7 @@ def _attention(
     if not has_sinks:
         params = jnp.concatenate([params, jnp.zeros((hq,), jnp.float32)])
     # The rows past cu_q[-1] (padding) are one more request without keys.
-    cu_q = jnp.concatenate([cu_q.astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
-    kv_start = jnp.concatenate([kv_start.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    kv_len = jnp.concatenate([kv_len.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
-    page_table = jnp.concatenate([page_table.astype(jnp.int32), jnp.zeros((1, page_table.shape[1]), jnp.int32)])
+    cu_q, kv_start, kv_len, page_table = prefill_plan.with_padding_request(cu_q, kv_start, kv_len, page_table, t)
     bm, bn, warps, stages = launch_params(q.shape[-1], dv, block_m=block_m, block_n=block_n)
     num_tiles = num_tiles_bound(t, cu_q.shape[0] - 1, bm)
     tile_req, tile_q0 = tile_plan(cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=window_left)
