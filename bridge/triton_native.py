@@ -43,6 +43,15 @@ def _check(t, name, dtypes, ndim, device):
         )
 
 
+def _scalars(device, *values) -> torch.Tensor:
+    """An f32 vector of Python scalars on ``device``, filled by kernels rather than
+    copied from the host, so that a launch using it can be captured in a CUDA graph."""
+    out = torch.empty((len(values),), dtype=torch.float32, device=device)
+    for i, x in enumerate(values):
+        out[i].fill_(float(x))
+    return out
+
+
 def decode_partials(
     q,
     k_cache,
@@ -71,7 +80,7 @@ def decode_partials(
     grid, params = triton_decode.launch_params(bs, hq, hkv, d, max_seqlen_q, page_table.shape[1] * page, num_splits)
     splits, rows = params["SPLITS"], max_seqlen_q * hq
     sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    scale = torch.tensor([float(k_scale) * sm], dtype=torch.float32, device=q.device)
+    scale = _scalars(q.device, float(k_scale) * sm)
     o = torch.empty((splits, bs, rows, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, bs, rows), dtype=torch.float32, device=q.device)
     kw = triton_decode._constexprs(
@@ -166,7 +175,7 @@ def mha_decode(
     out = torch.empty((bs, rows, d), dtype=q.dtype, device=dev)
     lse = torch.empty((bs, rows), dtype=torch.float32, device=dev)
     sk = sinks if sinks is not None else torch.zeros((hq,), dtype=torch.float32, device=dev)
-    vs = torch.tensor([float(v_scale)], dtype=torch.float32, device=dev)
+    vs = _scalars(dev, v_scale)
     triton_glue.jit(combine._combine_kernel)[grid](
         lse_part,
         o_part,
@@ -266,7 +275,7 @@ def prefill(
     params = q.new_zeros((2 + hq,)).float()
     params[0], params[1] = float(k_scale) * sm, float(v_scale)
     if sinks is not None:
-        params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else q.new_tensor(list(map(float, sinks)))
+        params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else _scalars(dev, *sinks)
     bm, bn, warps, stages = tp.launch_params(d, dv, block_m=block_m, block_n=block_n)
     num_tiles = tp.num_tiles_bound(t, nreq + 1, bm)
     tile_req, tile_q0 = prefill_tile_plan(
@@ -328,7 +337,7 @@ def mla_decode_partials(
     bs, h = page_table.shape[0], q.shape[1]
     grid, params = triton_mla.launch_params(bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits)
     rows = max_seqlen_q * h
-    scale = torch.tensor([float(softmax_scale) * float(kv_scale)], dtype=torch.float32, device=q.device)
+    scale = _scalars(q.device, float(softmax_scale) * float(kv_scale))
     o = torch.empty((params["SPLITS"], bs, rows, kv_lora_rank), dtype=torch.float32, device=q.device)
     lse = torch.empty((params["SPLITS"], bs, rows), dtype=torch.float32, device=q.device)
     kw = triton_mla.constexprs(
@@ -360,11 +369,7 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     num_pages, page, hkv, d = k_cache.shape
     dv = v_cache.shape[3]
     nblk, block = triton_kv_write.launch_params(hkv * d, hkv * dv)
-    scales = torch.tensor(
-        [1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale)],
-        dtype=torch.float32,
-        device=dev,
-    )
+    scales = _scalars(dev, 1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
     triton_glue.jit(triton_kv_write._kv_write_kernel)[(k.shape[0], nblk)](
         k,
         v,

@@ -21,6 +21,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import reference
 
@@ -98,6 +99,32 @@ def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
         raise ValueError(f"num_q_heads={num_q_heads} must be divisible by num_kv_heads={num_kv_heads}")
     if page_table.shape[0] != cache_seqlens.shape[0]:
         raise ValueError(f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}")
+    _check_lengths(page_table, cache_seqlens, k_cache.shape[1], k_cache.shape[0])
+
+
+def _check_lengths(page_table, cache_seqlens, page_size: int, num_pages: int) -> None:
+    """Values of concrete lengths and page tables (an eager call; traced values under
+    ``jit`` pass, their metadata builders check on the host): every length in
+    ``[0, max_pages * page_size]`` and every page a length uses in ``[0, num_pages)``."""
+    try:
+        lens, pt = np.asarray(cache_seqlens), np.asarray(page_table)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if lens.size == 0:
+        return
+    cap = pt.shape[1] * page_size
+    bad = np.flatnonzero((lens < 0) | (lens > cap))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"cache_seqlens[{b}]={int(lens[b])} must be in [0, {cap}] (page_table's {pt.shape[1]} columns "
+            f"of page_size={page_size})"
+        )
+    used = np.arange(pt.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    out = used & ((pt < 0) | (pt >= num_pages))
+    if out.any():
+        b, i = map(int, np.argwhere(out)[0])
+        raise ValueError(f"page_table[{b}, {i}]={int(pt[b, i])} out of range [0, {num_pages}) (the cache's pages)")
 
 
 def _check_backend(backend) -> None:
@@ -512,6 +539,7 @@ def mla_decode_with_kvcache(
         raise ValueError(f"q width={q.shape[2]} must equal kv_cache width={kv_cache.shape[2]}")
     if not 0 < kv_lora_rank < kv_cache.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, {kv_cache.shape[2]})")
+    _check_lengths(page_table, cache_seqlens, kv_cache.shape[1], kv_cache.shape[0])
     bs = page_table.shape[0]
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     if q.shape[0] != bs * max_seqlen_q:

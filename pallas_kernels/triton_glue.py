@@ -56,7 +56,18 @@ def jit(fn: Callable):
     (set before Triton is first imported) this is Triton's CPU interpreter."""
     import triton  # noqa: PLC0415
 
+    _ensure_cache_dir(triton)
     return triton.jit(fn)
+
+
+def _ensure_cache_dir(triton) -> None:
+    """Give Triton a cache directory when ``TRITON_CACHE_DIR`` is set but empty (seen on
+    GPU machines): without one, its first native launch fails building the launcher
+    ("Could not create or locate cache dir"). The fallback lies in the temp directory."""
+    if not triton.knobs.cache.dir:
+        import tempfile  # noqa: PLC0415
+
+        triton.knobs.cache.dir = os.path.join(tempfile.gettempdir(), "jattn-triton-cache")
 
 
 def triton_call(

@@ -152,9 +152,13 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
         pytest.skip("needs a GPU with jax-triton")
     rng = np.random.default_rng(0)
     ps, w = 64, 576
-    pages = sum(-(-n // ps) for n in lens) + 4
-    kv = (rng.standard_normal((pages, ps, w)) * 0.5).astype(np.float32)
-    table = rng.permutation(pages)[: len(lens) * (pages // len(lens))].reshape(len(lens), -1).astype(np.int32)
+    per = max(-(-n // ps) for n in lens) + 1  # one column past the longest request
+    pages = len(lens) * per + 3
+    kv = np.full((pages, ps, w), np.nan, np.float32)  # unused pages and slots past a length: NaN
+    table = rng.permutation(pages)[: len(lens) * per].reshape(len(lens), per).astype(np.int32)
+    for b, n in enumerate(lens):
+        t = np.arange(n)
+        kv[table[b, t // ps], t % ps] = rng.standard_normal((n, w)) * 0.5
     q = (rng.standard_normal((len(lens) * q_len, heads, w)) * 0.5).astype(np.float32)
     kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
     args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, kd), jnp.asarray(table), jnp.asarray(lens, jnp.int32))
@@ -164,3 +168,5 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
     want, want_lse = reference.mla_decode(f32(args[0]), f32(args[1]), args[2], args[3], **kw)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=4e-2, rtol=4e-2)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=4e-2, rtol=4e-2)
+    again = jattn.mla_decode_with_kvcache(*args, backend="triton", **kw)[0]
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))  # deterministic

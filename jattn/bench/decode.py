@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
     from jattn.pallas_kernels import mosaic_decode as md
+    from jattn.pallas_kernels import triton_decode, triton_glue
 
     opts = parse_options(args.set)
     print(f"kernel options: {opts}")
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         "device us",
         "device TB/s",
         "JAX paged_attention TB/s (device)",
+        "triton us (device)",
+        "triton TB/s (device)",
     ] + (["max err"] if args.check else [])
     rows, sweep, profiles = [], [], []
     for ps, bs, L, q_len, kv_dtype in rows_spec:
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
         if reason is not None:
-            rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
+            rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
             print(f"skip {label}: {reason}")
             continue
         kscale = 0.5 if kvname == "fp8" else 1.0
@@ -224,6 +227,20 @@ def main(argv: list[str] | None = None) -> None:
                 del pargs
             except Exception as e:  # noqa: BLE001
                 peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
+        tri = ["-", "-"]
+        if triton_glue.available() and triton_decode.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len) is None:
+
+            def tstep(i, qs, k, v, tables, lens):
+                return triton_decode.mha_decode(
+                    qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale
+                )
+
+            try:
+                tt = common.time_rotated(tstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
+                ts = tt.device_seconds or tt.seconds
+                tri = [f"{ts * 1e6:.1f}", f"{kv_bytes / ts / 1e12:.2f}"]
+            except Exception as e:  # noqa: BLE001
+                tri = ["-", "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)]
         # Other timing methods of the same calls, each one line of the sweep.
         targs = (qs, k, v, tables, lens)
         methods = []
@@ -300,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001
                 profiles.append(f"page {ps} {bs}x{L}: profile failed {type(e).__name__}: {str(e)[:200]}")
             print(profiles[-1], flush=True)
-        row = label + cells + [peer]
+        row = label + cells + [peer] + tri
         if args.check:
             from jattn import reference
 

@@ -2,8 +2,9 @@
 
 The latent cache is ``[pages, 64, 576]`` (512 latent + 64 rope columns), the output
 512 wide. Each row (batch, length, heads, q_len, lengths even or uneven, cache
-dtype) times jattn's Mosaic GPU kernel beside JAX's reference path (XLA) on the
-same data, in GPU time per call (``common.time_rotated(device=True)``, each output
+dtype) times jattn's Mosaic GPU kernel and its Triton kernel (where jax-triton
+imports) beside JAX's reference path (XLA) on the same data, one line per
+backend, in GPU time per call (``common.time_rotated(device=True)``, each output
 its own array), and reports the achieved bandwidth (latent rows read once per row
 tile of 64 query rows; the query and output counted too) against the copy
 bandwidth measured in the same run, and TFLOP/s (``2 * rows * L * (576 + 512)``)
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     import jattn
     from jattn.bench.prefill import matmul_rate
-    from jattn.pallas_kernels import mosaic_mla
+    from jattn.pallas_kernels import mosaic_mla, triton_glue
+
+    triton_mla_runs = triton_glue.available()
 
     copy_bw, how = common.copy_bandwidth()
     rate = matmul_rate()
@@ -132,25 +135,29 @@ def main(argv: list[str] | None = None) -> None:
 
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
         if why:
-            print(f"{row.label}: the mosaic kernel refuses it ({why}): xla only")
-        ours = None if why else timed("mosaic")
+            print(f"{row.label}: the mosaic kernel refuses it ({why})")
         ref = None if args.no_xla else timed("xla")
-        s = ours if ours is not None else ref
-        cells = [row.label, "mosaic" if ours is not None else "xla"]
-        if s is None:
-            cells += ["-"] * 7
-        else:
-            cells += [
-                f"{s * 1e6:.1f}",
-                f"{nbytes / s / 1e12:.2f}",
-                f"{100 * nbytes / s / copy_bw:.0f}",
-                f"{flops / s / 1e12:.0f}",
-                f"{100 * flops / s / rate:.0f}",
-                "-" if ref is None else f"{ref * 1e6:.1f}",
-                "-" if ref is None or ours is None else f"{ref / ours:.1f}x",
-            ]
-        out.append(cells)
-        print(" | ".join(cells), flush=True)
+        kernels = [("mosaic", None if why else timed("mosaic"))]
+        if triton_mla_runs:
+            kernels.append(("triton", timed("triton")))
+        if ref is not None:
+            kernels.append(("xla", ref))
+        for backend, s in kernels:
+            cells = [row.label, backend]
+            if s is None:
+                cells += ["-"] * 7
+            else:
+                cells += [
+                    f"{s * 1e6:.1f}",
+                    f"{nbytes / s / 1e12:.2f}",
+                    f"{100 * nbytes / s / copy_bw:.0f}",
+                    f"{flops / s / 1e12:.0f}",
+                    f"{100 * flops / s / rate:.0f}",
+                    "-" if ref is None else f"{ref * 1e6:.1f}",
+                    "-" if ref is None else f"{ref / s:.1f}x",
+                ]
+            out.append(cells)
+            print(" | ".join(cells), flush=True)
     print(common.fmt_table(header, out))
 
 

@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench prefill needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
         return
     from jattn.pallas_kernels import mosaic_prefill as mp
+    from jattn.pallas_kernels import triton_glue, triton_prefill
 
     rate = matmul_rate()
     print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     header = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul"]
     if len(variants) > 1:
         header += ["clean ms", "clean TFLOP/s"]
-    header += ["FA3 TFLOP/s", "cuDNN TFLOP/s", "torch flash TFLOP/s", "torch cuDNN TFLOP/s"]
+    header += ["triton TFLOP/s", "FA3 TFLOP/s", "cuDNN TFLOP/s", "torch flash TFLOP/s", "torch cuDNN TFLOP/s"]
     out = []
     for spec in ROWS:
         if want and spec.label not in want:
@@ -291,6 +292,20 @@ def main(argv: list[str] | None = None) -> None:
                 cols.append("-" if s is None else f"{100 * flops / s / rate:.0f}")
             row += cols
         peers = []
+        if triton_glue.available() and triton_prefill.unsupported_reason(*inp.args[:3]) is None:
+            if spec.extend:
+
+                def tri(i, q, kc, vc, pt, sl, cu):
+                    return triton_prefill.mha_extend(q, kc, vc, pt, sl, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i)
+
+            else:
+
+                def tri(i, q, k, v, cu):
+                    return triton_prefill.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i)
+
+            peers.append(timed(tri))
+        else:
+            peers.append(None)
         if fa3 is not None and not args.no_peers:
             if spec.extend:
                 b, n_new = len(lens), lens[0]
