@@ -276,7 +276,8 @@ def prefill(
     params[0], params[1] = float(k_scale) * sm, float(v_scale)
     if sinks is not None:
         params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else _scalars(dev, *sinks)
-    bm, bn, warps, stages = tp.launch_params(d, dv, block_m=block_m, block_n=block_n)
+    major, minor = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (8, 0)
+    bm, bn, warps, stages = tp.launch_params(d, dv, sm=10 * major + minor, block_m=block_m, block_n=block_n)
     num_tiles = tp.num_tiles_bound(t, nreq + 1, bm)
     tile_req, tile_q0 = prefill_tile_plan(
         cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left)

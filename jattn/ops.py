@@ -137,44 +137,73 @@ def _check_max_seqlen(value, name: str) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= 0")
 
 
+# Auto's kernel order per device kind and op: the first that runs here and serves the
+# call wins, else XLA. Hopper's order is measured (``python -m jattn bench decode /
+# prefill / mla`` on the H200, docs/PERF.md): the Mosaic kernels lead the Triton ones
+# for MHA decode (by 0-40%, except within 6% at 64 x 4096) and prefill/extend (2x);
+# for MLA decode Triton runs and Mosaic's kernel does not compile on jax 0.11.2. Other
+# GPUs from Ampere on have the Triton kernels only. Ops missing here (the KV write, the
+# state merge) stay on XLA under auto, which measured as fast or faster.
+AUTO_ORDER = {
+    "hopper": {
+        "mha_decode": ("mosaic", "triton"),
+        "mha_extend": ("mosaic", "triton"),
+        "mha_prefill": ("mosaic", "triton"),
+        "mla_decode": ("triton", "mosaic"),
+    },
+    "ampere": {op: ("triton",) for op in ("mha_decode", "mha_extend", "mha_prefill", "mla_decode")},
+}
+
+
 def _pick(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
-    """Returns the implementation of ``op`` for ``backend`` (None = auto)."""
+    """Returns the implementation of ``op`` for ``backend`` (None = auto, in the order of
+    :data:`AUTO_ORDER`), or None for XLA's."""
     _check_backend(backend)
-    if backend in (None, "mosaic") and kernel_module is not None:
-        mod = _kernel_module(kernel_module)
-        if backend == "mosaic":
-            if mod is None:
-                raise NotImplementedError(f"{op}: the mosaic backend is not available in this build")
-            if device_kind() not in ("hopper", "cpu"):
-                raise NotImplementedError(f"{op}: the mosaic backend needs a Hopper (sm90+) GPU")
-        if mod is not None and (backend == "mosaic" or device_kind() == "hopper"):
-            reason = reason_fn(mod, *args, **kwargs)
-            if reason is None:
-                return getattr(mod, op)
-            if backend == "mosaic":
-                raise NotImplementedError(f"{op}: the mosaic backend cannot serve this call: {reason}")
-    triton_module = KERNELS["triton"].get(op)
-    if backend in (None, "triton") and triton_module is not None:
-        impl = _pick_triton(op, backend, triton_module, *args, **kwargs)
+    if backend == "xla":
+        return None
+    order = (backend,) if backend is not None else AUTO_ORDER.get(device_kind(), {}).get(op, ())
+    for name in order:
+        if name == "mosaic":
+            impl = _pick_mosaic(op, backend, kernel_module, reason_fn, *args, **kwargs)
+        else:
+            module = KERNELS["triton"].get(op)
+            impl = None if module is None else _pick_triton(op, backend, module, *args, **kwargs)
         if impl is not None:
             return impl
-    if backend in ("mosaic", "triton"):
+    if backend is not None:
         raise NotImplementedError(f"{op}: no {backend} kernel is built for this op yet")
     return None
 
 
+def _pick_mosaic(op: str, backend, kernel_module: str | None, reason_fn, *args, **kwargs):
+    """The Mosaic GPU kernel of ``op`` where it runs (Hopper; the CPU's interpreter when
+    asked for by name) and serves the call."""
+    if kernel_module is None:
+        return None
+    mod = _kernel_module(kernel_module)
+    if backend == "mosaic":
+        if mod is None:
+            raise NotImplementedError(f"{op}: the mosaic backend is not available in this build")
+        if device_kind() not in ("hopper", "cpu"):
+            raise NotImplementedError(f"{op}: the mosaic backend needs a Hopper (sm90+) GPU")
+    if mod is None or (backend is None and device_kind() != "hopper"):
+        return None
+    reason = reason_fn(mod, *args, **kwargs)
+    if reason is None:
+        return getattr(mod, op)
+    if backend == "mosaic":
+        raise NotImplementedError(f"{op}: the mosaic backend cannot serve this call: {reason}")
+    return None
+
+
 def _pick_triton(op: str, backend, module: str, *args, **kwargs):
-    """The Triton kernel of ``op`` where it runs (a CUDA GPU with jax-triton) and serves the
-    call, when asked for by name. Auto does not pick it yet: it has run under Triton's
-    interpreter only, not yet on a GPU (docs/PERF.md)."""
+    """The Triton kernel of ``op`` where it runs (a CUDA GPU with jax-triton) and serves the call."""
     from jattn.pallas_kernels import triton_glue
 
     mod = _kernel_module(module)
     if mod is None or not triton_glue.available():
         if backend == "triton":
             raise NotImplementedError(f"{op}: the triton backend needs a CUDA GPU with jax-triton installed")
-        return None
-    if backend is None:
         return None
     reason = mod.unsupported_reason(*args, **kwargs) if args else None  # no call: op_backend
     if reason is None:

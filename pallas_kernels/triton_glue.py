@@ -27,7 +27,7 @@ import functools
 import os
 from typing import Any, Callable
 
-__all__ = ["jax_triton", "available", "jit", "triton_call", "interpreter_env", "launch_interpreted"]
+__all__ = ["jax_triton", "available", "capability", "jit", "triton_call", "interpreter_env", "launch_interpreted"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,6 +47,18 @@ def available() -> bool:
     from jattn.pallas_kernels.interpret import on_gpu
 
     return on_gpu() and jax_triton() is not None
+
+
+def capability() -> int:
+    """Compute capability of JAX's first device as ``10 * major + minor`` (90 for
+    sm_90); 80 where it is no CUDA GPU (the interpreter, whose launches ignore it)."""
+    import jax  # noqa: PLC0415
+
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if not cc:
+        return 80
+    major, _, minor = str(cc).partition(".")
+    return 10 * int(major) + int(minor or 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,10 @@ in base 2. ``head_dim_qk = 192`` is two dots (128 + 64 columns). FP8 e4m3 K/V ar
 upcast to the query's dtype after the load; ``k_scale`` is in the score scale and
 ``v_scale``, like the sinks, is applied to the final output in the kernel.
 
-Masked keys contribute nothing, whatever they hold: keys outside the request (the
+Only the edge blocks are masked: a block that lies whole inside the tile's keys and
+is seen by every row of the tile (below the causal diagonal, past the window's start
+for the tile's last row) takes no masks and no V cleaning. Masked keys contribute
+nothing, whatever they hold: keys outside the request (the
 next request's rows, padding rows, a page's unused tail, pages past the request) are
 not loaded (masked loads give 0); where a key inside the request is visible to some
 rows of the tile and not to others (causal diagonal, window start), a V row holding a
@@ -134,11 +137,25 @@ def _prefill_kernel(
     cols_v = tl.arange(0, DV)
     scale = tl.load(params_ptr) * 1.4426950408889634  # to base 2
 
+    # Blocks in [full_lo, full_hi) are whole and visible to every row of the tile: they
+    # skip the masks. The others (the causal diagonal, the window's start, the last
+    # partial block) are masked.
+    first = kv_len - n_q + q0  # the first row's position: keys <= first are seen by all rows
+    full_lo = lo
+    if WINDOW >= 0:
+        last_lo = first + n_rows - 1 - WINDOW  # keys >= last_lo are seen by all rows
+        full_lo = lo + tl.maximum(last_lo - lo + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+    full_end = hi
+    if CAUSAL:
+        full_end = tl.minimum(hi, first + 1)
+    full_hi = full_lo + tl.maximum(full_end - full_lo, 0) // BLOCK_N * BLOCK_N
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DV), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for t0 in range(lo, hi, BLOCK_N):
+        edge = (t0 < full_lo) | (t0 >= full_hi)
         tok = t0 + offs_n
         tok_ok = tok < hi
         if PAGE > 0:
@@ -147,11 +164,11 @@ def _prefill_kernel(
             kv_row = (page.to(tl.int64) * PAGE + tok % PAGE) * HKV + kvh
         else:
             kv_row = (kv0 + tok).to(tl.int64) * HKV + kvh
-        k_a = tl.load(k_ptr + kv_row[None, :] * D + cols_a[:, None], mask=tok_ok[None, :], other=0.0)
-        x = tl.dot(q_a, k_a.to(q_a.dtype))
+        k_a = tl.load(k_ptr + kv_row[:, None] * D + cols_a[None, :], mask=tok_ok[:, None], other=0.0)
+        x = tl.dot(q_a, tl.trans(k_a.to(q_a.dtype)))
         if DB > 0:
-            k_b = tl.load(k_ptr + kv_row[None, :] * D + cols_b[:, None], mask=tok_ok[None, :], other=0.0)
-            x += tl.dot(q_b, k_b.to(q_b.dtype))
+            k_b = tl.load(k_ptr + kv_row[:, None] * D + cols_b[None, :], mask=tok_ok[:, None], other=0.0)
+            x += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)))
         x = x * scale
         if LOGIT_CAP > 0:
             xc = x * (1.0 / (LOGIT_CAP * 1.4426950408889634))
@@ -163,7 +180,8 @@ def _prefill_kernel(
             vis = vis & (tok[None, :] <= qpos[:, None])
         if WINDOW >= 0:
             vis = vis & (tok[None, :] >= qpos[:, None] - WINDOW)
-        x = tl.where(vis, x, float("-inf"))
+        if edge:
+            x = tl.where(vis, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -171,11 +189,12 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_row[:, None] * DV + cols_v[None, :], mask=tok_ok[:, None], other=0.0).to(q_a.dtype)
         if PARTIAL:
-            finite = (v - v) == 0
-            bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)  # [BLOCK_N]: V rows with a non-finite value
-            v = tl.where(finite, v, 0.0)
-            hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
-            l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
+            if edge:
+                finite = (v - v) == 0
+                bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)  # [BLOCK_N]: V rows with a non-finite value
+                v = tl.where(finite, v, 0.0)
+                hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
+                l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v)
         m_i = m_new
 
@@ -217,14 +236,30 @@ def unsupported_reason(q, k, v, **_) -> str | None:
     return None
 
 
-def launch_params(d: int, dv: int, *, block_m: int | None = None, block_n: int | None = None):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by head width: the score tile and
-    the f32 accumulator fit the registers of ``num_warps`` warps, two K/V stages fit
-    an sm80's shared memory."""
-    wide = max(d, dv) > 128
-    bm = block_m or (64 if wide else 128)
-    bn = block_n or (32 if wide else 64)
-    return bm, bn, 8 if (wide or bm >= 128) else 4, 2
+def launch_params(
+    d: int,
+    dv: int,
+    *,
+    sm: int = 80,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by head width and compute capability
+    ``sm`` (90 for sm_90), each overridable. Hopper (sm >= 90): 64 x 64 tiles of 4 warps
+    and three K/V stages at every head width (the fastest of the configurations timed on
+    the H200, docs/PERF.md; 224 KB of shared memory at head_dim 256). Other GPUs: the
+    score tile and the f32 accumulator fit the registers of ``num_warps`` warps and two
+    K/V stages fit an sm80's shared memory (not timed here: no such GPU)."""
+    if sm >= 90:
+        bm0, bn0, w0, st0 = 64, 64, 4, 3
+    elif max(d, dv) > 128:
+        bm0, bn0, w0, st0 = 64, 32, 8, 2
+    else:
+        bm0, bn0, w0, st0 = 128, 64, 8, 2
+    bm, bn = block_m or bm0, block_n or bn0
+    return bm, bn, num_warps or w0, num_stages or st0
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -282,7 +317,18 @@ def _constexprs(q, k, v, page_table, *, paged, is_causal, window_left, logit_cap
 
 
 @functools.partial(
-    jax.jit, static_argnames=("paged", "is_causal", "window_left", "logit_cap", "return_lse", "block_m", "block_n")
+    jax.jit,
+    static_argnames=(
+        "paged",
+        "is_causal",
+        "window_left",
+        "logit_cap",
+        "return_lse",
+        "block_m",
+        "block_n",
+        "num_warps",
+        "num_stages",
+    ),
 )
 def _attention(
     q,
@@ -301,6 +347,8 @@ def _attention(
     return_lse,
     block_m,
     block_n,
+    num_warps,
+    num_stages,
 ):
     from jattn.pallas_kernels import triton_glue
 
@@ -311,7 +359,15 @@ def _attention(
         params = jnp.concatenate([params, jnp.zeros((hq,), jnp.float32)])
     # The rows past cu_q[-1] (padding) are one more request without keys.
     cu_q, kv_start, kv_len, page_table = prefill_plan.with_padding_request(cu_q, kv_start, kv_len, page_table, t)
-    bm, bn, warps, stages = launch_params(q.shape[-1], dv, block_m=block_m, block_n=block_n)
+    bm, bn, warps, stages = launch_params(
+        q.shape[-1],
+        dv,
+        sm=triton_glue.capability(),
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     num_tiles = num_tiles_bound(t, cu_q.shape[0] - 1, bm)
     tile_req, tile_q0 = tile_plan(cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=window_left)
     kw = _constexprs(
@@ -379,11 +435,13 @@ def mha_prefill(
     max_seqlen_kv=None,
     block_m=None,
     block_n=None,
+    num_warps=None,
+    num_stages=None,
 ):
     """Ragged attention without a cache through jax-triton; arguments as in
     ``jattn.ops.mha_prefill`` (``max_seqlen_q`` / ``max_seqlen_kv`` are accepted for the
     op's signature: the kernel reads the lengths from the offsets; ``block_m`` /
-    ``block_n`` override the tile sizes)."""
+    ``block_n`` override the tile sizes, ``num_warps`` / ``num_stages`` the launch)."""
     cu_q = jnp.asarray(cu_seqlens_q, jnp.int32)
     cu_kv = cu_q if cu_seqlens_kv is None else jnp.asarray(cu_seqlens_kv, jnp.int32)
     return _attention(
@@ -402,6 +460,8 @@ def mha_prefill(
         return_lse=bool(return_lse),
         block_m=block_m,
         block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -424,6 +484,8 @@ def mha_extend(
     max_seqlen_q=None,
     block_m=None,
     block_n=None,
+    num_warps=None,
+    num_stages=None,
 ):
     """Ragged queries over a paged cache that already holds their K/V, through
     jax-triton; arguments as in ``jattn.ops.mha_extend_with_kvcache``."""
@@ -444,4 +506,6 @@ def mha_extend(
         return_lse=bool(return_lse),
         block_m=block_m,
         block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )

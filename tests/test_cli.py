@@ -51,6 +51,31 @@ def test_op_backend_follows_the_dispatch(monkeypatch):
         jattn.ops.op_backend("mha_decod")
 
 
+def test_auto_follows_the_measured_order(monkeypatch):
+    """Auto's table: on Hopper Mosaic for MHA, Triton for MLA decode (where jax-triton
+    runs), XLA for the KV write and the merge; Ampere has the Triton kernels only."""
+    from jattn.pallas_kernels import triton_glue
+
+    monkeypatch.setattr(triton_glue, "available", lambda: True)
+    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
+    got = {op: jattn.ops.op_backend(op)[0] for op in jattn.ops.OPS}
+    assert got == {
+        "mha_decode": "mosaic",
+        "mha_extend": "mosaic",
+        "mha_prefill": "mosaic",
+        "mla_decode": "triton",
+        "attn_merge_state": "xla",
+        "set_kv_buffer": "xla",
+        "set_mla_kv_buffer": "xla",
+    }
+    assert jattn.ops.op_backend("mla_decode", "mosaic") == ("mosaic", None)  # by name it still runs
+    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
+    got = {op: jattn.ops.op_backend(op)[0] for op in jattn.ops.OPS}
+    assert [op for op, b in got.items() if b == "triton"] == ["mha_decode", "mha_extend", "mha_prefill", "mla_decode"]
+    monkeypatch.setattr(triton_glue, "available", lambda: False)  # no jax-triton: XLA
+    assert jattn.ops.op_backend("mha_decode") == ("xla", None)
+
+
 def test_named_backend_is_a_preference(monkeypatch):
     """--backend NAME: the ops NAME serves here run on it, the others on xla, said in one line."""
     assert jattn.demo.backend_choices() == ("auto", "mosaic", "triton", "xla")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,6 +92,19 @@ SHAPE_CASES = [
         dict(k_cache=jnp.ones((4, 4, 0, 8), F32), v_cache=jnp.ones((4, 4, 0, 8), F32)),
         ValueError,
         r"num_q_heads=4 must be divisible by num_kv_heads=0",
+    ),
+    (
+        "length-past-table",
+        dict(cache_seqlens=jnp.array([3, 9], jnp.int32)),
+        ValueError,
+        r"cache_seqlens\[1\]=9 must be in \[0, 8\] \(page_table's 2 columns of page_size=4\)",
+    ),
+    ("length-negative", dict(cache_seqlens=np.array([3, -1], np.int32)), ValueError, r"cache_seqlens\[1\]=-1"),
+    (
+        "page-out-of-range",
+        dict(page_table=jnp.array([[1, 0], [2, 4]], jnp.int32), cache_seqlens=jnp.array([3, 5], jnp.int32)),
+        ValueError,
+        r"page_table\[1, 1\]=4 out of range \[0, 4\)",
     ),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("window", dict(window_left=-2), ValueError, r"window_left=-2 must be an int >= -1"),
@@ -503,6 +517,26 @@ def test_planner_and_backend_input_bounds():
         be.init_forward_metadata(3, [0, 1], [3, 4], r2p)
     with pytest.raises(ValueError, match=r"entries of extend_seq_lens"):
         be.init_forward_metadata(2, [0, 1], [3, 4], r2p, ForwardMode.EXTEND, extend_seq_lens=[1])
+
+
+def test_unused_page_entries_and_traced_lengths_pass_the_value_check():
+    """Entries past a request's pages may hold anything (the kernels never read them),
+    and under jit the lengths are traced: only the metadata builders check them."""
+    q, kc, vc, _, _ = _decode_args()
+    pt = jnp.array([[1, -7], [2, 99]], jnp.int32)  # second column unused at length 3
+    out = jattn.mha_decode_with_kvcache(q, kc, vc, pt, jnp.array([3, 4], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+    jitted = jax.jit(jattn.mha_decode_with_kvcache)
+    assert jitted(q, kc, vc, jnp.ones((2, 2), jnp.int32), jnp.array([3, 9], jnp.int32)).shape == q.shape
+
+
+def test_mla_decode_refuses_a_length_past_its_page_table():
+    q = jnp.ones((1, 2, 24), F32)
+    kv = jnp.ones((4, 4, 24), F32)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]=9 must be in \[0, 8\]"):
+        jattn.mla_decode_with_kvcache(
+            q, kv, jnp.zeros((1, 2), jnp.int32), jnp.array([9], jnp.int32), kv_lora_rank=16, softmax_scale=0.2
+        )
 
 
 def test_mla_decode_needs_softmax_scale():
