@@ -9,12 +9,15 @@ cache, fences, per-layer plans) is :mod:`jattn.bridge.call`.
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import torch
 
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
 from .call import _BridgeBase, _Plan, _ref, _View
+from .native import NativePlans, run_layer
 
 __all__ = ["TorchMHABackend"]
 
@@ -30,6 +33,11 @@ class TorchMHABackend(_BridgeBase):
       sync: stream fences, ``"auto"`` (default: ``"stream"`` on a GPU where it
         checks out, else ``"event"``), ``"event"``, ``"stream"`` (on XLA's compute
         stream, no JAX call; see :mod:`jattn.bridge.streams`), ``"host"`` or ``"none"``.
+      kernels: ``"jax"`` (default: the core backend through JAX, any kernel backend)
+        or ``"triton_native"``: the KV write and the attention as jattn's Triton
+        kernels launched on torch's current stream, no JAX per layer call, capturable
+        in a torch CUDA graph (:mod:`jattn.bridge.native`; ``kv_writer`` and ``sync``
+        do not apply).
 
     Example (CPU)::
 
@@ -38,9 +46,36 @@ class TorchMHABackend(_BridgeBase):
         out = backend.forward_decode(q, k, v, layer, out_cache_loc, pool, bs, save_kv_cache=True)
     """
 
-    def __init__(self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
+    def __init__(
+        self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "auto", kernels: str = "jax"
+    ):
+        if kernels not in ("jax", "triton_native"):
+            raise ValueError(f"kernels={kernels!r} must be 'jax' or 'triton_native'")
         self._jbackend = MHABackend(config)
+        self.kernels = kernels
+        if kernels == "triton_native":  # no JAX call per layer: no JAX writer, no fences
+            kv_writer, sync = "torch", "none"
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
+        self._native = NativePlans(self.device) if kernels == "triton_native" else None
+        self._native_plan = None
+
+    def _install(self, md, num_real_tokens: int):
+        if self._native is None:
+            return super()._install(md, num_real_tokens)
+        self.forward_metadata = self._md_call = md  # host arrays: nothing goes through JAX
+        self.forward_mode = md.forward_mode
+        self._num_real_tokens = num_real_tokens
+        self._native_plan = self._native.install(md)
+        return md
+
+    def fill_block_decode_seq_lens(self, bs: int, block_seq_lens) -> None:
+        if self._native is None:
+            return super().fill_block_decode_seq_lens(bs, block_seq_lens)
+        lens = np.asarray(block_seq_lens.cpu() if hasattr(block_seq_lens, "cpu") else block_seq_lens, np.int32)
+        md = self._jbackend.fill_block_decode_seq_lens(self.forward_metadata, np.int32(bs), lens)
+        self._install(jax.device_get(md), self._num_real_tokens)
+
+    fill_block_decode_seq_lens.__doc__ = _BridgeBase.fill_block_decode_seq_lens.__doc__
 
     def _pool_views(self, pool, st, spec: LayerSpec) -> list[_View]:
         """The K and V views of the layer's pool buffers (checked when first seen)."""
@@ -65,6 +100,25 @@ class TorchMHABackend(_BridgeBase):
         ]
 
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
+        if self._native is not None:
+            spec = self._spec(layer)
+            kb, vb = pool.get_key_buffer(spec.layer_id), pool.get_value_buffer(spec.layer_id)
+            if kb.dtype != self.kv_cache_dtype or vb.dtype != self.kv_cache_dtype:
+                raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+            return run_layer(
+                self._native,
+                self._native_plan,
+                spec=spec,
+                q=q,
+                k=k,
+                v=v,
+                k_buf=kb,
+                v_buf=vb,
+                page_size=self.page_size,
+                save_kv_cache=save_kv_cache,
+                sinks=sinks,
+                decode=kind == "decode",
+            )
         st = self._pool_state(pool)
         # The plan does not depend on which sinks tensor is passed (it reads them per call).
         pkey = (

@@ -272,10 +272,12 @@ def prefill(
         kv_start[:nreq], kv_len[:nreq] = cu_kv[:-1], cu_kv[1:] - cu_kv[:-1]
         pt = cu_in.new_zeros((nreq + 1, 1))
     sm = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    params = q.new_zeros((2 + hq,)).float()
-    params[0], params[1] = float(k_scale) * sm, float(v_scale)
+    # Filled by kernels (no host copy), so that a CUDA graph can capture the call.
+    params = torch.zeros((2 + hq,), dtype=torch.float32, device=dev)
+    params[0:1].fill_(float(k_scale) * sm)
+    params[1:2].fill_(float(v_scale))
     if sinks is not None:
-        params[2:] = sinks.float().to(dev) if hasattr(sinks, "data_ptr") else _scalars(dev, *sinks)
+        params[2:].copy_(sinks.float().to(dev) if hasattr(sinks, "data_ptr") else _scalars(dev, *sinks))
     major, minor = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (8, 0)
     bm, bn, warps, stages = tp.launch_params(d, dv, sm=10 * major + minor, block_m=block_m, block_n=block_n)
     num_tiles = tp.num_tiles_bound(t, nreq + 1, bm)

@@ -1,0 +1,233 @@
+"""``TorchMHABackend(kernels="triton_native")`` against the default JAX path.
+
+One engine scenario (a ragged prefill, an extend over a cached prefix, decode steps, a
+target verify, a DFLASH draft block, a CUDA-graph bucket with padding requests) runs
+through both backends on two pools that start equal and NaN-filled (unused slots and
+pages hold NaN: nothing may read them). Every layer output and the pools afterwards
+must agree. CPU: the native path runs under Triton's interpreter (a
+``TRITON_INTERPRET=1`` subprocess, fp16: the interpreter's bf16 dots are wrong), the
+JAX path on XLA. GPU (marker ``gpu``): bf16 and FP8 pools, and the native decode
+captured in a torch CUDA graph replays a later step's plan to the eager values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from interpreted import run_in_interpreter
+
+from jattn.pallas_kernels.interpret import on_gpu
+
+SCENARIOS = {
+    "fp16": dict(),
+    "fp16_window_cap_sinks": dict(window=3, cap=5.0, sinks=True),
+}
+
+
+def scenario(kernels: str, *, device: str, dtype: str, kv: str, window=-1, cap=0.0, sinks=False, seed=0):
+    """Runs the steps on a fresh pool; returns ``{name: array}`` of every output and the
+    final pools (float32)."""
+    import torch
+
+    from jattn import ForwardMode, MHAConfig
+    from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
+
+    tdt = getattr(torch, dtype)
+    kvdt = torch.float8_e4m3fn if kv == "float8_e4m3fn" else tdt
+    hq, hkv, d, ps, spec, num_pages, nl = 4, 2, 64, 4, 2, 40, 2
+    cfg = MHAConfig(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        context_len=64,
+        num_pages=num_pages,
+        dtype=dtype,
+        kv_cache_dtype=kv,
+        spec_num_tokens=spec,
+        kernel_backend="xla" if device == "cpu" else None,
+    )
+    pool = TorchKVPool(
+        num_layers=nl, num_pages=num_pages, page_size=ps, num_kv_heads=hkv, head_dim=d, dtype=kvdt, device=device
+    )
+    for b in pool.k_buffer + pool.v_buffer:
+        b.copy_(torch.full(b.shape, float("nan"), device=device))
+    be = TorchMHABackend(cfg, device=device, kernels=kernels, **({"kv_writer": "torch"} if device == "cpu" else {}))
+    fp8 = kvdt == torch.float8_e4m3fn
+    layers = [
+        AttentionLayer(
+            i,
+            hq,
+            hkv,
+            d,
+            sliding_window_size=window,
+            logit_cap=cap,
+            k_scale=0.05 if fp8 else None,
+            v_scale=0.03 if fp8 else None,
+        )
+        for i in range(nl)
+    ]
+    g = torch.Generator().manual_seed(seed)
+    sink_t = (torch.randn(hq, generator=g)).to(device) if sinks else None
+    rng = np.random.default_rng(seed)
+    req_to_page = torch.zeros(5, 9, dtype=torch.int32)  # 4 requests of at most 9 pages (36 tokens)
+    perm = rng.permutation(np.arange(1, num_pages))  # page 0 is the dummy page
+    req_to_page[1:] = torch.from_numpy(perm[:36].reshape(4, 9).astype(np.int32))
+    rpi = torch.arange(1, 5, dtype=torch.int32)
+    out = {}
+
+    def rand(n, w):
+        return (torch.randn(n, w, generator=g) * 0.5).to(tdt).to(device)
+
+    def run(tag, n, mode, lens, fwd, **md):
+        be.init_forward_metadata(4, 4, rpi, torch.tensor(lens), req_to_page, mode, **md)
+        for layer in layers:
+            q, k, v = rand(n, hq * d), rand(n, hkv * d), rand(n, hkv * d)
+            o = getattr(be, fwd)(q, k, v, layer, None, pool, 4, save_kv_cache=True, sinks=sink_t)
+            out[f"{tag}_l{layer.layer_id}"] = o.float().cpu().numpy()
+
+    lens = [5, 0, 13, 1]
+    ext = torch.tensor([5, 0, 13, 1])
+    run("prefill", 19, ForwardMode.EXTEND, lens, "forward_extend", extend_seq_lens=ext)
+    ext2 = [3, 2, 0, 4]
+    lens = [a + b for a, b in zip(lens, ext2)]
+    run("extend", 9, ForwardMode.EXTEND, lens, "forward_extend", extend_seq_lens=torch.tensor(ext2))
+    for step in range(2):
+        lens = [x + 1 for x in lens]
+        run(f"decode{step}", 4, ForwardMode.DECODE, lens, "forward_decode")
+    lens = [x + spec for x in lens]
+    run("verify", 4 * spec, ForwardMode.TARGET_VERIFY, lens, "forward_decode")
+    # a DFLASH draft block (a non-causal drafter layer), its lengths refilled on the plan
+    be.init_forward_metadata(4, 0, rpi, torch.tensor(lens), req_to_page, ForwardMode.DRAFT_BLOCK)
+    lens = [x + spec for x in lens]
+    be.fill_block_decode_seq_lens(4, torch.tensor(lens))
+    for layer in layers:
+        drafter = dataclasses.replace(layer, non_causal=True)
+        q, k, v = rand(4 * spec, hq * d), rand(4 * spec, hkv * d), rand(4 * spec, hkv * d)
+        o = be.forward_decode(q, k, v, drafter, None, pool, 4, save_kv_cache=True, sinks=sink_t)
+        out[f"draft_block_l{layer.layer_id}"] = o.float().cpu().numpy()
+    # a CUDA-graph bucket: capture plan of bucket 4, replay with 3 real requests
+    be.init_cuda_graph_state(4)
+    be.init_forward_metadata_capture_cuda_graph(4, 4, forward_mode=ForwardMode.DECODE)
+    lens = [x + 1 for x in lens]
+    be.init_forward_metadata_replay_cuda_graph(3, rpi[:3], torch.tensor(lens[:3]), req_to_page, ForwardMode.DECODE)
+    for layer in layers:
+        q, k, v = rand(3, hq * d), rand(3, hkv * d), rand(3, hkv * d)
+        o = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sink_t)
+        out[f"bucket_l{layer.layer_id}"] = o.float().cpu().numpy()
+    for i in range(nl):
+        out[f"k_pool{i}"] = pool.k_buffer[i].float().cpu().numpy()
+        out[f"v_pool{i}"] = pool.v_buffer[i].float().cpu().numpy()
+    return out
+
+
+def run_interpreted(name: str, path: str) -> None:
+    kw = dict(device="cpu", dtype="float16", kv="float16", **SCENARIOS[name])
+    res = {f"jax/{k}": v for k, v in scenario("jax", **kw).items()}
+    res.update({f"native/{k}": v for k, v in scenario("triton_native", **kw).items()})
+    np.savez(path, **res)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_in_interpreter(tmp_path_factory, "test_bridge_native", {"run_interpreted": list(SCENARIOS)})
+
+
+def _compare(res, atol):
+    names = sorted(k[len("jax/") :] for k in res.files if k.startswith("jax/"))
+    assert len(names) == 2 * 7 + 4  # 7 steps x 2 layers, 2 pools x 2 layers
+    for n in names:
+        a, b = res[f"jax/{n}"], res[f"native/{n}"]
+        if "pool" in n:  # the same writes: equal bits, NaN where nothing was written
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=n)
+            np.testing.assert_array_equal(np.nan_to_num(a), np.nan_to_num(b), err_msg=n)
+        else:
+            assert np.isfinite(a).all() and np.isfinite(b).all(), n
+            np.testing.assert_allclose(b, a, atol=atol, rtol=atol, err_msg=n)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_interpreted_native_equals_the_jax_path(interpreted, name):
+    _compare(interpreted[name], 3e-3)
+
+
+def test_native_option_is_checked():
+    import torch
+
+    from jattn import MHAConfig
+    from jattn.bridge import AttentionLayer, BridgeError, TorchKVPool, TorchMHABackend
+
+    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, num_pages=8, kernel_backend="xla")
+    with pytest.raises(ValueError, match="kernels='cuda' must be 'jax' or 'triton_native'"):
+        TorchMHABackend(cfg, kernels="cuda")
+    be = TorchMHABackend(cfg, device="cpu", kernels="triton_native")
+    pool = TorchKVPool(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2, head_dim=64)
+    layer = AttentionLayer(0, 4, 2, 64)
+    q = torch.zeros(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        be.forward_decode(q, None, None, layer, None, pool, 1)
+    be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([3]), torch.tensor([[0], [1]]))
+    with pytest.raises(ValueError, match="the installed plan is a decode plan: call forward_decode"):
+        be.forward_extend(q, q[:, :128], q[:, :128], layer, None, pool, 1)
+    if not on_gpu():  # this process has no interpreter: CPU tensors are refused by name
+        with pytest.raises(BridgeError, match="needs a CUDA device"):
+            be.forward_decode(q, None, None, layer, None, pool, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "float8_e4m3fn"])
+def test_gpu_native_equals_the_jax_path(kv):
+    torch = pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not torch.cuda.is_available() or not triton_glue.available():
+        pytest.skip("needs a GPU with torch CUDA and jax-triton")
+
+    class Res(dict):
+        files = property(lambda self: list(self))
+
+    kw = dict(device="cuda", dtype="bfloat16", kv=kv, window=3, cap=5.0, sinks=True)
+    res = Res({f"jax/{k}": v for k, v in scenario("jax", **kw).items()})
+    res.update({f"native/{k}": v for k, v in scenario("triton_native", **kw).items()})
+    _compare(res, 6e-2 if kv == "float8_e4m3fn" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_native_decode_replays_from_a_torch_cuda_graph():
+    """Capture the layer calls of a bucket-4 decode in a torch CUDA graph; plan a later
+    step into the same bucket and replay: the outputs equal an eager run of that step."""
+    torch = pytest.importorskip("torch")
+    from jattn import ForwardMode, MHAConfig
+    from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not torch.cuda.is_available() or not triton_glue.available():
+        pytest.skip("needs a GPU with torch CUDA and jax-triton")
+    hq, hkv, d, ps = 8, 2, 128, 16
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, context_len=512, num_pages=64)
+    pool = TorchKVPool(num_layers=1, num_pages=64, page_size=ps, num_kv_heads=hkv, head_dim=d, device="cuda")
+    pool.k_buffer[0].normal_()
+    pool.v_buffer[0].normal_()
+    be = TorchMHABackend(cfg, kernels="triton_native")
+    layer = AttentionLayer(0, hq, hkv, d)
+    req_to_page = torch.arange(1, 61, dtype=torch.int32).reshape(4, 15)
+    req_to_page = torch.cat([torch.zeros(1, 15, dtype=torch.int32), req_to_page])
+    rpi = torch.arange(1, 5, dtype=torch.int32)
+    q = torch.randn(4, hq * d, device="cuda", dtype=torch.bfloat16)
+    be.init_cuda_graph_state(4)
+    be.init_forward_metadata_capture_cuda_graph(4, 4, forward_mode=ForwardMode.DECODE)
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        be.forward_decode(q, None, None, layer, None, pool, 4)  # warm-up: compiles, outside the capture
+        with torch.cuda.graph(g, stream=s):
+            out_g = be.forward_decode(q, None, None, layer, None, pool, 4)
+    lens = torch.tensor([100, 1, 37, 230])
+    be.init_forward_metadata_replay_cuda_graph(4, rpi, lens, req_to_page, ForwardMode.DECODE)
+    g.replay()
+    torch.cuda.synchronize()
+    eager = be.forward_decode(q, None, None, layer, None, pool, 4)
+    torch.testing.assert_close(out_g, eager, atol=0, rtol=0)
+    assert out_g.abs().sum() > 0  # the replay read the new plan, not the all-padding one
