@@ -27,7 +27,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jattn.reference import FP8_E4M3_MAX
+from jattn.reference import FP8_E4M3_MAX, round_to_e4m3
 
 __all__ = ["MLARope", "apply_rope", "quantize_query_fp8"]
 
@@ -70,7 +70,7 @@ def quantize_query_fp8(query, scale=1.0):
     """``clamp(query * scale, -448, 448)`` cast to float8_e4m3fn (the quantisation of
     SGLang's FP8 MLA query: scale 1, saturating). NaN stays NaN."""
     y = query.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return round_to_e4m3(jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX)).astype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -440,10 +440,33 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b):
     return o.astype(o_a.dtype), lse
 
 
+def round_to_e4m3(y):
+    """f32 ``y`` rounded to the nearest float8_e4m3fn value, ties to even, still in f32
+    (|y| <= 448 and NaN expected: the caller clamps). Rounded here, the cast that follows
+    is exact whatever route the compiler's conversion takes. Normal values keep 3 of the
+    23 mantissa bits (round half to even on the bit pattern); below 2^-6 the subnormal
+    step 2^-9 is fixed."""
+    y = jnp.asarray(y, jnp.float32)
+    u = jax.lax.bitcast_convert_type(y, jnp.uint32)
+    keep = (u >> 20) & 1  # the last kept mantissa bit: ties go to even
+    normal = jax.lax.bitcast_convert_type((u + jnp.uint32(0x7FFFF) + keep) & jnp.uint32(0xFFF00000), jnp.float32)
+    sub = jnp.round(y * 512.0) / 512.0  # jnp.round: half to even; exact in f32
+    return jnp.where(jnp.abs(y) < 2.0**-6, sub, jnp.where(jnp.isnan(y), y, normal))
+
+
 def quantize_fp8(x, scale, dtype=jnp.float8_e4m3fn):
-    """``clamp(x / scale, -448, 448)`` cast to FP8 e4m3 (casts do not saturate)."""
-    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
-    return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(dtype)
+    """``clamp(x / scale, -448, 448)`` cast to FP8 e4m3 (casts do not saturate), in f32
+    as torch and Triton compute it: the IEEE quotient, rounded once to e4m3 (nearest,
+    ties to even). XLA rewrites a division by a broadcast scalar into a product with its
+    reciprocal, which is one ulp off for most quotients and moves about 0.5% of them
+    across an e4m3 tie (an inexact scale such as 0.03); the divisor goes through an
+    optimisation barrier so that the division stays one."""
+    xf = x.astype(jnp.float32)
+    den = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), xf.shape))
+    y = jnp.clip(xf / den, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        y = round_to_e4m3(y)
+    return y.astype(dtype)
 
 
 def _store(cache, loc, x, scale):
