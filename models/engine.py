@@ -35,75 +35,39 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jattn.kv_cache import PageAllocator
 from jattn.metadata import DEFAULT_BATCH_BUCKETS, plan_decode, plan_extend
+from jattn.models.sampling import SamplingParams, _is_int, sample_tokens
+from jattn.models.step import (
+    ENGINE_COMMAND_BUFFERS,
+    command_buffer_options,
+    make_step_fn,
+    shared_step_fn,
+    state_leaves,
+)
 
-_INT32 = 2**31
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and stops.
-
-    ``temperature`` 0 is greedy; otherwise temperature + top-p (``0 < top_p <= 1``)
-    with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
-    taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
-    token is kept in the output); a single int is one stop token, None none.
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple = ()
-
-    def validated(self) -> "SamplingParams":
-        """A normalised copy (``stop_token_ids`` a tuple of ints, ``seed`` a signed
-        32-bit int with the same low 32 bits); ``ValueError`` / ``TypeError`` naming the
-        field and the rule it breaks."""
-        n = self.max_new_tokens
-        if not _is_int(n) or n < 1:
-            raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1")
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy)")
-        p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
-            raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
-        s = self.seed
-        if not _is_int(s):
-            raise TypeError(f"seed={s!r} must be an integer")
-        stop = self.stop_token_ids
-        if stop is None:
-            stop = ()
-        elif _is_int(stop):
-            stop = (stop,)
-        try:
-            stop = tuple(stop)
-        except TypeError:
-            raise TypeError(f"stop_token_ids={stop!r} must be None, an int or a sequence of ints") from None
-        bad = [x for x in stop if not _is_int(x)]
-        if bad:
-            raise TypeError(f"stop_token_ids must hold integers, got {bad[0]!r}")
-        seed32 = (int(s) + _INT32) % (2 * _INT32) - _INT32
-        return SamplingParams(int(n), float(t), float(p), seed32, tuple(int(x) for x in stop))
+# Re-exported: the sampler and the step lived here first.
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineMetrics",
+    "Request",
+    "SamplingParams",
+    "StepInfo",
+    "ENGINE_COMMAND_BUFFERS",
+    "command_buffer_options",
+    "make_step_fn",
+    "sample_tokens",
+    "shared_step_fn",
+    "state_leaves",
+]
 
 
 def _validated_prompt(prompt, vocab: int) -> list:
@@ -263,109 +227,6 @@ class EngineMetrics:
             f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
             f"({self.compile_time:.1f} s in compiling steps)"
         )
-
-
-def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):
-    """Next tokens i32[B] from logits f32[B, V]; per-row temperature f32[B] (0 = greedy),
-    top_p f32[B], seeds / counters i32[B] (key = fold_in(key(seed), counter))."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    keep = (cum - probs) < top_p[:, None]  # the top token is always kept
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
-
-
-def _is_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-# The command buffers the engine asks for: XLA's own default types ("xla"). Their list
-# holds cuBLAS GEMMs and Mosaic calls fed by a slice, which "FUSION,CUSTOM_CALL" leaves
-# outside the graphs; the step-time comparison is in docs/PERF.md (serving loop).
-ENGINE_COMMAND_BUFFERS = "xla"
-
-
-def command_buffer_options(setting: bool | str) -> dict:
-    """The jit ``compiler_options`` for an ``EngineConfig.command_buffers`` setting."""
-    if setting is True:
-        setting = ENGINE_COMMAND_BUFFERS
-    if setting is False or setting == "off":
-        return {"xla_gpu_enable_command_buffer": ""}
-    if setting == "xla":
-        return {}
-    if not isinstance(setting, str):
-        raise TypeError(f"command_buffers: expected a bool or a string, got {setting!r}")
-    return {"xla_gpu_enable_command_buffer": setting}
-
-
-def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True, on_trace=None):
-    """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
-    greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
-
-    ``params`` is the model state's leaves as a flat tuple (:func:`state_leaves`): the
-    jit flattens a tuple of arrays in C++, while flattening the ``nnx.State`` itself is
-    Python work on every call (host time compared in docs/PERF.md, serving loop).
-    ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
-    a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
-    ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
-    for row b is read at the row's last new token."""
-    graphdef, state = nnx.split(model)
-    state_def = jax.tree_util.tree_structure(state)
-
-    def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
-        if on_trace is not None:
-            on_trace(metadata)
-        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, params))
-        hidden, kv_cache = m(tokens, metadata.positions, kv_cache, metadata, backend=backend)
-        if hasattr(metadata, "cu_seqlens_q"):
-            last = jnp.maximum(metadata.cu_seqlens_q[1:] - 1, 0)
-        else:
-            q = metadata.max_seqlen_q
-            last = jnp.arange(metadata.batch_size, dtype=jnp.int32) * q + (q - 1)
-        logits = m.logits(hidden[last])
-        nxt = sample_tokens(logits, temperature, top_p, seeds, counters, greedy_only=greedy_only)
-        return nxt, kv_cache
-
-    kw = {}
-    if _is_gpu():
-        opts = command_buffer_options(command_buffers)
-        if opts:
-            kw["compiler_options"] = opts
-    return jax.jit(step, donate_argnums=(1,), static_argnames=("greedy_only",), **kw)
-
-
-_STEP_FNS: dict = {}
-
-
-def state_leaves(state) -> tuple:
-    """The arrays of an ``nnx.State`` as the flat tuple the jitted step takes."""
-    return tuple(jax.tree_util.tree_leaves(state))
-
-
-def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True):
-    """``(jitted step, trace counter)`` shared by every engine of the same model structure
-    and backend config, so a new engine reuses the programs already compiled."""
-    graphdef, _ = nnx.split(model)
-    cb = str(command_buffer_options(command_buffers)) if _is_gpu() else None
-    key = (graphdef, type(backend), backend.config, getattr(backend, "sharding_key", None), cb)
-    if key not in _STEP_FNS:
-        counter = [0]
-
-        def on_trace(_):
-            counter[0] += 1
-
-        _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers, on_trace=on_trace), counter)
-    return _STEP_FNS[key]
 
 
 class Engine:

@@ -1,0 +1,92 @@
+"""How the engine's requests sample: :class:`SamplingParams` (validated per request) and
+:func:`sample_tokens`, the jitted sampler (greedy, or temperature + top-p with a key per
+request and token, so a request's tokens do not depend on the rest of the batch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingParams", "sample_tokens"]
+
+_INT32 = 2**31
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and stops.
+
+    ``temperature`` 0 is greedy; otherwise temperature + top-p (``0 < top_p <= 1``)
+    with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
+    taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
+    token is kept in the output); a single int is one stop token, None none.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple = ()
+
+    def validated(self) -> "SamplingParams":
+        """A normalised copy (``stop_token_ids`` a tuple of ints, ``seed`` a signed
+        32-bit int with the same low 32 bits); ``ValueError`` / ``TypeError`` naming the
+        field and the rule it breaks."""
+        n = self.max_new_tokens
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy)")
+        p = self.top_p
+        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
+        s = self.seed
+        if not _is_int(s):
+            raise TypeError(f"seed={s!r} must be an integer")
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        elif _is_int(stop):
+            stop = (stop,)
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            raise TypeError(f"stop_token_ids={stop!r} must be None, an int or a sequence of ints") from None
+        bad = [x for x in stop if not _is_int(x)]
+        if bad:
+            raise TypeError(f"stop_token_ids must hold integers, got {bad[0]!r}")
+        seed32 = (int(s) + _INT32) % (2 * _INT32) - _INT32
+        return SamplingParams(int(n), float(t), float(p), seed32, tuple(int(x) for x in stop))
+
+
+def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):
+    """Next tokens i32[B] from logits f32[B, V]; per-row temperature f32[B] (0 = greedy),
+    top_p f32[B], seeds / counters i32[B] (key = fold_in(key(seed), counter))."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy
+    t = jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p[:, None]  # the top token is always kept
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

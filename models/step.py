@@ -1,0 +1,103 @@
+"""The engine's one jitted serving step (:func:`make_step_fn`): the model's forward over a
+plan's tokens, the logits of each row's last new token and the sampler, the KV cache
+donated; shared across engines of one model structure (:func:`shared_step_fn`), and the
+XLA command-buffer (CUDA graph) options it compiles with."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn.models.sampling import sample_tokens
+
+__all__ = [
+    "ENGINE_COMMAND_BUFFERS",
+    "command_buffer_options",
+    "make_step_fn",
+    "shared_step_fn",
+    "state_leaves",
+]
+
+
+def _is_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# The command buffers the engine asks for: XLA's own default types ("xla"). Their list
+# holds cuBLAS GEMMs and Mosaic calls fed by a slice, which "FUSION,CUSTOM_CALL" leaves
+# outside the graphs; the step-time comparison is in docs/PERF.md (serving loop).
+ENGINE_COMMAND_BUFFERS = "xla"
+
+
+def command_buffer_options(setting: bool | str) -> dict:
+    """The jit ``compiler_options`` for an ``EngineConfig.command_buffers`` setting."""
+    if setting is True:
+        setting = ENGINE_COMMAND_BUFFERS
+    if setting is False or setting == "off":
+        return {"xla_gpu_enable_command_buffer": ""}
+    if setting == "xla":
+        return {}
+    if not isinstance(setting, str):
+        raise TypeError(f"command_buffers: expected a bool or a string, got {setting!r}")
+    return {"xla_gpu_enable_command_buffer": setting}
+
+
+def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True, on_trace=None):
+    """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
+    greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
+
+    ``params`` is the model state's leaves as a flat tuple (:func:`state_leaves`): the
+    jit flattens a tuple of arrays in C++, while flattening the ``nnx.State`` itself is
+    Python work on every call (host time compared in docs/PERF.md, serving loop).
+    ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
+    a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
+    ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
+    for row b is read at the row's last new token."""
+    graphdef, state = nnx.split(model)
+    state_def = jax.tree_util.tree_structure(state)
+
+    def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
+        if on_trace is not None:
+            on_trace(metadata)
+        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, params))
+        hidden, kv_cache = m(tokens, metadata.positions, kv_cache, metadata, backend=backend)
+        if hasattr(metadata, "cu_seqlens_q"):
+            last = jnp.maximum(metadata.cu_seqlens_q[1:] - 1, 0)
+        else:
+            q = metadata.max_seqlen_q
+            last = jnp.arange(metadata.batch_size, dtype=jnp.int32) * q + (q - 1)
+        logits = m.logits(hidden[last])
+        nxt = sample_tokens(logits, temperature, top_p, seeds, counters, greedy_only=greedy_only)
+        return nxt, kv_cache
+
+    kw = {}
+    if _is_gpu():
+        opts = command_buffer_options(command_buffers)
+        if opts:
+            kw["compiler_options"] = opts
+    return jax.jit(step, donate_argnums=(1,), static_argnames=("greedy_only",), **kw)
+
+
+_STEP_FNS: dict = {}
+
+
+def state_leaves(state) -> tuple:
+    """The arrays of an ``nnx.State`` as the flat tuple the jitted step takes."""
+    return tuple(jax.tree_util.tree_leaves(state))
+
+
+def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True):
+    """``(jitted step, trace counter)`` shared by every engine of the same model structure
+    and backend config, so a new engine reuses the programs already compiled."""
+    graphdef, _ = nnx.split(model)
+    cb = str(command_buffer_options(command_buffers)) if _is_gpu() else None
+    key = (graphdef, type(backend), backend.config, getattr(backend, "sharding_key", None), cb)
+    if key not in _STEP_FNS:
+        counter = [0]
+
+        def on_trace(_):
+            counter[0] += 1
+
+        _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers, on_trace=on_trace), counter)
+    return _STEP_FNS[key]
