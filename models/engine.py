@@ -44,7 +44,7 @@ from flax import nnx
 
 from jattn.kv_cache import PageAllocator
 from jattn.metadata import DEFAULT_BATCH_BUCKETS, plan_decode, plan_extend
-from jattn.models.sampling import SamplingParams, _is_int, sample_tokens
+from jattn.models.sampling import SamplingParams, _is_int, sample_tokens, wrap_seed
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
     command_buffer_options,
@@ -152,6 +152,8 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)
     seq_len: int = 0  # tokens in the KV cache
     preemptions: int = 0  # times its pages were taken back (then recomputed)
+    parent: int | None = None  # parallel sample i > 0: the rid of sample 0, whose prompt pages it shares
+    samples: tuple = ()  # sample 0 of SamplingParams.n > 1: the rids of all n samples
     arrival_time: float | None = None  # time.perf_counter() at add_request
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -201,6 +203,7 @@ class EngineMetrics:
     decode_step_times: list = dataclasses.field(default_factory=list)
     preemptions: int = 0
     failed_steps: int = 0
+    shared_tokens: int = 0  # prompt tokens a parallel sample did not prefill (its parent's pages)
 
     @property
     def busy_time(self) -> float:
@@ -247,6 +250,14 @@ class Engine:
       queue and is recomputed (prompt + tokens so far, as one prefill) when pages free up.
       A request that cannot grow even alone fails with ``page pool exhausted``.
 
+    * **parallel samples** (``SamplingParams.n > 1``): sample 0 is prefilled as usual;
+      samples 1.. (and the queue behind them) wait until it has cached its prompt, then
+      hold its prompt's whole pages
+      too (counted holders: a page goes back to the pool when its last holder ends) and
+      prefill only the prompt's tail (at least its last token) into pages of their own,
+      so the prompt's K/V is computed and stored once. Sample ``i`` is seeded ``seed + i``
+      and equals a lone request with that seed.
+
     Requests are validated when submitted (:meth:`add_request`): a bad one finishes at
     once with ``status="error"``. An exception inside a step fails the requests of that
     step only (their pages return to the pool) and the engine goes on.
@@ -271,6 +282,7 @@ class Engine:
         self.backend = backend
         self.kv_cache = self._new_cache()
         self.allocator = PageAllocator(c.num_pages)
+        self._refs: dict[int, int] = {}  # page -> requests holding it (> 1: a shared prompt prefix)
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
         self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
@@ -315,9 +327,10 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queues a request; returns its id. An invalid request (a field of the wrong type
-        or out of range, an empty prompt, one that cannot fit the context or the page
-        pool) finishes at once with ``status="error"`` and a message naming the field."""
+        """Queues a request; returns its id (with ``params.n > 1``, sample 0's; all samples'
+        ids are its ``samples``, see :meth:`samples`). An invalid request (a field of the
+        wrong type or out of range, an empty prompt, one that cannot fit the context or the
+        page pool) finishes at once with ``status="error"`` and a message naming the field."""
         rid = self._next_rid
         self._next_rid += 1
         req = Request(rid=rid, prompt=[], params=params, arrival_step=self.step_count, arrival_time=time.perf_counter())
@@ -348,7 +361,63 @@ class Engine:
             )
         else:
             self.waiting.append(req)
+            if req.params.n > 1:
+                req.samples = (rid,) + tuple(self._add_sample(req, i) for i in range(1, req.params.n))
         return rid
+
+    def _add_sample(self, first: Request, i: int) -> int:
+        """Queues parallel sample ``i`` of ``first``'s prompt (seed + i) right behind it."""
+        rid = self._next_rid
+        self._next_rid += 1
+        params = dataclasses.replace(first.params, n=1, seed=wrap_seed(first.params.seed + i))
+        req = Request(
+            rid=rid,
+            prompt=first.prompt,
+            params=params,
+            arrival_step=first.arrival_step,
+            arrival_time=first.arrival_time,
+            parent=first.rid,
+        )
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def samples(self, rid: int) -> list[Request]:
+        """The requests of ``rid``'s parallel samples (``SamplingParams.n``), sample 0 first."""
+        r = self.requests[rid]
+        return [self.requests[i] for i in (r.samples or (rid,))]
+
+    # ------------------------------------------------------------------ pages
+
+    def _alloc(self, n: int) -> list[int]:
+        pages = self.allocator.alloc(n)
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def _unref(self, pages) -> None:
+        """Drops one holder of each page; pages nobody holds go back to the pool."""
+        free = []
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                del self._refs[p]
+                free.append(p)
+        self.allocator.free(free)
+
+    def _shared_prefix(self, r: Request):
+        """For a parallel sample: ``(pages, tokens)`` of its parent's prompt prefix it can
+        share now (whole pages, at least the last prompt token left to prefill), ``None``
+        to wait (the parent will hold them soon), or ``([], 0)`` to prefill alone."""
+        if r.parent is None:
+            return [], 0
+        k = (len(r.prompt) - 1) // self.page_size
+        p = self.requests[r.parent]
+        if k == 0 or p.done:
+            return [], 0
+        if p.status in ("running", "prefilling") and p.seq_len >= k * self.page_size:
+            return p.pages[:k], k * self.page_size
+        return None
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -365,7 +434,7 @@ class Engine:
 
     def _release(self, req: Request):
         if req.pages:
-            self.allocator.free(req.pages)
+            self._unref(req.pages)
             req.pages = []
         for queue in (self.running, self.prefilling, self.waiting):
             if req in queue:
@@ -383,11 +452,21 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     def check_invariants(self) -> None:
-        """Raises ``RuntimeError`` unless every page is either free or held by exactly one
-        live request, and every request is in exactly one state (and queue)."""
-        held = [p for r in self.requests.values() for p in r.pages]
-        if len(held) != len(set(held)):
-            raise RuntimeError("a page is held by two requests")
+        """Raises ``RuntimeError`` unless every page is either free or held by live
+        requests as its holder count says (several only for a shared prompt prefix of
+        parallel samples), and every request is in exactly one state (and queue)."""
+        held: dict[int, int] = {}
+        for r in self.requests.values():
+            for p in r.pages:
+                held[p] = held.get(p, 0) + 1
+        if held != self._refs:
+            raise RuntimeError("page holders differ from the engine's counts")
+        for p, n in held.items():
+            if n > 1:
+                owners = [r for r in self.requests.values() if p in r.pages]
+                roots = {r.rid if r.parent is None else r.parent for r in owners}
+                if len(roots) != 1:
+                    raise RuntimeError(f"page {p} is held by requests of different prompts")
         if self.allocator.num_free + len(held) != self.allocator.num_pages - 1:
             raise RuntimeError(
                 f"pages leaked: {self.allocator.num_free} free + {len(held)} held != {self.allocator.num_pages - 1}"
@@ -421,7 +500,11 @@ class Engine:
             if len(self.running) + len(self.prefilling) >= c.max_batch:
                 break
             r = self.waiting[0]
-            need = self._pages_for(r.num_tokens)
+            share = self._shared_prefix(r)
+            if share is None:  # a sample whose parent is still prefilling: it and those behind it wait
+                break
+            shared, cached = share
+            need = self._pages_for(r.num_tokens) - len(shared)
             if need > self.allocator.num_free:
                 if not self.running and not self.prefilling:  # nothing will free pages
                     self._fail(
@@ -431,11 +514,15 @@ class Engine:
                     )
                     continue
                 break  # wait for running requests to free pages
-            r.pages = self.allocator.alloc(need)
+            for p in shared:
+                self._refs[p] += 1
+            r.pages = list(shared) + self._alloc(need)
+            r.seq_len = cached
+            self.metrics.shared_tokens += cached
             self.waiting.pop(0)
             r.status = "prefilling"
             self.prefilling.append(r)
-            n = min(r.num_tokens, budget)
+            n = min(r.num_tokens - cached, budget)
             batch.append((r, n))
             budget -= n
         return batch
@@ -449,7 +536,7 @@ class Engine:
             r = self.running[i]
             need = self._pages_for(r.seq_len + 1) - len(r.pages)
             if need <= self.allocator.num_free:
-                r.pages += self.allocator.alloc(max(need, 0))
+                r.pages += self._alloc(max(need, 0))
                 i += 1
             elif len(self.running) == 1:
                 self._fail(

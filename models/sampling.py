@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = ["SamplingParams", "sample_tokens", "wrap_seed"]
 
 _INT32 = 2**31
 
@@ -31,7 +31,9 @@ class SamplingParams:
     ``temperature`` 0 is greedy; otherwise temperature + top-p (``0 < top_p <= 1``)
     with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
     taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
-    token is kept in the output); a single int is one stop token, None none.
+    token is kept in the output); a single int is one stop token, None none. ``n``:
+    parallel samples of the prompt (sample ``i`` is seeded ``seed + i``); the engine
+    prefills the prompt once and the samples share its pages.
     """
 
     max_new_tokens: int = 32
@@ -39,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple = ()
+    n: int = 1
 
     def validated(self) -> "SamplingParams":
         """A normalised copy (``stop_token_ids`` a tuple of ints, ``seed`` a signed
@@ -68,8 +71,15 @@ class SamplingParams:
         bad = [x for x in stop if not _is_int(x)]
         if bad:
             raise TypeError(f"stop_token_ids must hold integers, got {bad[0]!r}")
-        seed32 = (int(s) + _INT32) % (2 * _INT32) - _INT32
-        return SamplingParams(int(n), float(t), float(p), seed32, tuple(int(x) for x in stop))
+        k = self.n
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"n={k!r} must be an integer >= 1 (parallel samples)")
+        return SamplingParams(int(n), float(t), float(p), wrap_seed(s), tuple(int(x) for x in stop), int(k))
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` as the signed 32-bit int with the same low 32 bits."""
+    return (int(seed) + _INT32) % (2 * _INT32) - _INT32
 
 
 def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):

@@ -3,6 +3,7 @@ sampling determinism, no recompilation in steady state; SmolLM2 from GGUF when i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -427,3 +428,54 @@ def test_new_weights_through_engine_state(llama):
 def test_engine_config_refuses_what_cannot_serve(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw)
+
+
+def test_parallel_samples_share_the_prompt_pages(llama):
+    """``n = 3`` samples of each prompt: each equals a lone request seeded ``seed + i``;
+    samples 1 and 2 hold their parent's whole prompt pages (page holders checked every
+    step) and prefill only the tail, so ``metrics.shared_tokens`` counts what was not
+    recomputed; a prompt of one page or less shares nothing; every page comes back."""
+    prompts = _prompts(11, lens=(13, 9, 4, 1))
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=40, n=3)
+    eng = _engine(llama)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    shared_seen = False
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+        for rid in rids:
+            group = eng.samples(rid)
+            if all(r.status == "running" for r in group) and len(group[0].prompt) > 4:
+                k = (len(group[0].prompt) - 1) // 4
+                assert all(r.pages[:k] == group[0].pages[:k] for r in group)
+                shared_seen = True
+    assert shared_seen
+    # 13 tokens: 3 pages of 4 shared by 2 samples; 9: 2 pages; 4 and 1: none
+    assert eng.metrics.shared_tokens == 2 * (12 + 8)
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1
+    for rid, p in zip(rids, prompts):
+        group = eng.samples(rid)
+        assert [r.rid for r in group] == list(eng.requests[rid].samples) and len(group) == 3
+        for i, r in enumerate(group):
+            assert r.status == "finished", r.error
+            want = _solo(llama, p, dataclasses.replace(sp, n=1, seed=40 + i))
+            assert r.output_tokens == want, (rid, i)
+    assert len({tuple(r.output_tokens) for r in eng.samples(rids[0])}) > 1  # the seeds differ
+
+
+def test_parallel_samples_under_preemption_and_greedy(llama):
+    """A pool too small for every sample at once: samples are preempted and recomputed
+    (sharing again when their parent runs), pages never leak, greedy samples equal the
+    lone greedy run; ``n`` must be a positive integer."""
+    prompts = _prompts(12, lens=(10, 7))
+    sp = SamplingParams(max_new_tokens=10, n=4)
+    eng = _engine(llama, num_pages=14)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    _drain(eng)
+    assert eng.metrics.preemptions > 0
+    for rid, p in zip(rids, prompts):
+        want = _solo(llama, p, SamplingParams(max_new_tokens=10))
+        assert [r.output_tokens for r in eng.samples(rid)] == [want] * 4
+    assert eng.allocator.num_free == 13
+    bad = eng.add_request([1, 2], SamplingParams(n=0))
+    assert "n=0 must be an integer >= 1" in eng.requests[bad].error
