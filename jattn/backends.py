@@ -23,7 +23,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import ops
+from jattn import cascade, ops
 from jattn.config import LayerSpec as LayerSpec  # re-exported: the backends' public API
 from jattn.config import MHAConfig as MHAConfig
 from jattn.config import MLAConfig as MLAConfig
@@ -276,6 +276,23 @@ class MHABackend(_PlanningMixin):
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
         q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
         kc, vc = kv_cache.layer(layer.layer_id)
+        opts = self.attention_options(layer, is_fp8(kv_cache.dtype))
+        if metadata.group_size > 1 and layer.sliding_window_size < 0 and not layer.non_causal:
+            # A cascade plan: each group's shared prefix is read once (windowed layers
+            # take the plain decode over the same full rows).
+            g = metadata.group_size
+            tables = cascade.cascade_tables(
+                metadata.page_table,
+                metadata.cache_seqlens,
+                metadata.prefix_pages,
+                group_size=g,
+                page_size=metadata.page_size,
+            )
+            del opts["window_left"]
+            out = cascade.cascade_decode(
+                q, kc, vc, *tables, group_size=g, max_seqlen_q=metadata.max_seqlen_q, sinks=sinks, **opts
+            )
+            return out.reshape(out.shape[0], -1), kv_cache
         out = ops.mha_decode_with_kvcache(
             q,
             kc,
@@ -285,7 +302,7 @@ class MHABackend(_PlanningMixin):
             max_seqlen_q=metadata.max_seqlen_q,
             is_causal=metadata.is_causal and not layer.non_causal,
             sinks=sinks,
-            **self.attention_options(layer, is_fp8(kv_cache.dtype)),
+            **opts,
         )
         return out.reshape(out.shape[0], -1), kv_cache
 

@@ -90,8 +90,14 @@ class DecodeMetadata:
     """Metadata of a decode step (``max_seqlen_q`` tokens per request, request-major).
 
     The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
-    ``forward_mode`` and ``num_pages`` (the pool size the page ids were checked against,
-    None if unchecked) are static (a new value compiles a new program).
+    ``forward_mode``, ``num_pages`` (the pool size the page ids were checked against,
+    None if unchecked) and ``group_size`` are static (a new value compiles a new program).
+
+    A **cascade** plan (``group_size > 1``): rows come in groups of ``group_size``
+    consecutive requests, and group ``g``'s rows share their first ``prefix_pages[g]``
+    pages (i32[batch / group_size]; 0: nothing shared). The backends then read each
+    shared prefix once per group (``jattn.cascade_decode``); the page table and lengths
+    are the full rows, as in any plan.
     """
 
     page_table: jax.Array  # i32[bs, max_pages]
@@ -104,6 +110,8 @@ class DecodeMetadata:
     is_causal: bool = True
     forward_mode: ForwardMode = ForwardMode.DECODE
     num_pages: int | None = None  # the pool size every page id was checked against (None: unchecked)
+    prefix_pages: jax.Array | None = None  # i32[batch / group_size] (cascade plans)
+    group_size: int = 1
 
     @property
     def batch_size(self) -> int:
@@ -172,7 +180,7 @@ class ExtendMetadata:
         return self.out_cache_loc.shape[0]
 
 
-_pytree(DecodeMetadata, ("page_table", "cache_seqlens", "out_cache_loc", "positions", "num_reqs"))
+_pytree(DecodeMetadata, ("page_table", "cache_seqlens", "out_cache_loc", "positions", "num_reqs", "prefix_pages"))
 _pytree(
     ExtendMetadata,
     ("page_table", "cache_seqlens", "prefix_lens", "cu_seqlens_q", "out_cache_loc", "positions", "num_reqs"),
@@ -306,6 +314,8 @@ def plan_decode(
     max_pages: int | None = None,
     num_pages: int | None = None,
     forward_mode: ForwardMode | None = None,
+    group_size: int = 1,
+    prefix_pages=None,
 ) -> DecodeMetadata:
     """Builds :class:`DecodeMetadata` from host (numpy) inputs.
 
@@ -328,6 +338,10 @@ def plan_decode(
         more pages than their cache has (None leaves ids unchecked, for direct op use).
       forward_mode: a decode mode (``DECODE``, ``TARGET_VERIFY``, ``DRAFT_BLOCK``) or
         None to read it off ``q_len`` and ``is_causal``.
+      group_size, prefix_pages: a cascade plan (causal modes): requests ``[g * group_size,
+        (g + 1) * group_size)`` share their first ``prefix_pages[g]`` pages (int[number of
+        groups], the last group may be partial). The padded batch must be a multiple of
+        ``group_size``; groups past the last given one share nothing.
 
     Example:
       >>> md = plan_decode(np.array([5, 17]), page_size=16, page_table=np.array([[3, 0], [1, 2]]))
@@ -369,6 +383,7 @@ def plan_decode(
     pos = np.where(empty, 0, pos)
     loc = np.where(empty, DUMMY_PAGE * page_size, _slots(table, rows, pos, page_size))
     _check_unique_slots(loc[~empty[:, 0]].reshape(-1), page_size)
+    pp = _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size, q_len, is_causal)
     return DecodeMetadata(
         page_table=np.asarray(table, np.int32),
         cache_seqlens=lens,
@@ -380,7 +395,44 @@ def plan_decode(
         is_causal=is_causal,
         forward_mode=mode,
         num_pages=num_pages,
+        prefix_pages=pp,
+        group_size=int(group_size),
     )
+
+
+def _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size, q_len, is_causal):
+    """The checked i32 ``prefix_pages`` of a cascade plan (None for ``group_size`` 1)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1")
+    if group_size == 1:
+        if prefix_pages is not None:
+            raise ValueError("prefix_pages needs group_size > 1")
+        return None
+    if not is_causal:
+        raise ValueError("a cascade plan (group_size > 1) must be causal")
+    if bs_pad % group_size:
+        raise ValueError(f"the padded batch {bs_pad} is not a multiple of group_size={group_size}")
+    groups = bs_pad // group_size
+    given = _as_int_array(prefix_pages, "prefix_pages", 1)
+    want = -(-bs // group_size)
+    if given.shape[0] != want:
+        raise ValueError(f"prefix_pages has {given.shape[0]} entries; the {bs} requests form {want} groups")
+    pp = np.zeros(groups, np.int32)
+    pp[: given.shape[0]] = given
+    for g in range(groups):
+        n = int(pp[g])
+        rows = range(g * group_size, (g + 1) * group_size)
+        if n < 0 or n > table.shape[1]:
+            raise ValueError(f"prefix_pages[{g}]={n} is outside [0, {table.shape[1]}]")
+        for b in rows:
+            if n and not np.array_equal(table[b, :n], table[g * group_size, :n]):
+                raise ValueError(f"request {b} does not share group {g}'s first {n} pages")
+            if n and lens[b] - n * page_size < q_len:
+                raise ValueError(
+                    f"request {b}: seq_len {int(lens[b])} leaves fewer than q_len={q_len} new tokens after "
+                    f"group {g}'s {n} shared pages of {page_size} (padding rows cannot join a sharing group)"
+                )
+    return pp
 
 
 def _decode_mode(forward_mode, q_len: int, is_causal: bool) -> ForwardMode:

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jattn.kv_cache import PageAllocator
-from jattn.metadata import DEFAULT_BATCH_BUCKETS, plan_decode, plan_extend
+from jattn.metadata import DEFAULT_BATCH_BUCKETS, bucket, plan_decode, plan_extend
 from jattn.models.sampling import SamplingParams, _is_int, sample_tokens, wrap_seed
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
@@ -102,6 +102,10 @@ class EngineConfig:
     # axis mesh_axis (jattn.models.parallel.for_engine); the step stays one jit.
     mesh: object = None
     mesh_axis: str = "tp"
+    # Cascade decode for parallel samples that share prompt pages: None = when the shared
+    # pages are at least a quarter of the batch's KV reads, True = whenever they share,
+    # False = never (a plain decode over the same pages gives the same tokens).
+    cascade: bool | None = None
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -204,6 +208,7 @@ class EngineMetrics:
     preemptions: int = 0
     failed_steps: int = 0
     shared_tokens: int = 0  # prompt tokens a parallel sample did not prefill (its parent's pages)
+    cascade_steps: int = 0  # decode steps planned as a cascade (shared prefixes read once per group)
 
     @property
     def busy_time(self) -> float:
@@ -619,7 +624,43 @@ class Engine:
             self._accept(r, int(nxt[i]))
         return StepInfo("extend", tuple(r.rid for r in reqs), compiled=compiled, seconds=dt)
 
+    def _cascade_grouping(self, reqs: list[Request]):
+        """``(reqs reordered, group_size, prefix_pages)`` for a cascade decode of ``reqs``,
+        or None: the parallel samples of one prompt that run together (the largest such
+        set sets ``group_size``) form a group sharing their common leading pages; the
+        other requests follow, ``group_size`` to a group sharing nothing."""
+        if self.config.cascade is False:
+            return None
+        roots: dict[int, list[Request]] = {}
+        for r in reqs:
+            roots.setdefault(r.rid if r.parent is None else r.parent, []).append(r)
+        g = max(len(m) for m in roots.values())
+        if g < 2:
+            return None
+        groups, loose = [], []
+        for members in roots.values():
+            first = members[0].pages
+            n = min(next((i for i, (a, b) in enumerate(zip(first, m.pages)) if a != b), len(m.pages)) for m in members)
+            n = min(n, min(m.seq_len // self.page_size for m in members))  # the new token stays outside
+            if len(members) == g and n > 0:
+                groups.append((members, n))
+            else:
+                loose.extend(members)
+        if not groups or bucket(len(reqs), self.config.batch_buckets) % g:
+            return None
+        saved = sum((g - 1) * n * self.page_size for _, n in groups)
+        if self.config.cascade is None and 4 * saved < sum(r.seq_len + 1 for r in reqs):
+            return None
+        order = [m for members, _ in groups for m in members] + loose
+        return order, g, [n for _, n in groups] + [0] * (-(-len(loose) // g))
+
     def _decode_step(self, reqs: list[Request]) -> StepInfo:
+        grouping = self._cascade_grouping(reqs)
+        cascade = {}
+        if grouping is not None:
+            reqs, g, pp = grouping
+            cascade = dict(group_size=g, prefix_pages=np.asarray(pp, np.int32))
+            self.metrics.cascade_steps += 1
         lens = np.array([r.seq_len + 1 for r in reqs])
         md = plan_decode(
             lens,
@@ -628,6 +669,7 @@ class Engine:
             batch_buckets=self.config.batch_buckets,
             max_pages=self.max_pages,
             num_pages=self.config.num_pages,
+            **cascade,
         )
         tokens = np.zeros(md.num_tokens, np.int32)
         tokens[: len(reqs)] = [r.output_tokens[-1] for r in reqs]

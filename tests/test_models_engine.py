@@ -479,3 +479,66 @@ def test_parallel_samples_under_preemption_and_greedy(llama):
     assert eng.allocator.num_free == 13
     bad = eng.add_request([1, 2], SamplingParams(n=0))
     assert "n=0 must be an integer >= 1" in eng.requests[bad].error
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_parallel_samples_decode_as_a_cascade(arch, request):
+    """With ``cascade=True`` the decode steps of 4 samples per prompt are cascade plans
+    (each shared prompt prefix read once per group; a lone request rides along in a group
+    that shares nothing) and every sample still equals its lone run. MLA plans carry the
+    grouping too; its backend decodes the full rows."""
+    model = request.getfixturevalue(arch)
+    prompts = _prompts(13, lens=(14, 11))
+    sp = SamplingParams(max_new_tokens=5, temperature=0.8, seed=9, n=4)
+    eng = _engine(model, cascade=True)
+    rids = [eng.add_request(p, sp) for p in prompts]
+    lone = eng.add_request(prompts[1][:6], SamplingParams(max_new_tokens=5))
+    _drain(eng)
+    assert eng.metrics.cascade_steps > 0
+    for rid, p in zip(rids, prompts):
+        for i, r in enumerate(eng.samples(rid)):
+            assert r.output_tokens == _solo(model, p, dataclasses.replace(sp, n=1, seed=9 + i)), (rid, i)
+    assert eng.requests[lone].output_tokens == _solo(model, prompts[1][:6], SamplingParams(max_new_tokens=5))
+    off = _engine(model, cascade=False)
+    off.generate(prompts, sp)
+    assert off.metrics.cascade_steps == 0
+
+
+def test_cascade_plan_decodes_like_the_plain_plan(monkeypatch):
+    """The MHA backend on a cascade plan (groups of 2 sharing 3 pages, one group sharing
+    nothing, bucket padding) gives the plain plan's outputs; bad groupings are refused."""
+    import jax.numpy as jnp
+
+    from jattn import LayerSpec, MHABackend, MHAConfig, PagedKVCache, cascade
+    from jattn.metadata import plan_decode
+
+    rng = np.random.default_rng(0)
+    ps, hq, hkv, d = 4, 4, 2, 16
+    cfg = MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, num_pages=32, kernel_backend="xla")
+    be = MHABackend(cfg)
+    k = jnp.asarray(rng.standard_normal((32, ps, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((32, ps, hkv, d)), jnp.float32)
+    cache = PagedKVCache(k=(k,), v=(v,))
+    table = np.array([[1, 2, 3, 4, 0], [1, 2, 3, 5, 6], [7, 8, 0, 0, 0], [9, 10, 11, 0, 0], [12, 0, 0, 0, 0]])
+    lens = np.array([14, 19, 6, 9, 2])
+    layer = LayerSpec(0, hq, hkv, d)
+    q = jnp.asarray(rng.standard_normal((6, hq, d)), jnp.float32)  # the bucket's rows
+    kw = dict(page_size=ps, page_table=table, batch_buckets=(2, 4, 6, 8), num_pages=32)
+    plain = plan_decode(lens, **kw)
+    cas = plan_decode(lens, group_size=2, prefix_pages=np.array([3, 0, 0]), **kw)
+    assert cas.group_size == 2 and cas.prefix_pages.tolist() == [3, 0, 0]
+    want = be.forward_decode(q, None, None, layer, cache, plain, save_kv_cache=False)[0]
+    got = be.forward_decode(q, None, None, layer, cache, cas, save_kv_cache=False)[0]
+    np.testing.assert_allclose(np.asarray(got)[:5], np.asarray(want)[:5], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="request 3 does not share group 1's first 1 pages"):
+        plan_decode(lens, group_size=2, prefix_pages=np.array([3, 1, 0]), **kw)
+    with pytest.raises(ValueError, match="padding rows cannot join a sharing group"):
+        plan_decode(lens, group_size=2, prefix_pages=np.array([3, 0, 1]), **kw)
+    with pytest.raises(ValueError, match="not a multiple of group_size=4"):
+        plan_decode(lens, group_size=4, prefix_pages=np.array([3, 0]), **kw)
+    calls = []
+    real = cascade.cascade_decode
+    monkeypatch.setattr(cascade, "cascade_decode", lambda *a, **k: calls.append(k["group_size"]) or real(*a, **k))
+    be.forward_decode(q, None, None, layer, cache, cas, save_kv_cache=False)
+    be.forward_decode(q, None, None, dataclasses.replace(layer, sliding_window_size=3), cache, cas, save_kv_cache=False)
+    assert calls == [2]  # the cascade path ran; a windowed layer takes the plain decode
