@@ -118,6 +118,7 @@ class TorchMHABackend(_BridgeBase):
                 save_kv_cache=save_kv_cache,
                 sinks=sinks,
                 decode=kind == "decode",
+                batch_invariant=self.config.batch_invariant,
             )
         st = self._pool_state(pool)
         # The plan does not depend on which sinks tensor is passed (it reads them per call).

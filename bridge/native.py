@@ -23,6 +23,7 @@ import torch
 
 from jattn.backends import LayerSpec
 from jattn.metadata import DecodeMetadata
+from jattn.ops import invariant_num_splits
 
 from .convert import BridgeError
 
@@ -119,6 +120,7 @@ def run_layer(
     save_kv_cache: bool,
     sinks: torch.Tensor | None,
     decode: bool,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One layer's attention on the pool buffers ``k_buf`` / ``v_buf`` (the layer's
     ``[slots, Hkv, D]``), as the core backend's ``forward_decode`` / ``forward_extend``
@@ -162,6 +164,7 @@ def run_layer(
             t["cache_seqlens"],
             max_seqlen_q=plan.max_seqlen_q,
             is_causal=causal,
+            num_splits=invariant_num_splits(t["page_table"].shape[1] * page_size) if batch_invariant else None,
             **opts,
         )
     elif not plan.has_prefix and not fp8:

@@ -302,6 +302,7 @@ class MHABackend(_PlanningMixin):
             max_seqlen_q=metadata.max_seqlen_q,
             is_causal=metadata.is_causal and not layer.non_causal,
             sinks=sinks,
+            batch_invariant=self.config.batch_invariant,
             **opts,
         )
         return out.reshape(out.shape[0], -1), kv_cache

@@ -50,6 +50,9 @@ class MHAConfig:
     spec_num_tokens: int = 1
     kernel_backend: str | None = None  # None = auto; "mosaic", "triton", "xla"
     batch_buckets: tuple = DEFAULT_BATCH_BUCKETS
+    # Decode with batch-invariant bits (jattn.mha_decode_with_kvcache(batch_invariant=True));
+    # cascade plans group requests by batch and are not covered.
+    batch_invariant: bool = False
 
     @property
     def max_num_pages(self) -> int:

@@ -286,6 +286,7 @@ def mha_decode_with_kvcache(
     v_scale=1.0,
     return_lse: bool = False,
     backend: str | None = None,
+    batch_invariant: bool = False,
 ):
     """Paged decode attention (``max_seqlen_q`` tokens per request: spec verify, draft blocks).
 
@@ -309,6 +310,11 @@ def mha_decode_with_kvcache(
       return_lse: also return the natural-log LSE f32[bs * max_seqlen_q, num_q_heads]
         (``-inf`` for rows that see no key; the sink is not included).
       backend: None (auto), "mosaic", "triton" or "xla".
+      batch_invariant: a request's output bits do not depend on the batch (its size, the
+        bucket, the other requests) for a given page-table width: the split-KV kernels
+        take their split count from the width alone (one split per
+        :data:`INVARIANT_SPLIT_TOKENS` tokens) instead of from the batch. Costs speed
+        where the batch-sized choice would differ (docs/PERF.md).
 
     Returns:
       out [bs * max_seqlen_q, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)``.
@@ -354,7 +360,46 @@ def mha_decode_with_kvcache(
         **kw,
     )
     impl = impl or reference.mha_decode
+    if batch_invariant:
+        kw.update(_invariant_splits(impl, q, k_cache, page_table, max_seqlen_q))
     return impl(q, k_cache, v_cache, page_table, cache_seqlens, **kw)
+
+
+#: Tokens of the page-table width per split-KV split in ``batch_invariant`` decode.
+INVARIANT_SPLIT_TOKENS = 1024
+
+
+def invariant_num_splits(width_tokens: int) -> int:
+    """The split count of batch-invariant decode for a page table of ``width_tokens``
+    tokens (columns * page size): one split per :data:`INVARIANT_SPLIT_TOKENS`, 1 to 64."""
+    return max(1, min(64, -(-int(width_tokens) // INVARIANT_SPLIT_TOKENS)))
+
+
+def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
+    """The split-count keyword of kernel ``impl`` for batch-invariant decode: the same for
+    every batch of this page-table width ({} for XLA's decode, which has no splits)."""
+    module = getattr(impl, "__module__", "").rsplit(".", 1)[-1]
+    width = page_table.shape[1] * k_cache.shape[1]
+    splits = invariant_num_splits(width)
+    if module == "triton_decode":
+        return {"num_splits": splits}
+    if module == "mosaic_decode":
+        import dataclasses
+
+        mod = _kernel_module("mosaic_decode")
+        bsz = mod.choose_block_sizes(
+            batch=1,  # only the split count depends on the batch; it is replaced here
+            num_kv_heads=k_cache.shape[2],
+            head_dim=k_cache.shape[3],
+            page_size=k_cache.shape[1],
+            max_pages=page_table.shape[1],
+            m_rows=max_seqlen_q * q.shape[1],
+            kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
+            q_itemsize=jnp.dtype(q.dtype).itemsize,
+        )
+        blocks = -(-width // (bsz.block_tokens * bsz.pages_per_block))
+        return {"block_sizes": dataclasses.replace(bsz, num_splits=min(splits, blocks))}
+    return {}
 
 
 def mha_extend_with_kvcache(

@@ -1,0 +1,180 @@
+"""``batch_invariant=True`` decode: a request's output bits do not depend on its batch.
+
+Five requests (lengths 0, 1, 97, 200, 41; permuted pages, NaN in every unused slot and
+page) are decoded together, padded to a bucket of 8, and each alone and in a batch of three,
+all with one page-table width: the rows must be equal bit for bit. XLA's decode and the
+Mosaic GPU kernel (interpreted on the CPU) run through ``jattn.mha_decode_with_kvcache``
+with a small ``INVARIANT_SPLIT_TOKENS`` so that every call splits the keys several ways; the
+Triton kernel runs interpreted (a ``TRITON_INTERPRET=1`` subprocess, fp16) through
+``jattn.bridge.triton_native`` with the split count the op would pass. Without the flag the
+Mosaic split count follows the batch, which is what the mode removes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from interpreted import run_in_interpreter
+
+import jattn
+
+LENS = (0, 1, 97, 200, 41)
+PS, HQ, HKV, D, WIDTH = 16, 4, 2, 64, 16
+SPLIT_TOKENS = 64  # -> 4 splits over the 256-token width
+
+
+def _inputs(dtype):
+    rng = np.random.default_rng(5)
+    num_pages = len(LENS) * WIDTH + 3
+    k = np.full((num_pages, PS, HKV, D), np.nan, np.float32)
+    v = np.full((num_pages, PS, HKV, D), np.nan, np.float32)
+    table = rng.permutation(num_pages)[: len(LENS) * WIDTH].reshape(len(LENS), WIDTH).astype(np.int32)
+    for b, n in enumerate(LENS):
+        t = np.arange(n)
+        k[table[b, t // PS], t % PS] = rng.standard_normal((n, HKV, D))
+        v[table[b, t // PS], t % PS] = rng.standard_normal((n, HKV, D))
+    q = rng.standard_normal((8, HQ, D)).astype(np.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), table, np.asarray(LENS, np.int32)
+
+
+def _batches():
+    """(rows of the request set, padded to) for: all five in a bucket of 8, three of them
+    alone (lengths 97, 41 and 0), and three together in a bucket of 4."""
+    yield list(range(5)), 8
+    for b in (2, 4, 0):
+        yield [b], 1
+    yield [3, 1, 4], 4
+
+
+def _padded(rows, pad, q, table, lens):
+    pt = np.zeros((pad, WIDTH), np.int32)
+    pt[: len(rows)] = table[rows]
+    sl = np.zeros(pad, np.int32)
+    sl[: len(rows)] = lens[rows]
+    qq = np.zeros((pad, HQ, D), q.dtype)
+    qq[: len(rows)] = q[rows]
+    return qq, pt, sl
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
+    import contextlib
+
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
+
+    if backend == "mosaic" and not on_gpu() and not interpreter_available():
+        pytest.skip("no Mosaic GPU interpreter in this JAX")
+    ctx = gpu_interpret if backend == "mosaic" and not on_gpu() else contextlib.nullcontext
+
+    monkeypatch.setattr(jattn.ops, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    q, k, v, table, lens = _inputs(np.float32)
+    kj, vj = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    got = {}
+    for rows, pad in _batches():
+        qq, pt, sl = _padded(rows, pad, q, table, lens)
+        qb, ptj, slj = jnp.asarray(qq, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(sl)
+        with ctx():
+            out = jattn.mha_decode_with_kvcache(qb, kj, vj, ptj, slj, backend=backend, batch_invariant=True)
+        out = np.asarray(out, np.float32)
+        for i, b in enumerate(rows):
+            if b in got:
+                np.testing.assert_array_equal(out[i], got[b], err_msg=f"request {b} in batch {rows}")
+            got[b] = out[i]
+    assert len(got) == 5 and all(np.isfinite(x).all() for x in got.values()) and not got[0].any()  # len 0: 0
+
+
+def test_mosaic_split_count_follows_the_batch_unless_invariant(monkeypatch):
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    monkeypatch.setattr(jattn.ops, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    kw = dict(num_kv_heads=HKV, head_dim=D, page_size=PS, max_pages=1024, m_rows=HQ, kv_itemsize=2)
+    assert md.choose_block_sizes(batch=1, **kw).num_splits != md.choose_block_sizes(batch=8, **kw).num_splits
+    q, k, v, table, lens = _inputs(np.float32)
+    pick = jattn.ops._invariant_splits(md.mha_decode, q[:1], k, table[:1], 1)
+    assert pick["block_sizes"].num_splits == 4
+    assert jattn.ops._invariant_splits(md.mha_decode, q, k, table, 1) == pick
+
+
+def run_interpreted(name: str, path: str) -> None:
+    import torch
+
+    from jattn.bridge import triton_native
+
+    q, k, v, table, lens = _inputs(np.float16)
+    splits = -(-WIDTH * PS // SPLIT_TOKENS)
+    res = {}
+    for j, (rows, pad) in enumerate(_batches()):
+        qq, pt, sl = _padded(rows, pad, q, table, lens)
+        t = torch.from_numpy
+        out = triton_native.mha_decode(t(qq), t(k), t(v), t(pt), t(sl), num_splits=splits)
+        res[f"batch{j}"] = out.float().numpy()
+        res[f"rows{j}"] = np.asarray(rows)
+    np.savez(path, **res)
+
+
+def test_interpreted_triton_request_bits_do_not_depend_on_the_batch(tmp_path_factory):
+    res = run_in_interpreter(tmp_path_factory, "test_batch_invariant", {"run_interpreted": ["triton"]})["triton"]
+    got = {}
+    for j in range(len(list(_batches()))):
+        out, rows = res[f"batch{j}"], res[f"rows{j}"]
+        for i, b in enumerate(rows.tolist()):
+            if b in got:
+                np.testing.assert_array_equal(out[i], got[b], err_msg=f"request {b} in batch {rows.tolist()}")
+            got[b] = out[i]
+    assert all(np.isfinite(x).all() for x in got.values())
+
+
+def test_backend_config_turns_the_mode_on(monkeypatch):
+    """``MHAConfig(batch_invariant=True)``: the backend's decode calls carry the flag."""
+    import jax.numpy as jnp
+
+    from jattn import LayerSpec, MHABackend, MHAConfig, PagedKVCache
+    from jattn.metadata import plan_decode
+
+    seen = []
+    real = jattn.ops.mha_decode_with_kvcache
+    monkeypatch.setattr(
+        jattn.ops, "mha_decode_with_kvcache", lambda *a, **k: seen.append(k["batch_invariant"]) or real(*a, **k)
+    )
+    q, k, v, table, lens = _inputs(np.float32)
+    table = table + 1  # the planner keeps page 0 for padding rows
+    k, v = np.concatenate([k[:1], k]), np.concatenate([v[:1], v])
+    cache = PagedKVCache(k=(jnp.asarray(np.nan_to_num(k)),), v=(jnp.asarray(np.nan_to_num(v)),))
+    md = plan_decode(lens, page_size=PS, page_table=table, batch_buckets=(8,), num_pages=k.shape[0])
+    for flag in (True, False):
+        cfg = MHAConfig(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, batch_invariant=flag)
+        MHABackend(cfg).forward_decode(jnp.asarray(q), None, None, LayerSpec(0, HQ, HKV, D), cache, md, False)
+    assert seen == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_gpu_request_bits_do_not_depend_on_the_batch(backend):
+    """At serving shapes (GQA 32/8, d128, page 64, a 4096-token width): request 0 decoded
+    alone and inside batches of 7, 31 and 127 others gives the same bits."""
+    import jax
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels.interpret import on_gpu
+
+    if not on_gpu() or (backend == "triton" and not triton_glue.available()):
+        pytest.skip("needs a GPU (and jax-triton for the triton backend)")
+    rng = np.random.default_rng(1)
+    ps, hq, hkv, d, width, bs = 64, 32, 8, 128, 64, 128
+    kc = jax.random.normal(jax.random.key(0), (bs * width + 1, ps, hkv, d), jnp.bfloat16)
+    vc = jax.random.normal(jax.random.key(1), (bs * width + 1, ps, hkv, d), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(bs * width).reshape(bs, width) + 1, jnp.int32)
+    lens = jnp.asarray(rng.integers(1, width * ps, bs), jnp.int32)
+    q = jax.random.normal(jax.random.key(2), (bs, hq, d), jnp.bfloat16)
+    outs = [
+        np.asarray(
+            jattn.mha_decode_with_kvcache(q[:n], kc, vc, table[:n], lens[:n], backend=backend, batch_invariant=True)[0],
+            np.float32,
+        )
+        for n in (1, 8, 32, 128)
+    ]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
