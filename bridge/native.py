@@ -23,7 +23,7 @@ import torch
 
 from jattn.backends import LayerSpec
 from jattn.metadata import DecodeMetadata
-from jattn.ops import invariant_num_splits
+from jattn.pallas_kernels.combine import invariant_num_splits
 
 from .convert import BridgeError
 

@@ -313,7 +313,7 @@ def mha_decode_with_kvcache(
       batch_invariant: a request's output bits do not depend on the batch (its size, the
         bucket, the other requests) for a given page-table width: the split-KV kernels
         take their split count from the width alone (one split per
-        :data:`INVARIANT_SPLIT_TOKENS` tokens) instead of from the batch. Costs speed
+        ``pallas_kernels.combine.INVARIANT_SPLIT_TOKENS`` tokens) instead of from the batch. Costs speed
         where the batch-sized choice would differ (docs/PERF.md).
 
     Returns:
@@ -365,21 +365,13 @@ def mha_decode_with_kvcache(
     return impl(q, k_cache, v_cache, page_table, cache_seqlens, **kw)
 
 
-#: Tokens of the page-table width per split-KV split in ``batch_invariant`` decode.
-INVARIANT_SPLIT_TOKENS = 1024
-
-
-def invariant_num_splits(width_tokens: int) -> int:
-    """The split count of batch-invariant decode for a page table of ``width_tokens``
-    tokens (columns * page size): one split per :data:`INVARIANT_SPLIT_TOKENS`, 1 to 64."""
-    return max(1, min(64, -(-int(width_tokens) // INVARIANT_SPLIT_TOKENS)))
-
-
 def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
     """The split-count keyword of kernel ``impl`` for batch-invariant decode: the same for
     every batch of this page-table width ({} for XLA's decode, which has no splits)."""
     module = getattr(impl, "__module__", "").rsplit(".", 1)[-1]
     width = page_table.shape[1] * k_cache.shape[1]
+    from jattn.pallas_kernels.combine import invariant_num_splits
+
     splits = invariant_num_splits(width)
     if module == "triton_decode":
         return {"num_splits": splits}

@@ -118,6 +118,8 @@ class EngineConfig:
             bk = getattr(self, name)
             if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
+        if self.cascade not in (None, True, False):
+            raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
         if self.token_buckets and max(self.token_buckets) < 16:
             raise ValueError(
                 f"EngineConfig.token_buckets={self.token_buckets!r}: the largest must be >= 16 "

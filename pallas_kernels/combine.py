@@ -38,7 +38,7 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
     tl = None
 
-__all__ = ["combine_splits", "combine_launch_params"]
+__all__ = ["combine_splits", "combine_launch_params", "invariant_num_splits", "INVARIANT_SPLIT_TOKENS"]
 
 _LN2 = math.log(2.0)
 _ELEMS = 8192  # partial-output elements one program loads per chunk (64 per thread)
@@ -114,6 +114,19 @@ def _combine_kernel(
     out = acc * factor
     tl.store(out_ptr + b * (M_ROWS * D) + r * D + cols, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_out_ptr + b * M_ROWS + r, lse_nat)
+
+
+#: Tokens of the page-table width per split in batch-invariant decode
+#: (``jattn.mha_decode_with_kvcache(batch_invariant=True)``).
+INVARIANT_SPLIT_TOKENS = 1024
+
+
+def invariant_num_splits(width_tokens: int) -> int:
+    """The split count of batch-invariant decode for a page table of ``width_tokens``
+    tokens (columns * page size): one split per :data:`INVARIANT_SPLIT_TOKENS`, 1 to 64.
+    It depends on the width alone, so a request's partials and their merge are the same
+    in every batch."""
+    return max(1, min(64, -(-int(width_tokens) // INVARIANT_SPLIT_TOKENS)))
 
 
 def combine_launch_params(num_splits: int, batch: int, m_rows: int, head_dim: int):

@@ -4,7 +4,7 @@ Five requests (lengths 0, 1, 97, 200, 41; permuted pages, NaN in every unused sl
 page) are decoded together, padded to a bucket of 8, and each alone and in a batch of three,
 all with one page-table width: the rows must be equal bit for bit. XLA's decode and the
 Mosaic GPU kernel (interpreted on the CPU) run through ``jattn.mha_decode_with_kvcache``
-with a small ``INVARIANT_SPLIT_TOKENS`` so that every call splits the keys several ways; the
+with a small ``pallas_kernels.combine.INVARIANT_SPLIT_TOKENS`` so that every call splits the keys several ways; the
 Triton kernel runs interpreted (a ``TRITON_INTERPRET=1`` subprocess, fp16) through
 ``jattn.bridge.triton_native`` with the split count the op would pass. Without the flag the
 Mosaic split count follows the batch, which is what the mode removes.
@@ -17,6 +17,7 @@ import pytest
 from interpreted import run_in_interpreter
 
 import jattn
+from jattn.pallas_kernels import combine
 
 LENS = (0, 1, 97, 200, 41)
 PS, HQ, HKV, D, WIDTH = 16, 4, 2, 64, 16
@@ -68,7 +69,7 @@ def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
         pytest.skip("no Mosaic GPU interpreter in this JAX")
     ctx = gpu_interpret if backend == "mosaic" and not on_gpu() else contextlib.nullcontext
 
-    monkeypatch.setattr(jattn.ops, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    monkeypatch.setattr(combine, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
     q, k, v, table, lens = _inputs(np.float32)
     kj, vj = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     got = {}
@@ -88,7 +89,7 @@ def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
 def test_mosaic_split_count_follows_the_batch_unless_invariant(monkeypatch):
     from jattn.pallas_kernels import mosaic_decode as md
 
-    monkeypatch.setattr(jattn.ops, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    monkeypatch.setattr(combine, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
     kw = dict(num_kv_heads=HKV, head_dim=D, page_size=PS, max_pages=1024, m_rows=HQ, kv_itemsize=2)
     assert md.choose_block_sizes(batch=1, **kw).num_splits != md.choose_block_sizes(batch=8, **kw).num_splits
     q, k, v, table, lens = _inputs(np.float32)

@@ -423,6 +423,7 @@ def test_new_weights_through_engine_state(llama):
         (dict(max_prefill_tokens=0), "max_prefill_tokens"),
         (dict(token_buckets=(8,)), "token_buckets"),
         (dict(batch_buckets=(0, 4)), "batch_buckets"),
+        (dict(cascade="yes"), "cascade"),
     ],
 )
 def test_engine_config_refuses_what_cannot_serve(kw, match):
