@@ -38,13 +38,15 @@ def _inputs(dtype):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), table, np.asarray(LENS, np.int32)
 
 
-def _batches():
+def _batches(small: bool = False):
     """(rows of the request set, padded to) for: all five in a bucket of 8, three of them
-    alone (lengths 97, 41 and 0), and three together in a bucket of 4."""
+    alone (lengths 97, 41 and 0), and three together in a bucket of 4 (``small``: the
+    first two alone only; the Mosaic interpreter is slow)."""
     yield list(range(5)), 8
-    for b in (2, 4, 0):
+    for b in (2, 4) if small else (2, 4, 0):
         yield [b], 1
-    yield [3, 1, 4], 4
+    if not small:
+        yield [3, 1, 4], 4
 
 
 def _padded(rows, pad, q, table, lens):
@@ -73,7 +75,7 @@ def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
     q, k, v, table, lens = _inputs(np.float32)
     kj, vj = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     got = {}
-    for rows, pad in _batches():
+    for rows, pad in _batches(small=backend == "mosaic" and not on_gpu()):
         qq, pt, sl = _padded(rows, pad, q, table, lens)
         qb, ptj, slj = jnp.asarray(qq, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(sl)
         with ctx():
