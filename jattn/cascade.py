@@ -9,16 +9,25 @@ request ``b`` (of group ``b // group_size``) continues with its own
 the prefix followed by its suffix, and the result equals
 ``mha_decode_with_kvcache`` over that concatenation:
 
-* **prefix pass**: the group's queries are the query rows of one request, so each
-  prefix page is read once per *chunk* of requests rather than once per request
-  (``mha_decode_with_kvcache`` with ``max_seqlen_q = chunk * q_len``, non-causal:
-  every query of the group comes after the whole prefix). A chunk is the largest
-  divisor of ``group_size`` whose rows fit the decode kernels' ``max_seqlen_q``
-  limit (8), unless ``prefix_chunk`` says otherwise;
-* **suffix pass**: each request over its own pages, causal as in a normal decode
-  (query ``i`` of ``q_len`` sees suffix token ``j <= suffix_len - q_len + i``);
-* **merge**: ``attn_merge_state`` of the two ``(o, lse)`` pairs, then the sinks.
+* **prefix pass**: the group's queries attend to the prefix together, so each
+  prefix page is read once per group (or per chunk of the group) rather than once
+  per request. Two ways, chosen by ``prefix_pass``:
 
+  - ``"decode"``: ``mha_decode_with_kvcache`` with ``max_seqlen_q = chunk * q_len``,
+    non-causal (every query of the group comes after the whole prefix). A chunk is
+    the largest divisor of ``group_size`` whose rows fit the decode kernels'
+    ``max_seqlen_q`` limit (8), unless ``prefix_chunk`` says otherwise. Best for
+    small groups: the decode kernels pack all query heads of a request into one
+    tile, so 8 query rows fill the matrix unit;
+  - ``"extend"``: ``mha_extend_with_kvcache``, non-causal, the group's
+    ``group_size * q_len`` queries being one request's new tokens, and the prefix
+    cut into ``prefix_splits`` page ranges (separate requests of that call, so a
+    long prefix of one group still spreads over the machine), merged by their LSE.
+    The prefix is read once per group; the prefill kernels' 128-row query tiles
+    make it the choice when a group has more than 8 query rows.
+
+  By default (``prefix_pass=None``) groups of at most 8 query rows take
+  ``"decode"``, larger ones ``"extend"``;
 :func:`cascade_tables` derives the two-level structure from a normal decode plan
 (rows whose first pages are shared) on the device; :func:`check_shared_prefix`
 checks a grouping on the host.
@@ -34,9 +43,20 @@ import jax.numpy as jnp
 
 from jattn import ops
 
-__all__ = ["cascade_decode", "cascade_tables", "check_shared_prefix", "prefix_chunk_size"]
+__all__ = [
+    "cascade_decode",
+    "cascade_tables",
+    "check_shared_prefix",
+    "merge_states",
+    "prefix_chunk_size",
+    "prefix_split_count",
+]
 
 _MAX_ROWS = 8  # the decode kernels' max_seqlen_q
+# Programs the extend prefix pass aims for: about one wave of a 108-132 SM GPU
+# (A100, H100, H200). More splits only add merge work.
+_TARGET_PROGRAMS = 128
+_MIN_SPLIT_TOKENS = 1024  # a split shorter than this pays its pipeline fill for little work
 
 
 def prefix_chunk_size(group_size: int, q_len: int, limit: int = _MAX_ROWS) -> int:
@@ -46,6 +66,65 @@ def prefix_chunk_size(group_size: int, q_len: int, limit: int = _MAX_ROWS) -> in
         if group_size % c == 0 and c * q_len <= limit:
             best = c
     return best
+
+
+def prefix_split_count(groups: int, rows: int, num_q_heads: int, prefix_tokens: int) -> int:
+    """Page ranges per group prefix for the ``"extend"`` prefix pass: enough
+    (query head, 128-row tile, range) programs for about one wave, with ranges of at
+    least ``_MIN_SPLIT_TOKENS`` of the ``prefix_tokens`` capacity."""
+    programs = groups * num_q_heads * -(-rows // 128)
+    want = -(-_TARGET_PROGRAMS // max(1, programs))
+    return max(1, min(want, prefix_tokens // _MIN_SPLIT_TOKENS))
+
+
+def merge_states(outs, lses, dtype):
+    """Merges ``K`` partial attentions over disjoint keys: ``outs [K, T, H, Dv]``,
+    natural-log ``lses f32[K, T, H]`` -> ``(o [T, H, Dv] in dtype, lse [T, H])``.
+    A part with LSE ``-inf`` contributes nothing, whatever its output holds; all
+    ``-inf`` gives ``o = 0, lse = -inf``."""
+    m = jnp.max(lses, axis=0)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    w = jnp.exp(lses - m[None])  # 0 where a part is empty
+    den = jnp.sum(w, axis=0)
+    num = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs.astype(jnp.float32), 0.0), axis=0)
+    o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return o.astype(dtype), lse
+
+
+def _extend_prefix(q, k_cache, v_cache, prefix_page_table, prefix_lens, group_size, q_len, splits, common):
+    """The ``"extend"`` prefix pass: ``[S, bs * q_len, Hq, Dv]`` outputs and
+    ``[S, bs * q_len, Hq]`` LSEs, one per page range of each group's prefix."""
+    groups, width = prefix_page_table.shape
+    n = group_size * q_len
+    per = -(-width // splits)  # pages per range
+    page_size = k_cache.shape[1]
+    table = prefix_page_table.astype(jnp.int32)
+    if per * splits != width:  # pad with the row's first page (a valid id; never read)
+        table = jnp.concatenate([table, jnp.repeat(table[:, :1], per * splits - width, axis=1)], axis=1)
+    table = table.reshape(groups * splits, per)
+    starts = jnp.arange(splits, dtype=jnp.int32) * (per * page_size)
+    lens = jnp.clip(prefix_lens.astype(jnp.int32)[:, None] - starts[None, :], 0, per * page_size)  # [G, S]
+    hq, d = q.shape[1], q.shape[2]
+    q_ext = jnp.broadcast_to(q.reshape(groups, 1, n, hq, d), (groups, splits, n, hq, d)).reshape(-1, hq, d)
+    cu = jnp.arange(groups * splits + 1, dtype=jnp.int32) * n
+    o, lse = ops.mha_extend_with_kvcache(
+        q_ext,
+        k_cache,
+        v_cache,
+        table,
+        lens.reshape(-1),
+        cu,
+        max_seqlen_q=n,
+        is_causal=False,
+        return_lse=True,
+        **common,
+    )
+    dv = o.shape[-1]
+    o = jnp.swapaxes(o.reshape(groups, splits, n, hq, dv), 0, 1).reshape(splits, groups * n, hq, dv)
+    lse = jnp.swapaxes(lse.reshape(groups, splits, n, hq), 0, 1).reshape(splits, groups * n, hq)
+    empty = jnp.repeat(jnp.swapaxes(lens, 0, 1) == 0, n, axis=1)  # [S, bs * q_len]
+    return o, jnp.where(empty[..., None], -jnp.inf, lse)
 
 
 def cascade_decode(
@@ -66,6 +145,8 @@ def cascade_decode(
     v_scale=1.0,
     return_lse: bool = False,
     prefix_chunk: int | None = None,
+    prefix_pass: str | None = None,
+    prefix_splits: int | None = None,
     backend: str | None = None,
 ):
     """Paged decode where groups of ``group_size`` consecutive requests share a prefix.
@@ -77,8 +158,13 @@ def cascade_decode(
       suffix_page_table: i32 ``[bs, max_suffix_pages]``; suffix_lens: i32 ``[bs]``, the
         new tokens included (already written to the cache).
       group_size: requests per group (static).
-      prefix_chunk: requests per prefix pass (a divisor of ``group_size``; None: the
-        largest that keeps ``chunk * max_seqlen_q <= 8``).
+      prefix_chunk: requests per decode prefix pass (a divisor of ``group_size``; None:
+        the largest that keeps ``chunk * max_seqlen_q <= 8``). Giving it selects the
+        ``"decode"`` pass.
+      prefix_pass: ``"decode"``, ``"extend"`` or None (decode for groups of at most
+        8 query rows, else extend); see the module docstring.
+      prefix_splits: page ranges per group prefix for the extend pass (None:
+        :func:`prefix_split_count`).
       Other arguments as in ``jattn.mha_decode_with_kvcache`` (causal within the suffix).
 
     Returns ``out [bs * max_seqlen_q, Hq, D]`` in q's dtype, and with ``return_lse`` the
@@ -95,23 +181,14 @@ def cascade_decode(
         raise ValueError(f"suffix_lens must have shape ({bs},) (one per request), got {tuple(suffix_lens.shape)}")
     if q.shape[0] != bs * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
-    chunk = prefix_chunk_size(group_size, max_seqlen_q) if prefix_chunk is None else prefix_chunk
-    if chunk < 1 or group_size % chunk:
-        raise ValueError(f"prefix_chunk={prefix_chunk} must divide group_size={group_size}")
-    per = group_size // chunk
+    if prefix_pass not in (None, "decode", "extend"):
+        raise ValueError(f"prefix_pass={prefix_pass!r} must be 'decode', 'extend' or None")
+    if prefix_pass == "extend" and prefix_chunk is not None:
+        raise ValueError("prefix_chunk applies to prefix_pass='decode' only")
+    if prefix_pass is None:
+        small = group_size * max_seqlen_q <= _MAX_ROWS
+        prefix_pass = "decode" if small or prefix_chunk is not None else "extend"
     common = dict(logit_cap=logit_cap, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, backend=backend)
-    # Prefix: each chunk of a group's requests is one "request" of chunk * q_len query rows.
-    o_p, lse_p = ops.mha_decode_with_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        jnp.repeat(prefix_page_table, per, axis=0),
-        jnp.repeat(prefix_lens.astype(jnp.int32), per),
-        max_seqlen_q=chunk * max_seqlen_q,
-        is_causal=False,
-        return_lse=True,
-        **common,
-    )
     o_s, lse_s = ops.mha_decode_with_kvcache(
         q,
         k_cache,
@@ -123,7 +200,36 @@ def cascade_decode(
         return_lse=True,
         **common,
     )
-    o, lse = ops.attn_merge_state(o_p, lse_p, o_s, lse_s)
+    if prefix_pass == "extend":
+        width = prefix_page_table.shape[1]
+        if prefix_splits is None:
+            prefix_splits = prefix_split_count(groups, group_size * max_seqlen_q, q.shape[1], width * k_cache.shape[1])
+        if not isinstance(prefix_splits, int) or not 1 <= prefix_splits <= max(1, width):
+            raise ValueError(f"prefix_splits={prefix_splits!r} must be an int in [1, {max(1, width)}]")
+        o_p, lse_p = _extend_prefix(
+            q, k_cache, v_cache, prefix_page_table, prefix_lens, group_size, max_seqlen_q, prefix_splits, common
+        )
+        o, lse = merge_states(
+            jnp.concatenate([o_p, o_s[None].astype(o_p.dtype)]), jnp.concatenate([lse_p, lse_s[None]]), q.dtype
+        )
+    else:
+        chunk = prefix_chunk_size(group_size, max_seqlen_q) if prefix_chunk is None else prefix_chunk
+        if chunk < 1 or group_size % chunk:
+            raise ValueError(f"prefix_chunk={prefix_chunk} must divide group_size={group_size}")
+        per = group_size // chunk
+        # Each chunk of a group's requests is one "request" of chunk * q_len query rows.
+        o_p, lse_p = ops.mha_decode_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            jnp.repeat(prefix_page_table, per, axis=0),
+            jnp.repeat(prefix_lens.astype(jnp.int32), per),
+            max_seqlen_q=chunk * max_seqlen_q,
+            is_causal=False,
+            return_lse=True,
+            **common,
+        )
+        o, lse = ops.attn_merge_state(o_p, lse_p, o_s, lse_s)
     if sinks is not None:
         s = jnp.asarray(sinks, jnp.float32)[None, :]
         factor = jnp.where(jnp.isneginf(lse), 1.0, 1.0 / (1.0 + jnp.exp(s - lse)))

@@ -11,12 +11,12 @@ import pytest
 from naive import attend_one, gather_paged
 
 import jattn
-from jattn.cascade import prefix_chunk_size
+from jattn.cascade import prefix_chunk_size, prefix_split_count
 
 HQ, HKV, D, PS = 8, 2, 64, 16
 
 
-def _setup(seed, prefix_lens, group_size, q_len, suffix_max=40):
+def _setup(seed, prefix_lens, group_size, q_len, suffix_max=40, hq=HQ, hkv=HKV):
     rng = np.random.default_rng(seed)
     g = len(prefix_lens)
     bs = g * group_size
@@ -25,24 +25,24 @@ def _setup(seed, prefix_lens, group_size, q_len, suffix_max=40):
     pp = max(1, max(-(-n // PS) for n in prefix_lens))
     sp = max(1, -(-int(suffix_lens.max()) // PS)) + 1
     num_pages = g * pp + bs * sp + 3
-    k = np.full((num_pages, PS, HKV, D), np.nan, np.float32)
-    v = np.full((num_pages, PS, HKV, D), np.nan, np.float32)
+    k = np.full((num_pages, PS, hkv, D), np.nan, np.float32)
+    v = np.full((num_pages, PS, hkv, D), np.nan, np.float32)
     perm = rng.permutation(num_pages)
     ptab = perm[: g * pp].reshape(g, pp).astype(np.int32)
     stab = perm[g * pp : g * pp + bs * sp].reshape(bs, sp).astype(np.int32)
     for tab, lens in ((ptab, prefix_lens), (stab, suffix_lens)):
         for r, n in enumerate(lens):
             for t in range(n):
-                k[tab[r, t // PS], t % PS] = rng.standard_normal((HKV, D))
-                v[tab[r, t // PS], t % PS] = rng.standard_normal((HKV, D))
-    q = rng.standard_normal((bs * q_len, HQ, D)).astype(np.float32)
+                k[tab[r, t // PS], t % PS] = rng.standard_normal((hkv, D))
+                v[tab[r, t // PS], t % PS] = rng.standard_normal((hkv, D))
+    q = rng.standard_normal((bs * q_len, hq, D)).astype(np.float32)
     return q, k, v, ptab, np.asarray(prefix_lens, np.int32), stab, suffix_lens
 
 
 def _expected(q, k, v, ptab, plens, stab, slens, group_size, q_len, **kw):
     bs = stab.shape[0]
-    out = np.zeros((bs * q_len, HQ, D))
-    lse = np.zeros((bs * q_len, HQ))
+    out = np.zeros((bs * q_len,) + q.shape[1:])
+    lse = np.zeros((bs * q_len, q.shape[1]))
     for b in range(bs):
         g = b // group_size
         keys = np.concatenate([gather_paged(k, ptab[g], plens[g]), gather_paged(k, stab[b], slens[b])])
@@ -59,6 +59,10 @@ def _expected(q, k, v, ptab, plens, stab, slens, group_size, q_len, **kw):
         ((97, 33), 4, 2, dict(logit_cap=5.0)),
         ((40, 1), 6, 3, {}),  # chunks of 2 requests (2 * 3 rows <= 8)
         ((17,), 1, 1, dict(sinks=True)),
+        # the extend prefix pass: 12 query rows per group; 3 page ranges of 3 pages,
+        # so group 1's 33 tokens leave its last range empty and group 2 has none
+        ((97, 33, 0), 4, 3, dict(prefix_splits=3)),
+        ((97,), 3, 1, dict(prefix_pass="extend", logit_cap=5.0, sinks=True)),
     ],
 )
 def test_cascade_matches_float64(prefix_lens, group_size, q_len, opts):
@@ -79,6 +83,8 @@ def test_cascade_matches_float64(prefix_lens, group_size, q_len, opts):
         logit_cap=cap,
         sinks=sinks,
         return_lse=True,
+        prefix_pass=opts.get("prefix_pass"),
+        prefix_splits=opts.get("prefix_splits"),
     )
     out, lse = np.asarray(out), np.asarray(lse)
     assert np.isfinite(out).all(), "NaN from an unused slot"
@@ -99,11 +105,16 @@ def test_cascade_equals_decode_over_the_joined_pages():
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_prefix_chunk_size():
+def test_prefix_chunk_size_and_split_count():
     assert prefix_chunk_size(64, 1) == 8  # 64 requests: the prefix read 8 times, not 64
     assert prefix_chunk_size(6, 3) == 2
     assert prefix_chunk_size(7, 2) == 1
     assert prefix_chunk_size(4, 1) == 4
+    # one group of 64 rows, 32 heads: 4 ranges of a 16k prefix make 128 programs
+    assert prefix_split_count(1, 64, 32, 16384) == 4
+    assert prefix_split_count(1, 64, 32, 2048) == 2  # ranges of at least 1024 tokens
+    assert prefix_split_count(8, 64, 32, 16384) == 1  # 256 programs already
+    assert prefix_split_count(1, 8, 4, 100) == 1
 
 
 def test_cascade_errors_name_the_argument():
@@ -114,19 +125,32 @@ def test_cascade_errors_name_the_argument():
         jattn.cascade_decode(q, k, v, ptab, np.zeros(2, np.int32), stab, slens, group_size=2)
     with pytest.raises(ValueError, match="prefix_chunk=3 must divide group_size=2"):
         jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_chunk=3)
+    with pytest.raises(ValueError, match="prefix_pass='fast' must be"):
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_pass="fast")
+    with pytest.raises(ValueError, match=r"prefix_splits=9 must be an int in \[1, 2\]"):
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_pass="extend", prefix_splits=9)
 
 
 @pytest.mark.gpu
-def test_gpu_cascade_on_the_kernels_matches_the_reference():
-    """bf16 on the automatic backend (the mosaic decode kernel on Hopper, prefix chunks of 8
-    requests) against the same call on xla in f32."""
+@pytest.mark.parametrize("backend", [None, "triton"])
+@pytest.mark.parametrize("prefix_pass", ["decode", "extend"])
+def test_gpu_cascade_on_the_kernels_matches_the_reference(prefix_pass, backend):
+    """bf16 on the kernels (auto: Mosaic on Hopper; and Triton), both prefix passes
+    (decode: chunks of 8 requests; extend: the group's 16 rows in one prefill tile over
+    page ranges of the prefix), against the same call on xla in f32."""
     import jax.numpy as jnp
 
+    from jattn.pallas_kernels import triton_glue
+
+    if backend == "triton" and not triton_glue.available():
+        pytest.skip("jax-triton is not installed")
     q, k, v, ptab, plens, stab, slens = _setup(9, (1000, 37), 16, 1, suffix_max=300)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
-    out = jattn.cascade_decode(*bf, ptab, plens, stab, slens, group_size=16)
+    out = jattn.cascade_decode(*bf, ptab, plens, stab, slens, group_size=16, prefix_pass=prefix_pass, backend=backend)
     want = jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=16, backend="xla")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
+    again = jattn.cascade_decode(*bf, ptab, plens, stab, slens, group_size=16, prefix_pass=prefix_pass, backend=backend)
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
 
 def test_cascade_tables_from_a_decode_plan_equal_the_plain_decode_and_do_not_retrace():
@@ -174,3 +198,36 @@ def test_cascade_tables_from_a_decode_plan_equal_the_plain_decode_and_do_not_ret
     short[1] = 3 * PS  # all of request 1 inside the shared pages: no room for its new token
     with pytest.raises(ValueError, match="request 1: seq_len 48 leaves fewer than q_len=1 tokens"):
         check_shared_prefix(table, short, np.array([3, 2]), group_size=group_size, page_size=PS)
+
+
+def test_cascade_extend_pass_on_the_mosaic_kernels_interpreted():
+    """The extend prefix pass on the Mosaic GPU prefill kernel (non-causal, 9 query rows
+    per group over a 37-token prefix in two page ranges, the second ending inside a page
+    and NaN past it) and the suffix pass on the decode kernel, under the Mosaic GPU
+    interpreter, fp16, 2 query heads on one KV head (the interpreter is slow per tile)."""
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
+
+    if not on_gpu() and not interpreter_available():
+        pytest.skip("no Mosaic GPU interpreter in this JAX")
+    q, k, v, ptab, plens, stab, slens = _setup(21, (37,), 3, 3, suffix_max=20, hq=2, hkv=1)
+    want, want_lse = _expected(q, k, v, ptab, plens, stab, slens, 3, 3)
+    h = [jnp.asarray(a, jnp.float16) for a in (q, k, v)]
+    with gpu_interpret():
+        out, lse = jattn.cascade_decode(
+            *h,
+            ptab,
+            plens,
+            stab,
+            slens,
+            group_size=3,
+            max_seqlen_q=3,
+            prefix_splits=2,
+            return_lse=True,
+            backend="mosaic",
+        )
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "NaN from an unused slot"
+    np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-2, rtol=2e-2)

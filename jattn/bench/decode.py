@@ -69,6 +69,11 @@ def _jax_paged_attention(qs, k, v, tables, lens, page_size):
     return step, (qs, kp, vp, tables, lens)
 
 
+def _device_timing(t):
+    """``t`` with its GPU time per call as ``seconds`` (for the sweep lines)."""
+    return dataclasses.replace(t, seconds=t.device_seconds) if t.device_seconds else t
+
+
 def parse_options(spec: str):
     """``"overlap_qk=0,kernel_combine=1"`` -> the kernel's ``KernelOptions`` (unnamed
     fields keep their defaults)."""
@@ -121,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time the calls inside one jitted fori_loop run as one command "
         "buffer (CUDA graph with conditional nodes): device time per call",
+    )
+    ap.add_argument(
+        "--invariant",
+        action="store_true",
+        help="also time batch-invariant mode (the split count from the page-table width, not the batch)",
     )
     ap.add_argument(
         "--set",
@@ -252,6 +262,22 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.no_cmd_buffers:
             methods.append(("no command buffers", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph="off")))
+        if args.invariant:
+            from jattn import ops
+
+            inv = ops._invariant_splits(md.mha_decode, qs[0], k, tables[0], q_len)
+
+            def istep(i, qs, k, v, tables, lens):
+                return md.mha_decode(
+                    qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, **inv
+                )
+
+            methods.append(
+                (
+                    f"batch-invariant ({inv['block_sizes'].num_splits} splits), device time",
+                    lambda: _device_timing(common.time_rotated(istep, targs, n_hi=n_hi, device=True)),
+                )
+            )
         if args.loop:
             nrot = qs.shape[0]
 
