@@ -19,15 +19,17 @@ the prefix followed by its suffix, and the result equals
     ``max_seqlen_q`` limit (8), unless ``prefix_chunk`` says otherwise. Best for
     small groups: the decode kernels pack all query heads of a request into one
     tile, so 8 query rows fill the matrix unit;
-  - ``"extend"``: ``mha_extend_with_kvcache``, non-causal, the group's
-    ``group_size * q_len`` queries being one request's new tokens, and the prefix
+  - ``"extend"``: ``mha_extend_with_kvcache``, non-causal, the group's queries
+    being one request's new tokens, with the query heads of each KV head packed as
+    extra rows (``group_size * q_len * Hq / Hkv`` rows on one head), and the prefix
     cut into ``prefix_splits`` page ranges (separate requests of that call, so a
     long prefix of one group still spreads over the machine), merged by their LSE.
-    The prefix is read once per group; the prefill kernels' 128-row query tiles
-    make it the choice when a group has more than 8 query rows.
+    The prefix is read once per group and 128 packed rows; the prefill kernels'
+    128-row tiles make it the choice for large groups.
 
-  By default (``prefix_pass=None``) groups of at most 8 query rows take
-  ``"decode"``, larger ones ``"extend"``;
+  By default (``prefix_pass=None``) the decode pass serves groups of at most 8
+  query rows that pack into fewer than 32 rows per KV head; the others take the
+  extend pass;
 :func:`cascade_tables` derives the two-level structure from a normal decode plan
 (rows whose first pages are shared) on the device; :func:`check_shared_prefix`
 checks a grouping on the host.
@@ -53,10 +55,13 @@ __all__ = [
 ]
 
 _MAX_ROWS = 8  # the decode kernels' max_seqlen_q
-# Programs the extend prefix pass aims for: about one wave of a 108-132 SM GPU
-# (A100, H100, H200). More splits only add merge work.
-_TARGET_PROGRAMS = 128
+# Programs the extend prefix pass aims for: about two waves of a 108-132 SM GPU
+# (A100, H100, H200); measured against one wave and four in docs/PERF.md.
+_TARGET_PROGRAMS = 256
 _MIN_SPLIT_TOKENS = 1024  # a split shorter than this pays its pipeline fill for little work
+# Query rows per (group, KV head) from which the extend pass is the default: a quarter
+# of a prefill tile (docs/PERF.md has the measurement).
+_EXTEND_ROWS = 32
 
 
 def prefix_chunk_size(group_size: int, q_len: int, limit: int = _MAX_ROWS) -> int:
@@ -68,11 +73,12 @@ def prefix_chunk_size(group_size: int, q_len: int, limit: int = _MAX_ROWS) -> in
     return best
 
 
-def prefix_split_count(groups: int, rows: int, num_q_heads: int, prefix_tokens: int) -> int:
-    """Page ranges per group prefix for the ``"extend"`` prefix pass: enough
-    (query head, 128-row tile, range) programs for about one wave, with ranges of at
-    least ``_MIN_SPLIT_TOKENS`` of the ``prefix_tokens`` capacity."""
-    programs = groups * num_q_heads * -(-rows // 128)
+def prefix_split_count(groups: int, rows: int, num_kv_heads: int, prefix_tokens: int) -> int:
+    """Page ranges per group prefix for the ``"extend"`` prefix pass, whose ``rows`` query
+    rows per (group, KV head) go in 128-row tiles: enough (KV head, tile, range)
+    programs for about two waves, with ranges of at least ``_MIN_SPLIT_TOKENS`` of the
+    ``prefix_tokens`` capacity."""
+    programs = groups * num_kv_heads * -(-rows // 128)
     want = -(-_TARGET_PROGRAMS // max(1, programs))
     return max(1, min(want, prefix_tokens // _MIN_SPLIT_TOKENS))
 
@@ -94,35 +100,45 @@ def merge_states(outs, lses, dtype):
 
 def _extend_prefix(q, k_cache, v_cache, prefix_page_table, prefix_lens, group_size, q_len, splits, common):
     """The ``"extend"`` prefix pass: ``[S, bs * q_len, Hq, Dv]`` outputs and
-    ``[S, bs * q_len, Hq]`` LSEs, one per page range of each group's prefix."""
+    ``[S, bs * q_len, Hq]`` LSEs, one per page range of each group's prefix.
+
+    The query heads that share a KV head are packed as extra query rows of a call with
+    one query head per KV head (non-causal, so row order is free): the group's
+    ``group_size * q_len * (Hq // Hkv)`` rows fill the prefill kernel's tiles and each
+    range of K/V is read by one tile per 128 rows, not by one per query head."""
     groups, width = prefix_page_table.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    hq, d = q.shape[1], q.shape[2]
+    g = hq // hkv
     n = group_size * q_len
+    rows = n * g  # query rows per (group, KV head)
     per = -(-width // splits)  # pages per range
-    page_size = k_cache.shape[1]
     table = prefix_page_table.astype(jnp.int32)
     if per * splits != width:  # pad with the row's first page (a valid id; never read)
         table = jnp.concatenate([table, jnp.repeat(table[:, :1], per * splits - width, axis=1)], axis=1)
     table = table.reshape(groups * splits, per)
     starts = jnp.arange(splits, dtype=jnp.int32) * (per * page_size)
     lens = jnp.clip(prefix_lens.astype(jnp.int32)[:, None] - starts[None, :], 0, per * page_size)  # [G, S]
-    hq, d = q.shape[1], q.shape[2]
-    q_ext = jnp.broadcast_to(q.reshape(groups, 1, n, hq, d), (groups, splits, n, hq, d)).reshape(-1, hq, d)
-    cu = jnp.arange(groups * splits + 1, dtype=jnp.int32) * n
+    # [G*n, Hq, D] -> [G, n * g, Hkv, D]: row i * g + j is query row i of head kv * g + j.
+    qp = jnp.swapaxes(q.reshape(groups, n, hkv, g, d), 2, 3).reshape(groups, 1, rows, hkv, d)
+    qp = jnp.broadcast_to(qp, (groups, splits, rows, hkv, d)).reshape(-1, hkv, d)
+    cu = jnp.arange(groups * splits + 1, dtype=jnp.int32) * rows
     o, lse = ops.mha_extend_with_kvcache(
-        q_ext,
+        qp,
         k_cache,
         v_cache,
         table,
         lens.reshape(-1),
         cu,
-        max_seqlen_q=n,
+        max_seqlen_q=rows,
         is_causal=False,
         return_lse=True,
         **common,
     )
     dv = o.shape[-1]
-    o = jnp.swapaxes(o.reshape(groups, splits, n, hq, dv), 0, 1).reshape(splits, groups * n, hq, dv)
-    lse = jnp.swapaxes(lse.reshape(groups, splits, n, hq), 0, 1).reshape(splits, groups * n, hq)
+    # [G*S*n*g, Hkv, Dv] -> [S, G*n, Hkv*g, Dv]
+    o = jnp.transpose(o.reshape(groups, splits, n, g, hkv, dv), (1, 0, 2, 4, 3, 5)).reshape(splits, groups * n, hq, dv)
+    lse = jnp.transpose(lse.reshape(groups, splits, n, g, hkv), (1, 0, 2, 4, 3)).reshape(splits, groups * n, hq)
     empty = jnp.repeat(jnp.swapaxes(lens, 0, 1) == 0, n, axis=1)  # [S, bs * q_len]
     return o, jnp.where(empty[..., None], -jnp.inf, lse)
 
@@ -186,7 +202,8 @@ def cascade_decode(
     if prefix_pass == "extend" and prefix_chunk is not None:
         raise ValueError("prefix_chunk applies to prefix_pass='decode' only")
     if prefix_pass is None:
-        small = group_size * max_seqlen_q <= _MAX_ROWS
+        rows = group_size * max_seqlen_q * (q.shape[1] // max(1, k_cache.shape[2]))
+        small = rows < _EXTEND_ROWS and group_size * max_seqlen_q <= _MAX_ROWS
         prefix_pass = "decode" if small or prefix_chunk is not None else "extend"
     common = dict(logit_cap=logit_cap, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, backend=backend)
     o_s, lse_s = ops.mha_decode_with_kvcache(

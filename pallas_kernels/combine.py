@@ -118,7 +118,7 @@ def _combine_kernel(
 
 #: Tokens of the page-table width per split in batch-invariant decode
 #: (``jattn.mha_decode_with_kvcache(batch_invariant=True)``).
-INVARIANT_SPLIT_TOKENS = 1024
+INVARIANT_SPLIT_TOKENS = 256  # measured trade-off: docs/PERF.md
 
 
 def invariant_num_splits(width_tokens: int) -> int:

@@ -110,10 +110,12 @@ def test_prefix_chunk_size_and_split_count():
     assert prefix_chunk_size(6, 3) == 2
     assert prefix_chunk_size(7, 2) == 1
     assert prefix_chunk_size(4, 1) == 4
-    # one group of 64 rows, 32 heads: 4 ranges of a 16k prefix make 128 programs
-    assert prefix_split_count(1, 64, 32, 16384) == 4
-    assert prefix_split_count(1, 64, 32, 2048) == 2  # ranges of at least 1024 tokens
-    assert prefix_split_count(8, 64, 32, 16384) == 1  # 256 programs already
+    # one group of 64 requests, 4 query heads per KV head: 256 rows on each of 8 KV heads
+    # are 16 tiles; 16 ranges of a 16k prefix make 256 programs
+    assert prefix_split_count(1, 256, 8, 16384) == 16
+    assert prefix_split_count(1, 256, 8, 2048) == 2  # ranges of at least 1024 tokens
+    assert prefix_split_count(16, 64, 8, 16384) == 2
+    assert prefix_split_count(32, 64, 8, 16384) == 1  # 256 programs already
     assert prefix_split_count(1, 8, 4, 100) == 1
 
 

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--backend", default=None, help="jattn backend for every call (default: automatic)")
     ap.add_argument("--n-hi", type=int, default=12, help="calls per jit")
+    ap.add_argument(
+        "--prefix-splits", default="", help="e.g. 4,8,16: also time the extend pass with these page ranges per prefix"
+    )
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
     import jattn
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "plain TB/s",
         "decode-pass us",
         "extend-pass us",
+        "suffix-pass us",
         "auto us",
         "auto TB/s (distinct)",
         "speedup (auto)",
@@ -99,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         def plain(i, qs, k, v, ptab, stab, joined, plens, slens, lens):
             return jattn.mha_decode_with_kvcache(qs[i], k, v, joined[i % NUM_ROT], lens, backend=be)
 
-        def cascade(i, qs, k, v, ptab, stab, joined, plens, slens, lens, prefix_pass=None):
+        def suffix_only(i, qs, k, v, ptab, stab, joined, plens, slens, lens):
+            return jattn.mha_decode_with_kvcache(qs[i], k, v, stab[i % NUM_ROT], slens, backend=be)
+
+        def cascade(i, qs, k, v, ptab, stab, joined, plens, slens, lens, prefix_pass=None, prefix_splits=None):
             return jattn.cascade_decode(
                 qs[i],
                 k,
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 slens,
                 group_size=gs,
                 prefix_pass=prefix_pass,
+                prefix_splits=prefix_splits,
                 backend=be,
             )
 
@@ -118,7 +126,11 @@ def main(argv: list[str] | None = None) -> None:
             ("plain", plain),
             ("decode", lambda *a: cascade(*a, prefix_pass="decode")),
             ("extend", lambda *a: cascade(*a, prefix_pass="extend")),
+            ("suffix", suffix_only),
             ("auto", cascade),
+        ) + tuple(
+            (f"extend, {n} ranges", lambda *a, n=n: cascade(*a, prefix_pass="extend", prefix_splits=n))
+            for n in (int(x) for x in args.prefix_splits.split(",") if x)
         ):
             try:
                 t = common.time_rotated(fn, targs, n_hi=args.n_hi, device=True)
@@ -139,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 "-" if times["plain"] is None else f"{plain_bytes / times['plain'] / 1e12:.2f}",
                 us(times["decode"]),
                 us(times["extend"]),
+                us(times["suffix"]),
                 us(times["auto"]),
                 "-" if times["auto"] is None else f"{distinct_bytes / times['auto'] / 1e12:.2f}",
                 f"{times['plain'] / times['auto']:.1f}x" if ok else "-",
@@ -146,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
             ]
         )
         print(" | ".join(rows[-1]), flush=True)
+        for name, t in times.items():
+            if name.startswith("extend, "):
+                print(f"{groups}x{gs} {name}: {us(t)} us", flush=True)
         del qs, k, v, targs
     print()
     print(
