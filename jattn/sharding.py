@@ -481,6 +481,11 @@ class DataParallelMLABackend(_Wrapped):
     def sharding_key(self):
         return ("dp", self.mesh, self.axis)
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices of the data-parallel axis: the number of pools and of stacked plans."""
+        return self.size
+
     def create_kv_cache(self, *, num_layers, num_pages_per_device, page_size, kv_lora_rank, rope_dim, dtype="bfloat16"):
         """A zero latent pool of ``num_pages_per_device`` pages per device, split by page."""
 

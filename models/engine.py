@@ -9,8 +9,9 @@ Requests arrive (``add_request``) and finish at different times. Each ``step()``
 planned on the host (``plan_extend`` / ``plan_decode``: padded to batch / token buckets,
 fixed page-table width) and run by ONE jitted function with the KV cache donated. The
 programs are keyed by the metadata's static fields, so after one call per bucket the loop
-never recompiles (``metrics.compilations`` counts traces). Pages come from a
-``PageAllocator`` and are freed when a request ends.
+never recompiles (``metrics.compilations`` counts traces). Pages come from a page pool
+(``models/pages.py``; one per device when an MLA model is served data-parallel) and are
+freed when a request ends.
 
 Sampling is greedy (``temperature=0``) or temperature + top-p with a per-request seed
 (the key for the n-th token is ``fold_in(key(seed), n)``, so results do not depend on
@@ -42,13 +43,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jattn.kv_cache import PageAllocator
-from jattn.metadata import DEFAULT_BATCH_BUCKETS, bucket, plan_decode, plan_extend
-from jattn.models.sampling import SamplingParams, _is_int, sample_tokens, wrap_seed
+from jattn.metadata import DEFAULT_BATCH_BUCKETS, plan_decode, plan_extend
+from jattn.models.pages import PagePool, cascade_grouping, place
+from jattn.models.sampling import SamplingParams, _is_int, sample_tokens, sampling_arrays, wrap_seed
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
     command_buffer_options,
     make_step_fn,
+    plan_devices,
     shared_step_fn,
     state_leaves,
 )
@@ -98,8 +100,10 @@ class EngineConfig:
     # (ENGINE_COMMAND_BUFFERS), False or "off" = none, "xla" = XLA's defaults, any other
     # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").
     command_buffers: bool | str = True
-    # A jax.sharding.Mesh to serve on (None: one device): tensor-parallel heads over its
-    # axis mesh_axis (jattn.models.parallel.for_engine); the step stays one jit.
+    # A jax.sharding.Mesh to serve on (None: one device), split over its axis mesh_axis
+    # (jattn.models.parallel.for_engine): a Llama-family model tensor-parallel (heads),
+    # an MLA model data-parallel (each device its own requests and latent pool of
+    # num_pages pages; the engine places requests). The step stays one jit.
     mesh: object = None
     mesh_axis: str = "tp"
     # Cascade decode for parallel samples that share prompt pages: None = when the shared
@@ -156,6 +160,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | error
     error: str | None = None
     pages: list = dataclasses.field(default_factory=list)
+    device: int = 0  # the pool its pages are in (data-parallel serving: its device on the mesh axis)
     seq_len: int = 0  # tokens in the KV cache
     preemptions: int = 0  # times its pages were taken back (then recomputed)
     parent: int | None = None  # parallel sample i > 0: the rid of sample 0, whose prompt pages it shares
@@ -265,6 +270,11 @@ class Engine:
       so the prompt's K/V is computed and stored once. Sample ``i`` is seeded ``seed + i``
       and equals a lone request with that seed.
 
+    * **data-parallel MLA** (``EngineConfig.mesh`` with a DeepSeek model): each device of the
+      axis has its own pool, batch limit and token budget; a new request goes to the device
+      with room and the most free pages (a parallel sample to its parent's), preemption
+      stays within a device, and one step runs every device's batch (stacked plans).
+
     Requests are validated when submitted (:meth:`add_request`): a bad one finishes at
     once with ``status="error"``. An exception inside a step fails the requests of that
     step only (their pages return to the pool) and the engine goes on.
@@ -287,9 +297,9 @@ class Engine:
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend
+        self.dp = getattr(backend, "data_parallel_size", 1)  # pools, one per device of a data-parallel axis
         self.kv_cache = self._new_cache()
-        self.allocator = PageAllocator(c.num_pages)
-        self._refs: dict[int, int] = {}  # page -> requests holding it (> 1: a shared prompt prefix)
+        self.pools = [PagePool(c.num_pages) for _ in range(self.dp)]
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
         self._step, self._traces = shared_step_fn(model, backend, command_buffers=c.command_buffers)
@@ -321,6 +331,11 @@ class Engine:
     def state(self, state):
         self._state = state
         self.params = state_leaves(state)
+
+    @property
+    def allocator(self):
+        """The free list of the first (with one device, the only) page pool."""
+        return self.pools[0].allocator
 
     @staticmethod
     def _default_backend(model, c: EngineConfig):
@@ -396,22 +411,6 @@ class Engine:
 
     # ------------------------------------------------------------------ pages
 
-    def _alloc(self, n: int) -> list[int]:
-        pages = self.allocator.alloc(n)
-        for p in pages:
-            self._refs[p] = 1
-        return pages
-
-    def _unref(self, pages) -> None:
-        """Drops one holder of each page; pages nobody holds go back to the pool."""
-        free = []
-        for p in pages:
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                del self._refs[p]
-                free.append(p)
-        self.allocator.free(free)
-
     def _shared_prefix(self, r: Request):
         """For a parallel sample: ``(pages, tokens)`` of its parent's prompt prefix it can
         share now (whole pages, at least the last prompt token left to prefill), ``None``
@@ -441,7 +440,7 @@ class Engine:
 
     def _release(self, req: Request):
         if req.pages:
-            self._unref(req.pages)
+            self.pools[req.device].unref(req.pages)
             req.pages = []
         for queue in (self.running, self.prefilling, self.waiting):
             if req in queue:
@@ -462,22 +461,18 @@ class Engine:
         """Raises ``RuntimeError`` unless every page is either free or held by live
         requests as its holder count says (several only for a shared prompt prefix of
         parallel samples), and every request is in exactly one state (and queue)."""
-        held: dict[int, int] = {}
-        for r in self.requests.values():
-            for p in r.pages:
-                held[p] = held.get(p, 0) + 1
-        if held != self._refs:
-            raise RuntimeError("page holders differ from the engine's counts")
-        for p, n in held.items():
-            if n > 1:
-                owners = [r for r in self.requests.values() if p in r.pages]
-                roots = {r.rid if r.parent is None else r.parent for r in owners}
-                if len(roots) != 1:
-                    raise RuntimeError(f"page {p} is held by requests of different prompts")
-        if self.allocator.num_free + len(held) != self.allocator.num_pages - 1:
-            raise RuntimeError(
-                f"pages leaked: {self.allocator.num_free} free + {len(held)} held != {self.allocator.num_pages - 1}"
-            )
+        for d, pool in enumerate(self.pools):
+            mine = [r for r in self.requests.values() if r.device == d]
+            held: dict[int, int] = {}
+            for r in mine:
+                for p in r.pages:
+                    held[p] = held.get(p, 0) + 1
+            pool.check(held, f"device {d}'s pool" if self.dp > 1 else "the pool")
+            for p, n in held.items():
+                if n > 1:
+                    roots = {r.rid if r.parent is None else r.parent for r in mine if p in r.pages}
+                    if len(roots) != 1:
+                        raise RuntimeError(f"page {p} is held by requests of different prompts")
         queues = {"waiting": self.waiting, "prefilling": self.prefilling, "running": self.running}
         for r in self.requests.values():
             if r.status not in REQUEST_STATES:
@@ -493,45 +488,60 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
+    def _held(self) -> list[int]:
+        """Requests holding pages, per device."""
+        n = [0] * self.dp
+        for r in self.running + self.prefilling:
+            n[r.device] += 1
+        return n
+
     def _schedule_extend(self) -> list[tuple[Request, int]]:
-        """(request, new tokens) pairs of the next extend step, or [] for none."""
+        """(request, new tokens) pairs of the next extend step, or [] for none. Each
+        device has its own token budget and batch limit; a new request goes to the device
+        with room and the most free pages (a parallel sample to its parent's)."""
         c = self.config
-        budget, batch = c.token_budget, []
+        budget, count, batch = [c.token_budget] * self.dp, [0] * self.dp, []
         for r in self.prefilling:
-            if len(batch) >= c.max_batch or budget <= 0:
-                return batch
-            n = min(r.num_tokens - r.seq_len, budget)
+            d = r.device
+            if count[d] >= c.max_batch or budget[d] <= 0:
+                continue
+            n = min(r.num_tokens - r.seq_len, budget[d])
             batch.append((r, n))
-            budget -= n
-        while self.waiting and len(batch) < c.max_batch and budget > 0:
-            if len(self.running) + len(self.prefilling) >= c.max_batch:
-                break
+            budget[d] -= n
+            count[d] += 1
+        while self.waiting:
+            held = self._held()
+            room = [count[d] < c.max_batch and budget[d] > 0 and held[d] < c.max_batch for d in range(self.dp)]
             r = self.waiting[0]
             share = self._shared_prefix(r)
             if share is None:  # a sample whose parent is still prefilling: it and those behind it wait
                 break
+            d = self.requests[r.parent].device if r.parent is not None and share[0] else place(self.pools, held, room)
+            if d is None or not room[d]:
+                break
+            pool = self.pools[d]
             shared, cached = share
             need = self._pages_for(r.num_tokens) - len(shared)
-            if need > self.allocator.num_free:
-                if not self.running and not self.prefilling:  # nothing will free pages
+            if need > pool.num_free:
+                if not held[d]:  # nothing will free pages there
                     self._fail(
                         r,
                         f"page pool exhausted: {r.num_tokens} tokens need {need} pages, "
-                        f"the pool has {self.allocator.num_pages - 1}",
+                        f"the pool has {pool.num_pages - 1}",
                     )
                     continue
                 break  # wait for running requests to free pages
-            for p in shared:
-                self._refs[p] += 1
-            r.pages = list(shared) + self._alloc(need)
+            pool.hold(shared)
+            r.pages, r.device = list(shared) + pool.alloc(need), d
             r.seq_len = cached
             self.metrics.shared_tokens += cached
             self.waiting.pop(0)
             r.status = "prefilling"
             self.prefilling.append(r)
-            n = min(r.num_tokens - cached, budget)
+            n = min(r.num_tokens - cached, budget[d])
             batch.append((r, n))
-            budget -= n
+            budget[d] -= n
+            count[d] += 1
         return batch
 
     def _grow_for_decode(self) -> list[Request]:
@@ -541,32 +551,23 @@ class Engine:
         preempted, i = [], 0
         while i < len(self.running):
             r = self.running[i]
+            pool = self.pools[r.device]
             need = self._pages_for(r.seq_len + 1) - len(r.pages)
-            if need <= self.allocator.num_free:
-                r.pages += self._alloc(max(need, 0))
+            same = [x for x in self.running if x.device == r.device]
+            if need <= pool.num_free:
+                r.pages += pool.alloc(max(need, 0))
                 i += 1
-            elif len(self.running) == 1:
+            elif len(same) == 1:
                 self._fail(
                     r,
                     f"page pool exhausted: {r.seq_len + 1} tokens need {self._pages_for(r.seq_len + 1)} pages, "
-                    f"the pool has {self.allocator.num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
+                    f"the pool has {pool.num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
                 )
             else:
-                victim = self.running[-1]
+                victim = same[-1]  # the most recently admitted on that device
                 self._preempt(victim)
                 preempted.append(victim.rid)
         return preempted
-
-    def _sampling_arrays(self, reqs: list[Request], bs_pad: int):
-        temp = np.zeros(bs_pad, np.float32)
-        top_p = np.ones(bs_pad, np.float32)
-        seeds = np.zeros(bs_pad, np.int32)
-        counters = np.zeros(bs_pad, np.int32)
-        for i, r in enumerate(reqs):
-            temp[i], top_p[i] = r.params.temperature, r.params.top_p
-            seeds[i], counters[i] = r.params.seed, len(r.output_tokens)
-        greedy_only = bool((temp <= 0).all())
-        return temp, top_p, seeds, counters, greedy_only
 
     def _page_table(self, reqs: list[Request]) -> np.ndarray:
         pt = np.zeros((len(reqs), self.max_pages), np.int32)
@@ -574,9 +575,20 @@ class Engine:
             pt[i, : len(r.pages)] = r.pages
         return pt
 
-    def _run(self, tokens, md, reqs):
+    def _by_device(self, items, req=lambda x: x):
+        """``items`` split into one list per device (order kept)."""
+        groups = [[] for _ in range(self.dp)]
+        for x in items:
+            groups[req(x).device].append(x)
+        return groups
+
+    def _run(self, tokens, md, groups, bs_pad):
         """Runs the jitted step; returns (next tokens, seconds, compiled?)."""
-        temp, top_p, seeds, counters, greedy_only = self._sampling_arrays(reqs, md.batch_size)
+        temp, top_p, seeds, counters, greedy_only = sampling_arrays(groups, bs_pad)
+        if self.dp > 1:  # tokens split over the data-parallel axis, as the pools are
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            tokens = jax.device_put(tokens, NamedSharding(self.config.mesh, PartitionSpec(self.config.mesh_axis)))
         before = self._traces[0]
         t0 = time.perf_counter()
         nxt, self.kv_cache = self._step(
@@ -592,99 +604,90 @@ class Engine:
         return nxt, dt, compiled
 
     def _extend_step(self, batch: list[tuple[Request, int]]) -> StepInfo:
-        reqs = [r for r, _ in batch]
-        ext = np.array([n for _, n in batch])
-        md = plan_extend(
-            np.array([r.seq_len + n for r, n in batch]),
-            ext,
-            page_size=self.page_size,
-            page_table=self._page_table(reqs),
-            batch_buckets=self.config.batch_buckets,
-            token_buckets=self.config.token_buckets,
-            max_pages=self.max_pages,
-            num_pages=self.config.num_pages,
-        )
-        tokens = np.zeros(md.num_tokens, np.int32)
-        tokens[: ext.sum()] = np.concatenate([r.token_slice(r.seq_len, r.seq_len + n) for r, n in batch])
-        nxt, dt, compiled = self._run(tokens, md, reqs)
+        groups = self._by_device(batch, lambda x: x[0])
+
+        def make(items, batch_buckets, token_buckets):
+            ext = np.array([n for _, n in items], np.int64)
+            return plan_extend(
+                np.array([r.seq_len + n for r, n in items], np.int64),
+                ext,
+                page_size=self.page_size,
+                page_table=self._page_table([r for r, _ in items]),
+                batch_buckets=batch_buckets,
+                token_buckets=token_buckets,
+                max_pages=self.max_pages,
+                num_pages=self.config.num_pages,
+            )
+
+        md, plans = plan_devices(groups, make, self.config.batch_buckets, self.config.token_buckets)
+        tokens = np.zeros(sum(p.num_tokens for p in plans), np.int32)
+        at = 0
+        for items, p in zip(groups, plans):
+            if items:
+                new = np.concatenate([r.token_slice(r.seq_len, r.seq_len + n) for r, n in items])
+                tokens[at : at + len(new)] = new
+            at += p.num_tokens
+        bs_pad = plans[0].batch_size
+        nxt, dt, compiled = self._run(tokens, md, [[r for r, _ in items] for items in groups], bs_pad)
         done = [r for r, n in batch if r.seq_len + n == r.num_tokens]
         if not compiled:
             self.metrics.prefill_time += dt
             self.metrics.timed_tokens += len(done)
         self.metrics.prefill_steps += 1
-        self.metrics.prompt_tokens += int(ext.sum())
+        self.metrics.prompt_tokens += sum(n for _, n in batch)
         now = time.perf_counter()
-        for i, (r, n) in enumerate(batch):
-            r.seq_len += n
-            if r.seq_len < r.num_tokens:
-                continue  # more chunks to go: the sampled token is not used
-            self.prefilling.remove(r)
-            r.status = "running"
-            self.running.append(r)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            self._accept(r, int(nxt[i]))
-        return StepInfo("extend", tuple(r.rid for r in reqs), compiled=compiled, seconds=dt)
-
-    def _cascade_grouping(self, reqs: list[Request]):
-        """``(reqs reordered, group_size, prefix_pages)`` for a cascade decode of ``reqs``,
-        or None: the parallel samples of one prompt that run together (the largest such
-        set sets ``group_size``) form a group sharing their common leading pages; the
-        other requests follow, ``group_size`` to a group sharing nothing."""
-        if self.config.cascade is False:
-            return None
-        roots: dict[int, list[Request]] = {}
-        for r in reqs:
-            roots.setdefault(r.rid if r.parent is None else r.parent, []).append(r)
-        g = max(len(m) for m in roots.values())
-        if g < 2:
-            return None
-        groups, loose = [], []
-        for members in roots.values():
-            first = members[0].pages
-            n = min(next((i for i, (a, b) in enumerate(zip(first, m.pages)) if a != b), len(m.pages)) for m in members)
-            n = min(n, min(m.seq_len // self.page_size for m in members))  # the new token stays outside
-            if len(members) == g and n > 0:
-                groups.append((members, n))
-            else:
-                loose.extend(members)
-        if not groups or bucket(len(reqs), self.config.batch_buckets) % g:
-            return None
-        saved = sum((g - 1) * n * self.page_size for _, n in groups)
-        if self.config.cascade is None and 4 * saved < sum(r.seq_len + 1 for r in reqs):
-            return None
-        order = [m for members, _ in groups for m in members] + loose
-        return order, g, [n for _, n in groups] + [0] * (-(-len(loose) // g))
+        for d, items in enumerate(groups):
+            for i, (r, n) in enumerate(items, start=d * bs_pad):
+                r.seq_len += n
+                if r.seq_len < r.num_tokens:
+                    continue  # more chunks to go: the sampled token is not used
+                self.prefilling.remove(r)
+                r.status = "running"
+                self.running.append(r)
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                self._accept(r, int(nxt[i]))
+        return StepInfo("extend", tuple(r.rid for r, _ in batch), compiled=compiled, seconds=dt)
 
     def _decode_step(self, reqs: list[Request]) -> StepInfo:
-        grouping = self._cascade_grouping(reqs)
+        grouping = None
+        if self.dp == 1 and self.config.cascade is not False:
+            grouping = cascade_grouping(reqs, self.page_size, self.config.batch_buckets, always=self.config.cascade)
         cascade = {}
         if grouping is not None:
             reqs, g, pp = grouping
             cascade = dict(group_size=g, prefix_pages=np.asarray(pp, np.int32))
             self.metrics.cascade_steps += 1
-        lens = np.array([r.seq_len + 1 for r in reqs])
-        md = plan_decode(
-            lens,
-            page_size=self.page_size,
-            page_table=self._page_table(reqs),
-            batch_buckets=self.config.batch_buckets,
-            max_pages=self.max_pages,
-            num_pages=self.config.num_pages,
-            **cascade,
-        )
-        tokens = np.zeros(md.num_tokens, np.int32)
-        tokens[: len(reqs)] = [r.output_tokens[-1] for r in reqs]
-        nxt, dt, compiled = self._run(tokens, md, reqs)
+        groups = self._by_device(reqs)
+
+        def make(rows, batch_buckets, _token_buckets):
+            return plan_decode(
+                np.array([r.seq_len + 1 for r in rows], np.int64),
+                page_size=self.page_size,
+                page_table=self._page_table(rows),
+                batch_buckets=batch_buckets,
+                max_pages=self.max_pages,
+                num_pages=self.config.num_pages,
+                **cascade,
+            )
+
+        md, plans = plan_devices(groups, make, self.config.batch_buckets, self.config.token_buckets)
+        bs_pad = plans[0].batch_size
+        tokens = np.zeros(self.dp * plans[0].num_tokens, np.int32)
+        for d, rows in enumerate(groups):
+            for i, r in enumerate(rows, start=d * plans[0].num_tokens):
+                tokens[i] = r.output_tokens[-1]
+        nxt, dt, compiled = self._run(tokens, md, groups, bs_pad)
         if not compiled:
             self.metrics.decode_time += dt
             self.metrics.decode_step_times.append(dt)
             self.metrics.decode_tokens += len(reqs)
             self.metrics.timed_tokens += len(reqs)
         self.metrics.decode_steps += 1
-        for i, r in enumerate(reqs):
-            r.seq_len += 1
-            self._accept(r, int(nxt[i]))
+        for d, rows in enumerate(groups):
+            for i, r in enumerate(rows, start=d * bs_pad):
+                r.seq_len += 1
+                self._accept(r, int(nxt[i]))
         return StepInfo("decode", tuple(r.rid for r in reqs), compiled=compiled, seconds=dt)
 
     def _accept(self, r: Request, tok: int):

@@ -165,13 +165,12 @@ def make_cache(model, backend, *, num_pages: int, page_size: int, dtype=None):
 
 
 def for_engine(model, mesh: Mesh, axis: str, *, page_size: int, kernel_backend=None):
-    """``(model, backend)`` for an engine on ``mesh``: the tensor-parallel copy of a
-    Llama-family model and its backend. Data-parallel MLA serving needs per-device
-    scheduling that the engine does not have yet, so an MLA model is refused."""
+    """``(model, backend)`` for an engine on ``mesh``: a Llama-family model's
+    tensor-parallel copy and backend (heads split over ``axis``), or an MLA model's
+    data-parallel copy and backend (requests and latent pools split over ``axis``; the
+    engine places each request on a device)."""
     if _is_mla(model):
-        raise NotImplementedError(
-            "EngineConfig.mesh: the engine serves tensor-parallel Llama-family models only; data-parallel MLA "
-            "(DataParallelMLABackend, per-device requests and pools) is not scheduled by the engine yet"
-        )
+        dp_model = data_parallel(model, mesh, axis)
+        return dp_model, data_parallel_backend(dp_model, mesh, axis, page_size=page_size, kernel_backend=kernel_backend)
     tp_model = tensor_parallel(model, mesh, axis)
     return tp_model, tensor_parallel_backend(tp_model, mesh, axis, page_size=page_size, kernel_backend=kernel_backend)

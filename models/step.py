@@ -15,6 +15,7 @@ __all__ = [
     "ENGINE_COMMAND_BUFFERS",
     "command_buffer_options",
     "make_step_fn",
+    "plan_devices",
     "shared_step_fn",
     "state_leaves",
 ]
@@ -53,7 +54,8 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
     ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
     a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
     ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
-    for row b is read at the row's last new token."""
+    for row b is read at the row's last new token. A data-parallel plan
+    (``jattn.sharding.stack_plans``) has ``n`` devices' rows and tokens one after the other."""
     graphdef, state = nnx.split(model)
     state_def = jax.tree_util.tree_structure(state)
 
@@ -62,7 +64,13 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
             on_trace(metadata)
         m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, params))
         hidden, kv_cache = m(tokens, metadata.positions, kv_cache, metadata, backend=backend)
-        if hasattr(metadata, "cu_seqlens_q"):
+        if hasattr(metadata, "cu_seqlens_q") and jnp.ndim(metadata.num_reqs) == 1:
+            # a data-parallel plan: each device's cu_seqlens_q is local to its tokens
+            n = metadata.num_reqs.shape[0]
+            cu = metadata.cu_seqlens_q.reshape(n, -1)
+            offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * (tokens.shape[0] // n)
+            last = (jnp.maximum(cu[:, 1:] - 1, 0) + offsets).reshape(-1)
+        elif hasattr(metadata, "cu_seqlens_q"):
             last = jnp.maximum(metadata.cu_seqlens_q[1:] - 1, 0)
         else:
             q = metadata.max_seqlen_q
@@ -101,3 +109,21 @@ def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = 
 
         _STEP_FNS[key] = (make_step_fn(model, backend, command_buffers=command_buffers, on_trace=on_trace), counter)
     return _STEP_FNS[key]
+
+
+def plan_devices(groups, make, batch_buckets, token_buckets):
+    """``(plan, per-device plans)`` of a step: ``make(items, batch_buckets,
+    token_buckets)`` for each device's items (one list per device). With one device its
+    plan; with several, each is replanned where needed so that all have the largest batch
+    and token bucket among them, then they are stacked (``jattn.sharding.stack_plans``)."""
+    plans = [make(items, batch_buckets, token_buckets) for items in groups]
+    if len(plans) == 1:
+        return plans[0], plans
+    from jattn.sharding import stack_plans
+
+    bs, toks = max(p.batch_size for p in plans), max(p.num_tokens for p in plans)
+    plans = [
+        p if (p.batch_size, p.num_tokens) == (bs, toks) else make(items, (bs,), (toks,))
+        for p, items in zip(plans, groups)
+    ]
+    return stack_plans(plans), plans

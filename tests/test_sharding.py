@@ -346,6 +346,15 @@ def check_engine_tp():
     eng = Engine(model, EngineConfig(**ec, mesh=_mesh()))
     assert [r.output_tokens for r in eng.generate(prompts, params)] == ref
     eng.check_invariants()
+    # parallel samples on the mesh: 4 samples of an 11-token prompt share its first two
+    # pages, and their decode steps are cascade plans
+    fam = SamplingParams(max_new_tokens=5, temperature=0.9, seed=7, n=4)
+    one = Engine(model, EngineConfig(**ec, cascade=True))
+    want = [s.output_tokens for s in one.samples(one.generate([prompts[1]], fam)[0].rid)]
+    cas = Engine(model, EngineConfig(**ec, cascade=True, mesh=_mesh()))
+    got = [s.output_tokens for s in cas.samples(cas.generate([prompts[1]], fam)[0].rid)]
+    assert got == want and cas.metrics.cascade_steps > 0 and cas.metrics.shared_tokens > 0, (got, want)
+    cas.check_invariants()
     traces, programs = eng.metrics.compilations, eng._step._cache_size()
     # the same workload shape again with new prompts: the same programs, nothing new
     prompts2 = [list(rng.integers(0, 101, len(p))) for p in prompts]
@@ -362,6 +371,52 @@ def check_engine_tp():
         assert "axis='model'" in str(e), e
     else:
         raise AssertionError("an axis not in the mesh was accepted")
+
+
+def check_engine_dp_mla():
+    """The engine serving an MLA model data-parallel over 4 devices: more requests than one
+    device's batch (placed on the devices with the most free pages), chunked prefill,
+    parallel samples (on their parent's device), preemption when a device's pool runs out;
+    the same tokens as on one device, and no new program in steady state."""
+    from flax import nnx
+
+    from jattn.models.config import DeepseekConfig
+    from jattn.models.deepseek import Deepseek
+    from jattn.models.engine import Engine, EngineConfig, SamplingParams
+
+    cfg = DeepseekConfig.tiny(
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1
+    )
+    model = Deepseek(cfg, rngs=nnx.Rngs(50))
+    rng = np.random.default_rng(51)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 19, 3, 8, 12, 7, 30, 4, 9)]
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=5, temperature=0.8, top_p=0.9, seed=3)]
+    params = (params * 5)[: len(prompts)]
+    params[4] = SamplingParams(max_new_tokens=4, temperature=0.7, seed=9, n=3)
+    ec = dict(page_size=4, max_context=48, batch_buckets=(2, 4), token_buckets=(16, 32), max_prefill_tokens=16)
+    one = Engine(model, EngineConfig(**ec, num_pages=200))
+    ref = one.generate(prompts, params)
+    want = [[s.output_tokens for s in one.samples(r.rid)] for r in ref]
+    # 4 devices of 10 pages: 9 usable each, so the longer requests preempt on their device
+    eng = Engine(model, EngineConfig(**ec, num_pages=10, mesh=_mesh("dp"), mesh_axis="dp"))
+    assert eng.dp == 4 and len(eng.pools) == 4
+    seen = set()
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+        seen.update(r.device for r in eng.running + eng.prefilling)
+        fam = eng.samples(rids[4])
+        assert len({r.device for r in fam if r.pages}) <= 1, "a parallel sample left its parent's device"
+    got = [[s.output_tokens for s in eng.samples(r)] for r in rids]
+    assert got == want, (got, want)
+    assert seen == {0, 1, 2, 3}, f"requests ran only on devices {seen}"
+    assert eng.metrics.preemptions > 0, "the small pools never preempted"
+    assert all(p.num_free == p.num_pages - 1 for p in eng.pools)
+    traces, programs = eng.metrics.compilations, eng._step._cache_size()
+    eng.generate([list(rng.integers(0, cfg.vocab_size, len(p))) for p in prompts], params)
+    eng.check_invariants()
+    assert (eng.metrics.compilations, eng._step._cache_size()) == (traces, programs), "recompiled in steady state"
 
 
 def check_mla_dp():
@@ -493,6 +548,7 @@ CHECKS = {
     "llama_tp": check_llama_tp,
     "engine_tp": check_engine_tp,
     "mla_dp": check_mla_dp,
+    "engine_dp_mla": check_engine_dp_mla,
     "multihost_reference": check_multihost_reference,
 }
 
@@ -633,16 +689,13 @@ def test_wrappers_name_the_bad_mesh_and_axis():
         stack_plans([])
 
 
-def test_engine_refuses_mla_on_a_mesh():
-    import jax
-    from flax import nnx
-    from jax.sharding import Mesh
+def test_engine_places_a_request_on_the_device_with_room_and_most_free_pages():
+    from jattn.models.pages import PagePool, place
 
-    from jattn.models.config import DeepseekConfig
-    from jattn.models.deepseek import Deepseek
-    from jattn.models.engine import Engine, EngineConfig
-
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    model = Deepseek(DeepseekConfig.tiny(), rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="data-parallel MLA"):
-        Engine(model, EngineConfig(page_size=4, num_pages=8, max_context=32, mesh=mesh))
+    pools = [PagePool(8), PagePool(8)]
+    pools[0].alloc(3)
+    assert place(pools, [1, 0], [True, True]) == 1  # the most free pages
+    assert place(pools, [1, 0], [True, False]) == 0  # the only one with room
+    assert place(pools, [0, 0], [False, False]) is None
+    pools[1].alloc(3)
+    assert place(pools, [2, 1], [True, True]) == 1  # equal free pages: fewer requests

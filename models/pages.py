@@ -1,0 +1,107 @@
+"""The serving engine's page accounting: one :class:`PagePool` per KV pool (one per
+device of a data-parallel mesh, else one), the choice of device for a request, and the
+cascade grouping of parallel samples that share prompt pages.
+
+A pool hands out page ids ``1 .. num_pages - 1`` (page 0 is the dummy that padded rows
+write to) and counts each page's holders: more than one only for a parallel sample's
+shared prompt pages, which go back to the free list when their last holder ends.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jattn.kv_cache import PageAllocator
+from jattn.metadata import bucket
+
+__all__ = ["PagePool", "cascade_grouping", "place"]
+
+
+class PagePool:
+    """A free list of one pool's pages and the holder count of every page in use."""
+
+    def __init__(self, num_pages: int):
+        self.allocator = PageAllocator(num_pages)
+        self.refs: dict[int, int] = {}  # page -> requests holding it
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` fresh pages, one holder each (raises ``PagePoolExhausted`` past the free list)."""
+        pages = self.allocator.alloc(n)
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def hold(self, pages: Sequence[int]) -> None:
+        """One more holder of each page (all in use)."""
+        for p in pages:
+            self.refs[p] += 1
+
+    def unref(self, pages: Sequence[int]) -> None:
+        """Drops one holder of each page; pages nobody holds go back to the free list."""
+        free = []
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                del self.refs[p]
+                free.append(p)
+        self.allocator.free(free)
+
+    def check(self, held: dict[int, int], name: str = "the pool") -> None:
+        """Raises ``RuntimeError`` unless ``held`` (page -> holders, counted from the
+        requests) equals the counts here and every page is free or held."""
+        if held != self.refs:
+            raise RuntimeError(f"page holders of {name} differ from the engine's counts")
+        if self.num_free + len(held) != self.num_pages - 1:
+            raise RuntimeError(
+                f"pages leaked in {name}: {self.num_free} free + {len(held)} held != {self.num_pages - 1}"
+            )
+
+
+def place(pools: Sequence[PagePool], held: Sequence[int], room: Sequence[bool]) -> int | None:
+    """The device for a new request: among those with ``room`` (batch and token budget
+    left), the one with the most free pages, then the fewest requests ``held``, then the
+    lowest index; None when none has room."""
+    best = None
+    for d, (pool, ok) in enumerate(zip(pools, room)):
+        if ok and (best is None or (pool.num_free, -held[d]) > (pools[best].num_free, -held[best])):
+            best = d
+    return best
+
+
+def cascade_grouping(reqs, page_size: int, batch_buckets, *, always: bool | None = None):
+    """``(reqs reordered, group_size, prefix_pages)`` for a cascade decode of ``reqs``
+    (engine requests: ``rid``, ``parent``, ``pages``, ``seq_len``), or None: the parallel
+    samples of one prompt that run together (the largest such set sets ``group_size``)
+    form a group sharing their common leading pages; the other requests follow,
+    ``group_size`` to a group sharing nothing. With ``always=None`` a grouping is made only
+    when the shared pages are at least a quarter of the batch's KV reads."""
+    roots: dict[int, list] = {}
+    for r in reqs:
+        roots.setdefault(r.rid if r.parent is None else r.parent, []).append(r)
+    g = max(len(m) for m in roots.values())
+    if g < 2:
+        return None
+    groups, loose = [], []
+    for members in roots.values():
+        first = members[0].pages
+        n = min(next((i for i, (a, b) in enumerate(zip(first, m.pages)) if a != b), len(m.pages)) for m in members)
+        n = min(n, min(m.seq_len // page_size for m in members))  # the new token stays outside
+        if len(members) == g and n > 0:
+            groups.append((members, n))
+        else:
+            loose.extend(members)
+    if not groups or bucket(len(reqs), batch_buckets) % g:
+        return None
+    saved = sum((g - 1) * n * page_size for _, n in groups)
+    if always is None and 4 * saved < sum(r.seq_len + 1 for r in reqs):
+        return None
+    order = [m for members, _ in groups for m in members] + loose
+    return order, g, [n for _, n in groups] + [0] * (-(-len(loose) // g))
