@@ -351,3 +351,16 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
     sep = "| " + " | ".join("-" * w for w in widths) + " |"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def write_results(path: str, bench: str, header: Sequence[str], rows: Sequence[Sequence[object]], meta: dict) -> None:
+    """Writes a benchmark's table and the run's facts (device, versions, ceilings) as JSON
+    (``{"bench", "header", "rows", ...meta}``, cells as printed) for ``jattn.bench.plot``;
+    nothing when ``path`` is empty."""
+    if not path:
+        return
+    import json
+
+    with open(path, "w") as f:
+        json.dump(dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta), f, indent=1)
+    print(f"results written to {path}")

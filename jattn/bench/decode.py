@@ -30,6 +30,25 @@ from jattn.bench import common
 SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384))
 HQ, HKV, D = 32, 8, 128
 NUM_ROT = 4
+HEADER = (
+    "page",
+    "batch x len",
+    "q_len",
+    "kv",
+    "splits",
+    "jattn us",
+    "TB/s",
+    "% copy",
+    "device us",
+    "device TB/s",
+    "JAX paged_attention TB/s (device)",
+    "triton us (device)",
+    "triton TB/s (device)",
+    "FA3 us",
+    "FA3 TB/s",
+    "FA3 device us",
+    "FA3 device TB/s",
+)
 
 
 def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q):
@@ -67,6 +86,34 @@ def _jax_paged_attention(qs, k, v, tables, lens, page_size):
         )
 
     return step, (qs, kp, vp, tables, lens)
+
+
+def _fa3_splits(bs: int, max_pages: int, page_size: int) -> list[int]:
+    """Split counts tried for FA3's paged call (its JAX binding takes an explicit count):
+    1, and the power of two that gives about one CTA per SM (132 on an H200) over the
+    batch's KV heads, at most 64 and at most one split per 256 tokens."""
+    fill = 1 << max(0, math.ceil(math.log2(max(1, 132 // max(1, bs * HKV)))))
+    return sorted({1, max(1, min(64, fill, max_pages * page_size // 256))})
+
+
+def _fa3_step(fa3, q_len, splits):
+    """FA3's paged KV-cache attention (``flash_attn3_jax.flash_mha_with_kvcache``) on the
+    same pool and tables: q as ``[bs, q_len, Hq, D]``, causal (bottom-right) for q_len > 1."""
+
+    def step(i, qs, k, v, tables, lens):
+        q = qs[i]
+        out = fa3.flash_mha_with_kvcache(
+            q.reshape(-1, q_len, HQ, D),
+            k,
+            v,
+            cache_seqlens=lens,
+            page_table=tables[i % NUM_ROT],
+            is_causal=q_len > 1,
+            num_splits=splits,
+        )
+        return out.reshape(q.shape)
+
+    return step
 
 
 def _device_timing(t):
@@ -127,6 +174,13 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the calls inside one jitted fori_loop run as one command "
         "buffer (CUDA graph with conditional nodes): device time per call",
     )
+    ap.add_argument("--json", default="", help="also write the table (and the run's facts) to this JSON file")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="also draw TB/s by row for jattn, the peers and the copy ceiling to this PNG (needs matplotlib; "
+        "else `python -m jattn.bench.plot RESULTS.json OUT.png` draws it from --json elsewhere)",
+    )
     ap.add_argument(
         "--invariant",
         action="store_true",
@@ -141,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from jattn.pallas_kernels import mosaic_decode as md
     from jattn.pallas_kernels import triton_decode, triton_glue
+
+    try:
+        import flash_attn3_jax as fa3
+    except ImportError:
+        fa3 = None
 
     opts = parse_options(args.set)
     print(f"kernel options: {opts}")
@@ -162,21 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
 
     rng = np.random.default_rng(0)
-    header = [
-        "page",
-        "batch x len",
-        "q_len",
-        "kv",
-        "splits",
-        "jattn us",
-        "TB/s",
-        "% copy",
-        "device us",
-        "device TB/s",
-        "JAX paged_attention TB/s (device)",
-        "triton us (device)",
-        "triton TB/s (device)",
-    ] + (["max err"] if args.check else [])
+    header = list(HEADER) + (["max err"] if args.check else [])
     rows, sweep, profiles = [], [], []
     for ps, bs, L, q_len, kv_dtype in rows_spec:
         kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
@@ -190,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         reason = md.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
         if reason is not None:
-            rows.append(label + ["-", "n/a", "-", "-", "-", "-", "-", "-", "-"] + ([reason] if args.check else []))
+            pad = ["-"] * (len(header) - 6 - bool(args.check))
+            rows.append(label + ["-", "n/a"] + pad + ([reason] if args.check else []))
             print(f"skip {label}: {reason}")
             continue
         kscale = 0.5 if kvname == "fp8" else 1.0
@@ -251,6 +297,30 @@ def main(argv: list[str] | None = None) -> None:
                 tri = [f"{ts * 1e6:.1f}", f"{kv_bytes / ts / 1e12:.2f}"]
             except Exception as e:  # noqa: BLE001
                 tri = ["-", "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)]
+        fa = ["-"] * 4
+        if fa3 is not None and not args.no_peer and kvname == "bf16":
+            best = None
+            for sp in _fa3_splits(bs, tables.shape[-1], ps):
+                try:
+                    fstep = _fa3_step(fa3, q_len, sp)
+                    ft = common.time_rotated(fstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
+                except Exception as e:  # noqa: BLE001
+                    fa = ["-", "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__), "-", "-"]
+                    continue
+                if best is None or (ft.device_seconds or ft.seconds) < (best.device_seconds or best.seconds):
+                    best = ft
+                sweep.append(
+                    f"page {ps} {bs}x{L} q_len {q_len} FA3 num_splits={sp}: wall {ft.seconds * 1e6:.1f} us, "
+                    f"device {(ft.device_seconds or 0) * 1e6:.1f} us"
+                )
+            if best is not None:
+                dev_s = best.device_seconds
+                fa = [
+                    f"{best.seconds * 1e6:.1f}",
+                    f"{kv_bytes / best.seconds / 1e12:.2f}",
+                    "-" if dev_s is None else f"{dev_s * 1e6:.1f}",
+                    "-" if dev_s is None else f"{kv_bytes / dev_s / 1e12:.2f}",
+                ]
         # Other timing methods of the same calls, each one line of the sweep.
         targs = (qs, k, v, tables, lens)
         methods = []
@@ -343,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001
                 profiles.append(f"page {ps} {bs}x{L}: profile failed {type(e).__name__}: {str(e)[:200]}")
             print(profiles[-1], flush=True)
-        row = label + cells + [peer] + tri
+        row = label + cells + [peer] + tri + fa
         if args.check:
             from jattn import reference
 
@@ -373,6 +443,12 @@ def main(argv: list[str] | None = None) -> None:
         print("graph timings, split-count sweep:")
         print("\n".join(sweep))
     print(common.fmt_table(header, rows))
+    meta = dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12, copy_how=how)
+    common.write_results(args.json, "decode", header, rows, meta)
+    if args.plot:
+        from jattn.bench import plot
+
+        print(plot.draw(dict(bench="decode", header=header, rows=rows, **meta), args.plot))
 
 
 if __name__ == "__main__":
