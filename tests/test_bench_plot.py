@@ -46,3 +46,41 @@ def test_draw_writes_a_png(tmp_path):
     assert "2 rows, 4 series" in msg  # jattn GPU and wall, JAX paged_attention, FA3 GPU
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert plot.main([str(tmp_path / "decode.json"), str(tmp_path / "again.png")]) == 0
+
+
+def _table(header, cells):
+    """Rows of ``header`` columns, ``cells`` giving a row's non-empty cells by column name."""
+    return [[row.get(h, "-") for h in header] for row in cells]
+
+
+def test_every_bench_has_a_chart_of_its_own_columns(tmp_path):
+    """prefill (series by column), mla (one series per backend), cascade (times per call)."""
+    from jattn.bench import cascade, mla
+
+    pre = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul", "triton TFLOP/s", "FA3 TFLOP/s"]
+    res = dict(
+        bench="prefill", header=pre, rows=_table(pre, [{"row": "4x4096", "TFLOP/s": "536", "FA3 TFLOP/s": "603"}])
+    )
+    assert plot.series(res) == (["4x4096"], {"jattn": [536.0], "FA3": [603.0]})
+    rows = _table(
+        mla.HEADER,
+        [
+            {"row": "64x4096 h16", "backend": "mosaic", "TB/s": "-"},
+            {"row": "64x4096 h16", "backend": "triton", "TB/s": "2.01"},
+            {"row": "128x4096 h16", "backend": "triton", "TB/s": "2.40"},
+            {"row": "128x4096 h16", "backend": "xla", "TB/s": "0.41"},
+        ],
+    )
+    labels, data = plot.series(dict(bench="mla", header=list(mla.HEADER), rows=rows))
+    assert labels == ["64x4096 h16", "128x4096 h16"] and set(data) == {"triton", "xla"}  # mosaic never ran
+    assert data["triton"] == [2.01, 2.40] and math.isnan(data["xla"][0])
+    rows = _table(
+        cascade.HEADER,
+        [{"groups x size": "1x64", "prefix + suffix": "16384+256", "plain us": "669.5", "auto us": "74.1"}],
+    )
+    assert plot.series(dict(bench="cascade", header=list(cascade.HEADER), rows=rows)) == (
+        ["1x64 16384+256"],
+        {"plain decode": [669.5], "cascade, auto": [74.1]},
+    )
+    with pytest.raises(ValueError, match=r"lack the columns \['backend'\]"):
+        plot.series(dict(bench="mla", header=["row", "TB/s"], rows=[]))

@@ -31,6 +31,19 @@ from jattn.bench import common
 ROWS = ((1, 64, 16384, 256), (8, 8, 16384, 256), (4, 16, 4096, 256), (16, 4, 4096, 512))
 HQ, HKV, D = 32, 8, 128
 NUM_ROT = 4
+HEADER = (
+    "groups x size",
+    "prefix + suffix",
+    "plain us",
+    "plain TB/s",
+    "decode-pass us",
+    "extend-pass us",
+    "suffix-pass us",
+    "auto us",
+    "auto TB/s (distinct)",
+    "speedup (auto)",
+    "max |auto - plain|",
+)
 
 
 def _setup(groups, gs, prefix, suffix, page_size, n_q, rng):
@@ -62,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--backend", default=None, help="jattn backend for every call (default: automatic)")
     ap.add_argument("--n-hi", type=int, default=12, help="calls per jit")
+    common.add_output_args(ap)
     ap.add_argument(
         "--prefix-splits", default="", help="e.g. 4,8,16: also time the extend pass with these page ranges per prefix"
     )
@@ -78,19 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     rows_spec = ROWS if args.rows is None else [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     ps, be = args.page_size, args.backend
-    header = [
-        "groups x size",
-        "prefix + suffix",
-        "plain us",
-        "plain TB/s",
-        "decode-pass us",
-        "extend-pass us",
-        "suffix-pass us",
-        "auto us",
-        "auto TB/s (distinct)",
-        "speedup (auto)",
-        "max |auto - plain|",
-    ]
+    header = list(HEADER)
     rows = []
     for groups, gs, prefix, suffix in rows_spec:
         bs = groups * gs
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         f"GPU time per call; copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}"
     )
     print(common.fmt_table(header, rows))
+    common.save_outputs(args, "cascade", header, rows, dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12))
 
 
 if __name__ == "__main__":

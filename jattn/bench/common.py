@@ -364,3 +364,24 @@ def write_results(path: str, bench: str, header: Sequence[str], rows: Sequence[S
     with open(path, "w") as f:
         json.dump(dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta), f, indent=1)
     print(f"results written to {path}")
+
+
+def add_output_args(ap) -> None:
+    """The ``--json`` and ``--plot`` options every benchmark takes."""
+    ap.add_argument("--json", default="", help="also write the table (and the run's facts) to this JSON file")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="also draw the table (jattn, the peers, the ceiling) to this PNG (needs matplotlib; else "
+        "`python -m jattn.bench.plot RESULTS.json OUT.png` draws it from --json elsewhere)",
+    )
+
+
+def save_outputs(args, bench: str, header, rows, meta: dict) -> None:
+    """Writes ``--json`` and draws ``--plot`` when they were asked for."""
+    write_results(args.json, bench, header, rows, meta)
+    if args.plot:
+        from jattn.bench import plot
+
+        table = dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta)
+        print(plot.draw(table, args.plot))

@@ -174,13 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the calls inside one jitted fori_loop run as one command "
         "buffer (CUDA graph with conditional nodes): device time per call",
     )
-    ap.add_argument("--json", default="", help="also write the table (and the run's facts) to this JSON file")
-    ap.add_argument(
-        "--plot",
-        default="",
-        help="also draw TB/s by row for jattn, the peers and the copy ceiling to this PNG (needs matplotlib; "
-        "else `python -m jattn.bench.plot RESULTS.json OUT.png` draws it from --json elsewhere)",
-    )
+    common.add_output_args(ap)
     ap.add_argument(
         "--invariant",
         action="store_true",
@@ -444,11 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(sweep))
     print(common.fmt_table(header, rows))
     meta = dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12, copy_how=how)
-    common.write_results(args.json, "decode", header, rows, meta)
-    if args.plot:
-        from jattn.bench import plot
-
-        print(plot.draw(dict(bench="decode", header=header, rows=rows, **meta), args.plot))
+    common.save_outputs(args, "decode", header, rows, meta)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from jattn.bench import common
 
 R, W, PAGE = 512, 576, 64
 NUM_ROT = 4
+HEADER = ("row", "backend", "us (GPU)", "TB/s", "% copy", "TFLOP/s", "% matmul", "xla us", "speedup")
 SCALE = 1.0 / 192**0.5
 
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rows", default="", help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS)
     )
     ap.add_argument("--no-xla", action="store_true", help="time jattn only")
+    common.add_output_args(ap)
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     unknown = want - {r.label for r in ROWS}
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy {copy_bw / 1e12:.2f} TB/s ({how}); "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
-    header = ["row", "backend", "us (GPU)", "TB/s", "% copy", "TFLOP/s", "% matmul", "xla us", "speedup"]
+    header = list(HEADER)
     out = []
     rng = np.random.default_rng(0)
     n_hi = 8
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             out.append(cells)
             print(" | ".join(cells), flush=True)
     print(common.fmt_table(header, out))
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_tbs=copy_bw / 1e12, copy_how=how)
+    common.save_outputs(args, "mla", header, out, dict(meta, matmul_tflops=rate / 1e12))
 
 
 if __name__ == "__main__":

@@ -1,30 +1,86 @@
 """Charts of benchmark results: ``python -m jattn.bench.plot RESULTS.json OUT.png``.
 
 ``RESULTS.json`` is what a benchmark's ``--json`` wrote (its table as printed and the
-run's facts); the chart shows, for every row, the achieved rate of jattn and of each
-peer beside the ceiling measured in the same run (for ``bench decode``: TB/s by GPU
-time and by wall time, and the device copy bandwidth). Needs matplotlib (the ``plot``
-extra); :func:`series` reads the numbers without it.
+run's facts); the chart shows, for every row, jattn and each peer beside the ceiling
+measured in the same run: ``decode`` TB/s by GPU and wall time against the copy
+bandwidth, ``prefill`` TFLOP/s against the matmul rate, ``mla`` TB/s per backend against
+the copy bandwidth, ``cascade`` the time per call of the plain decode and each cascade
+pass. Needs matplotlib (the ``plot`` extra); :func:`series` reads the numbers without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import sys
 
-__all__ = ["SERIES", "draw", "series"]
+__all__ = ["SERIES", "Chart", "draw", "series"]
 
-# bench -> (label, column, which number of the cell: 0 the first, -1 the last)
+
+@dataclasses.dataclass(frozen=True)
+class Chart:
+    """How one benchmark's table becomes bars: the row label (columns, or ``(prefix,
+    column)`` pairs, joined by a space), the series (``(name, column, which number of the cell: 0 the first, -1 the
+    last)``) or, with ``pivot``, one series per value of that column (``values`` the
+    column plotted), the y axis, and the run fact drawn as the ceiling line."""
+
+    label: tuple
+    ylabel: str
+    series: tuple = ()
+    pivot: str | None = None
+    values: str | None = None
+    ceiling: str | None = None
+    ceiling_label: str = ""
+
+
 SERIES = {
-    "decode": (
-        ("jattn, GPU time", "device TB/s", 0),
-        ("jattn, wall time", "TB/s", 0),
-        ("jattn triton, GPU time", "triton TB/s (device)", 0),
-        ("FA3, GPU time", "FA3 device TB/s", 0),
-        ("FA3, wall time", "FA3 TB/s", 0),
-        ("JAX paged_attention, GPU time", "JAX paged_attention TB/s (device)", -1),
+    "decode": Chart(
+        label=(("p", "page"), "batch x len", ("q", "q_len"), "kv"),
+        ylabel="TB/s (K and V bytes read once)",
+        series=(
+            ("jattn, GPU time", "device TB/s", 0),
+            ("jattn, wall time", "TB/s", 0),
+            ("jattn triton, GPU time", "triton TB/s (device)", 0),
+            ("FA3, GPU time", "FA3 device TB/s", 0),
+            ("FA3, wall time", "FA3 TB/s", 0),
+            ("JAX paged_attention, GPU time", "JAX paged_attention TB/s (device)", -1),
+        ),
+        ceiling="copy_tbs",
+        ceiling_label="device copy (ceiling)",
+    ),
+    "prefill": Chart(
+        label=("row",),
+        ylabel="TFLOP/s (causal counts half)",
+        series=(
+            ("jattn", "TFLOP/s", 0),
+            ("jattn triton", "triton TFLOP/s", 0),
+            ("FA3", "FA3 TFLOP/s", 0),
+            ("cuDNN (JAX)", "cuDNN TFLOP/s", 0),
+            ("torch flash", "torch flash TFLOP/s", 0),
+            ("torch cuDNN", "torch cuDNN TFLOP/s", 0),
+        ),
+        ceiling="matmul_tflops",
+        ceiling_label="bf16 matmul (ceiling)",
+    ),
+    "mla": Chart(
+        label=("row",),
+        ylabel="TB/s (latent cache bytes read once)",
+        pivot="backend",
+        values="TB/s",
+        ceiling="copy_tbs",
+        ceiling_label="device copy (ceiling)",
+    ),
+    "cascade": Chart(
+        label=("groups x size", "prefix + suffix"),
+        ylabel="us per call, GPU time (lower is better)",
+        series=(
+            ("plain decode", "plain us", 0),
+            ("cascade, decode pass", "decode-pass us", 0),
+            ("cascade, extend pass", "extend-pass us", 0),
+            ("cascade, auto", "auto us", 0),
+        ),
     ),
 }
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?")
@@ -41,18 +97,24 @@ def series(results: dict) -> tuple[list[str], dict[str, list[float]]]:
     bench, header, rows = results["bench"], results["header"], results["rows"]
     if bench not in SERIES:
         raise ValueError(f"no chart is defined for bench {bench!r} (known: {', '.join(SERIES)})")
-    if bench == "decode":
-        col = {h: i for i, h in enumerate(header)}
-        labels = [f"p{r[col['page']]} {r[col['batch x len']]} q{r[col['q_len']]} {r[col['kv']]}" for r in rows]
-    out = {}
-    for label, column, which in SERIES[bench]:
-        if column not in header:
-            continue
-        i = header.index(column)
-        vals = [_number(r[i], which) if i < len(r) else math.nan for r in rows]
-        if any(not math.isnan(v) for v in vals):
-            out[label] = vals
-    return labels, out
+    chart = SERIES[bench]
+    col = {h: i for i, h in enumerate(header)}
+    parts = [(c, "") if isinstance(c, str) else (c[1], c[0]) for c in chart.label]
+    missing = [c for c, _ in parts + [(chart.pivot, ""), (chart.values, "")] if c is not None and c not in col]
+    if missing:
+        raise ValueError(f"bench {bench!r} results lack the columns {missing}")
+    names = [" ".join(f"{pre}{r[col[c]]}" for c, pre in parts) for r in rows]
+    labels = list(dict.fromkeys(names))
+    out: dict[str, list[float]] = {}
+    if chart.pivot:
+        for r, name in zip(rows, names):
+            vals = out.setdefault(str(r[col[chart.pivot]]), [math.nan] * len(labels))
+            vals[labels.index(name)] = _number(r[col[chart.values]], 0)
+    else:
+        for label, column, which in chart.series:
+            if column in col:
+                out[label] = [_number(r[col[column]], which) if col[column] < len(r) else math.nan for r in rows]
+    return labels, {k: v for k, v in out.items() if any(not math.isnan(x) for x in v)}
 
 
 def draw(results: dict, path: str) -> str:
@@ -71,11 +133,12 @@ def draw(results: dict, path: str) -> str:
     for j, (name, vals) in enumerate(data.items()):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(n)]
         ax.bar(xs, [0 if math.isnan(v) else v for v in vals], width, label=name)
-    if results.get("copy_tbs"):
-        ax.axhline(results["copy_tbs"], color="k", linestyle="--", linewidth=1, label="device copy (ceiling)")
+    chart = SERIES[results["bench"]]
+    if chart.ceiling and results.get(chart.ceiling):
+        ax.axhline(results[chart.ceiling], color="k", linestyle="--", linewidth=1, label=chart.ceiling_label)
     ax.set_xticks(range(n))
     ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel("TB/s (K and V bytes read once)")
+    ax.set_ylabel(chart.ylabel)
     ax.set_title(f"bench {results['bench']}: {results.get('device', '')}, jax {results.get('jax', '')}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS) + ", merge",
     )
     ap.add_argument("--no-peers", action="store_true", help="time jattn only")
+    common.add_output_args(ap)
     ap.add_argument(
         "--clean-edges",
         default="default",
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         out.append(row)
         print(" | ".join(str(x) for x in row), flush=True)
     print(common.fmt_table(header, out))
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, matmul_tflops=rate / 1e12)
+    common.save_outputs(args, "prefill", header, out, meta)
     if not want or "merge" in want:
         _merge_row(np.random.default_rng(0))
 
