@@ -59,9 +59,18 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
     graphdef, state = nnx.split(model)
     state_def = jax.tree_util.tree_structure(state)
 
+    dp = getattr(backend, "data_parallel_size", 1) > 1
+    if dp:  # tokens split over the data-parallel axis as the pools are; sampled tokens replicated
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        split = NamedSharding(backend.mesh, PartitionSpec(backend.axis))
+        whole = NamedSharding(backend.mesh, PartitionSpec())
+
     def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
         if on_trace is not None:
             on_trace(metadata)
+        if dp:
+            tokens = jax.lax.with_sharding_constraint(tokens, split)
         m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, params))
         hidden, kv_cache = m(tokens, metadata.positions, kv_cache, metadata, backend=backend)
         if hasattr(metadata, "cu_seqlens_q") and jnp.ndim(metadata.num_reqs) == 1:
@@ -77,6 +86,8 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
             last = jnp.arange(metadata.batch_size, dtype=jnp.int32) * q + (q - 1)
         logits = m.logits(hidden[last])
         nxt = sample_tokens(logits, temperature, top_p, seeds, counters, greedy_only=greedy_only)
+        if dp:
+            nxt = jax.lax.with_sharding_constraint(nxt, whole)
         return nxt, kv_cache
 
     kw = {}

@@ -495,8 +495,9 @@ def check_mla_dp():
 
 
 def multihost_case(mesh) -> dict:
-    """A tensor-parallel Llama prefill, one TP decode op and the engine on ``mesh``; host
-    arrays out (replicated on every process)."""
+    """A tensor-parallel Llama prefill, one TP decode op, the engine on ``mesh`` serving
+    a Llama model tensor-parallel and a DeepSeek model data-parallel; host arrays out
+    (replicated on every process)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -532,6 +533,16 @@ def multihost_case(mesh) -> dict:
     ec = dict(page_size=4, num_pages=24, max_context=32, batch_buckets=(2,), token_buckets=(16,), max_prefill_tokens=16)
     reqs = Engine(model, EngineConfig(**ec, mesh=mesh)).generate(prompts, SamplingParams(max_new_tokens=4))
     out["engine_tokens"] = np.array([r.output_tokens for r in reqs])
+    # the engine serving an MLA model data-parallel over the same mesh (each device a pool)
+    from flax import nnx
+
+    from jattn.models.config import DeepseekConfig
+    from jattn.models.deepseek import Deepseek
+
+    mla = Deepseek(DeepseekConfig.tiny(), rngs=nnx.Rngs(53))
+    prompts = [list(rng.integers(0, mla.config.vocab_size, n)) for n in (5, 9, 3, 7, 6)]
+    reqs = Engine(mla, EngineConfig(**ec, mesh=mesh)).generate(prompts, SamplingParams(max_new_tokens=3))
+    out["engine_dp_tokens"] = np.array([r.output_tokens for r in reqs])
     return out
 
 

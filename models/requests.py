@@ -1,0 +1,187 @@
+"""The serving engine's data: its configuration (:class:`EngineConfig`), a request and
+its states (:class:`Request`, :data:`REQUEST_STATES`), what one step did
+(:class:`StepInfo`), the counters and timings (:class:`EngineMetrics`), and the check
+of a submitted prompt. ``jattn.models.engine`` re-exports them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jattn.metadata import DEFAULT_BATCH_BUCKETS
+from jattn.models.sampling import SamplingParams, _is_int
+
+__all__ = ["EngineConfig", "EngineMetrics", "REQUEST_STATES", "Request", "StepInfo"]
+
+
+def _validated_prompt(prompt, vocab: int) -> list:
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        raise TypeError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    toks = list(prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)
+    bad = [t for t in toks if not _is_int(t)]
+    if bad:
+        raise TypeError(f"prompt token ids must be integers, got {bad[0]!r}")
+    toks = [int(t) for t in toks]
+    if toks and (min(toks) < 0 or max(toks) >= vocab):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    return toks
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 1024  # page 0 is reserved (padded rows write there)
+    max_context: int = 2048  # prompt + generated tokens per request
+    max_running: int = 128  # requests holding pages at once (also capped by the largest batch bucket)
+    max_prefill_tokens: int = 4096  # new tokens per extend step (capped by the largest token bucket)
+    batch_buckets: tuple = DEFAULT_BATCH_BUCKETS
+    token_buckets: tuple | None = None  # None: powers of two >= 16
+    kv_cache_dtype: str | None = None  # None: the model's dtype
+    kernel_backend: str | None = None  # None: auto
+    # XLA command buffers (CUDA graphs) for the step, GPU only: True = the engine's choice
+    # (ENGINE_COMMAND_BUFFERS), False or "off" = none, "xla" = XLA's defaults, any other
+    # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").
+    command_buffers: bool | str = True
+    # A jax.sharding.Mesh to serve on (None: one device), split over its axis mesh_axis
+    # (jattn.models.parallel.for_engine): a Llama-family model tensor-parallel (heads),
+    # an MLA model data-parallel (each device its own requests and latent pool of
+    # num_pages pages; the engine places requests). The step stays one jit.
+    mesh: object = None
+    mesh_axis: str = "tp"
+    # Cascade decode for parallel samples that share prompt pages: None = when the shared
+    # pages are at least a quarter of the batch's KV reads, True = whenever they share,
+    # False = never (a plain decode over the same pages gives the same tokens).
+    cascade: bool | None = None
+
+    def __post_init__(self):
+        for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"EngineConfig.{name}={v!r} must be an integer >= {lo}")
+        if not _is_int(self.max_prefill_tokens) or self.max_prefill_tokens < 1:
+            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r} must be an integer >= 1")
+        for name in ("batch_buckets", "token_buckets"):
+            bk = getattr(self, name)
+            if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
+                raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
+        if self.cascade not in (None, True, False):
+            raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
+        if self.token_buckets and max(self.token_buckets) < 16:
+            raise ValueError(
+                f"EngineConfig.token_buckets={self.token_buckets!r}: the largest must be >= 16 "
+                "(an extend step's tokens are padded to at least 16)"
+            )
+
+    @property
+    def max_batch(self) -> int:
+        """Requests holding pages at once: ``max_running`` within the largest batch bucket."""
+        return min(self.max_running, max(self.batch_buckets)) if self.batch_buckets else self.max_running
+
+    @property
+    def token_budget(self) -> int:
+        """New tokens per extend step: ``max_prefill_tokens`` within the largest token bucket."""
+        if self.token_buckets:
+            return min(self.max_prefill_tokens, max(self.token_buckets))
+        return self.max_prefill_tokens
+
+
+#: Request states. ``waiting``: queued, no pages. ``prefilling``: pages held, part of
+#: its tokens cached (chunked prefill). ``running``: every token but the last cached, one
+#: token per decode step. ``finished`` / ``error``: done, no pages.
+REQUEST_STATES = ("waiting", "prefilling", "running", "finished", "error")
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: list
+    params: SamplingParams
+    arrival_step: int = 0
+    output_tokens: list = dataclasses.field(default_factory=list)
+    status: str = "waiting"  # one of REQUEST_STATES
+    finish_reason: str | None = None  # stop | length | error
+    error: str | None = None
+    pages: list = dataclasses.field(default_factory=list)
+    device: int = 0  # the pool its pages are in (data-parallel serving: its device on the mesh axis)
+    seq_len: int = 0  # tokens in the KV cache
+    preemptions: int = 0  # times its pages were taken back (then recomputed)
+    parent: int | None = None  # parallel sample i > 0: the rid of sample 0, whose prompt pages it shares
+    samples: tuple = ()  # sample 0 of SamplingParams.n > 1: the rids of all n samples
+    arrival_time: float | None = None  # time.perf_counter() at add_request
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "error")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens: what the cache holds once the request is caught up."""
+        return len(self.prompt) + len(self.output_tokens)
+
+    def token_slice(self, start: int, stop: int) -> list:
+        """Tokens ``start:stop`` of prompt + output."""
+        n = len(self.prompt)
+        return (self.prompt[start:stop] if start < n else []) + self.output_tokens[max(start - n, 0) : max(stop - n, 0)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What one ``Engine.step()`` did."""
+
+    mode: str  # "extend", "decode" or "idle"
+    rids: tuple = ()  # requests in the batch
+    finished: tuple = ()  # requests that finished (or failed) during the step
+    preempted: tuple = ()  # requests whose pages were taken back (requeued, recomputed later)
+    compiled: bool = False
+    seconds: float = 0.0
+    error: str | None = None  # the step raised: its requests failed with this message
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_tokens: int = 0
+    compilations: int = 0
+    compile_steps: int = 0  # steps that traced + compiled; their time is in compile_time only
+    compile_time: float = 0.0
+    prefill_time: float = 0.0  # steps that did not compile
+    decode_time: float = 0.0
+    timed_tokens: int = 0  # tokens generated by steps that did not compile
+    decode_step_times: list = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+    failed_steps: int = 0
+    shared_tokens: int = 0  # prompt tokens a parallel sample did not prefill (its parent's pages)
+    cascade_steps: int = 0  # decode steps planned as a cascade (shared prefixes read once per group)
+
+    @property
+    def busy_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of step time (prefill and decode; compiling steps excluded)."""
+        return self.timed_tokens / self.busy_time if self.busy_time else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def median_decode_step_ms(self) -> float:
+        return 1e3 * float(np.median(self.decode_step_times)) if self.decode_step_times else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.generated_tokens} tokens in {self.steps} steps ({self.prefill_steps} prefill, "
+            f"{self.decode_steps} decode); {self.tokens_per_s:.1f} tok/s overall, "
+            f"{self.decode_tokens_per_s:.1f} tok/s decode; median decode step "
+            f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
+            f"({self.compile_time:.1f} s in compiling steps)"
+        )
