@@ -16,8 +16,9 @@ import torch
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
-from .call import _BridgeBase, _Plan, _ref, _View
+from .call import _BridgeBase
 from .native import NativePlans, run_layer
+from .state import _Plan, _ref, _View
 
 __all__ = ["TorchMHABackend"]
 

@@ -21,8 +21,9 @@ from jattn.kv_cache import MLAKVCache
 from jattn.metadata import bucket
 from jattn.mla_rope import MLARope
 
-from .call import _BridgeBase, _host
+from .call import _BridgeBase
 from .convert import to_jax
+from .state import _host
 
 __all__ = ["TorchMLABackend"]
 
