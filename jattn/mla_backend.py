@@ -1,0 +1,285 @@
+"""The DeepSeek MLA backend (SGLang's ``TRTLLMMLABackend`` made functional): absorbed
+paged decode over the 576-wide latent cache, target verify, draft extend, ragged MLA
+prefill and the chunked prefix cache; ``jattn.backends`` re-exports it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jattn import ops
+from jattn.config import LayerSpec, MLAConfig
+from jattn.kv_cache import MLAKVCache, is_fp8
+from jattn.metadata import (
+    DecodeMetadata,
+    ExtendMetadata,
+    ForwardMode,
+)
+from jattn.mla_rope import MLARope
+from jattn.planning import _check_plan, _PlanningMixin
+
+
+def _front_pad(x, cu_seqlens_q, max_seqlen_q: int):
+    """Ragged [T, ...] -> [bs * max_q, ...] with each request's tokens at the END of its
+    block, so the decode masks' positions ``L - max_q + i`` are the tokens' own."""
+    bs = cu_seqlens_q.shape[0] - 1
+    n = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    i = jnp.arange(max_seqlen_q, dtype=jnp.int32)[None, :]
+    tok = cu_seqlens_q[:-1, None] + i - (max_seqlen_q - n[:, None])
+    valid = i >= (max_seqlen_q - n[:, None])
+    g = x[jnp.clip(tok, 0, x.shape[0] - 1)]
+    g = jnp.where(valid.reshape(bs, max_seqlen_q, *([1] * (x.ndim - 1))), g, 0)
+    return g.reshape(bs * max_seqlen_q, *x.shape[1:])
+
+
+def _front_unpad(y, cu_seqlens_q, max_seqlen_q: int, num_tokens: int):
+    """Inverse of :func:`_front_pad`; padding tokens (past cu[-1]) give 0."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    bs = cu_seqlens_q.shape[0] - 1
+    b = jnp.clip(jnp.searchsorted(cu_seqlens_q, t, side="right") - 1, 0, bs - 1)
+    n = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+    row = b * max_seqlen_q + (max_seqlen_q - n) + (t - cu_seqlens_q[b])
+    out = y[jnp.clip(row, 0, y.shape[0] - 1)]
+    real = (t < cu_seqlens_q[-1]).reshape(-1, *([1] * (y.ndim - 1)))
+    return jnp.where(real, out, 0)
+
+
+def apply_llama_4_scaling(query, llama_4_scaling):
+    """``query`` [T, H, D] times a per-token scale (f32 ``[T]``, ``[T, 1]`` or
+    ``[T, 1, 1]``), computed in f32 and returned in the query's dtype; ``None``: the
+    query unchanged."""
+    if llama_4_scaling is None:
+        return query
+    s = jnp.asarray(llama_4_scaling, jnp.float32)
+    if s.size != query.shape[0] or any(d != 1 for d in s.shape[1:]):
+        raise ValueError(f"llama_4_scaling shape {s.shape} must be [T], [T, 1] or [T, 1, 1] with T={query.shape[0]}")
+    return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
+
+
+class MLABackend(_PlanningMixin):
+    """DeepSeek MLA: absorbed decode over the 576-wide latent cache (also target verify
+    and draft extend), ragged non-absorbed prefill (192/128) with LSE, and the chunked
+    prefix-cache path with state merge."""
+
+    def __init__(self, config: MLAConfig):
+        self.config = config
+
+    def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
+        """Writes ``[c_kv, k_pe]`` rows (``set_mla_kv_buffer``) into layer ``layer.layer_id``."""
+        kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
+        return kv_cache.replace_layer(layer.layer_id, kv)
+
+    def _absorbed_query(self, q_nope, q_rope, layer, llama_4_scaling=None, rope=None):
+        cfg = self.config
+        if q_rope is None:  # already the full 576-wide absorbed query
+            query = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        else:
+            q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
+            q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
+            query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+        if rope is not None:  # fused rope (and the FP8 query of an FP8 cache)
+            return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
+        return apply_llama_4_scaling(query, llama_4_scaling)
+
+    def _scale(self, layer: LayerSpec) -> float:
+        return self.config.softmax_scale if layer.scaling is None else layer.scaling
+
+    def _decode(self, query, layer, kv_cache: MLAKVCache, metadata):
+        """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``)."""
+        _check_plan(metadata, kv_cache)
+        return ops.mla_decode_with_kvcache(
+            query,
+            kv_cache.layer(layer.layer_id),
+            metadata.page_table,
+            metadata.cache_seqlens,
+            kv_lora_rank=self.config.kv_lora_rank,
+            softmax_scale=self._scale(layer),
+            max_seqlen_q=metadata.max_seqlen_q,
+            is_causal=metadata.is_causal,
+            kv_scale=layer.k_scale if is_fp8(kv_cache.dtype) else 1.0,
+            backend=self.config.kernel_backend,
+        )
+
+    def _write(self, layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope=None):
+        if not save_kv_cache:
+            return kv_cache
+        if k is None or k_rope is None:
+            raise ValueError("save_kv_cache needs both k (c_kv) and k_rope")
+        k_rope = k_rope if rope is None else rope.key(k_rope)
+        return self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
+
+    def forward_decode(
+        self,
+        q,  # [T, H, R] absorbed q_nope (or [T, H, R + r] with q_rope=None)
+        k,  # c_kv [T, R] (or None)
+        v,  # unused (the value is the latent itself); kept for the upstream signature
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata: DecodeMetadata,
+        save_kv_cache: bool = True,
+        q_rope=None,  # [T, H, r]
+        k_rope=None,  # [T, r]
+        llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
+        cos_sin_cache=None,  # [max_position, r]: q_rope / k_rope arrive unrotated
+        is_neox: bool = False,
+        positions=None,  # i32[T]; default: the plan's
+    ):
+        """Absorbed decode / target verify; returns ``(latent out [T, H * R], kv_cache)``.
+        ``llama_4_scaling`` multiplies each token's absorbed query in f32, as SGLang does.
+        ``cos_sin_cache``: q_rope / k_rope are rotated here (at the plan's ``positions``
+        unless given; ``is_neox`` the pairing) and an FP8 cache's query is quantised
+        (scale 1, +-448): :mod:`jattn.mla_rope`, docs/SEMANTICS.md."""
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
+        out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope), layer, kv_cache, metadata)
+        return out.reshape(out.shape[0], -1), kv_cache
+
+    def forward_draft_extend(
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata: ExtendMetadata,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        positions=None,
+    ):
+        """Absorbed attention with a different number of new tokens per request (draft
+        extend, or an extend over a prefix run absorbed): the queries are padded per
+        request to ``max_seqlen_q`` and unpadded after. Padded rows never write the
+        cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``.
+        ``cos_sin_cache``, ``is_neox``, ``positions`` (ragged, one per token) as in
+        :meth:`forward_decode`."""
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
+        kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
+        query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
+        padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
+        out = self._decode(padded, layer, kv_cache, metadata)
+        out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
+        return out.reshape(out.shape[0], -1), kv_cache
+
+    def forward_absorbed(
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        metadata,
+        save_kv_cache: bool = True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        **rope,  # cos_sin_cache=, is_neox=, positions= (see forward_decode)
+    ):
+        """Absorbed attention for any plan: :meth:`forward_decode` for a decode-mode plan
+        (decode, target verify), :meth:`forward_draft_extend` for an extend-mode plan."""
+        fwd = self.forward_decode if metadata.forward_mode.is_decode() else self.forward_draft_extend
+        return fwd(
+            q,
+            k,
+            v,
+            layer,
+            kv_cache,
+            metadata,
+            save_kv_cache,
+            q_rope=q_rope,
+            k_rope=k_rope,
+            llama_4_scaling=llama_4_scaling,
+            **rope,
+        )
+
+    @staticmethod
+    def is_absorbed(forward_mode) -> bool:
+        """Whether ``forward_extend`` of SGLang's MLA backend runs a mode absorbed (target
+        verify, draft extend) rather than as the ragged non-absorbed prefill (``EXTEND``)."""
+        return ForwardMode.parse(forward_mode) is not ForwardMode.EXTEND
+
+    def forward_extend(
+        self,
+        q,  # [T, H, qk_nope + qk_rope] or q_nope [T, H, qk_nope] with q_rope
+        k,  # [T, H, qk_nope + qk_rope] or k_nope [T, H, qk_nope] with k_rope [T, r]
+        v,  # [T, H, v_head_dim]
+        layer: LayerSpec,
+        metadata: ExtendMetadata,
+        q_rope=None,  # [T, H, qk_rope]
+        k_rope=None,  # [T, qk_rope], shared by every head
+        return_lse: bool = False,
+        llama_4_scaling=None,  # f32[T] (or [T, 1] / [T, 1, 1]): per-token query scale
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        positions=None,
+    ):
+        """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked
+        (natural-log LSE f32[T, H]). With ``cos_sin_cache`` the last ``qk_rope_head_dim``
+        columns of q and k (``q_rope`` / ``k_rope``) are rotated here, at the plan's
+        positions unless ``positions`` is given (no FP8 here: the prefill reads no cache)."""
+        rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, False)
+        q, k = self._qk(q, k, q_rope, k_rope)
+        if rope is not None:
+            r = self.config.qk_rope_head_dim
+            q, k = rope.rotate_tail(q, r), rope.rotate_tail(k, r)
+        q = apply_llama_4_scaling(q, llama_4_scaling)
+        return ops.mha_prefill(
+            q,
+            k,
+            v,
+            metadata.cu_seqlens_q,
+            max_seqlen_q=metadata.max_seqlen_q,
+            is_causal=metadata.is_causal,
+            softmax_scale=self._scale(layer),
+            return_lse=return_lse,
+            backend=self.config.kernel_backend,
+        )
+
+    def forward_prefix_chunk(
+        self,
+        q,
+        k,
+        v,
+        layer: LayerSpec,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        *,
+        max_seqlen_q: int,
+        max_seqlen_kv: int,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+    ):
+        """Non-causal attention of the new tokens to one cached prefix chunk, with LSE.
+        A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op).
+        ``llama_4_scaling`` as in :meth:`forward_extend`."""
+        q, k = self._qk(q, k, q_rope, k_rope)
+        q = apply_llama_4_scaling(q, llama_4_scaling)
+        return ops.mha_prefill(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            is_causal=False,
+            softmax_scale=self._scale(layer),
+            return_lse=True,
+            backend=self.config.kernel_backend,
+        )
+
+    merge_state = staticmethod(ops.attn_merge_state)
+
+    def _qk(self, q, k, q_rope, k_rope):
+        if q_rope is not None:
+            q = jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1)
+        if k_rope is not None:
+            k_rope = k_rope.reshape(k_rope.shape[0], 1, -1)
+            k = jnp.concatenate([k, jnp.broadcast_to(k_rope, k.shape[:2] + k_rope.shape[-1:]).astype(k.dtype)], -1)
+        return q, k
+
+
+# ----------------------------------------------------------------------------- registry

@@ -1,0 +1,202 @@
+"""The planning half of the attention backends, shared by :class:`jattn.MHABackend`
+and :class:`jattn.MLABackend`: ``init_forward_metadata`` and the CUDA-graph trio
+(metadata pytrees for a step, bucket placeholders, in-bucket replays), and the check
+that a plan fits the cache it is run on."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.config import MHAConfig, MLAConfig
+from jattn.metadata import (
+    DecodeMetadata,
+    ExtendMetadata,
+    ForwardMode,
+    plan_decode,
+    plan_extend,
+)
+
+
+def _check_plan(metadata, kv_cache) -> None:
+    """The plan fits the cache (checked at trace time, on static fields only): the same
+    page size, and page ids range-checked against at most the cache's page count."""
+    if metadata.page_size != kv_cache.page_size:
+        raise ValueError(
+            f"metadata.page_size={metadata.page_size} differs from the KV cache's page_size="
+            f"{kv_cache.page_size}: the plan's slots would address the wrong tokens"
+        )
+    bound, have = metadata.num_pages, kv_cache.num_pages
+    if bound is None:
+        raise ValueError(
+            f"metadata.num_pages is None: the plan's page_table ids were never range-checked, and the "
+            f"KV cache has {have} pages; plan with num_pages={have} (config.num_pages, the num_pages "
+            "argument of init_forward_metadata, or plan_decode / plan_extend(num_pages=...))"
+        )
+    if bound > have:
+        raise ValueError(
+            f"metadata.num_pages={bound} exceeds the KV cache's {have} pages: the plan's page_table "
+            f"ids were checked against {bound} and may read or write past the pool"
+        )
+
+
+class _PlanningMixin:
+    """Planning shared by the MHA and MLA backends (host side, numpy in)."""
+
+    config: MHAConfig | MLAConfig
+
+    def q_len(self, mode: ForwardMode) -> int:
+        """New tokens per request of a decode-mode step: 1 for ``DECODE``, else
+        ``config.spec_num_tokens`` (target verify, DFLASH draft block)."""
+        return 1 if ForwardMode.parse(mode) is ForwardMode.DECODE else self.config.spec_num_tokens
+
+    def init_forward_metadata(
+        self,
+        bs: int,
+        req_pool_indices,
+        seq_lens,
+        req_to_page,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+        extend_seq_lens=None,
+        extend_prefix_lens=None,
+        num_pages: int | None = None,
+        **kwargs,
+    ) -> DecodeMetadata | ExtendMetadata:
+        """Plans one forward step; returns the metadata pytree every layer reuses.
+
+        Args:
+          bs: number of requests; the first ``bs`` entries of the per-request inputs count.
+          req_pool_indices: int[>= bs] rows of ``req_to_page``.
+          seq_lens: int[>= bs], tokens per request, the new ones included.
+          req_to_page: int[pool, max_pages] page ids.
+          forward_mode: a :class:`ForwardMode` (or its value, or another engine's enum
+            member of the same name). Decode modes plan ``q_len(mode)`` tokens per
+            request; ``EXTEND`` / ``DRAFT_EXTEND`` need ``extend_seq_lens`` int[>= bs].
+          extend_prefix_lens: optional int[>= bs], checked against the lengths.
+          num_pages: the KV cache's page count, the bound of the page ids when
+            ``config.num_pages`` is None (see :meth:`page_bound`).
+          kwargs: passed to :func:`jattn.plan_extend` (token buckets) for extends.
+        """
+        mode = ForwardMode.parse(forward_mode)
+        cfg = self.config
+        bs = int(bs)
+        given = {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens}
+        if mode.is_extend():
+            given["extend_seq_lens"] = extend_seq_lens
+        for name, x in given.items():
+            if x is not None and not 0 <= bs <= len(np.asarray(x)):
+                raise ValueError(f"bs={bs} must be in [0, {len(np.asarray(x))}] (the entries of {name})")
+        common = dict(
+            page_size=cfg.page_size,
+            req_to_page=np.asarray(req_to_page),
+            req_pool_indices=np.asarray(req_pool_indices)[:bs],
+            batch_buckets=self.batch_buckets,
+            max_pages=cfg.max_num_pages,
+            num_pages=self.page_bound(num_pages),
+        )
+        seq_lens = np.asarray(seq_lens)[:bs]
+        if mode.is_extend():
+            if extend_seq_lens is None:
+                raise ValueError(f"extend_seq_lens is required for {mode}")
+            return plan_extend(
+                seq_lens,
+                np.asarray(extend_seq_lens)[:bs],
+                extend_prefix_lens=None if extend_prefix_lens is None else np.asarray(extend_prefix_lens)[:bs],
+                forward_mode=mode,
+                **common,
+                **kwargs,
+            )
+        return plan_decode(
+            seq_lens,
+            q_len=self.q_len(mode),
+            is_causal=mode is not ForwardMode.DRAFT_BLOCK,
+            forward_mode=mode,
+            **common,
+        )
+
+    def page_bound(self, num_pages: int | None = None) -> int | None:
+        """The pool size a plan's page ids are checked against: ``config.num_pages``, or
+        else ``num_pages`` (the cache's page count, given by the caller). The plan records
+        it as a static field, so it must be the same for every step of a jitted loop; the
+        ``forward_*`` methods refuse a plan without one, or with more pages than the cache."""
+        return self.config.num_pages if self.config.num_pages is not None else num_pages
+
+    # ---- CUDA-graph analogue: buckets chosen once, compiled on first call, refilled after.
+
+    @property
+    def batch_buckets(self) -> tuple:
+        return getattr(self, "_batch_buckets", self.config.batch_buckets)
+
+    def init_cuda_graph_state(self, max_bs: int, **kwargs) -> tuple:
+        """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
+        buckets = tuple(b for b in self.config.batch_buckets if b < max_bs) + (max_bs,)
+        self._batch_buckets = buckets
+        return buckets
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, forward_mode: ForwardMode = ForwardMode.DECODE, num_pages: int | None = None, **kwargs
+    ) -> DecodeMetadata:
+        """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with;
+        ``num_pages`` as in :meth:`init_forward_metadata` (the replays must agree)."""
+        if bs not in self.batch_buckets:
+            raise ValueError(f"bs={bs} is not one of the buckets {self.batch_buckets}")
+        mode = ForwardMode.parse(forward_mode)
+        if not mode.is_decode():
+            raise ValueError(f"CUDA-graph plans are decode plans; got {mode}")
+        q_len = self.q_len(mode)
+        # No requests: every row of the bucket is padding (length 0, writes to the dummy page).
+        return plan_decode(
+            np.zeros(0, np.int32),
+            page_size=self.config.page_size,
+            page_table=np.zeros((0, self.config.max_num_pages), np.int32),
+            q_len=q_len,
+            is_causal=mode is not ForwardMode.DRAFT_BLOCK,
+            forward_mode=mode,
+            batch_buckets=(bs,),
+            max_pages=self.config.max_num_pages,
+            num_pages=self.page_bound(num_pages),
+        )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices,
+        seq_lens,
+        req_to_page,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+        num_pages: int | None = None,
+        **kwargs,
+    ) -> DecodeMetadata:
+        """A decode plan for the first ``bs`` requests, padded to the smallest bucket."""
+        return self.init_forward_metadata(
+            bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The length to give padding rows of a bucket: 0 (an empty row: output 0,
+        its new K/V written to the dummy page, no page of its own needed)."""
+        return 0
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list:
+        """Buffers a target-verify plan needs filled after the draft step: none (the
+        verify mask is causal by position, there is no custom mask), so ``[None, None]``."""
+        return [None, None]
+
+    def fill_block_decode_seq_lens(self, metadata: DecodeMetadata, bs, block_seq_lens) -> DecodeMetadata:
+        """DFLASH draft block: the plan with each of the first ``bs`` requests' length set
+        to its block-end length ``block_seq_lens`` i32[>= bs] (prefix + block), clamped
+        to ``[spec_num_tokens, context_len]``. Jittable (``bs`` may be traced): the
+        drafter calls it inside its jitted step; write slots and positions are
+        re-derived on the device from the plan's page table, which for a DRAFT_BLOCK
+        plan keeps each request's whole ``req_to_page`` row (the block's pages must be
+        there, as they must be in the upstream engine's table).
+        """
+        if metadata.forward_mode is not ForwardMode.DRAFT_BLOCK:
+            raise ValueError(f"fill_block_decode_seq_lens needs a DRAFT_BLOCK plan, got {metadata.forward_mode}")
+        lens = jnp.clip(jnp.asarray(block_seq_lens, jnp.int32), self.config.spec_num_tokens, self.config.context_len)
+        return metadata.with_seq_lens(lens, bs)
+
+    def support_kv_cache_prewrite(self, forward_mode: ForwardMode | None = None) -> bool:
+        """Whether the engine may write the new K/V before attention (decode modes: the
+        new tokens are part of ``L`` and attention reads them from the cache)."""
+        return forward_mode is not None and ForwardMode.parse(forward_mode).is_decode()
