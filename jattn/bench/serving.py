@@ -154,12 +154,16 @@ def run_one(
     light_warmup: bool = False,
     num_pages: int | None = None,
     batch_buckets: tuple | None = None,
+    samples: int = 1,
+    cascade: bool | None = None,
 ) -> dict:
     """One row. ``light_warmup``: compile with as many full-length prompts as one
     extend step takes (the batch bucket of that size is added) and one decode step of
     the batch, instead of generating for the whole batch twice (long prompts).
     ``num_pages`` / ``batch_buckets``: the pool and buckets (default: what this row
-    needs); rows that share them share their extend program."""
+    needs); rows that share them share their extend program. ``samples``: the batch is
+    ``bs // samples`` prompts of ``samples`` parallel samples each (``SamplingParams.n``,
+    temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
@@ -174,8 +178,13 @@ def run_one(
         token_buckets=None,
         kernel_backend=backend,
         command_buffers=command_buffers,
+        cascade=cascade,
     )
     engine = Engine(model, ecfg)
+    n_prompts = max(1, bs // samples)
+    params = SamplingParams(max_new_tokens=gen_len)
+    if samples > 1:
+        params = SamplingParams(max_new_tokens=gen_len, n=samples, temperature=0.8, seed=1)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     traces = engine._traces[0]
@@ -188,22 +197,22 @@ def run_one(
         jax.block_until_ready(_decode_step_call(engine, bs, prompt_len + 1)())
     else:
         # the same shapes (compiles the extend and decode programs of this batch size)
-        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)]
-        engine.generate(prompts, SamplingParams(max_new_tokens=3))
+        prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(n_prompts)]
+        engine.generate(prompts, dataclasses.replace(params, max_new_tokens=3))
     warm = time.perf_counter() - t0
     warm_traces = engine._traces[0] - traces
     compiled = engine.metrics.compilations
     engine.metrics = type(engine.metrics)(compilations=compiled)
     t0 = time.perf_counter()
-    reqs = engine.generate(
-        [rng.integers(0, vocab, prompt_len).tolist() for _ in range(bs)], SamplingParams(max_new_tokens=gen_len)
-    )
+    firsts = engine.generate([rng.integers(0, vocab, prompt_len).tolist() for _ in range(n_prompts)], params)
     wall = time.perf_counter() - t0
+    reqs = [s for r in firsts for s in engine.samples(r.rid)]
     m = engine.metrics
     assert all(r.status == "finished" for r in reqs), [r.error for r in reqs if r.error]
     ttft = sorted(1e3 * (r.first_token_time - r.arrival_time) for r in reqs)
     recompiles = m.compilations - compiled
-    dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2)
+    # the probe times a plain decode plan: not the cascade plans of sample rows (nan there)
+    dev_ms = _device_step_ms(engine, bs, prompt_len + gen_len // 2) if samples == 1 else float("nan")
     extra = _profile_step(engine, bs, prompt_len + gen_len // 2) if profile else {}
     del engine
     return dict(
@@ -223,6 +232,9 @@ def run_one(
         wall_s=wall,
         device_step_ms=dev_ms,
         recompiles_in_timed_run=recompiles,
+        samples=samples,
+        cascade_steps=m.cascade_steps,
+        shared_prompt_tokens=m.shared_tokens,
         warmup_s=warm,
         warmup_programs=warm_traces,
     )
@@ -368,6 +380,18 @@ def main(argv=None) -> int:
         "such as FUSION,CUSTOM_CALL",
     )
     ap.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="parallel samples per prompt (SamplingParams.n): each batch is batch / samples prompts (default 1)",
+    )
+    ap.add_argument(
+        "--cascade",
+        default="auto",
+        help="with --samples: cascade decode settings to compare, comma-separated: auto (the engine's "
+        "rule), on, off (default auto)",
+    )
+    ap.add_argument(
         "--json", default=None, help="write the rows to this file (default: $OUT/serving.json when OUT is set)"
     )
     args = ap.parse_args(argv)
@@ -397,6 +421,11 @@ def main(argv=None) -> int:
             print(notice)
         backends.append((name, backend))
     settings = [True if s == "engine" else s for s in args.command_buffers.split(";") if s]
+    cascades = {"auto": None, "on": True, "off": False}
+    bad = [c for c in args.cascade.split(",") if c not in cascades]
+    if bad or args.samples < 1:
+        ap.error(f"--cascade takes auto, on, off (got {args.cascade!r}); --samples >= 1 (got {args.samples})")
+    cascade_modes = [c for c in args.cascade.split(",") if c]
     dev = jax.devices()[0]
     print(
         f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -416,16 +445,17 @@ def main(argv=None) -> int:
     plan = {}
     for name in models.split(","):
         plan[name] = [
-            (bs, p, cb, be)
+            (bs, p, cb, be, casc)
             for p in prompt_lens
             for bs in batches
             for cb in settings
             for be in backends
+            for casc in cascade_modes
             if skip_reason(bs, p, be[0]) is None
         ]
         est = estimate(
             _config(name, args.dtype),
-            [(bs, p, be[0]) for bs, p, _, be in plan[name]],
+            [(bs, p, be[0]) for bs, p, _, be, _ in plan[name]],
             gen_len,
             args.page_size,
             args.prefill_tokens,
@@ -444,10 +474,11 @@ def main(argv=None) -> int:
                     if why:
                         print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
         shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
-        for bs, prompt_len, cb, (be_name, backend) in plan[name]:
+        for bs, prompt_len, cb, (be_name, backend), casc in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
+            tag += f" [{args.samples} samples, cascade {casc}]" if args.samples > 1 else ""
             try:
                 r = run_one(
                     model,
@@ -462,6 +493,8 @@ def main(argv=None) -> int:
                     light_warmup=long,
                     num_pages=pool,
                     batch_buckets=buckets,
+                    samples=args.samples,
+                    cascade=cascades[casc],
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -478,7 +511,12 @@ def main(argv=None) -> int:
                 f"TTFT median {r['ttft_ms_median']:.0f} ms (max {r['ttft_ms_max']:.0f}), "
                 f"recompiles {r['recompiles_in_timed_run']}, warm-up {r['warmup_s']:.1f} s "
                 f"({r['warmup_programs']} programs), "
-                f"timed run {r['wall_s']:.1f} s",
+                f"timed run {r['wall_s']:.1f} s"
+                + (
+                    f", cascade steps {r['cascade_steps']}, shared prompt tokens {r['shared_prompt_tokens']}"
+                    if args.samples > 1
+                    else ""
+                ),
                 flush=True,
             )
         del model
@@ -516,7 +554,7 @@ def _shared_pools(plan, gen_len: int, page_size: int, prefill_tokens: int) -> di
     pool (for the largest batch) and one bucket set for the rows of one prompt length
     and backend, so that they compile one extend program between them."""
     groups: dict = {}
-    for bs, p, cb, (be_name, _) in plan:
+    for bs, p, cb, (be_name, _), _ in plan:
         groups.setdefault((p, cb, be_name), []).append(bs)
     out = {}
     for (p, cb, be_name), sizes in groups.items():
