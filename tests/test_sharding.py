@@ -710,3 +710,19 @@ def test_engine_places_a_request_on_the_device_with_room_and_most_free_pages():
     assert place(pools, [0, 0], [False, False]) is None
     pools[1].alloc(3)
     assert place(pools, [2, 1], [True, True]) == 1  # equal free pages: fewer requests
+
+
+def test_page_pool_counts_holders_and_names_a_leak():
+    from jattn.models.pages import PagePool
+
+    pool = PagePool(6)
+    a = pool.alloc(2)
+    pool.hold(a[:1])  # a shared prompt page: two holders
+    pool.check({a[0]: 2, a[1]: 1})
+    pool.unref(a)  # a[0] still held once, a[1] free again
+    assert pool.num_free == 4 and pool.refs == {a[0]: 1}
+    with pytest.raises(RuntimeError, match="page holders of device 1's pool differ"):
+        pool.check({}, "device 1's pool")
+    pool.allocator.alloc(1)  # taken from the free list behind the pool's back
+    with pytest.raises(RuntimeError, match="pages leaked in the pool: 3 free \\+ 1 held != 5"):
+        pool.check({a[0]: 1})
