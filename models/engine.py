@@ -346,8 +346,8 @@ class Engine:
             batch.append((r, n))
             budget[d] -= n
             count[d] += 1
+        held = self._held()  # kept current below as requests are admitted
         while self.waiting:
-            held = self._held()
             room = [count[d] < c.max_batch and budget[d] > 0 and held[d] < c.max_batch for d in range(self.dp)]
             r = self.waiting[0]
             share = self._shared_prefix(r)
@@ -379,6 +379,7 @@ class Engine:
             batch.append((r, n))
             budget[d] -= n
             count[d] += 1
+            held[d] += 1
         return batch
 
     def _grow_for_decode(self) -> list[Request]:
@@ -390,11 +391,12 @@ class Engine:
             r = self.running[i]
             pool = self.pools[r.device]
             need = self._pages_for(r.seq_len + 1) - len(r.pages)
-            same = [x for x in self.running if x.device == r.device]
             if need <= pool.num_free:
                 r.pages += pool.alloc(max(need, 0))
                 i += 1
-            elif len(same) == 1:
+                continue
+            same = [x for x in self.running if x.device == r.device]  # only when the pool ran out
+            if len(same) == 1:
                 self._fail(
                     r,
                     f"page pool exhausted: {r.seq_len + 1} tokens need {self._pages_for(r.seq_len + 1)} pages, "

@@ -362,8 +362,13 @@ def write_results(path: str, bench: str, header: Sequence[str], rows: Sequence[S
     import json
 
     with open(path, "w") as f:
-        json.dump(dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta), f, indent=1)
+        json.dump(_results(bench, header, rows, meta), f, indent=1)
     print(f"results written to {path}")
+
+
+def _results(bench: str, header, rows, meta: dict) -> dict:
+    """A benchmark's table as ``jattn.bench.plot`` reads it: cells as printed."""
+    return dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta)
 
 
 def add_output_args(ap) -> None:
@@ -383,5 +388,4 @@ def save_outputs(args, bench: str, header, rows, meta: dict) -> None:
     if args.plot:
         from jattn.bench import plot
 
-        table = dict(bench=bench, header=list(header), rows=[[str(c) for c in r] for r in rows], **meta)
-        print(plot.draw(table, args.plot))
+        print(plot.draw(_results(bench, header, rows, meta), args.plot))
