@@ -12,7 +12,7 @@ Everything here runs on the host at trace time, on shapes only:
 
 Shared-memory accounting follows the kernel's scratch: a K and a V ring of
 ``num_stages`` blocks, one 64-row q/output tile per compute warpgroup, the LSE
-rows, barriers, and for FP8 KV two f16 upcast tiles.
+rows, barriers, and for FP8 KV the f16 upcast rings of the converter warpgroup.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_Q_DTYPES",
     "MAX_GROUP",
+    "FP8_CONVERT_STAGES",
     "MAX_Q_LEN",
     "NUM_SMS",
     "SMEM_LIMIT",
@@ -48,6 +49,7 @@ SUPPORTED_Q_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_GROUP = 16
 MAX_Q_LEN = 8
 NUM_SMS = 132  # H200 / H100 SXM
+FP8_CONVERT_STAGES = 2  # f16 ring slots of the FP8 converter warpgroup
 SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
 
 
@@ -77,17 +79,24 @@ class KernelOptions:
     Every setting computes the same attention; they differ in speed only, so
     benchmarks can compare them (``python -m jattn bench decode --set``).
 
-    overlap_qk: software-pipelined block loop for 2-byte KV: block i+1's
-      ``Q K^T`` wgmma is issued before block i's softmax, so the tensor cores and
-      the softmax overlap. FP8 KV always runs the plain loop (its K upcast sits on
-      the same dependency chain).
+    overlap_qk: software-pipelined block loop: block i+1's ``Q K^T`` wgmma is
+      issued before block i's softmax, so the tensor cores and the softmax
+      overlap. FP8 KV without the converter warpgroup always runs the plain loop
+      (its K upcast sits on the same dependency chain).
     kernel_combine: merge the KV splits with one Triton kernel (through
       jax-triton, on a GPU where it is installed) instead of XLA ops. Without
       jax-triton, and under the Mosaic GPU interpreter, the XLA ops run.
+    fp8_converter: FP8 KV only: a converter warpgroup upcasts each K and V tile
+      of the FP8 ring into a ring of ``FP8_CONVERT_STAGES`` f16 tiles, so the
+      compute warpgroup runs the 2-byte loop (``overlap_qk`` included) with no
+      upcast on its chain. Off (the default until it is timed on the GPU, see
+      docs/PERF.md): the compute warpgroup upcasts each tile itself, in the plain
+      loop.
     """
 
     overlap_qk: bool = True
     kernel_combine: bool = True
+    fp8_converter: bool = False
 
 
 def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
@@ -127,26 +136,28 @@ def block_shape(num_kv_heads, head_dim, page_size, target_n=None):
     return None if best is None else best[1]
 
 
-def smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages):
+def smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages, convert_stages=0):
     """Shared memory of one CTA: K/V ring, q/output tiles, LSE rows, the boundary-block
     flag rows (several queries per request; counted always, at the largest block),
-    barriers."""
+    barriers; for FP8 KV the f16 upcast tiles (``convert_stages`` slots each for K and
+    V with the converter warpgroup, else one)."""
     ring = 2 * stages * block_n * head_dim * kv_itemsize
-    if kv_itemsize == 1:  # FP8: K and V upcast into q-dtype tiles for the wgmma
-        ring += 2 * block_n * head_dim * q_itemsize
+    if kv_itemsize == 1:
+        ring += 2 * max(convert_stages, 1) * block_n * head_dim * q_itemsize
     q = compute_wgs * 64 * head_dim * q_itemsize
     flags = compute_wgs * (256 + 64) * 4
     return ring + q + compute_wgs * 64 * 4 + flags + 4096  # + lse, barriers, 1 KB alignments
 
 
 def choose_block_sizes(
-    *, batch, num_kv_heads, head_dim, page_size, max_pages, m_rows, kv_itemsize, q_itemsize=2
+    *, batch, num_kv_heads, head_dim, page_size, max_pages, m_rows, kv_itemsize, q_itemsize=2, convert_stages=0
 ) -> BlockSizes:
     """The tiling used when the caller gives none.
 
     Prefers a KV block near 128 rows (64 for head_dim 256) with a ring of at least
     3 stages in shared memory, two compute warpgroups when there are two 64-row
     query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`.
+    ``convert_stages``: the FP8 converter's f16 ring slots (0: in-chain upcast).
     """
     m_tiles = -(-m_rows // 64)
     compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
@@ -158,7 +169,9 @@ def choose_block_sizes(
         block_n = shape[0] * shape[1] * num_kv_heads
         for c in sorted({compute_wgs, 1}, reverse=True):
             fits = [
-                st for st in (4, 3, 2) if smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st) <= SMEM_LIMIT
+                st
+                for st in (4, 3, 2)
+                if smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, c, st, convert_stages) <= SMEM_LIMIT
             ]
             if fits and (choice is None or (fits[0] >= 3 and choice[2] < 3)):
                 choice = (shape, c, fits[0])
@@ -288,6 +301,7 @@ class DecodeConfig:
     bs: BlockSizes
     interpret: bool
     overlap_qk: bool  # KernelOptions.overlap_qk
+    convert_stages: int = 0  # FP8 converter warpgroup's f16 ring slots (0: in-chain upcast)
 
     @property
     def block_n(self):
@@ -329,7 +343,9 @@ def decode_config(
         q_rows, m_tiles = -(-m_rows // 8) * 8, 1
     else:
         q_rows, m_tiles = 64, -(-m_rows // 64)
+    convert_stages = FP8_CONVERT_STAGES if kv_itemsize == 1 and options.fp8_converter else 0
     bsz = block_sizes or choose_block_sizes(
+        convert_stages=convert_stages,
         batch=batch,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -357,4 +373,5 @@ def decode_config(
         bs=bsz,
         interpret=interpret,
         overlap_qk=options.overlap_qk,
+        convert_stages=convert_stages,
     )

@@ -46,9 +46,11 @@ Limits (checked by :func:`unsupported_reason`; other calls go to the xla
 backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16, any
 num_kv_heads that makes a KV block of 64..256 rows, q_len 1..8, bf16/f16 q with
 KV of the same dtype or FP8 e4m3 KV. FP8: the ring holds FP8 tiles (half the
-bytes); the compute warpgroup upcasts each K and V tile through registers into
-an f16 tile for the wgmma (q is cast to f16 for these calls; the output is
-returned in q's dtype).
+bytes); each K and V tile is upcast through registers into an f16 tile for the
+wgmma (q is cast to f16 for these calls; the output is returned in q's dtype),
+by the compute warpgroup itself in the plain block loop, or with
+``KernelOptions(fp8_converter=True)`` by a converter warpgroup into a ring of f16
+tiles, which the compute warpgroup reads as it reads 2-byte KV.
 
 Under the Mosaic GPU interpreter (CPU tests) the matmuls are plain dots on
 the shared-memory tiles (the interpreter's wgmma takes neither a transposed B

@@ -61,8 +61,9 @@ def _decode_kernel(
     v_free,
     edge_bar=None,  # partial columns, C > 1: the compute warpgroups meet on a boundary block
     flag_smem=None,  # partial columns: f32[C, block_n + 64], bad V rows then per-row poison
-    kc_smem=None,  # [block_n, D] f16: FP8 K upcast (C == 1 only)
-    vc_smem=None,  # [block_n, D] f16: FP8 V upcast
+    kc_smem=None,  # FP8: f16 K upcast, [block_n, D] in-chain or [SC, block_n, D] converter ring
+    vc_smem=None,  # FP8: f16 V upcast, same shape
+    conv_bars=None,  # FP8 converter: (kc_bar, vc_bar, kc_free, vc_free), SC barriers each
 ):
     bs = cfg.bs
     C, S = bs.compute_wgs, bs.num_stages
@@ -133,9 +134,13 @@ def _decode_kernel(
         tok = first + t_in
         return tok, (tok >= lo) & (tok < seq_len)
 
+    # FP8 with a converter warpgroup: it upcasts each K and V tile of the FP8 ring into
+    # an f16 ring of SC slots, so the compute warpgroups see the ring of 2-byte KV.
+    SC = 0 if conv_bars is None else kc_smem.shape[0]
+
     @pl.when(wg == C)
     def _producer():
-        if C > 1:
+        if C > 1 or SC:
             plgpu.set_max_registers(40, action="decrease")
 
         @pl.loop(0, count)
@@ -168,10 +173,43 @@ def _decode_kernel(
         if cfg.interpret:
             drain_free_barriers(count, S, k_free, v_free)
 
+    if conv_bars is not None:
+        kc_bar, vc_bar, kc_free, vc_free = conv_bars
+
+        @pl.when(wg == C + 1)
+        def _convert():
+            @pl.loop(0, count)
+            def _upcast(i):
+                slot = lax.rem(i, jnp.int32(S))
+                cs = lax.rem(i, jnp.int32(SC))
+                for src, dst, full, free, cfull, cfree in (
+                    (k_smem, kc_smem, k_bar, k_free, kc_bar, kc_free),
+                    (v_smem, vc_smem, v_bar, v_free, vc_bar, vc_free),
+                ):
+                    plgpu.barrier_wait(full.at[slot])
+
+                    @pl.when(i >= SC)
+                    def _():
+                        plgpu.barrier_wait(cfree.at[cs])
+
+                    dst[cs] = src[slot].astype(dst.dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(free.at[slot])
+                    plgpu.barrier_arrive(cfull.at[cs])
+
+            if cfg.interpret:
+                drain_free_barriers(count, SC, kc_free, vc_free)
+
     @pl.when(wg < C)
     def _compute():
-        if C > 1:
+        if C > 1 or SC:
             plgpu.set_max_registers(232, action="increase")
+        # The ring the compute reads: the TMA ring, or with a converter its f16 ring.
+        if SC:
+            RS, kr, vr, kb, vb, kf, vf = SC, kc_smem, vc_smem, kc_bar, vc_bar, kc_free, vc_free
+        else:
+            RS, kr, vr, kb, vb, kf, vf = S, k_smem, v_smem, k_bar, v_bar, k_free, v_free
+        inline_upcast = kc_smem is not None and not SC
         mt = mg * C + wg
         qo_smem = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(
@@ -228,9 +266,9 @@ def _decode_kernel(
             return ok
 
         def k_tile_for(slot):
-            """The K tile of a ring slot as the wgmma reads it (FP8: upcast first)."""
-            if kc_smem is None:
-                return k_smem.at[slot]
+            """The K tile of a ring slot as the wgmma reads it (FP8 in-chain: upcast first)."""
+            if not inline_upcast:
+                return kr.at[slot]
             kc_smem[...] = k_smem[slot].astype(dtype)
             plgpu.commit_smem()
             return kc_smem
@@ -356,9 +394,9 @@ def _decode_kernel(
 
         def pv_step(acc, p16, slot, blk):
             """Wait for the block's V, acc += P @ V, free the V slot."""
-            plgpu.barrier_wait(v_bar.at[slot])
-            v_tile = v_smem.at[slot]
-            if vc_smem is not None:
+            plgpu.barrier_wait(vb.at[slot])
+            v_tile = vr.at[slot]
+            if inline_upcast:
                 vc_smem[...] = v_smem[slot].astype(dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -396,18 +434,18 @@ def _decode_kernel(
                     plgpu.wgmma(acc_ref, p16, v_tile)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            if vc_smem is None:
-                plgpu.barrier_arrive(v_free.at[slot])
+            if not inline_upcast:
+                plgpu.barrier_arrive(vf.at[slot])
             return acc
 
         def body(i, carry):
             """One block, in order: wait K, S = Q K^T, softmax, wait V, acc += P V."""
             acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(S))
+            slot = lax.rem(i, jnp.int32(RS))
             blk = start + i
-            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(kb.at[slot])
             s = qk_sync(k_tile_for(slot))
-            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(kf.at[slot])
             p16, acc, m_new, l_i = softmax_step(s, blk, acc, m_i, l_i)
             acc = pv_step(acc, p16, slot, blk)
             return acc, m_new, l_i
@@ -416,16 +454,16 @@ def _decode_kernel(
             """Block i with the next block's Q K^T in flight on the tensor cores while
             this block's softmax runs (the scores of block i come in the carry)."""
             acc, m_i, l_i, s_cur = carry
-            slot = lax.rem(i, jnp.int32(S))
+            slot = lax.rem(i, jnp.int32(RS))
             blk = start + i
             has_next = i + 1 < count
             # Past the last block the product is redone on the last K tile (still in
             # its slot: nothing is loaded after it) and discarded.
-            nslot = lax.rem(jnp.minimum(i + 1, count - 1), jnp.int32(S))
+            nslot = lax.rem(jnp.minimum(i + 1, count - 1), jnp.int32(RS))
 
             @pl.when(has_next)
             def _():
-                plgpu.barrier_wait(k_bar.at[nslot])
+                plgpu.barrier_wait(kb.at[nslot])
 
             k_next = k_tile_for(nslot)
             if cfg.interpret:
@@ -444,24 +482,24 @@ def _decode_kernel(
 
             @pl.when(has_next)
             def _():
-                plgpu.barrier_arrive(k_free.at[nslot])
+                plgpu.barrier_arrive(kf.at[nslot])
 
             return acc, m_new, l_i, s_next
 
         if partial:  # per-row poison of clean_edge_tile: none yet
             flag_smem[wg, pl.ds(N, 64)] = cast(jnp.zeros((64,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        if cfg.overlap_qk and kc_smem is None:
+        if cfg.overlap_qk and not inline_upcast:
             # Prologue: the first block's scores (a CTA with no blocks computes them on
             # an unloaded slot and never uses them).
             @pl.when(count > 0)
             def _():
-                plgpu.barrier_wait(k_bar.at[0])
+                plgpu.barrier_wait(kb.at[0])
 
             s0 = qk_sync(k_tile_for(0))
 
             @pl.when(count > 0)
             def _():
-                plgpu.barrier_arrive(k_free.at[0])
+                plgpu.barrier_arrive(kf.at[0])
 
             acc, m_i, l_i, _ = lax.fori_loop(0, count, body_overlap, (acc, m_i, l_i, s0))
         else:
@@ -499,7 +537,13 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
     fp8 = jnp.dtype(k2.dtype).itemsize == 1
     if fp8 and C != 1:
         raise NotImplementedError("FP8 KV uses one compute warpgroup")
-    extra = [plgpu.SMEM((N, D), dtype, transforms=tr)] * 2 if fp8 else []
+    # FP8: f16 upcast tiles, a ring of SC slots filled by a converter warpgroup, or one
+    # K and one V tile upcast by the compute warpgroup itself.
+    SC = cfg.convert_stages if fp8 else 0
+    upcast_shape = (SC, N, D) if SC else (N, D)
+    extra = [plgpu.SMEM(upcast_shape, dtype, transforms=tr)] * 2 if fp8 else []
+    conv = [plgpu.Barrier(num_barriers=SC)] * 2 + [plgpu.Barrier(num_arrivals=C, num_barriers=SC)] * 2 if SC else []
+    free_arrivals = 1 if SC else C  # who frees a TMA ring slot: the converter or the compute
     # Queries that see some columns of a boundary block and not others: a flag scratch,
     # and with two compute warpgroups a barrier (see clean_edge_tile).
     partial = _has_partial_columns(cfg)
@@ -508,9 +552,11 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
 
     def entry(pt_ref, lens_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
         def body(*scratch):
-            named, rest = scratch[:9], scratch[9:]
-            edge_bar = rest[0] if n_bar else None
-            flag_smem = rest[n_bar] if partial else None
+            named, rest = scratch[:9], list(scratch[9:])
+            edge_bar = rest.pop(0) if n_bar else None
+            flag_smem = rest.pop(0) if partial else None
+            upcast = [rest.pop(0), rest.pop(0)] if fp8 else [None, None]
+            conv_bars = tuple(rest) if SC else None
             _decode_kernel(
                 cfg,
                 dtype,
@@ -525,7 +571,8 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
                 *named,
                 edge_bar,
                 flag_smem,
-                *rest[n_bar + len(flags) :],
+                *upcast,
+                conv_bars,
             )
 
         pl.run_scoped(
@@ -537,21 +584,24 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
             plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
             plgpu.Barrier(num_arrivals=bs.pages_per_block, num_barriers=S),
             plgpu.Barrier(num_barriers=C),
-            plgpu.Barrier(num_arrivals=C, num_barriers=S),
-            plgpu.Barrier(num_arrivals=C, num_barriers=S),
+            plgpu.Barrier(num_arrivals=free_arrivals, num_barriers=S),
+            plgpu.Barrier(num_arrivals=free_arrivals, num_barriers=S),
             *[plgpu.Barrier(num_arrivals=C)] * n_bar,
             *flags,
             *extra,
+            *conv,
             collective_axes="wg",
         )
 
-    name = f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}_splits{bs.num_splits}"
+    name = f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}_splits{bs.num_splits}" + (
+        f"_conv{SC}" if SC else ""
+    )
     kernel = plgpu_kernel(
         entry,
         out_type,
         grid=(bs.num_splits, cfg.batch, m_groups),
         grid_names=("split", "batch", "mg"),
-        num_threads=C + 1,
+        num_threads=C + 1 + bool(SC),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=name,

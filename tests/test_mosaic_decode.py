@@ -186,10 +186,12 @@ def _flipped(option: str) -> md.KernelOptions:
 # overlap_qk: the plain block loop instead of the software-pipelined one. (The
 # combine runs as XLA ops under the interpreter whatever kernel_combine says; the
 # Triton combine kernel has its own CPU test, tests/test_combine.py.)
+# fp8_converter: a converter warpgroup upcasts the FP8 tiles (the default: the compute
+# warpgroup upcasts each tile itself, in the plain loop).
 OTHER_SETTING_CPU = [
     ("overlap_qk", n)
     for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail", "one_split_bf16", "window")
-]
+] + [("fp8_converter", "fp8_kv_scales"), ("fp8_converter", "fp8_kv_qlen2_fp16")]
 
 
 @needs_interp
@@ -450,6 +452,21 @@ def test_gpu_overlap_qk_option(name):
     _check(GPU_CASES[name], interpret=False, options=_flipped("overlap_qk"))
 
 
+FP8_GPU = ["fp8", "fp8_qlen4_page64", "hkv4_fp8", "one_split_sinks_fp8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FP8_GPU)
+@pytest.mark.parametrize("option", ["fp8_converter", "overlap_qk"])
+def test_gpu_fp8_loop_options(name, option):
+    """FP8 KV with the converter warpgroup, with the software-pipelined and the plain
+    block loop: both stay right."""
+    opts = md.KernelOptions(fp8_converter=True)
+    if option == "overlap_qk":
+        opts = dataclasses.replace(opts, overlap_qk=False)
+    _check(GPU_CASES[name], interpret=False, options=opts)
+
+
 COMBINE_GPU = ["b1_l32768", "window_cap_sinks", "fp8", "splits5_page64", "qlen4_verify"]
 
 
@@ -536,6 +553,7 @@ LOWER_CASES = {
     "qlen4_causal_window": Case(lens=(300, 5), hq=32, hkv=8, d=128, q_len=4, window_left=100),
     "draft_block": Case(lens=(300, 9), hq=16, hkv=4, q_len=8, causal=False),
     "fp8_sinks_cap": Case(lens=(300,), hq=32, hkv=8, d=128, kv="fp8", sinks=True, logit_cap=30.0),
+    "fp8_qlen4_window": Case(lens=(300, 5), hq=32, hkv=8, d=128, kv="fp8", q_len=4, window_left=100),
     "d256_page64": Case(lens=(500,), hq=16, hkv=2, d=256, page_size=64, q_len=2),
 }
 
@@ -553,3 +571,20 @@ def test_lowers_for_cuda(name, monkeypatch):
     fn = jax.jit(lambda q, k, v, table, lens: md.mha_decode(q, k, v, table, lens, **kw))
     text = fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_paged_decode" in text
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+@pytest.mark.parametrize("name", ["fp8_sinks_cap", "fp8_qlen4_window"])
+def test_fp8_converter_lowers_for_cuda(name, monkeypatch):
+    """The FP8 converter warpgroup's program lowers for CUDA (layout inference, TMA),
+    and it is a different program from the in-chain upcast's (one more warpgroup)."""
+    c = LOWER_CASES[name]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v, table, lens, sinks, ks, vs = _inputs(c, 0)
+    kw = _kwargs(c, sinks, ks, vs)
+    texts = []
+    for conv in (True, False):
+        opts = md.KernelOptions(fp8_converter=conv)
+        fn = jax.jit(lambda q, k, v, table, lens, o=opts: md.mha_decode(q, k, v, table, lens, options=o, **kw))
+        texts.append(fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text())
+    assert "_conv2" in texts[0] and "_conv2" not in texts[1]
