@@ -17,7 +17,9 @@ Sampling is greedy (``temperature=0``) or temperature + top-p with a per-request
 (the key for the n-th token is ``fold_in(key(seed), n)``, so results do not depend on
 what else is in the batch). Scheduling (chunked prefill, admission within the buckets,
 preemption when the page pool runs out) is described on :class:`Engine`. A bad request
-finishes with ``status="error"`` and a message; the others go on.
+finishes with ``status="error"`` and a message; the others go on. With
+``EngineConfig(overlap=True)`` each step is launched before the previous one's tokens are
+read back, so the host's planning overlaps the device's work (same tokens).
 
 Example::
 
@@ -40,6 +42,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -79,6 +82,27 @@ __all__ = [
     "shared_step_fn",
     "state_leaves",
 ]
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: its sampled tokens (a device array) and the requests that take
+    theirs from it (request, row)."""
+
+    mode: str
+    nxt: object
+    entries: list
+    reqs: list
+    t0: float
+    compiled: bool
+    timed: int  # tokens it generates (for the metrics)
+
+
+@jax.jit
+def _feed_tokens(prev, src, tokens):
+    """``tokens`` with row i replaced by ``prev[src[i]]`` where ``src[i] >= 0``."""
+    taken = prev[jnp.clip(src, 0, prev.shape[0] - 1)].astype(tokens.dtype)
+    return jnp.where(src >= 0, taken, tokens)
 
 
 class Engine:
@@ -146,6 +170,9 @@ class Engine:
         self.running: list[Request] = []
         self._next_rid = 0
         self.step_count = 0
+        self._inflight: _InFlight | None = None  # the launched step not yet read back
+        self._pending: dict[int, int] = {}  # rid -> its row of the step in flight
+        self._last_resolve = 0.0
 
     def _new_cache(self):
         c = self.config
@@ -292,7 +319,7 @@ class Engine:
         self.waiting.insert(0, req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._inflight)
 
     def check_invariants(self) -> None:
         """Raises ``RuntimeError`` unless every page is either free or held by live
@@ -389,6 +416,9 @@ class Engine:
         preempted, i = [], 0
         while i < len(self.running):
             r = self.running[i]
+            if self._ends_by_length(r):  # no decode row now: it ends with its token in flight
+                i += 1
+                continue
             pool = self.pools[r.device]
             need = self._pages_for(r.seq_len + 1) - len(r.pages)
             if need <= pool.num_free:
@@ -421,24 +451,24 @@ class Engine:
             groups[req(x).device].append(x)
         return groups
 
-    def _run(self, tokens, md, groups, bs_pad):
-        """Runs the jitted step; returns (next tokens, seconds, compiled?)."""
-        temp, top_p, seeds, counters, greedy_only = sampling_arrays(groups, bs_pad)
+    def _dispatch(self, tokens, src, md, groups, bs_pad):
+        """Launches the jitted step (JAX dispatches it asynchronously); returns (next
+        tokens as a device array, launch time, compiled?). Rows with ``src[i] >= 0`` take
+        their input token from row ``src[i]`` of the step in flight, on the device."""
+        temp, top_p, seeds, counters, greedy_only = sampling_arrays(groups, bs_pad, self._pending)
+        if (src >= 0).any():
+            tokens = _feed_tokens(self._inflight.nxt, src, tokens)
         before = self._traces[0]
         t0 = time.perf_counter()
         nxt, self.kv_cache = self._step(
             self.params, self.kv_cache, tokens, md, temp, top_p, seeds, counters, greedy_only=greedy_only
         )
-        nxt = np.asarray(nxt)  # waits for the step
-        dt = time.perf_counter() - t0
         compiled = self._traces[0] > before
-        if compiled:
+        if compiled:  # tracing and compiling ran in the call
             self.metrics.compilations += self._traces[0] - before
-            self.metrics.compile_steps += 1
-            self.metrics.compile_time += dt
-        return nxt, dt, compiled
+        return nxt, t0, compiled
 
-    def _extend_step(self, batch: list[tuple[Request, int]]) -> StepInfo:
+    def _extend_step(self, batch: list[tuple[Request, int]]) -> _InFlight:
         groups = self._by_device(batch, lambda x: x[0])
 
         def make(items, batch_buckets, token_buckets):
@@ -463,14 +493,11 @@ class Engine:
                 tokens[at : at + len(new)] = new
             at += p.num_tokens
         bs_pad = plans[0].batch_size
-        nxt, dt, compiled = self._run(tokens, md, [[r for r, _ in items] for items in groups], bs_pad)
-        done = [r for r, n in batch if r.seq_len + n == r.num_tokens]
-        if not compiled:
-            self.metrics.prefill_time += dt
-            self.metrics.timed_tokens += len(done)
+        src = np.full(len(tokens), -1, np.int32)  # an extend's tokens are all on the host
+        nxt, t0, compiled = self._dispatch(tokens, src, md, [[r for r, _ in items] for items in groups], bs_pad)
         self.metrics.prefill_steps += 1
         self.metrics.prompt_tokens += sum(n for _, n in batch)
-        now = time.perf_counter()
+        entries = []
         for d, items in enumerate(groups):
             for i, (r, n) in enumerate(items, start=d * bs_pad):
                 r.seq_len += n
@@ -479,12 +506,11 @@ class Engine:
                 self.prefilling.remove(r)
                 r.status = "running"
                 self.running.append(r)
-                if r.first_token_time is None:
-                    r.first_token_time = now
-                self._accept(r, int(nxt[i]))
-        return StepInfo("extend", tuple(r.rid for r, _ in batch), compiled=compiled, seconds=dt)
+                entries.append((r, i))
+        reqs = [r for r, _ in batch]
+        return _InFlight("extend", nxt, entries, reqs, t0, compiled, len(entries))
 
-    def _decode_step(self, reqs: list[Request]) -> StepInfo:
+    def _decode_step(self, reqs: list[Request]) -> _InFlight:
         grouping = None
         if self.dp == 1 and self.config.cascade is not False:
             grouping = cascade_grouping(reqs, self.page_size, self.config.batch_buckets, always=self.config.cascade)
@@ -509,21 +535,54 @@ class Engine:
         md, plans = plan_devices(groups, make, self.config.batch_buckets, self.config.token_buckets)
         bs_pad = plans[0].batch_size
         tokens = np.zeros(self.dp * plans[0].num_tokens, np.int32)
+        src = np.full(len(tokens), -1, np.int32)
         for d, rows in enumerate(groups):
             for i, r in enumerate(rows, start=d * plans[0].num_tokens):
-                tokens[i] = r.output_tokens[-1]
-        nxt, dt, compiled = self._run(tokens, md, groups, bs_pad)
-        if not compiled:
-            self.metrics.decode_time += dt
-            self.metrics.decode_step_times.append(dt)
-            self.metrics.decode_tokens += len(reqs)
-            self.metrics.timed_tokens += len(reqs)
+                row = self._pending.get(r.rid)
+                if row is None:
+                    tokens[i] = r.output_tokens[-1]
+                else:  # sampled by the step in flight: taken on the device
+                    src[i] = row
+        nxt, t0, compiled = self._dispatch(tokens, src, md, groups, bs_pad)
         self.metrics.decode_steps += 1
+        entries = []
         for d, rows in enumerate(groups):
             for i, r in enumerate(rows, start=d * bs_pad):
                 r.seq_len += 1
-                self._accept(r, int(nxt[i]))
-        return StepInfo("decode", tuple(r.rid for r in reqs), compiled=compiled, seconds=dt)
+                entries.append((r, i))
+        return _InFlight("decode", nxt, entries, list(reqs), t0, compiled, len(reqs))
+
+    def _resolve(self, f: _InFlight) -> StepInfo:
+        """Waits for step ``f``'s sampled tokens and accepts them (stop and length checks).
+        A request that finished after ``f`` was launched (overlap: it stopped in the step
+        before) drops its token."""
+        self._inflight, self._pending = None, {}
+        try:
+            nxt = np.asarray(f.nxt)  # waits for the step
+        except Exception as e:  # noqa: BLE001 - an execution error: fail the step's requests
+            return self._step_failed(f.mode, [r for r in f.reqs if not r.done], e)
+        now = time.perf_counter()
+        dt = now - max(f.t0, self._last_resolve)  # overlapped: the time since the last step's tokens
+        self._last_resolve = now
+        m = self.metrics
+        if f.compiled:
+            m.compile_steps += 1
+            m.compile_time += dt
+        elif f.mode == "extend":
+            m.prefill_time += dt
+            m.timed_tokens += f.timed
+        else:
+            m.decode_time += dt
+            m.decode_step_times.append(dt)
+            m.decode_tokens += f.timed
+            m.timed_tokens += f.timed
+        for r, i in f.entries:
+            if r.done:
+                continue
+            if f.mode == "extend" and r.first_token_time is None:
+                r.first_token_time = now
+            self._accept(r, int(nxt[i]))
+        return StepInfo(f.mode, tuple(r.rid for r in f.reqs), compiled=f.compiled, seconds=dt)
 
     def _accept(self, r: Request, tok: int):
         r.output_tokens.append(tok)
@@ -533,8 +592,14 @@ class Engine:
             self._finish(r, "stop")
         elif len(r.output_tokens) >= p.max_new_tokens:
             self._finish(r, "length")
-        elif r.seq_len + 1 >= self.config.max_context:
+        elif r.num_tokens >= self.config.max_context:
             self._finish(r, "length")  # no room to feed the token just generated
+
+    def _ends_by_length(self, r: Request) -> bool:
+        """Whether ``r``'s token in flight ends it by length: it gets no decode row now."""
+        if r.rid not in self._pending:
+            return False
+        return len(r.output_tokens) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.config.max_context
 
     def _step_failed(self, mode: str, reqs: list[Request], err: Exception) -> StepInfo:
         """Fails the step's requests (their pages return to the pool). If the failure
@@ -555,31 +620,48 @@ class Engine:
 
     def step(self) -> StepInfo:
         """One engine step: an extend batch when requests are prefilling or admissible,
-        else a decode of every running request."""
+        else a decode of every running request. With ``EngineConfig.overlap`` the step is
+        launched before the previous step's tokens are read back (its inputs that depend
+        on them are taken on the device), so the host's scheduling and planning of this
+        step run while the device computes the previous one; the returned info is then
+        the launched step's, with ``finished`` the requests that ended in the step read
+        back. A final call with nothing to launch reads back the last step."""
         self.step_count += 1
         self.metrics.steps += 1
         live = [r for r in self.requests.values() if not r.done]
+        prev = self._inflight
         batch = self._schedule_extend() if (self.waiting or self.prefilling) else []
         preempted: list = []
         if batch:
             mode, reqs = "extend", [r for r, _ in batch]
         elif self.running:
             preempted = self._grow_for_decode()
-            mode, reqs = "decode", list(self.running)
+            mode, reqs = "decode", [r for r in self.running if not self._ends_by_length(r)]
         else:
             mode, reqs = "idle", []
+        launched = failed = None
         if reqs:
             try:
-                info = self._extend_step(batch) if mode == "extend" else self._decode_step(reqs)
+                launched = self._extend_step(batch) if mode == "extend" else self._decode_step(reqs)
             except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
-                info = self._step_failed(mode, reqs, e)
+                failed = self._step_failed(mode, reqs, e)
+        # Read back the previous step (overlap: launched by the last call).
+        prev_info = self._resolve(prev) if prev is not None else None
+        if launched is not None:
+            self._inflight = launched
+            self._pending = {r.rid: i for r, i in launched.entries}
+            if self.config.overlap:
+                info = StepInfo(mode, tuple(r.rid for r in reqs), compiled=launched.compiled)
+            else:
+                info = self._resolve(launched)
         else:
-            info = StepInfo("idle")
+            info = failed or prev_info or StepInfo("idle")
         finished = tuple(r.rid for r in live if r.done)
         return dataclasses.replace(info, finished=finished, preempted=tuple(preempted) + info.preempted)
 
     def run(self, max_steps: int | None = None) -> None:
-        """Steps until no request is waiting, prefilling or running."""
+        """Steps until no request is waiting, prefilling or running (and, with overlap,
+        the last step is read back)."""
         n = 0
         while self.has_work() and (max_steps is None or n < max_steps):
             self.step()

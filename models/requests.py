@@ -53,6 +53,11 @@ class EngineConfig:
     # pages are at least a quarter of the batch's KV reads, True = whenever they share,
     # False = never (a plain decode over the same pages gives the same tokens).
     cascade: bool | None = None
+    # Overlap scheduling: each step is launched before the previous step's sampled tokens
+    # are read back (the tokens it feeds are taken on the device), so the host's work for
+    # a step overlaps the device's work on the one before. The tokens are the same; a
+    # request that stops on a stop token has computed one more row, which is dropped.
+    overlap: bool = False
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -65,6 +70,8 @@ class EngineConfig:
             bk = getattr(self, name)
             if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
         if self.cascade not in (None, True, False):
             raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
         if self.token_buckets and max(self.token_buckets) < 16:

@@ -102,15 +102,16 @@ def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: b
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-def sampling_arrays(groups, bs_pad: int):
+def sampling_arrays(groups, bs_pad: int, pending=()):
     """``(temperature, top_p, seeds, counters, greedy_only)`` per row for the requests of
     ``groups`` (one list per device; each padded to ``bs_pad`` rows, device ``d``'s row
-    ``i`` at ``d * bs_pad + i``); a request's counter is its generated-token count."""
+    ``i`` at ``d * bs_pad + i``); a request's counter is its generated-token count, plus
+    one for a request in ``pending`` (rids whose last token is sampled, not yet seen)."""
     n = len(groups) * bs_pad
     temp, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
     seeds, counters = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for d, reqs in enumerate(groups):
         for i, r in enumerate(reqs, start=d * bs_pad):
             temp[i], top_p[i] = r.params.temperature, r.params.top_p
-            seeds[i], counters[i] = r.params.seed, len(r.output_tokens)
+            seeds[i], counters[i] = r.params.seed, len(r.output_tokens) + (r.rid in pending)
     return temp, top_p, seeds, counters, bool((temp <= 0).all())

@@ -543,3 +543,69 @@ def test_cascade_plan_decodes_like_the_plain_plan(monkeypatch):
     be.forward_decode(q, None, None, layer, cache, cas, save_kv_cache=False)
     be.forward_decode(q, None, None, dataclasses.replace(layer, sliding_window_size=3), cache, cas, save_kv_cache=False)
     assert calls == [2]  # the cascade path ran; a windowed layer takes the plain decode
+
+
+def _mixed_workload(eng, stop):
+    """Arrivals over several steps: greedy and seeded sampling, a stop token, a prompt
+    longer than the token budget (chunked), parallel samples; returns the rids."""
+    prompts = _prompts(9, lens=(5, 12, 1, 9, 30, 7))
+    params = [
+        SamplingParams(max_new_tokens=6),
+        SamplingParams(max_new_tokens=9, temperature=1.0, top_p=0.9, seed=11),
+        SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)),
+        SamplingParams(max_new_tokens=1),
+        SamplingParams(max_new_tokens=5),
+        SamplingParams(max_new_tokens=4, n=3, temperature=0.8, seed=5),
+    ]
+    rids = [eng.add_request(prompts[0], params[0]), eng.add_request(prompts[1], params[1])]
+    infos = [eng.step()]
+    eng.check_invariants()
+    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[2:4], params[2:4])]
+    infos += [eng.step(), eng.step()]
+    eng.check_invariants()
+    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[4:], params[4:])]
+    infos += _drain(eng)
+    return [x for rid in rids for x in eng.samples(rid)], infos
+
+
+@pytest.mark.parametrize("num_pages", [64, 12])
+def test_overlap_scheduling_gives_the_same_tokens(llama, num_pages):
+    """EngineConfig(overlap=True): each step is launched before the previous step's tokens
+    are read back. Every request gets the tokens of the plain loop (greedy, sampled, stop
+    token, length, chunked prefill, parallel samples; with 11 usable pages also
+    preemption), no page leaks, and the decode batch never holds a request whose token in
+    flight ends it by length."""
+    solo = _solo(llama, _prompts(9, lens=(5, 12, 1))[2], SamplingParams(max_new_tokens=8))
+    stop = solo[2]
+    assert stop not in solo[:2]
+    kw = dict(num_pages=num_pages, token_buckets=(16, 32), max_prefill_tokens=16)
+    plain_reqs, _ = _mixed_workload(_engine(llama, **kw), stop)
+    eng = _engine(llama, overlap=True, **kw)
+    reqs, infos = _mixed_workload(eng, stop)
+    assert [r.output_tokens for r in reqs] == [r.output_tokens for r in plain_reqs]
+    assert [r.finish_reason for r in reqs] == [r.finish_reason for r in plain_reqs]
+    assert reqs[2].finish_reason == "stop" and len(reqs[2].output_tokens) == 3
+    assert all(r.status == "finished" for r in reqs)
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1 and eng._inflight is None
+    assert eng.metrics.generated_tokens == sum(len(r.output_tokens) for r in reqs)
+    # a request never decodes past its max_new_tokens: the decode rows of a step never
+    # include one whose token in flight was its last
+    for info in infos:
+        for rid in info.rids if info.mode == "decode" else ():
+            r = eng.requests[rid]
+            assert r.rid in info.finished or not r.done or len(r.output_tokens) <= r.params.max_new_tokens
+    if num_pages == 12:
+        assert eng.metrics.preemptions > 0
+
+
+def test_overlap_steady_state_never_recompiles(llama):
+    eng = _engine(llama, overlap=True)
+    eng.warmup(batch_sizes=(1, 2, 4), prompt_len=8)
+    n = eng.metrics.compilations
+    rng = np.random.default_rng(3)
+    for _ in range(4):
+        eng.add_request(
+            rng.integers(0, VOCAB, rng.integers(3, 9)).tolist(), SamplingParams(max_new_tokens=int(rng.integers(2, 6)))
+        )
+    eng.run()
+    assert eng.metrics.compilations == n and eng.metrics.decode_tokens > 0

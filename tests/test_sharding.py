@@ -377,7 +377,8 @@ def check_engine_dp_mla():
     """The engine serving an MLA model data-parallel over 4 devices: more requests than one
     device's batch (placed on the devices with the most free pages), chunked prefill,
     parallel samples (on their parent's device), preemption when a device's pool runs out;
-    the same tokens as on one device, and no new program in steady state."""
+    the same tokens as on one device, also with overlap scheduling, and no new program in
+    steady state."""
     from flax import nnx
 
     from jattn.models.config import DeepseekConfig
@@ -417,6 +418,13 @@ def check_engine_dp_mla():
     eng.generate([list(rng.integers(0, cfg.vocab_size, len(p))) for p in prompts], params)
     eng.check_invariants()
     assert (eng.metrics.compilations, eng._step._cache_size()) == (traces, programs), "recompiled in steady state"
+    # overlap scheduling on the mesh: the same tokens
+    ov = Engine(model, EngineConfig(**ec, num_pages=10, mesh=_mesh("dp"), mesh_axis="dp", overlap=True))
+    rids = [ov.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while ov.has_work():
+        ov.step()
+        ov.check_invariants()
+    assert [[s.output_tokens for s in ov.samples(r)] for r in rids] == want
 
 
 def check_mla_dp():

@@ -156,6 +156,7 @@ def run_one(
     batch_buckets: tuple | None = None,
     samples: int = 1,
     cascade: bool | None = None,
+    overlap: bool = False,
 ) -> dict:
     """One row. ``light_warmup``: compile with as many full-length prompts as one
     extend step takes (the batch bucket of that size is added) and one decode step of
@@ -163,7 +164,8 @@ def run_one(
     ``num_pages`` / ``batch_buckets``: the pool and buckets (default: what this row
     needs); rows that share them share their extend program. ``samples``: the batch is
     ``bs // samples`` prompts of ``samples`` parallel samples each (``SamplingParams.n``,
-    temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``."""
+    temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``.
+    ``overlap``: the engine's overlap scheduling (``EngineConfig.overlap``)."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
@@ -179,6 +181,7 @@ def run_one(
         kernel_backend=backend,
         command_buffers=command_buffers,
         cascade=cascade,
+        overlap=overlap,
     )
     engine = Engine(model, ecfg)
     n_prompts = max(1, bs // samples)
@@ -233,6 +236,7 @@ def run_one(
         device_step_ms=dev_ms,
         recompiles_in_timed_run=recompiles,
         samples=samples,
+        overlap=overlap,
         cascade_steps=m.cascade_steps,
         shared_prompt_tokens=m.shared_tokens,
         warmup_s=warm,
@@ -386,6 +390,12 @@ def main(argv=None) -> int:
         help="parallel samples per prompt (SamplingParams.n): each batch is batch / samples prompts (default 1)",
     )
     ap.add_argument(
+        "--overlap",
+        default="off",
+        help="overlap scheduling (EngineConfig.overlap) settings to compare, comma-separated: off, on "
+        "(default off; off,on runs each row both ways)",
+    )
+    ap.add_argument(
         "--cascade",
         default="auto",
         help="with --samples: cascade decode settings to compare, comma-separated: auto (the engine's "
@@ -426,6 +436,10 @@ def main(argv=None) -> int:
     if bad or args.samples < 1:
         ap.error(f"--cascade takes auto, on, off (got {args.cascade!r}); --samples >= 1 (got {args.samples})")
     cascade_modes = [c for c in args.cascade.split(",") if c]
+    overlaps = {"off": False, "on": True}
+    overlap_modes = [o for o in args.overlap.split(",") if o]
+    if not overlap_modes or any(o not in overlaps for o in overlap_modes):
+        ap.error(f"--overlap takes off, on or off,on (got {args.overlap!r})")
     dev = jax.devices()[0]
     print(
         f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -445,17 +459,18 @@ def main(argv=None) -> int:
     plan = {}
     for name in models.split(","):
         plan[name] = [
-            (bs, p, cb, be, casc)
+            (bs, p, cb, be, casc, ov)
             for p in prompt_lens
             for bs in batches
             for cb in settings
             for be in backends
             for casc in cascade_modes
+            for ov in overlap_modes
             if skip_reason(bs, p, be[0]) is None
         ]
         est = estimate(
             _config(name, args.dtype),
-            [(bs, p, be[0]) for bs, p, _, be, _ in plan[name]],
+            [(bs, p, be[0]) for bs, p, _, be, _, _ in plan[name]],
             gen_len,
             args.page_size,
             args.prefill_tokens,
@@ -474,11 +489,12 @@ def main(argv=None) -> int:
                     if why:
                         print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
         shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
-        for bs, prompt_len, cb, (be_name, backend), casc in plan[name]:
+        for bs, prompt_len, cb, (be_name, backend), casc, ov in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             tag += f" [{args.samples} samples, cascade {casc}]" if args.samples > 1 else ""
+            tag += f" [overlap {ov}]" if len(overlap_modes) > 1 or ov == "on" else ""
             try:
                 r = run_one(
                     model,
@@ -495,6 +511,7 @@ def main(argv=None) -> int:
                     batch_buckets=buckets,
                     samples=args.samples,
                     cascade=cascades[casc],
+                    overlap=overlaps[ov],
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -554,7 +571,7 @@ def _shared_pools(plan, gen_len: int, page_size: int, prefill_tokens: int) -> di
     pool (for the largest batch) and one bucket set for the rows of one prompt length
     and backend, so that they compile one extend program between them."""
     groups: dict = {}
-    for bs, p, cb, (be_name, _), _ in plan:
+    for bs, p, cb, (be_name, _), *_ in plan:
         groups.setdefault((p, cb, be_name), []).append(bs)
     out = {}
     for (p, cb, be_name), sizes in groups.items():
