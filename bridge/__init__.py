@@ -9,11 +9,13 @@
   and out, the work in jattn's core backends under ``jax.jit``, the KV pool viewed
   (never copied) and written in place.
 
-* ``triton_native.mha_decode``: jattn's Triton paged decode launched natively on
-  torch tensors (no JAX in the call; capturable in a torch CUDA graph).
+* ``triton_native.mha_decode`` / ``mla_decode``: jattn's Triton paged decode and MLA
+  absorbed decode launched natively on torch tensors (no JAX in the call; capturable
+  in a torch CUDA graph). ``kernels="triton_native"`` of both torch backends runs
+  their layer calls this way (``native``).
 
 Modules: ``call`` (staging, views, jit cache, fences, per-layer plans), ``mha`` and
-``mla`` (the adapters), ``pool``, ``convert``, ``streams``, ``triton_native``.
+``mla`` (the adapters), ``pool``, ``convert``, ``streams``, ``triton_native``, ``native``.
 """
 
 try:

@@ -23,6 +23,7 @@ from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
 from .convert import to_jax
+from .native import NativePlans, run_mla_absorbed, run_mla_prefill
 from .state import _host
 
 __all__ = ["TorchMLABackend"]
@@ -53,17 +54,84 @@ class TorchMLABackend(_BridgeBase):
     The pool is ``token_to_kv_pool`` (given here, as SGLang binds it at
     construction, or per call). Outputs: absorbed modes ``[T, H * kv_lora_rank]``
     latent (the caller applies ``W_UV``); prefill ``[T, H * v_head_dim]``.
+
+    ``kernels="triton_native"``: decode, target verify, draft extend and the ragged
+    prefill run as jattn's Triton kernels launched on torch's current stream (no JAX
+    per layer call, capturable in a torch CUDA graph; :mod:`jattn.bridge.native`), the
+    latent written by the pool's own writer. That path takes ``q_rope`` / ``k_rope``
+    rotated (``cos_sin_cache`` is refused: the fused rope and FP8 query run on
+    ``kernels="jax"``). The chunked prefix cache and ``merge_state`` stay on JAX.
     """
 
     def __init__(
-        self, config: MLAConfig, token_to_kv_pool=None, *, device=None, kv_writer: str = "auto", sync: str = "auto"
+        self,
+        config: MLAConfig,
+        token_to_kv_pool=None,
+        *,
+        device=None,
+        kv_writer: str = "auto",
+        sync: str = "auto",
+        kernels: str = "jax",
     ):
+        if kernels not in ("jax", "triton_native"):
+            raise ValueError(f"kernels={kernels!r} must be 'jax' or 'triton_native'")
         self._jbackend = MLABackend(config)
+        self.kernels = kernels
+        if kernels == "triton_native":  # the pool's own writer; no JAX call in the layer calls
+            kv_writer = "torch"
         super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
+        self._native = NativePlans(self.device) if kernels == "triton_native" else None
+        self._native_plan = None
         self.token_to_kv_pool = token_to_kv_pool
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_cache_dim = config.kv_lora_rank + config.qk_rope_head_dim
+
+    def _install(self, md, num_real_tokens: int):
+        if self._native is None:
+            return super()._install(md, num_real_tokens)
+        # host arrays: the layer calls read the plan from NativePlans' device tensors, and
+        # the JAX paths that remain (prefix chunks) take numpy arrays as they are
+        self.forward_metadata = self._md_call = md
+        self.forward_mode = md.forward_mode
+        self._num_real_tokens = num_real_tokens
+        self._native_plan = self._native.install(md)
+        return md
+
+    def _absorbed_native(self, q, k, layer, save_kv_cache, q_rope, k_rope, kwargs):
+        """The absorbed modes on the native kernels (rotated q_rope / k_rope)."""
+        spec = self._spec(layer)
+        if self._native_plan is None:
+            raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+        pool = self._pool(kwargs)
+        R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
+        n = q.reshape(-1, H * (R if q_rope is not None else R + r)).shape[0]
+        buf = pool.get_key_buffer(spec.layer_id)
+        if buf.dtype != self.kv_cache_dtype:
+            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+        if buf.numel() % (self.page_size * (R + r)):
+            raise ValueError(f"kv_buffer[layer {spec.layer_id}] {tuple(buf.shape)} is not pages of {R} + {r} wide rows")
+        if save_kv_cache:
+            if k is None or k_rope is None:
+                raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
+            loc = kwargs.get("out_cache_loc")
+            loc = (self._native_plan.tensors["out_cache_loc"] if loc is None else loc)[:n].long()
+            pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
+        if q_rope is not None:
+            query = torch.cat([q.reshape(n, H, R), q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
+        else:
+            query = q.reshape(n, H, R + r)
+        fp8 = buf.dtype == torch.float8_e4m3fn
+        return run_mla_absorbed(
+            self._native,
+            self._native_plan,
+            query=query,
+            kv_buf=buf,
+            page_size=self.page_size,
+            kv_lora_rank=R,
+            softmax_scale=self._jbackend.softmax_scale(spec),
+            kv_scale=spec.k_scale if fp8 else 1.0,
+        )
 
     def _pool(self, kwargs):
         pool = kwargs.get("token_to_kv_pool") or self.token_to_kv_pool
@@ -222,7 +290,14 @@ class TorchMLABackend(_BridgeBase):
     ):
         if cos_sin_cache is None:  # rotated inputs: llama_4_scaling on the torch side, as before
             q, q_rope = _llama_4_scaled(q, l4), _llama_4_scaled(q_rope, l4)
+            if self._native is not None:
+                return self._absorbed_native(q, k, layer, save_kv_cache, q_rope, k_rope, kwargs)
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
+        if self._native is not None:
+            raise NotImplementedError(
+                "kernels='triton_native' takes q_rope/k_rope already rotated: cos_sin_cache (the fused rope "
+                "and, on an FP8 pool, the FP8 query) runs on kernels='jax'"
+            )
         if save_kv_cache and k_rope is None:
             raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
         rope = (cos_sin_cache, is_neox)
@@ -278,7 +353,29 @@ class TorchMLABackend(_BridgeBase):
             )
         if forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False):
             return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
+        if self._native is not None:
+            return self._prefill_native(q, k, v, layer, q_rope, k_rope, return_lse)
         return self._prefill(q, k, v, layer, q_rope, k_rope, return_lse)
+
+    def _prefill_native(self, q, k, v, layer, q_rope, k_rope, return_lse):
+        spec = self._spec(layer)
+        H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
+        n = v.reshape(-1, H * V).shape[0]
+        qa = q.reshape(n, H, -1)
+        ka = k.reshape(n, H, -1).to(q.dtype)
+        if q_rope is not None:
+            qa = torch.cat([qa, q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
+        if k_rope is not None:
+            ka = torch.cat([ka, k_rope.reshape(n, 1, r).to(q.dtype).expand(n, H, r)], dim=-1)
+        out, lse = run_mla_prefill(
+            self._native,
+            self._native_plan,
+            q=qa.contiguous(),
+            k=ka.contiguous(),
+            v=v.reshape(n, H, V).to(q.dtype).contiguous(),
+            softmax_scale=self._jbackend.softmax_scale(spec),
+        )
+        return (out, lse) if return_lse else out
 
     def _prefix_chunk(self, q, k, v, layer, q_rope, k_rope, forward_batch):
         """The chunked-prefix-cache path of SGLang's MLA backend: the new tokens attend,

@@ -1,4 +1,5 @@
-"""``TorchMHABackend(kernels="triton_native")``: the layer calls as plain Triton launches.
+"""``kernels="triton_native"`` of ``TorchMHABackend`` and ``TorchMLABackend``: the layer
+calls as plain Triton launches (MLA: :func:`run_mla_absorbed`, :func:`run_mla_prefill`).
 
 With this option the bridge runs no JAX per layer call: the KV write, the decode (and
 its split combine) and the extend / ragged prefill are jattn's Triton kernels launched
@@ -27,7 +28,7 @@ from jattn.pallas_kernels.combine import invariant_num_splits
 
 from .convert import BridgeError
 
-__all__ = ["NativePlans", "run_layer"]
+__all__ = ["NativePlans", "run_layer", "run_mla_absorbed", "run_mla_prefill"]
 
 _FIELDS = ("page_table", "cache_seqlens", "out_cache_loc")
 _EXTEND_FIELDS = _FIELDS + ("cu_seqlens_q",)
@@ -185,3 +186,91 @@ def run_layer(
             **opts,
         )
     return out[:n].reshape(n, hq * dv)
+
+
+def _front_pad(x, cu, max_q: int):
+    """Ragged ``[T, ...]`` -> ``[bs * max_q, ...]``, each request's tokens at the END of
+    its block (the decode masks' positions ``L - max_q + i`` are the tokens' own), the
+    rest 0 (torch ops on the device: capturable)."""
+    cu = cu.long()
+    bs = cu.shape[0] - 1
+    n = cu[1:] - cu[:-1]
+    i = torch.arange(max_q, device=x.device)[None, :]
+    tok = cu[:-1, None] + i - (max_q - n[:, None])
+    valid = (i >= (max_q - n[:, None])).reshape(bs, max_q, *([1] * (x.ndim - 1)))
+    g = x[tok.clamp(0, x.shape[0] - 1).reshape(-1)].reshape(bs, max_q, *x.shape[1:])
+    return torch.where(valid, g, torch.zeros_like(g)).reshape(bs * max_q, *x.shape[1:])
+
+
+def _front_unpad(y, cu, max_q: int, num_tokens: int):
+    """The inverse of :func:`_front_pad`; rows past ``cu[-1]`` (padding tokens) are 0."""
+    cu = cu.long()
+    bs = cu.shape[0] - 1
+    t = torch.arange(num_tokens, device=y.device)
+    b = (torch.searchsorted(cu, t, right=True) - 1).clamp(0, bs - 1)
+    n = cu[b + 1] - cu[b]
+    row = (b * max_q + (max_q - n) + (t - cu[b])).clamp(0, y.shape[0] - 1)
+    out = y[row]
+    real = (t < cu[-1]).reshape(-1, *([1] * (y.ndim - 1)))
+    return torch.where(real, out, torch.zeros_like(out))
+
+
+def run_mla_absorbed(
+    plans: NativePlans,
+    plan: NativePlan | None,
+    *,
+    query: torch.Tensor,
+    kv_buf: torch.Tensor,
+    page_size: int,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    kv_scale: float,
+) -> torch.Tensor:
+    """One layer's absorbed MLA attention (decode, target verify, or draft extend with
+    per-request query lengths, padded and unpadded on the device as the core backend's
+    ``forward_absorbed`` does) over the latent pool buffer ``kv_buf`` (``[slots, R + r]``
+    or ``[slots, 1, R + r]``). ``query`` ``[n, H, R + r]``, rotated and scaled. Returns
+    the latent output ``[n, H * R]`` in the query's dtype."""
+    from . import triton_native as tn
+
+    if plan is None:
+        raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+    _check_device(query.device)
+    n, h, w = query.shape
+    t = plan.tensors
+    qs = plans.staged("mla_q", query, plan.rows)
+    if not plan.decode:  # draft extend: ragged queries into per-request blocks of max_seqlen_q
+        qs = _front_pad(qs, t["cu_seqlens_q"], plan.max_seqlen_q)
+    out = tn.mla_decode(
+        qs.contiguous(),
+        kv_buf.view(-1, page_size, w),
+        t["page_table"],
+        t["cache_seqlens"],
+        kv_lora_rank=kv_lora_rank,
+        softmax_scale=softmax_scale,
+        max_seqlen_q=plan.max_seqlen_q,
+        is_causal=plan.is_causal,
+        kv_scale=kv_scale,
+    )
+    if not plan.decode:
+        out = _front_unpad(out, t["cu_seqlens_q"], plan.max_seqlen_q, plan.rows)
+    return out[:n].reshape(n, h * kv_lora_rank)
+
+
+def run_mla_prefill(plans: NativePlans, plan: NativePlan | None, *, q, k, v, softmax_scale: float):
+    """The ragged MLA prefill over the new tokens (causal as the plan says): ``q``/``k``
+    ``[n, H, qk]``, ``v`` ``[n, H, v_head_dim]``. Returns ``(out [n, H * v_head_dim] in
+    q's dtype, natural-log lse f32 [n, H])``."""
+    from . import triton_native as tn
+
+    if plan is None:
+        raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+    if plan.decode:
+        raise ValueError("the installed plan is a decode plan: call forward_decode")
+    _check_device(q.device)
+    n, h, _ = q.shape
+    qs, ks, vs = (plans.staged(name, x, plan.rows) for name, x in (("mla_pq", q), ("mla_pk", k), ("mla_pv", v)))
+    out, lse = tn.prefill(
+        qs, ks, vs, plan.tensors["cu_seqlens_q"], is_causal=plan.is_causal, softmax_scale=softmax_scale
+    )
+    return out[:n].reshape(n, -1), lse[:n]

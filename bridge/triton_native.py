@@ -1,6 +1,7 @@
 """jattn's Triton kernels launched natively on torch tensors: no JAX in the call.
 
-:func:`mha_decode` runs the paged decode kernel and the split combine
+:func:`mha_decode` (and :func:`mla_decode`, the MLA absorbed decode) runs the paged
+decode kernel and the split combine
 (``jattn.pallas_kernels.triton_decode`` / ``combine``) as plain Triton launches on
 torch's current CUDA stream: no DLPack views, no XLA dispatch, and the launches
 can be captured in a torch CUDA graph. Results equal ``jattn.mha_decode_with_kvcache``
@@ -22,7 +23,15 @@ import torch
 
 from .convert import BridgeError
 
-__all__ = ["mha_decode", "decode_partials", "mla_decode_partials", "prefill", "prefill_tile_plan", "set_kv_buffer"]
+__all__ = [
+    "mha_decode",
+    "mla_decode",
+    "decode_partials",
+    "mla_decode_partials",
+    "prefill",
+    "prefill_tile_plan",
+    "set_kv_buffer",
+]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -122,7 +131,7 @@ def mha_decode(
     Python floats). Returns ``out`` in q's dtype, and with ``return_lse`` the natural-log
     LSE f32 ``[bs * max_seqlen_q, Hq]``. Raises :class:`BridgeError` naming the argument
     that breaks a rule (dtype, rank, device, contiguity, shapes)."""
-    from jattn.pallas_kernels import combine, triton_decode, triton_glue
+    from jattn.pallas_kernels import triton_decode
 
     dev = q.device if isinstance(q, torch.Tensor) else None
     _check(q, "q", _Q_DTYPES, 3, dev)
@@ -151,10 +160,7 @@ def mha_decode(
         raise BridgeError(
             f"sinks must be f32 [{hq}] on {dev}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
         )
-    if dev.type not in ("cpu", "cuda"):
-        raise BridgeError(f"q is on {dev}: CUDA tensors only")
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise BridgeError("tensors on the CPU run only under Triton's interpreter (TRITON_INTERPRET=1)")
+    _check_launch_device(dev)
 
     o_part, lse_part = decode_partials(
         q,
@@ -170,32 +176,7 @@ def mha_decode(
         k_scale=k_scale,
         num_splits=num_splits,
     )
-    splits, rows = o_part.shape[0], o_part.shape[2]
-    grid, params = combine.combine_launch_params(splits, bs, rows, d)
-    out = torch.empty((bs, rows, d), dtype=q.dtype, device=dev)
-    lse = torch.empty((bs, rows), dtype=torch.float32, device=dev)
-    sk = sinks if sinks is not None else torch.zeros((hq,), dtype=torch.float32, device=dev)
-    vs = _scalars(dev, v_scale)
-    triton_glue.jit(combine._combine_kernel)[grid](
-        lse_part,
-        o_part,
-        sk,
-        vs,
-        out,
-        lse,
-        NUM_SPLITS=splits,
-        BS=bs,
-        ROWS=rows,
-        ROWS_LSE=rows,
-        M_ROWS=rows,
-        D=d,
-        HQ=hq,
-        HAS_SINKS=sinks is not None,
-        HAS_VSCALE=float(v_scale) != 1.0,
-        num_warps=1,
-        num_stages=1,
-        **params,
-    )
+    out, lse = _combine(o_part, lse_part, hq=hq, out_dtype=q.dtype, sinks=sinks, v_scale=v_scale)
     out = out.reshape(bs * max_seqlen_q, hq, d)
     return (out, lse.reshape(bs * max_seqlen_q, hq)) if return_lse else out
 
@@ -350,6 +331,108 @@ def mla_decode_partials(
         q, kv_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw
     )
     return o, lse
+
+
+def _check_launch_device(dev) -> None:
+    if dev.type not in ("cpu", "cuda"):
+        raise BridgeError(f"q is on {dev}: CUDA tensors only")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BridgeError("tensors on the CPU run only under Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def _combine(o_part, lse_part, *, hq, out_dtype, sinks=None, v_scale=1.0):
+    """The split combine kernel on the partials ``o f32 [S, bs, rows, D]`` / base-2
+    ``lse [S, bs, rows]``: ``(out [bs, rows, D] in out_dtype, natural-log lse f32 [bs,
+    rows])``, sinks (f32 ``[hq]``) and ``v_scale`` applied."""
+    from jattn.pallas_kernels import combine, triton_glue
+
+    splits, bs, rows, d = o_part.shape
+    dev = o_part.device
+    grid, params = combine.combine_launch_params(splits, bs, rows, d)
+    out = torch.empty((bs, rows, d), dtype=out_dtype, device=dev)
+    lse = torch.empty((bs, rows), dtype=torch.float32, device=dev)
+    sk = sinks if sinks is not None else torch.zeros((hq,), dtype=torch.float32, device=dev)
+    vs = _scalars(dev, v_scale)
+    triton_glue.jit(combine._combine_kernel)[grid](
+        lse_part,
+        o_part,
+        sk,
+        vs,
+        out,
+        lse,
+        NUM_SPLITS=splits,
+        BS=bs,
+        ROWS=rows,
+        ROWS_LSE=rows,
+        M_ROWS=rows,
+        D=d,
+        HQ=hq,
+        HAS_SINKS=sinks is not None,
+        HAS_VSCALE=float(v_scale) != 1.0,
+        num_warps=1,
+        num_stages=1,
+        **params,
+    )
+    return out, lse
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    kv_scale: float = 1.0,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+):
+    """MLA absorbed decode on torch tensors; arguments and results as
+    ``jattn.mla_decode_with_kvcache``: q ``[bs * max_seqlen_q, H, R + r]`` (the absorbed
+    query), the latent cache ``[pages, page_size, R + r]`` in q's dtype or FP8 e4m3
+    (``kv_scale``), int32 ``page_table [bs, max_pages]`` and ``cache_seqlens [bs]``.
+    Returns the latent output ``[bs * max_seqlen_q, H, R]`` in q's dtype (and the
+    natural-log LSE f32 ``[bs * max_seqlen_q, H]``). The decode kernel and the split
+    combine run as plain Triton launches on torch's current stream (capturable in a
+    CUDA graph). Raises :class:`BridgeError` naming the argument that breaks a rule."""
+    from jattn.pallas_kernels import triton_mla
+
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check(q, "q", _Q_DTYPES, 3, dev)
+    _check(kv_cache, "kv_cache", (q.dtype, torch.float8_e4m3fn), 3, dev)
+    _check(page_table, "page_table", (torch.int32,), 2, dev)
+    _check(cache_seqlens, "cache_seqlens", (torch.int32,), 1, dev)
+    bs, h, w = page_table.shape[0], q.shape[1], q.shape[2]
+    R, rope = int(kv_lora_rank), kv_cache.shape[2] - int(kv_lora_rank)
+    if kv_cache.shape[2] != w:
+        raise BridgeError(f"kv_cache is {kv_cache.shape[2]} wide per row, q {w}: both must be kv_lora_rank + rope")
+    if R & (R - 1) or rope & (rope - 1) or R < 16 or rope < 16:
+        raise BridgeError(f"kv_lora_rank={R} and rope width {rope} must be powers of two >= 16")
+    if cache_seqlens.shape[0] != bs:
+        raise BridgeError(f"cache_seqlens has {cache_seqlens.shape[0]} rows, page_table {bs}")
+    if not 1 <= max_seqlen_q <= triton_mla.MAX_Q_LEN:
+        raise BridgeError(f"max_seqlen_q={max_seqlen_q} must be in 1..{triton_mla.MAX_Q_LEN}")
+    if q.shape[0] != bs * max_seqlen_q:
+        raise BridgeError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    _check_launch_device(dev)
+    o_part, lse_part = mla_decode_partials(
+        q,
+        kv_cache,
+        page_table,
+        cache_seqlens,
+        kv_lora_rank=R,
+        softmax_scale=softmax_scale,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        kv_scale=kv_scale,
+        num_splits=num_splits,
+    )
+    out, lse = _combine(o_part, lse_part, hq=h, out_dtype=q.dtype, v_scale=kv_scale)
+    out = out.reshape(bs * max_seqlen_q, h, R)
+    return (out, lse.reshape(bs * max_seqlen_q, h)) if return_lse else out
 
 
 def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scale=None):

@@ -80,8 +80,11 @@ class MLABackend(_PlanningMixin):
             return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
         return apply_llama_4_scaling(query, llama_4_scaling)
 
-    def _scale(self, layer: LayerSpec) -> float:
+    def softmax_scale(self, layer: LayerSpec) -> float:
+        """The layer's softmax scale: its ``scaling``, else the config's ``softmax_scale``."""
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
+
+    _scale = softmax_scale
 
     def _decode(self, query, layer, kv_cache: MLAKVCache, metadata):
         """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``)."""

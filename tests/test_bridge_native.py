@@ -234,3 +234,213 @@ def test_gpu_native_decode_replays_from_a_torch_cuda_graph():
     eager = be.forward_decode(q, None, None, layer, None, pool, 4)
     torch.testing.assert_close(out_g, eager, atol=0, rtol=0)
     assert out_g.abs().sum() > 0  # the replay read the new plan, not the all-padding one
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def mla_scenario(kernels: str, *, device: str, dtype: str, kv: str, seed=0):
+    """``TorchMLABackend`` steps on a fresh NaN-filled latent pool: a ragged prefill (its
+    latent written by the pool's writer), two decode steps, a target verify, a draft
+    extend with uneven query lengths, a CUDA-graph bucket with a padding request.
+    Returns ``{name: array}`` of every output and the final pool (float32)."""
+    import torch
+
+    from jattn import ForwardMode, MLAConfig
+    from jattn.bridge import DRAFT_EXTEND, AttentionLayer, TorchMLABackend, TorchMLAKVPool
+
+    tdt = getattr(torch, dtype)
+    kvdt = torch.float8_e4m3fn if kv == "float8_e4m3fn" else tdt
+    H, R, r, P, V, ps, num_pages, spec = 4, 64, 16, 48, 64, PAGE_SIZE, 40, 2
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=P,
+        qk_rope_head_dim=r,
+        v_head_dim=V,
+        page_size=ps,
+        context_len=64,
+        num_pages=num_pages,
+        spec_num_tokens=spec,
+        dtype=dtype,
+        kv_cache_dtype=kv,
+        kernel_backend="xla" if device == "cpu" else None,
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=num_pages, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=kvdt, device=device
+    )
+    pool.kv_buffer[0].copy_(torch.full(pool.kv_buffer[0].shape, float("nan"), device=device))
+    kw = {"kv_writer": "torch"} if device == "cpu" and kernels == "jax" else {}
+    be = TorchMLABackend(cfg, pool, device=device, kernels=kernels, **kw)
+    fp8 = kvdt == torch.float8_e4m3fn
+    absorbed = AttentionLayer(0, H, 1, R + r, v_head_dim=R, k_scale=0.05 if fp8 else None)
+    prefill_layer = AttentionLayer(0, H, H, P + r, v_head_dim=V)
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    req_to_page = torch.zeros(5, 9, dtype=torch.int32)
+    perm = rng.permutation(np.arange(1, num_pages))
+    req_to_page[1:] = torch.from_numpy(perm[:36].reshape(4, 9).astype(np.int32))
+    rpi = torch.arange(1, 5, dtype=torch.int32)
+    out = {}
+
+    def rand(n, w):
+        return (torch.randn(n, w, generator=g) * 0.5).to(tdt).to(device)
+
+    lens = [5, 0, 13, 1]
+    ext = torch.tensor(lens)
+    be.init_forward_metadata(4, 4, rpi, ext, req_to_page, ForwardMode.EXTEND, extend_seq_lens=ext)
+    n = sum(lens)
+    args = (rand(n, H * P), rand(n, H * P), rand(n, H * V))
+    o, lse = be.forward_extend(
+        *args, prefill_layer, save_kv_cache=False, q_rope=rand(n, H * r), k_rope=rand(n, r), return_lse=True
+    )
+    out["prefill"], out["prefill_lse"] = o.float().cpu().numpy(), lse.float().cpu().numpy()
+    slots = [int(req_to_page[b + 1, t // ps]) * ps + t % ps for b in range(4) for t in range(lens[b])]
+    pool.set_mla_kv_buffer(absorbed, torch.tensor(slots, device=device), rand(n, R), rand(n, r))
+
+    def absorbed_step(tag, n, mode, fwd, **md):
+        be.init_forward_metadata(4, 0, rpi, torch.tensor(lens), req_to_page, mode, **md)
+        o = getattr(be, fwd)(
+            rand(n, H * R), rand(n, R), None, absorbed, None, True, q_rope=rand(n, H * r), k_rope=rand(n, r)
+        )
+        out[tag] = o.float().cpu().numpy()
+
+    for step in range(2):
+        lens = [x + 1 for x in lens]
+        absorbed_step(f"decode{step}", 4, ForwardMode.DECODE, "forward_decode")
+    lens = [x + spec for x in lens]
+    absorbed_step("verify", 4 * spec, ForwardMode.TARGET_VERIFY, "forward_extend")
+    news = [3, 1, 2, 0]
+    lens = [a + b for a, b in zip(lens, news)]
+    absorbed_step("draft_extend", sum(news), DRAFT_EXTEND, "forward_extend", extend_seq_lens=torch.tensor(news))
+    be.init_cuda_graph_state(4)
+    be.init_forward_metadata_capture_cuda_graph(4, 4, forward_mode=ForwardMode.DECODE)
+    lens = [x + 1 for x in lens]
+    be.init_forward_metadata_replay_cuda_graph(3, rpi[:3], torch.tensor(lens[:3]), req_to_page, ForwardMode.DECODE)
+    o = be.forward_decode(
+        rand(3, H * R), rand(3, R), None, absorbed, None, True, q_rope=rand(3, H * r), k_rope=rand(3, r)
+    )
+    out["bucket"] = o.float().cpu().numpy()
+    out["pool"] = pool.kv_buffer[0].float().cpu().numpy()
+    return out
+
+
+def run_interpreted_mla(name: str, path: str) -> None:
+    kw = dict(device="cpu", dtype="float16", kv="float16")
+    res = {f"jax/{k}": v for k, v in mla_scenario("jax", **kw).items()}
+    res.update({f"native/{k}": v for k, v in mla_scenario("triton_native", **kw).items()})
+    np.savez(path, **res)
+
+
+@pytest.fixture(scope="module")
+def interpreted_mla(tmp_path_factory):
+    return run_in_interpreter(tmp_path_factory, "test_bridge_native", {"run_interpreted_mla": ["fp16"]})
+
+
+def _compare_mla(res, atol):
+    names = sorted(k[len("jax/") :] for k in res.files if k.startswith("jax/"))
+    assert len(names) == 8  # prefill out and LSE, 5 absorbed steps, the pool
+    for n in names:
+        a, b = res[f"jax/{n}"], res[f"native/{n}"]
+        if n == "pool":  # the pool's own writer both times: equal bits, NaN where nothing was written
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=n)
+            np.testing.assert_array_equal(np.nan_to_num(a), np.nan_to_num(b), err_msg=n)
+        else:
+            assert np.isfinite(a).all() and np.isfinite(b).all(), n
+            np.testing.assert_allclose(b, a, atol=atol, rtol=atol, err_msg=n)
+
+
+def test_interpreted_native_mla_equals_the_jax_path(interpreted_mla):
+    """``TorchMLABackend(kernels="triton_native")`` against the JAX path, every mode."""
+    _compare_mla(interpreted_mla["fp16"], 3e-3)
+
+
+def test_native_mla_option_is_checked():
+    import torch
+
+    from jattn import MLAConfig
+    from jattn.bridge import AttentionLayer, BridgeError, TorchMLABackend, TorchMLAKVPool
+
+    cfg = MLAConfig(
+        num_heads=2, kv_lora_rank=64, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64, page_size=4, num_pages=8
+    )
+    with pytest.raises(ValueError, match="kernels='cuda' must be 'jax' or 'triton_native'"):
+        TorchMLABackend(cfg, kernels="cuda")
+    pool = TorchMLAKVPool(num_layers=1, num_pages=8, page_size=4, kv_lora_rank=64, qk_rope_head_dim=16)
+    be = TorchMLABackend(cfg, pool, device="cpu", kernels="triton_native")
+    layer = AttentionLayer(0, 2, 1, 80, v_head_dim=64)
+    q, qr = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        be.forward_decode(q, None, None, layer, None, False, q_rope=qr)
+    be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([3]), torch.tensor([[0], [1]]))
+    with pytest.raises(NotImplementedError, match="cos_sin_cache"):
+        be.forward_decode(q, None, None, layer, None, False, q_rope=qr, cos_sin_cache=torch.zeros(8, 16))
+    if not on_gpu():  # this process has no interpreter: CPU tensors are refused by name
+        with pytest.raises(BridgeError, match="needs a CUDA device"):
+            be.forward_decode(q, None, None, layer, None, False, q_rope=qr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "float8_e4m3fn"])
+def test_gpu_native_mla_equals_the_jax_path(kv):
+    torch = pytest.importorskip("torch")
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not torch.cuda.is_available() or not triton_glue.available():
+        pytest.skip("needs a GPU with torch CUDA and jax-triton")
+
+    class Res(dict):
+        files = property(lambda self: list(self))
+
+    kw = dict(device="cuda", dtype="bfloat16", kv=kv)
+    res = Res({f"jax/{k}": v for k, v in mla_scenario("jax", **kw).items()})
+    res.update({f"native/{k}": v for k, v in mla_scenario("triton_native", **kw).items()})
+    _compare_mla(res, 6e-2 if kv == "float8_e4m3fn" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_native_mla_decode_replays_from_a_torch_cuda_graph():
+    """The absorbed decode of a bucket-4 step (latent write included) captured in a torch
+    CUDA graph, replayed on a later plan of the same bucket: equal to an eager run."""
+    torch = pytest.importorskip("torch")
+    from jattn import ForwardMode, MLAConfig
+    from jattn.bridge import AttentionLayer, TorchMLABackend, TorchMLAKVPool
+    from jattn.pallas_kernels import triton_glue
+
+    if not on_gpu() or not torch.cuda.is_available() or not triton_glue.available():
+        pytest.skip("needs a GPU with torch CUDA and jax-triton")
+    H, R, r, ps = 16, 512, 64, 64
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=r,
+        v_head_dim=128,
+        page_size=ps,
+        context_len=1024,
+        num_pages=64,
+    )
+    pool = TorchMLAKVPool(num_layers=1, num_pages=64, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, device="cuda")
+    pool.kv_buffer[0].normal_()
+    be = TorchMLABackend(cfg, pool, kernels="triton_native")
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+    req_to_page = torch.arange(1, 61, dtype=torch.int32).reshape(4, 15)
+    req_to_page = torch.cat([torch.zeros(1, 15, dtype=torch.int32), req_to_page])
+    rpi = torch.arange(1, 5, dtype=torch.int32)
+    q, qr = (torch.randn(4, H * w, device="cuda", dtype=torch.bfloat16) for w in (R, r))
+    c, kr = (torch.randn(4, w, device="cuda", dtype=torch.bfloat16) for w in (R, r))
+    be.init_cuda_graph_state(4)
+    be.init_forward_metadata_capture_cuda_graph(4, 4, forward_mode=ForwardMode.DECODE)
+    s = torch.cuda.Stream()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        be.forward_decode(q, c, None, layer, None, True, q_rope=qr, k_rope=kr)  # warm-up (compiles)
+        with torch.cuda.graph(gr, stream=s):
+            out_g = be.forward_decode(q, c, None, layer, None, True, q_rope=qr, k_rope=kr)
+    lens = torch.tensor([300, 1, 77, 900])
+    be.init_forward_metadata_replay_cuda_graph(4, rpi, lens, req_to_page, ForwardMode.DECODE)
+    gr.replay()
+    torch.cuda.synchronize()
+    eager = be.forward_decode(q, c, None, layer, None, True, q_rope=qr, k_rope=kr)
+    torch.testing.assert_close(out_g, eager, atol=0, rtol=0)
+    assert out_g.abs().sum() > 0
