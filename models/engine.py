@@ -155,6 +155,16 @@ class Engine:
                 model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend
             )
             self.model = model  # the tensor-parallel copy
+        if c.fuse_projections:
+            from jattn.models.layers import fuse_projections
+
+            if c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1:
+                raise ValueError(
+                    "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "
+                    "(their column sharding is per projection)"
+                )
+            fuse_projections(self.model)
+            model = self.model
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend

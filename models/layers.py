@@ -17,7 +17,8 @@ def _init(std: float):
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)``; kernel ``[in, out]`` (the transpose of a torch weight)."""
+    """``y = x @ kernel (+ bias)``; kernel ``[in, out]`` (the transpose of a torch weight),
+    initialised from ``rngs``, or ``weights=(kernel, bias or None)`` as given."""
 
     def __init__(
         self,
@@ -28,10 +29,16 @@ class Linear(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         std: float = 0.02,
-        rngs: nnx.Rngs,
+        rngs: nnx.Rngs | None = None,
+        weights: tuple | None = None,
     ):
-        self.kernel = nnx.Param(_init(std)(rngs.params(), (din, dout), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None
+        if weights is not None:  # (kernel [din, dout], bias [dout] or None) as given
+            kernel, bias = weights
+            self.kernel = nnx.Param(kernel)
+            self.bias = nnx.Param(bias) if bias is not None else None
+        else:
+            self.kernel = nnx.Param(_init(std)(rngs.params(), (din, dout), param_dtype))
+            self.bias = nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None
         self.dtype = dtype
 
     def __call__(self, x):
@@ -39,6 +46,33 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def fused_linear(parts: list[Linear]) -> Linear:
+    """One :class:`Linear` computing ``parts`` side by side (their kernels, and biases
+    if any, concatenated along the output axis): one matmul instead of several."""
+    has_bias = [p.bias is not None for p in parts]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("fused projections must all have a bias or none")
+    kernel = jnp.concatenate([p.kernel[...] for p in parts], axis=1)
+    bias = jnp.concatenate([p.bias[...] for p in parts]) if all(has_bias) else None
+    return Linear(kernel.shape[0], kernel.shape[1], dtype=parts[0].dtype, weights=(kernel, bias))
+
+
+def fuse_projections(model) -> None:
+    """In place: every attention's ``q/k/v_proj`` of a Llama-family model becomes one
+    ``qkv_proj``, and every SwiGLU's ``gate/up_proj`` one ``gate_up_proj`` (also the
+    dense and shared-expert MLPs of a DeepSeek model): fewer, wider matmuls per layer,
+    the same outputs up to the matmul's rounding. The separate projections are dropped
+    (their weights freed once nothing else holds them). Tensor-parallel models keep
+    them separate (their column sharding is per projection)."""
+    for node in [n for _, n in nnx.iter_graph(model)]:  # listed first: the loop edits the graph
+        if isinstance(node, SwiGLU) and node.gate_up_proj is None:
+            node.gate_up_proj = fused_linear([node.gate_proj, node.up_proj])
+            node.gate_proj = node.up_proj = None
+        fuse_qkv = getattr(node, "fuse_qkv", None)
+        if fuse_qkv is not None and callable(fuse_qkv):
+            fuse_qkv()
 
 
 class RMSNorm(nnx.Module):
@@ -109,10 +143,17 @@ class SwiGLU(nnx.Module):
         self.gate_proj = Linear(dim, hidden, **kw)
         self.up_proj = Linear(dim, hidden, **kw)
         self.down_proj = Linear(hidden, dim, **kw)
+        self.gate_up_proj = nnx.data(None)  # set by fuse_projections: [gate | up] as one matmul
+        self.hidden = hidden
 
     def __call__(self, x):
         with jax.named_scope("swiglu"):
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            if self.gate_up_proj is not None:
+                gu = self.gate_up_proj(x)
+                gate, up = gu[:, : self.hidden], gu[:, self.hidden :]
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class MoE(nnx.Module):

@@ -29,7 +29,7 @@ from flax import nnx
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.models.attention import is_decode, ragged_prefill
 from jattn.models.config import LlamaConfig
-from jattn.models.layers import CausalLM, DecoderBlock, Linear, RMSNorm, SwiGLU, apply_rope
+from jattn.models.layers import CausalLM, DecoderBlock, Linear, RMSNorm, SwiGLU, apply_rope, fused_linear
 
 
 def default_mha_backend(cfg: LlamaConfig, page_size: int = 16, kernel_backend: str | None = None) -> MHABackend:
@@ -57,6 +57,7 @@ class LlamaAttention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, **kw)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, use_bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(cfg.num_q_heads * d, h, use_bias=cfg.o_bias, **kw)
+        self.qkv_proj = nnx.data(None)  # set by fuse_qkv: [q | k | v] as one matmul
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
@@ -64,13 +65,25 @@ class LlamaAttention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.spec = LayerSpec(layer_id=layer_id, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=d)
 
+    def fuse_qkv(self) -> None:
+        """In place: ``q/k/v_proj`` become one ``qkv_proj`` (see ``layers.fuse_projections``)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
+
     def __call__(self, x, cos, sin, kv_cache, metadata, backend):
         t = x.shape[0]
         s = self.spec
         with jax.named_scope("qkv"):
-            q = self.q_proj(x).reshape(t, s.num_q_heads, s.head_dim)
-            k = self.k_proj(x).reshape(t, s.num_kv_heads, s.head_dim)
-            v = self.v_proj(x).reshape(t, s.num_kv_heads, s.head_dim)
+            if self.qkv_proj is not None:
+                nq, nk = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+                y = self.qkv_proj(x)
+                q, k, v = y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk :]
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(t, s.num_q_heads, s.head_dim)
+            k = k.reshape(t, s.num_kv_heads, s.head_dim)
+            v = v.reshape(t, s.num_kv_heads, s.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -89,6 +89,14 @@ def tensor_parallel(model, mesh: Mesh, axis: str = "tp"):
     ``config.num_kv_heads`` is the physical KV head count (its caches hold that many)."""
     if not _is_llama(model):
         raise TypeError(f"tensor_parallel: model must be a Llama-family model, got {type(model).__name__}")
+    if any(
+        getattr(n, "qkv_proj", None) is not None or getattr(n, "gate_up_proj", None) is not None
+        for _, n in nnx.iter_graph(model)
+    ):
+        raise ValueError(
+            "tensor_parallel: the model's projections are fused (fuse_projections); tensor parallelism "
+            "shards q/k/v and gate/up separately: build the model unfused"
+        )
     tp = TensorParallel(mesh, axis)
     cfg = model.config
     hp = tp.heads(cfg.num_q_heads, cfg.num_kv_heads)

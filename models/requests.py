@@ -58,6 +58,9 @@ class EngineConfig:
     # a step overlaps the device's work on the one before. The tokens are the same; a
     # request that stops on a stop token has computed one more row, which is dropped.
     overlap: bool = False
+    # Fused projections (models.layers.fuse_projections, applied to the model in place):
+    # q/k/v as one matmul and gate/up as one, per layer. Not with a tensor-parallel mesh.
+    fuse_projections: bool = False
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -70,8 +73,9 @@ class EngineConfig:
             bk = getattr(self, name)
             if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
+        for name in ("overlap", "fuse_projections"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.cascade not in (None, True, False):
             raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
         if self.token_buckets and max(self.token_buckets) < 16:

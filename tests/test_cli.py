@@ -210,21 +210,23 @@ def test_bench_serving_long_context_rows_on_cpu(tmp_path, capsys):
 
 
 def test_bench_serving_parallel_sample_rows_on_cpu(tmp_path, capsys):
-    """``bench serving --samples 2 --cascade auto,off --overlap on``: the batch is prompts of
-    two samples each, their prompt pages shared; decode steps are cascade plans only with
-    cascade on; the engine runs with overlap scheduling."""
+    """``bench serving --samples 2 --cascade auto,off --overlap on --fuse-projections on``:
+    the batch is prompts of two samples each, their prompt pages shared; decode steps are
+    cascade plans only with cascade on; the engine runs with overlap scheduling on a fused
+    copy of the model."""
     import json
 
     out = tmp_path / "rows.json"
     argv = ["bench", "serving", "--cpu", "--models", "tiny", "--batch", "4", "--samples", "2", "--cascade", "auto,off"]
-    assert main(argv + ["--overlap", "on", "--prompt-len", "40", "--gen-len", "6", "--json", str(out)]) == 0
+    argv += ["--overlap", "on", "--fuse-projections", "on"]
+    assert main(argv + ["--prompt-len", "40", "--gen-len", "6", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["samples"] for r in rows] == [2, 2] and all(r["recompiles_in_timed_run"] == 0 for r in rows)
     assert rows[0]["cascade_steps"] > 0 and rows[1]["cascade_steps"] == 0
     assert all(r["shared_prompt_tokens"] == 2 * 32 for r in rows)  # 2 prompts, 2 whole pages of 16 each
-    assert all(r["overlap"] is True for r in rows)
-    assert "[2 samples, cascade off] [overlap on]" in capsys.readouterr().out
-    for bad in (["--cascade", "sometimes"], ["--overlap", "maybe"]):
+    assert all(r["overlap"] is True and r["fused_projections"] is True for r in rows)
+    assert "[2 samples, cascade off] [overlap on] [fused on]" in capsys.readouterr().out
+    for bad in (["--cascade", "sometimes"], ["--overlap", "maybe"], ["--fuse-projections", "yes"]):
         with pytest.raises(SystemExit):
             main(["bench", "serving", "--cpu", "--models", "tiny"] + bad)
 

@@ -609,3 +609,42 @@ def test_overlap_steady_state_never_recompiles(llama):
         )
     eng.run()
     assert eng.metrics.compilations == n and eng.metrics.decode_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama_bias", "mla"])
+def test_fused_projections_give_the_same_model(arch, mla):
+    """``fuse_projections``: q/k/v as one matmul and gate/up as one (DeepSeek: its dense and
+    shared-expert MLPs), in place; the same hidden states (f32) and, in the engine, the
+    same tokens. Tensor parallelism refuses a fused model."""
+    from jattn.models.attention import RaggedMetadata
+    from jattn.models.layers import fuse_projections
+    from jattn.models.parallel import tensor_parallel
+
+    if arch == "mla":
+        model = nnx.clone(mla)
+    else:
+        cfg = LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2, qkv_bias=True, dtype="float32")
+        model = Llama(cfg, rngs=nnx.Rngs(7), std=0.3)
+        for layer in model.layers:  # nonzero biases, so a misplaced one shows
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias[...] = jax.random.normal(jax.random.key(proj.kernel.shape[1]), proj.bias.shape) * 0.3
+    lens = [5, 3]
+    toks = np.asarray(_prompts(2, lens=(8,))[0], np.int32)
+    md = RaggedMetadata.from_lengths(lens)
+    pos = RaggedMetadata.positions(lens)
+    before, _ = model(toks, pos, None, md)
+    solo = _engine(model).generate(_prompts(3, lens=(5, 9)), SamplingParams(max_new_tokens=5))
+    fused = nnx.clone(model)
+    fuse_projections(fused)
+    names = {str(k) for p, _ in nnx.iter_graph(fused) for k in p}
+    assert "gate_up_proj" in names and "gate_proj" not in names
+    assert ("qkv_proj" in names and "q_proj" not in names) == (arch != "mla")
+    after, _ = fused(toks, pos, None, md)
+    np.testing.assert_allclose(np.asarray(after, np.float32), np.asarray(before, np.float32), rtol=2e-5, atol=2e-5)
+    eng = _engine(nnx.clone(model), fuse_projections=True)
+    got = eng.generate(_prompts(3, lens=(5, 9)), SamplingParams(max_new_tokens=5))
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in solo]
+    if arch != "mla":
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+        with pytest.raises(ValueError, match="fused"):
+            tensor_parallel(fused, mesh)

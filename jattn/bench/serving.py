@@ -157,6 +157,7 @@ def run_one(
     samples: int = 1,
     cascade: bool | None = None,
     overlap: bool = False,
+    fuse_projections: bool = False,
 ) -> dict:
     """One row. ``light_warmup``: compile with as many full-length prompts as one
     extend step takes (the batch bucket of that size is added) and one decode step of
@@ -165,7 +166,9 @@ def run_one(
     needs); rows that share them share their extend program. ``samples``: the batch is
     ``bs // samples`` prompts of ``samples`` parallel samples each (``SamplingParams.n``,
     temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``.
-    ``overlap``: the engine's overlap scheduling (``EngineConfig.overlap``)."""
+    ``overlap``: the engine's overlap scheduling (``EngineConfig.overlap``).
+    ``fuse_projections``: q/k/v and gate/up as one matmul each (give a model that is
+    already fused or one that may be fused in place)."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
@@ -182,6 +185,7 @@ def run_one(
         command_buffers=command_buffers,
         cascade=cascade,
         overlap=overlap,
+        fuse_projections=fuse_projections,
     )
     engine = Engine(model, ecfg)
     n_prompts = max(1, bs // samples)
@@ -237,6 +241,7 @@ def run_one(
         recompiles_in_timed_run=recompiles,
         samples=samples,
         overlap=overlap,
+        fused_projections=fuse_projections,
         cascade_steps=m.cascade_steps,
         shared_prompt_tokens=m.shared_tokens,
         warmup_s=warm,
@@ -396,6 +401,12 @@ def main(argv=None) -> int:
         "(default off; off,on runs each row both ways)",
     )
     ap.add_argument(
+        "--fuse-projections",
+        default="off",
+        help="fused q/k/v and gate/up matmuls (EngineConfig.fuse_projections) settings to compare: off, on "
+        "(default off; off,on runs each row both ways, the fused rows on a fused copy of the model)",
+    )
+    ap.add_argument(
         "--cascade",
         default="auto",
         help="with --samples: cascade decode settings to compare, comma-separated: auto (the engine's "
@@ -440,6 +451,9 @@ def main(argv=None) -> int:
     overlap_modes = [o for o in args.overlap.split(",") if o]
     if not overlap_modes or any(o not in overlaps for o in overlap_modes):
         ap.error(f"--overlap takes off, on or off,on (got {args.overlap!r})")
+    fuse_modes = [o for o in args.fuse_projections.split(",") if o]
+    if not fuse_modes or any(o not in overlaps for o in fuse_modes):
+        ap.error(f"--fuse-projections takes off, on or off,on (got {args.fuse_projections!r})")
     dev = jax.devices()[0]
     print(
         f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -459,18 +473,19 @@ def main(argv=None) -> int:
     plan = {}
     for name in models.split(","):
         plan[name] = [
-            (bs, p, cb, be, casc, ov)
+            (bs, p, cb, be, casc, ov, fu)
             for p in prompt_lens
             for bs in batches
             for cb in settings
             for be in backends
             for casc in cascade_modes
             for ov in overlap_modes
+            for fu in fuse_modes
             if skip_reason(bs, p, be[0]) is None
         ]
         est = estimate(
             _config(name, args.dtype),
-            [(bs, p, be[0]) for bs, p, _, be, _, _ in plan[name]],
+            [(bs, p, be[0]) for bs, p, _, be, *_ in plan[name]],
             gen_len,
             args.page_size,
             args.prefill_tokens,
@@ -489,15 +504,24 @@ def main(argv=None) -> int:
                     if why:
                         print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
         shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
-        for bs, prompt_len, cb, (be_name, backend), casc, ov in plan[name]:
+        fused_model = None
+        if "on" in fuse_modes:  # a fused copy for the fused rows (the engine fuses in place)
+            from flax import nnx
+
+            from jattn.models.layers import fuse_projections
+
+            fused_model = nnx.clone(model)
+            fuse_projections(fused_model)
+        for bs, prompt_len, cb, (be_name, backend), casc, ov, fu in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             tag += f" [{args.samples} samples, cascade {casc}]" if args.samples > 1 else ""
             tag += f" [overlap {ov}]" if len(overlap_modes) > 1 or ov == "on" else ""
+            tag += f" [fused {fu}]" if len(fuse_modes) > 1 or fu == "on" else ""
             try:
                 r = run_one(
-                    model,
+                    fused_model if fu == "on" else model,
                     bs,
                     prompt_len,
                     gen_len,
@@ -512,6 +536,7 @@ def main(argv=None) -> int:
                     samples=args.samples,
                     cascade=cascades[casc],
                     overlap=overlaps[ov],
+                    fuse_projections=fu == "on",
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -536,7 +561,7 @@ def main(argv=None) -> int:
                 ),
                 flush=True,
             )
-        del model
+        del model, fused_model
     out = args.json or (os.path.join(os.environ["OUT"], "serving.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
