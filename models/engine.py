@@ -570,7 +570,8 @@ class Engine:
         try:
             nxt = np.asarray(f.nxt)  # waits for the step
         except Exception as e:  # noqa: BLE001 - an execution error: fail the step's requests
-            return self._step_failed(f.mode, [r for r in f.reqs if not r.done], e)
+            # (a request preempted since it was launched is waiting: it is recomputed anyway)
+            return self._step_failed(f.mode, [r for r in f.reqs if r.status in ("running", "prefilling")], e)
         now = time.perf_counter()
         dt = now - max(f.t0, self._last_resolve)  # overlapped: the time since the last step's tokens
         self._last_resolve = now

@@ -226,8 +226,9 @@ def test_normalised_fields_serve(llama):
     assert same.output_tokens == eng.requests[big].output_tokens  # equal modulo 2**32
 
 
-def test_exception_in_a_step_fails_only_its_requests(llama, monkeypatch):
-    eng = _engine(llama)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_exception_in_a_step_fails_only_its_requests(llama, monkeypatch, overlap):
+    eng = _engine(llama, overlap=overlap)
     sp = SamplingParams(max_new_tokens=4)
     early = eng.add_request([1, 2, 3], sp)
     eng.step()  # prefill of `early`; it is now running
@@ -256,10 +257,12 @@ def test_exception_in_a_step_fails_only_its_requests(llama, monkeypatch):
     assert eng.allocator.num_free == eng.allocator.num_pages - 1 and eng.metrics.failed_steps == 1
 
 
-def test_exception_that_consumes_the_cache_requeues_the_others(llama, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_exception_that_consumes_the_cache_requeues_the_others(llama, monkeypatch, overlap):
     """A step that fails after the donated cache was consumed: the engine builds a fresh
-    cache and recomputes every other request holding pages; their tokens are unchanged."""
-    eng = _engine(llama)
+    cache and recomputes every other request holding pages; their tokens are unchanged
+    (also with overlap scheduling, where the step before is still in flight)."""
+    eng = _engine(llama, overlap=overlap)
     sp = SamplingParams(max_new_tokens=5)
     keep = eng.add_request([1, 2, 3], sp)
     eng.step()
