@@ -80,11 +80,22 @@ def _check_lengths(page_table, cache_seqlens, page_size: int, num_pages: int) ->
             f"cache_seqlens[{b}]={int(lens[b])} must be in [0, {cap}] (page_table's {pt.shape[1]} columns "
             f"of page_size={page_size})"
         )
-    used = np.arange(pt.shape[1])[None, :] < -(-lens[:, None] // page_size)
-    out = used & ((pt < 0) | (pt >= num_pages))
-    if out.any():
-        b, i = map(int, np.argwhere(out)[0])
+    bad = first_page_outside(pt, lens, page_size, num_pages)
+    if bad is not None:
+        b, i = bad
         raise ValueError(f"page_table[{b}, {i}]={int(pt[b, i])} out of range [0, {num_pages}) (the cache's pages)")
+
+
+def first_page_outside(pt: np.ndarray, lens: np.ndarray, page_size: int, hi: int):
+    """``(request, column)`` of the first page-table entry that a length uses (columns
+    below ``ceil(len / page_size)``) and that is not a page id in ``[0, hi)``, or None.
+    The one rule behind the eager op checks and the planners' checks."""
+    used = np.arange(pt.shape[1])[None, :] < -(-np.asarray(lens)[:, None] // page_size)
+    out = used & ((pt < 0) | (pt >= hi))
+    if not out.any():
+        return None
+    b, i = np.argwhere(out)[0]
+    return int(b), int(i)
 
 
 def _check_backend(backend) -> None:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.checks import first_page_outside
+
 DUMMY_PAGE = 0
 """Page reserved for padded rows' writes; ``PageAllocator`` never hands it out."""
 
@@ -250,9 +252,9 @@ def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages
     used = np.arange(pt.shape[1])[None, :] < need[:, None]
     ids = np.where(used, pt, 1)
     hi = np.iinfo(np.int32).max if num_pages is None else num_pages
-    bad = used & ((ids < 0) | (ids >= hi))
-    if bad.any():
-        b, i = map(int, np.argwhere(bad)[0])
+    bad = first_page_outside(pt, seq_lens, page_size, hi)
+    if bad is not None:
+        b, i = bad
         if num_pages is None:
             raise ValueError(f"page_table[{b}, {i}]={pt[b, i]} is not a page id (negative or past int32)")
         raise ValueError(f"page_table[{b}, {i}]={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)")
