@@ -342,6 +342,28 @@ def main(argv: list[str] | None = None) -> None:
                     lambda: _device_timing(common.time_rotated(istep, targs, n_hi=n_hi, device=True)),
                 )
             )
+        if kvname == "fp8":  # the FP8 upcast's other path (KernelOptions.fp8_converter), same run
+            other = dataclasses.replace(opts, fp8_converter=not opts.fp8_converter)
+
+            def cstep(i, qs, k, v, tables, lens, other=other):
+                return md.mha_decode(
+                    qs[i],
+                    k,
+                    v,
+                    tables[i % NUM_ROT],
+                    lens,
+                    max_seqlen_q=q_len,
+                    k_scale=kscale,
+                    v_scale=kscale,
+                    options=other,
+                )
+
+            methods.append(
+                (
+                    f"fp8_converter={int(other.fp8_converter)}, device time",
+                    lambda: _device_timing(common.time_rotated(cstep, targs, n_hi=n_hi, device=True)),
+                )
+            )
         if args.loop:
             nrot = qs.shape[0]
 
