@@ -42,12 +42,11 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jattn.metadata import plan_decode, plan_extend
-from jattn.models.pages import PagePool, cascade_grouping, place
+from jattn.models.pages import PagePool, cascade_grouping, check_invariants, place
 from jattn.models.requests import (
     REQUEST_STATES,
     EngineConfig,
@@ -59,7 +58,9 @@ from jattn.models.requests import (
 from jattn.models.sampling import SamplingParams, sample_tokens, sampling_arrays, wrap_seed
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
+    InFlight,
     command_buffer_options,
+    feed_tokens,
     make_step_fn,
     plan_devices,
     shared_step_fn,
@@ -82,27 +83,6 @@ __all__ = [
     "shared_step_fn",
     "state_leaves",
 ]
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A launched step: its sampled tokens (a device array) and the requests that take
-    theirs from it (request, row)."""
-
-    mode: str
-    nxt: object
-    entries: list
-    reqs: list
-    t0: float
-    compiled: bool
-    timed: int  # tokens it generates (for the metrics)
-
-
-@jax.jit
-def _feed_tokens(prev, src, tokens):
-    """``tokens`` with row i replaced by ``prev[src[i]]`` where ``src[i] >= 0``."""
-    taken = prev[jnp.clip(src, 0, prev.shape[0] - 1)].astype(tokens.dtype)
-    return jnp.where(src >= 0, taken, tokens)
 
 
 class Engine:
@@ -180,8 +160,7 @@ class Engine:
         self.running: list[Request] = []
         self._next_rid = 0
         self.step_count = 0
-        self._inflight: _InFlight | None = None  # the launched step not yet read back
-        self._pending: dict[int, int] = {}  # rid -> its row of the step in flight
+        self._inflight: InFlight | None = None  # the launched step not yet read back
         self._last_resolve = 0.0
 
     def _new_cache(self):
@@ -328,6 +307,11 @@ class Engine:
         self.metrics.preemptions += 1
         self.waiting.insert(0, req)
 
+    @property
+    def _pending(self) -> dict[int, int]:
+        """rid -> its row of the step in flight (overlap mode; empty when none)."""
+        return self._inflight.rows if self._inflight is not None else {}
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self._inflight)
 
@@ -335,30 +319,8 @@ class Engine:
         """Raises ``RuntimeError`` unless every page is either free or held by live
         requests as its holder count says (several only for a shared prompt prefix of
         parallel samples), and every request is in exactly one state (and queue)."""
-        for d, pool in enumerate(self.pools):
-            mine = [r for r in self.requests.values() if r.device == d]
-            held: dict[int, int] = {}
-            for r in mine:
-                for p in r.pages:
-                    held[p] = held.get(p, 0) + 1
-            pool.check(held, f"device {d}'s pool" if self.dp > 1 else "the pool")
-            for p, n in held.items():
-                if n > 1:
-                    roots = {r.rid if r.parent is None else r.parent for r in mine if p in r.pages}
-                    if len(roots) != 1:
-                        raise RuntimeError(f"page {p} is held by requests of different prompts")
         queues = {"waiting": self.waiting, "prefilling": self.prefilling, "running": self.running}
-        for r in self.requests.values():
-            if r.status not in REQUEST_STATES:
-                raise RuntimeError(f"request {r.rid} has unknown status {r.status!r}")
-            where = [name for name, q in queues.items() if any(x is r for x in q)]
-            want = [] if r.done else [r.status]
-            if where != want:
-                raise RuntimeError(f"request {r.rid} ({r.status}) is in queues {where}")
-            if r.pages and r.status not in ("prefilling", "running"):
-                raise RuntimeError(f"request {r.rid} ({r.status}) holds pages")
-            if r.status in ("prefilling", "running") and len(r.pages) < self._pages_for(r.seq_len):
-                raise RuntimeError(f"request {r.rid} caches {r.seq_len} tokens in {len(r.pages)} pages")
+        check_invariants(self.pools, list(self.requests.values()), queues, self.page_size)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -467,7 +429,7 @@ class Engine:
         their input token from row ``src[i]`` of the step in flight, on the device."""
         temp, top_p, seeds, counters, greedy_only = sampling_arrays(groups, bs_pad, self._pending)
         if (src >= 0).any():
-            tokens = _feed_tokens(self._inflight.nxt, src, tokens)
+            tokens = feed_tokens(self._inflight.nxt, src, tokens)
         before = self._traces[0]
         t0 = time.perf_counter()
         nxt, self.kv_cache = self._step(
@@ -478,7 +440,7 @@ class Engine:
             self.metrics.compilations += self._traces[0] - before
         return nxt, t0, compiled
 
-    def _extend_step(self, batch: list[tuple[Request, int]]) -> _InFlight:
+    def _extend_step(self, batch: list[tuple[Request, int]]) -> InFlight:
         groups = self._by_device(batch, lambda x: x[0])
 
         def make(items, batch_buckets, token_buckets):
@@ -518,9 +480,9 @@ class Engine:
                 self.running.append(r)
                 entries.append((r, i))
         reqs = [r for r, _ in batch]
-        return _InFlight("extend", nxt, entries, reqs, t0, compiled, len(entries))
+        return InFlight("extend", nxt, entries, reqs, t0, compiled, len(entries))
 
-    def _decode_step(self, reqs: list[Request]) -> _InFlight:
+    def _decode_step(self, reqs: list[Request]) -> InFlight:
         grouping = None
         if self.dp == 1 and self.config.cascade is not False:
             grouping = cascade_grouping(reqs, self.page_size, self.config.batch_buckets, always=self.config.cascade)
@@ -560,13 +522,13 @@ class Engine:
             for i, r in enumerate(rows, start=d * bs_pad):
                 r.seq_len += 1
                 entries.append((r, i))
-        return _InFlight("decode", nxt, entries, list(reqs), t0, compiled, len(reqs))
+        return InFlight("decode", nxt, entries, list(reqs), t0, compiled, len(reqs))
 
-    def _resolve(self, f: _InFlight) -> StepInfo:
+    def _resolve(self, f: InFlight) -> StepInfo:
         """Waits for step ``f``'s sampled tokens and accepts them (stop and length checks).
         A request that finished after ``f`` was launched (overlap: it stopped in the step
         before) drops its token."""
-        self._inflight, self._pending = None, {}
+        self._inflight = None
         try:
             nxt = np.asarray(f.nxt)  # waits for the step
         except Exception as e:  # noqa: BLE001 - an execution error: fail the step's requests
@@ -575,18 +537,7 @@ class Engine:
         now = time.perf_counter()
         dt = now - max(f.t0, self._last_resolve)  # overlapped: the time since the last step's tokens
         self._last_resolve = now
-        m = self.metrics
-        if f.compiled:
-            m.compile_steps += 1
-            m.compile_time += dt
-        elif f.mode == "extend":
-            m.prefill_time += dt
-            m.timed_tokens += f.timed
-        else:
-            m.decode_time += dt
-            m.decode_step_times.append(dt)
-            m.decode_tokens += f.timed
-            m.timed_tokens += f.timed
+        self.metrics.record_step(f.mode, dt, compiled=f.compiled, tokens=f.timed)
         for r, i in f.entries:
             if r.done:
                 continue
@@ -660,7 +611,6 @@ class Engine:
         prev_info = self._resolve(prev) if prev is not None else None
         if launched is not None:
             self._inflight = launched
-            self._pending = {r.rid: i for r, i in launched.entries}
             if self.config.overlap:
                 info = StepInfo(mode, tuple(r.rid for r in reqs), compiled=launched.compiled)
             else:

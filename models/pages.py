@@ -13,8 +13,9 @@ from typing import Sequence
 
 from jattn.kv_cache import PageAllocator
 from jattn.metadata import bucket
+from jattn.models.requests import REQUEST_STATES
 
-__all__ = ["PagePool", "cascade_grouping", "place"]
+__all__ = ["PagePool", "cascade_grouping", "check_invariants", "place"]
 
 
 class PagePool:
@@ -105,3 +106,34 @@ def cascade_grouping(reqs, page_size: int, batch_buckets, *, always: bool | None
         return None
     order = [m for members, _ in groups for m in members] + loose
     return order, g, [n for _, n in groups] + [0] * (-(-len(loose) // g))
+
+
+def check_invariants(pools: list[PagePool], requests: list, queues: dict, page_size: int) -> None:
+    """Raises ``RuntimeError`` unless every page of each pool is either free or held by
+    live requests as its holder count says (several only for a shared prompt prefix of
+    parallel samples), and every request is in exactly one state and in the queue of
+    ``queues`` (name -> list) that its state names, holding pages only while prefilling
+    or running, enough for the tokens it caches."""
+    for d, pool in enumerate(pools):
+        mine = [r for r in requests if r.device == d]
+        held: dict[int, int] = {}
+        for r in mine:
+            for p in r.pages:
+                held[p] = held.get(p, 0) + 1
+        pool.check(held, f"device {d}'s pool" if len(pools) > 1 else "the pool")
+        for p, n in held.items():
+            if n > 1:
+                roots = {r.rid if r.parent is None else r.parent for r in mine if p in r.pages}
+                if len(roots) != 1:
+                    raise RuntimeError(f"page {p} is held by requests of different prompts")
+    for r in requests:
+        if r.status not in REQUEST_STATES:
+            raise RuntimeError(f"request {r.rid} has unknown status {r.status!r}")
+        where = [name for name, q in queues.items() if any(x is r for x in q)]
+        want = [] if r.done else [r.status]
+        if where != want:
+            raise RuntimeError(f"request {r.rid} ({r.status}) is in queues {where}")
+        if r.pages and r.status not in ("prefilling", "running"):
+            raise RuntimeError(f"request {r.rid} ({r.status}) holds pages")
+        if r.status in ("prefilling", "running") and len(r.pages) < -(-r.seq_len // page_size):
+            raise RuntimeError(f"request {r.rid} caches {r.seq_len} tokens in {len(r.pages)} pages")

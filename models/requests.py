@@ -171,6 +171,21 @@ class EngineMetrics:
     shared_tokens: int = 0  # prompt tokens a parallel sample did not prefill (its parent's pages)
     cascade_steps: int = 0  # decode steps planned as a cascade (shared prefixes read once per group)
 
+    def record_step(self, mode: str, seconds: float, *, compiled: bool, tokens: int) -> None:
+        """Counts one read-back step: a compiling step's time goes to ``compile_time``
+        only; otherwise its time and generated ``tokens`` to the prefill or decode totals."""
+        if compiled:
+            self.compile_steps += 1
+            self.compile_time += seconds
+            return
+        self.timed_tokens += tokens
+        if mode == "extend":
+            self.prefill_time += seconds
+        else:
+            self.decode_time += seconds
+            self.decode_step_times.append(seconds)
+            self.decode_tokens += tokens
+
     @property
     def busy_time(self) -> float:
         return self.prefill_time + self.decode_time

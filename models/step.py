@@ -5,6 +5,8 @@ XLA command-buffer (CUDA graph) options it compiles with."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,12 +15,41 @@ from jattn.models.sampling import sample_tokens
 
 __all__ = [
     "ENGINE_COMMAND_BUFFERS",
+    "InFlight",
+    "feed_tokens",
     "command_buffer_options",
     "make_step_fn",
     "plan_devices",
     "shared_step_fn",
     "state_leaves",
 ]
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step: its sampled tokens (a device array, not yet read back) and the
+    requests that take theirs from it, ``entries`` of (request, row); ``rows`` maps each
+    one's rid to its row."""
+
+    mode: str
+    nxt: object
+    entries: list
+    reqs: list
+    t0: float
+    compiled: bool
+    timed: int  # tokens it generates (for the metrics)
+    rows: dict = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.rows = {r.rid: i for r, i in self.entries}
+
+
+@jax.jit
+def feed_tokens(prev, src, tokens):
+    """``tokens`` with row i replaced by ``prev[src[i]]`` where ``src[i] >= 0``: a step's
+    inputs that are the step in flight's outputs, taken on the device."""
+    taken = prev[jnp.clip(src, 0, prev.shape[0] - 1)].astype(tokens.dtype)
+    return jnp.where(src >= 0, taken, tokens)
 
 
 def _is_gpu() -> bool:

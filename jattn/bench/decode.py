@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 
@@ -235,9 +236,17 @@ def main(argv: list[str] | None = None) -> None:
             continue
         kscale = 0.5 if kvname == "fp8" else 1.0
 
-        def step(i, qs, k, v, tables, lens):
+        def step(i, qs, k, v, tables, lens, options=opts):
             return md.mha_decode(
-                qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts
+                qs[i],
+                k,
+                v,
+                tables[i % NUM_ROT],
+                lens,
+                max_seqlen_q=q_len,
+                k_scale=kscale,
+                v_scale=kscale,
+                options=options,
             )
 
         bsz = md.choose_block_sizes(
@@ -345,18 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         if kvname == "fp8":  # the FP8 upcast's other path (KernelOptions.fp8_converter), same run
             other = dataclasses.replace(opts, fp8_converter=not opts.fp8_converter)
 
-            def cstep(i, qs, k, v, tables, lens, other=other):
-                return md.mha_decode(
-                    qs[i],
-                    k,
-                    v,
-                    tables[i % NUM_ROT],
-                    lens,
-                    max_seqlen_q=q_len,
-                    k_scale=kscale,
-                    v_scale=kscale,
-                    options=other,
-                )
+            cstep = functools.partial(step, options=other)
 
             methods.append(
                 (
