@@ -61,6 +61,7 @@ from jattn.backends import ForwardMode, LayerSpec, MHABackend, MLABackend
 from jattn.kv_cache import cache_dtype
 
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
+from .native import NativePlans
 from .pool import layer_spec
 from .state import _Bounded, _host, _LayerEntry, _Param, _PoolState, _ref, _slim, _View
 from .streams import StreamSync
@@ -90,7 +91,10 @@ class _BridgeBase:
         "md_sigs": 256,
     }
 
-    def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "auto"):
+    def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "auto", kernels: str = "jax"):
+        if kernels not in ("jax", "triton_native"):
+            raise ValueError(f"kernels={kernels!r} must be 'jax' or 'triton_native'")
+        self.kernels = kernels
         self.config = config
         self.platform = jax.default_backend()
         if device is None:
@@ -135,10 +139,21 @@ class _BridgeBase:
         self._num_real_tokens = 0
         self.cuda_graph_metadata = _Bounded(64)  # bucket -> its all-padding device plan
         self._fill_fn = None  # jitted fill_block_decode_seq_lens
+        # kernels="triton_native": the installed plan as device tensors (jattn.bridge.native)
+        self._native = NativePlans(self.device) if kernels == "triton_native" else None
+        self._native_plan = None
 
     # ---------------------------------------------------------------- metadata
 
     def _install(self, md, num_real_tokens: int):
+        if self._native is not None:
+            # host arrays: the native layer calls read the plan from NativePlans' device
+            # tensors, and what still runs on JAX (MLA's prefix chunks) takes numpy as it is
+            self.forward_metadata = self._md_call = md
+            self.forward_mode = md.forward_mode
+            self._num_real_tokens = num_real_tokens
+            self._native_plan = self._native.install(md)
+            return md
         md_dev = jax.device_put(md)
         mode = md.forward_mode
         self.forward_metadata, self.forward_mode = md_dev, mode

@@ -17,7 +17,7 @@ from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
 from .call import _BridgeBase
-from .native import NativePlans, run_layer
+from .native import run_layer
 from .state import _Plan, _ref, _View
 
 __all__ = ["TorchMHABackend"]
@@ -50,24 +50,10 @@ class TorchMHABackend(_BridgeBase):
     def __init__(
         self, config: MHAConfig, *, device=None, kv_writer: str = "auto", sync: str = "auto", kernels: str = "jax"
     ):
-        if kernels not in ("jax", "triton_native"):
-            raise ValueError(f"kernels={kernels!r} must be 'jax' or 'triton_native'")
         self._jbackend = MHABackend(config)
-        self.kernels = kernels
         if kernels == "triton_native":  # no JAX call per layer: no JAX writer, no fences
             kv_writer, sync = "torch", "none"
-        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
-        self._native = NativePlans(self.device) if kernels == "triton_native" else None
-        self._native_plan = None
-
-    def _install(self, md, num_real_tokens: int):
-        if self._native is None:
-            return super()._install(md, num_real_tokens)
-        self.forward_metadata = self._md_call = md  # host arrays: nothing goes through JAX
-        self.forward_mode = md.forward_mode
-        self._num_real_tokens = num_real_tokens
-        self._native_plan = self._native.install(md)
-        return md
+        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync, kernels=kernels)
 
     def fill_block_decode_seq_lens(self, bs: int, block_seq_lens) -> None:
         if self._native is None:

@@ -23,7 +23,7 @@ from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
 from .convert import to_jax
-from .native import NativePlans, run_mla_absorbed, run_mla_prefill
+from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host
 
 __all__ = ["TorchMLABackend"]
@@ -73,30 +73,14 @@ class TorchMLABackend(_BridgeBase):
         sync: str = "auto",
         kernels: str = "jax",
     ):
-        if kernels not in ("jax", "triton_native"):
-            raise ValueError(f"kernels={kernels!r} must be 'jax' or 'triton_native'")
         self._jbackend = MLABackend(config)
-        self.kernels = kernels
         if kernels == "triton_native":  # the pool's own writer; no JAX call in the layer calls
             kv_writer = "torch"
-        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync)
-        self._native = NativePlans(self.device) if kernels == "triton_native" else None
-        self._native_plan = None
+        super().__init__(config, device=device, kv_writer=kv_writer, sync=sync, kernels=kernels)
         self.token_to_kv_pool = token_to_kv_pool
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_cache_dim = config.kv_lora_rank + config.qk_rope_head_dim
-
-    def _install(self, md, num_real_tokens: int):
-        if self._native is None:
-            return super()._install(md, num_real_tokens)
-        # host arrays: the layer calls read the plan from NativePlans' device tensors, and
-        # the JAX paths that remain (prefix chunks) take numpy arrays as they are
-        self.forward_metadata = self._md_call = md
-        self.forward_mode = md.forward_mode
-        self._num_real_tokens = num_real_tokens
-        self._native_plan = self._native.install(md)
-        return md
 
     def _absorbed_native(self, q, k, layer, save_kv_cache, q_rope, k_rope, kwargs):
         """The absorbed modes on the native kernels (rotated q_rope / k_rope)."""
