@@ -29,6 +29,7 @@ __all__ = [
     "KernelOptions",
     "choose_block_sizes",
     "choose_num_splits",
+    "convert_stages_for",
     "unsupported_reason",
     "auto_skip_reason",
     "block_shape",
@@ -89,14 +90,18 @@ class KernelOptions:
     fp8_converter: FP8 KV only: a converter warpgroup upcasts each K and V tile
       of the FP8 ring into a ring of ``FP8_CONVERT_STAGES`` f16 tiles, so the
       compute warpgroup runs the 2-byte loop (``overlap_qk`` included) with no
-      upcast on its chain. Off (the default until it is timed on the GPU, see
-      docs/PERF.md): the compute warpgroup upcasts each tile itself, in the plain
-      loop.
+      upcast on its chain (the default: faster on the H200, docs/PERF.md). Off:
+      the compute warpgroup upcasts each tile itself, in the plain loop.
     """
 
     overlap_qk: bool = True
     kernel_combine: bool = True
-    fp8_converter: bool = False
+    fp8_converter: bool = True
+
+
+def convert_stages_for(kv_itemsize: int, options: KernelOptions) -> int:
+    """The FP8 converter's f16 ring slots for this KV width and these options (0: none)."""
+    return FP8_CONVERT_STAGES if kv_itemsize == 1 and options.fp8_converter else 0
 
 
 def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
@@ -343,7 +348,18 @@ def decode_config(
         q_rows, m_tiles = -(-m_rows // 8) * 8, 1
     else:
         q_rows, m_tiles = 64, -(-m_rows // 64)
-    convert_stages = FP8_CONVERT_STAGES if kv_itemsize == 1 and options.fp8_converter else 0
+    convert_stages = convert_stages_for(kv_itemsize, options)
+    if block_sizes is not None:
+        n = block_sizes.block_tokens * block_sizes.pages_per_block * num_kv_heads
+        need = smem_bytes(
+            n, head_dim, kv_itemsize, q_itemsize, block_sizes.compute_wgs, block_sizes.num_stages, convert_stages
+        )
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"block_sizes={block_sizes}: needs {need} bytes of shared memory per CTA, over the "
+                f"{SMEM_LIMIT} available (fewer num_stages, a smaller block, or choose_block_sizes with "
+                f"convert_stages={convert_stages})"
+            )
     bsz = block_sizes or choose_block_sizes(
         convert_stages=convert_stages,
         batch=batch,

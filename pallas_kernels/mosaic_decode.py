@@ -48,9 +48,10 @@ num_kv_heads that makes a KV block of 64..256 rows, q_len 1..8, bf16/f16 q with
 KV of the same dtype or FP8 e4m3 KV. FP8: the ring holds FP8 tiles (half the
 bytes); each K and V tile is upcast through registers into an f16 tile for the
 wgmma (q is cast to f16 for these calls; the output is returned in q's dtype),
-by the compute warpgroup itself in the plain block loop, or with
-``KernelOptions(fp8_converter=True)`` by a converter warpgroup into a ring of f16
-tiles, which the compute warpgroup reads as it reads 2-byte KV.
+by a converter warpgroup into a ring of f16 tiles, which the compute warpgroup
+reads as it reads 2-byte KV (the default), or with
+``KernelOptions(fp8_converter=False)`` by the compute warpgroup itself in the
+plain block loop.
 
 Under the Mosaic GPU interpreter (CPU tests) the matmuls are plain dots on
 the shared-memory tiles (the interpreter's wgmma takes neither a transposed B
@@ -77,6 +78,7 @@ from jattn.pallas_kernels.decode_tuning import (
     auto_skip_reason,
     choose_block_sizes,
     choose_num_splits,
+    convert_stages_for,
     decode_config,
     unsupported_reason,
 )
@@ -90,6 +92,7 @@ __all__ = [
     "KernelOptions",
     "choose_block_sizes",
     "choose_num_splits",
+    "convert_stages_for",
     "SUPPORTED_PAGE_SIZES",
     "SUPPORTED_HEAD_DIMS",
 ]

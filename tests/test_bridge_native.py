@@ -343,6 +343,10 @@ def _compare_mla(res, atol):
     for n in names:
         a, b = res[f"jax/{n}"], res[f"native/{n}"]
         if n == "pool":  # the pool's own writer both times: equal bits, NaN where nothing was written
+            # Page 0 is the reserved dummy page, the sink of padding rows' writes: what lands
+            # there is unspecified (the JAX path writes a CUDA-graph bucket's padding row
+            # there, the native launch skips it), so only the pages requests hold compare.
+            a, b = a[PAGE_SIZE:], b[PAGE_SIZE:]
             np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=n)
             np.testing.assert_array_equal(np.nan_to_num(a), np.nan_to_num(b), err_msg=n)
         else:

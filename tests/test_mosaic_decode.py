@@ -89,7 +89,7 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
     )
 
 
-def _block_sizes(c: Case, k, table):
+def _block_sizes(c: Case, k, table, options: md.KernelOptions):
     """Explicit tiling for cases that pin the split count."""
     if not c.splits:
         return None
@@ -101,6 +101,7 @@ def _block_sizes(c: Case, k, table):
         max_pages=table.shape[1],
         m_rows=c.q_len * c.hq,
         kv_itemsize=jnp.dtype(k.dtype).itemsize,
+        convert_stages=md.convert_stages_for(jnp.dtype(k.dtype).itemsize, options),
     )
     return dataclasses.replace(bs, num_splits=c.splits)
 
@@ -108,7 +109,7 @@ def _block_sizes(c: Case, k, table):
 def _check(c: Case, *, interpret: bool, seed: int | None = None, options: md.KernelOptions = md.KernelOptions()):
     q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed if seed is None else seed)
     kw = _kwargs(c, sinks, ks, vs)
-    bsz = _block_sizes(c, k, table)
+    bsz = _block_sizes(c, k, table, options)
     if interpret:
         with gpu_interpret():
             out, lse = md.mha_decode(q, k, v, table, lens, block_sizes=bsz, options=options, **kw)
@@ -186,8 +187,8 @@ def _flipped(option: str) -> md.KernelOptions:
 # overlap_qk: the plain block loop instead of the software-pipelined one. (The
 # combine runs as XLA ops under the interpreter whatever kernel_combine says; the
 # Triton combine kernel has its own CPU test, tests/test_combine.py.)
-# fp8_converter: a converter warpgroup upcasts the FP8 tiles (the default: the compute
-# warpgroup upcasts each tile itself, in the plain loop).
+# fp8_converter: the compute warpgroup upcasts each FP8 tile itself, in the plain loop
+# (the default: a converter warpgroup upcasts them).
 OTHER_SETTING_CPU = [
     ("overlap_qk", n)
     for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail", "one_split_bf16", "window")
@@ -316,7 +317,7 @@ def _poison_check(c: Case, spots, *, interpret: bool, options: md.KernelOptions 
                         if checked:
                             seen[b * c.q_len + i, hh * group : (hh + 1) * group] = True
     kp, vp = jnp.asarray(kp, k.dtype), jnp.asarray(vp, v.dtype)
-    bsz = _block_sizes(c, k, table)
+    bsz = _block_sizes(c, k, table, options)
     if interpret:
         with gpu_interpret():
             out, _ = md.mha_decode(q, kp, vp, table, lens, block_sizes=bsz, options=options, **kw)
@@ -459,11 +460,13 @@ FP8_GPU = ["fp8", "fp8_qlen4_page64", "hkv4_fp8", "one_split_sinks_fp8"]
 @pytest.mark.parametrize("name", FP8_GPU)
 @pytest.mark.parametrize("option", ["fp8_converter", "overlap_qk"])
 def test_gpu_fp8_loop_options(name, option):
-    """FP8 KV with the converter warpgroup, with the software-pipelined and the plain
-    block loop: both stay right."""
+    """FP8 KV with the settings other than the default: the in-chain upcast
+    (no converter warpgroup), and the converter with the plain block loop."""
     opts = md.KernelOptions(fp8_converter=True)
     if option == "overlap_qk":
         opts = dataclasses.replace(opts, overlap_qk=False)
+    else:
+        opts = dataclasses.replace(opts, fp8_converter=False)
     _check(GPU_CASES[name], interpret=False, options=opts)
 
 
