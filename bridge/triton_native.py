@@ -313,13 +313,20 @@ def mla_decode_partials(
     is_causal=True,
     kv_scale=1.0,
     num_splits=None,
+    tuning=None,
 ):
     """The Triton MLA decode kernel alone, launched on torch tensors (unchecked): the split
-    partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE)."""
+    partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE);
+    ``tuning``: a ``triton_mla.Tuning`` (``triton_mla.choose_tuning``'s when None)."""
     from jattn.pallas_kernels import triton_glue, triton_mla
 
     bs, h = page_table.shape[0], q.shape[1]
-    grid, params = triton_mla.launch_params(bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits)
+    if tuning is None:
+        major, minor = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (8, 0)
+        tuning = triton_mla.choose_tuning(bs, h, max_seqlen_q, kv_cache.element_size(), 10 * major + minor)
+    grid, params, launch = triton_mla.launch_params(
+        bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits, tuning
+    )
     rows = max_seqlen_q * h
     scale = _scalars(q.device, float(softmax_scale) * float(kv_scale))
     o = torch.empty((params["SPLITS"], bs, rows, kv_lora_rank), dtype=torch.float32, device=q.device)
@@ -327,9 +334,7 @@ def mla_decode_partials(
     kw = triton_mla.constexprs(
         q, kv_cache, page_table, kv_lora_rank=kv_lora_rank, q_len=max_seqlen_q, is_causal=is_causal, params=params
     )
-    triton_glue.jit(triton_mla._mla_kernel)[grid](
-        q, kv_cache, page_table, cache_seqlens, scale, o, lse, num_warps=4, num_stages=2, **kw
-    )
+    triton_glue.jit(triton_mla._mla_kernel)[grid](q, kv_cache, page_table, cache_seqlens, scale, o, lse, **launch, **kw)
     return o, lse
 
 

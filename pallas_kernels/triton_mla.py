@@ -22,6 +22,7 @@ torch tensors. :func:`unsupported_reason` says whether a call can be served.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed
     tl = None
 
-__all__ = ["mla_decode", "unsupported_reason", "launch_params"]
+__all__ = ["mla_decode", "unsupported_reason", "launch_params", "choose_tuning", "Tuning", "DEFAULT_TUNING"]
 
 MAX_Q_LEN = 8
 _NUM_SMS = 132
@@ -128,17 +129,63 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
     return None
 
 
-def launch_params(bs: int, heads: int, q_len: int, max_tokens: int, num_splits: int | None = None):
-    """``(grid, constexprs)`` apart from the shapes: row tiles of at most 32 rows (the
-    ``[BLOCK_M, 512]`` f32 accumulator in registers), at least 16 (the mma's rows);
-    splits so that about two waves of programs cover the SMs, each at least 256 tokens."""
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch choices of the kernel (hashable; part of the compiled program). Every
+    setting computes the same attention; ``python -m jattn bench mla --sweep`` times them.
+
+    block_m: most query rows per program (the ``[block_m, R]`` f32 accumulator lives in
+      registers); at least 16 (the mma's rows).
+    block_n: tokens per key block.
+    num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+    waves: splits are chosen so that about this many waves of programs cover the SMs.
+    """
+
+    block_m: int = 32
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 2
+
+
+DEFAULT_TUNING = Tuning()  # every GPU but Hopper, and FP8 latent rows on Hopper
+
+
+def choose_tuning(bs: int, heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tuning:
+    """The launch choice of a call on a GPU of compute capability ``sm`` (90 for sm_90).
+
+    Hopper, 2-byte latent rows, from ``bench mla --sweep`` on the H200 (docs/PERF.md):
+    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.5x the
+    default at 128 heads); fewer rows take 64-token blocks, with 4 warps and three
+    stages with 32 row tiles or more before the splits, else 8 warps and two stages
+    (1.1-1.3x). FP8
+    latent rows and other GPUs keep :data:`DEFAULT_TUNING`: the Hopper choices need up to
+    221 KB of shared memory, and FP8 measured slower with each of them."""
+    if sm < 90 or kv_itemsize != 2:
+        return DEFAULT_TUNING
     m = q_len * heads
-    block_m = min(32, max(16, 1 << max(0, (m - 1).bit_length())))
+    if m >= 64:
+        return Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    if bs * -(-m // 32) >= 32:  # row tiles before splitting: 64 measured, 1 the other way
+        return Tuning(block_n=64, num_warps=4, num_stages=3)
+    return Tuning(block_n=64, num_warps=8, num_stages=2)
+
+
+def launch_params(
+    bs: int, heads: int, q_len: int, max_tokens: int, num_splits: int | None = None, tuning: Tuning = DEFAULT_TUNING
+):
+    """``(grid, constexprs, launch)`` apart from the shapes: row tiles of at most
+    ``tuning.block_m`` rows, at least 16; splits so that about ``tuning.waves`` waves of
+    programs cover the SMs, each at least 256 tokens; ``launch`` holds ``num_warps`` and
+    ``num_stages``."""
+    m = q_len * heads
+    block_m = min(tuning.block_m, max(16, 1 << max(0, (m - 1).bit_length())))
     tiles = -(-m // block_m)
     if num_splits is None:
-        want = -(-2 * _NUM_SMS // max(1, bs * tiles))
+        want = -(-tuning.waves * _NUM_SMS // max(1, bs * tiles))
         num_splits = max(1, min(want, max_tokens // 256, 64))
-    return (bs, tiles, num_splits), dict(BLOCK_M=block_m, BLOCK_N=32, SPLITS=num_splits)
+    launch = dict(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+    return (bs, tiles, num_splits), dict(BLOCK_M=block_m, BLOCK_N=tuning.block_n, SPLITS=num_splits), launch
 
 
 def constexprs(q, kv_cache, page_table, *, kv_lora_rank, q_len, is_causal, params):
@@ -158,7 +205,8 @@ def constexprs(q, kv_cache, page_table, *, kv_lora_rank, q_len, is_causal, param
 
 
 @functools.partial(
-    jax.jit, static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "v_scale_one")
+    jax.jit,
+    static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "v_scale_one", "tuning"),
 )
 def _mla_decode(
     q,
@@ -174,12 +222,18 @@ def _mla_decode(
     return_lse,
     num_splits,
     v_scale_one,
+    tuning,
 ):
     from jattn.pallas_kernels import triton_glue
     from jattn.pallas_kernels.combine import combine_splits
 
     bs, h = page_table.shape[0], q.shape[1]
-    grid, params = launch_params(bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits)
+    if tuning is None:
+        itemsize = jnp.dtype(kv_cache.dtype).itemsize
+        tuning = choose_tuning(bs, h, max_seqlen_q, itemsize, triton_glue.capability())
+    grid, params, launch = launch_params(
+        bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits, tuning
+    )
     rows = max_seqlen_q * h
     kw = constexprs(
         q, kv_cache, page_table, kv_lora_rank=kv_lora_rank, q_len=max_seqlen_q, is_causal=is_causal, params=params
@@ -197,8 +251,7 @@ def _mla_decode(
         ),
         grid=grid,
         name="jattn_triton_mla_decode",
-        num_warps=4,
-        num_stages=2,
+        **launch,
         **kw,
     )
     out, lse = combine_splits(
@@ -227,8 +280,10 @@ def mla_decode(
     kv_scale=1.0,
     return_lse: bool = False,
     num_splits: int | None = None,
+    tuning: Tuning | None = None,
 ):
-    """MLA absorbed decode through jax-triton; arguments as in ``jattn.mla_decode_with_kvcache``."""
+    """MLA absorbed decode through jax-triton; arguments as in ``jattn.mla_decode_with_kvcache``
+    (``tuning``: the launch choices, :class:`Tuning`; :func:`choose_tuning`'s when None)."""
     one = isinstance(kv_scale, (int, float)) and float(kv_scale) == 1.0
     ks = jnp.asarray(kv_scale, jnp.float32)
     scale = (jnp.asarray(softmax_scale, jnp.float32) * ks).reshape(1)
@@ -245,4 +300,5 @@ def mla_decode(
         return_lse=return_lse,
         num_splits=num_splits,
         v_scale_one=one,
+        tuning=tuning,
     )

@@ -36,10 +36,15 @@ class Case:
     num_splits: int | None = None
     poison: bool = False  # NaN in request 0's last token (seen only by its last query)
     dtype: str = "float32"
+    tuning: tuple = ()  # triton_mla.Tuning fields other than the default's
 
 
 CASES = {
     "lens_0_1_97_two_splits": Case(lens=(97, 0, 1), num_splits=2),
+    "lens_0_1_97_block_n64_warps8": Case(lens=(97, 0, 1), num_splits=2, tuning=(("block_n", 64), ("num_warps", 8))),
+    "block_m64_fp16": Case(
+        lens=(40, 75), heads=16, q_len=4, tuning=(("block_m", 64), ("block_n", 16)), dtype="float16"
+    ),
     "verify_q3_poison": Case(lens=(70,), heads=8, q_len=3, poison=True, page_size=32),
     "heads_40_two_row_tiles_fp16": Case(lens=(33, 50), heads=20, q_len=2, causal=False, dtype="float16"),
 }
@@ -75,8 +80,10 @@ def run_interpreted(name: str, path: str) -> None:
     import torch
 
     from jattn.bridge import triton_native
+    from jattn.pallas_kernels import triton_mla
 
     c, q, kv, table, lens = _inputs(name)
+    tuning = dataclasses.replace(triton_mla.DEFAULT_TUNING, **dict(c.tuning))
     if c.poison:
         kv, _ = _poisoned(c, kv, table)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
@@ -92,6 +99,7 @@ def run_interpreted(name: str, path: str) -> None:
             max_seqlen_q=c.q_len,
             is_causal=c.causal,
             num_splits=c.num_splits,
+            tuning=tuning,
         )
         runs.append((o.numpy(), lse.numpy()))
     np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
@@ -130,8 +138,20 @@ def test_interpreted_matches_float64(name, interpreted):
 def test_launch_params_and_reasons():
     from jattn.pallas_kernels import triton_mla as tm
 
-    assert tm.launch_params(64, 16, 1, 4096) == ((64, 1, 5), dict(BLOCK_M=16, BLOCK_N=32, SPLITS=5))
-    assert tm.launch_params(64, 128, 2, 4096)[0] == (64, 8, 1)  # 256 rows in tiles of 32
+    grid, params, launch = tm.launch_params(64, 16, 1, 4096)
+    n = tm.DEFAULT_TUNING.block_n
+    assert grid[:2] == (64, 1) and params["BLOCK_M"] == 16 and params["BLOCK_N"] == n
+    assert launch == dict(num_warps=tm.DEFAULT_TUNING.num_warps, num_stages=tm.DEFAULT_TUNING.num_stages)
+    t = tm.Tuning(block_m=32, block_n=32, waves=2)
+    assert tm.launch_params(64, 16, 1, 4096, tuning=t)[:2] == ((64, 1, 5), dict(BLOCK_M=16, BLOCK_N=32, SPLITS=5))
+    assert tm.launch_params(64, 128, 2, 4096, tuning=t)[0] == (64, 8, 1)  # 256 rows in tiles of 32
+    assert tm.launch_params(64, 128, 2, 4096, tuning=tm.Tuning(block_m=64))[0][:2] == (64, 4)
+    assert tm.launch_params(1, 16, 1, 300, tuning=t)[0] == (1, 1, 1)  # at least 256 tokens a split
+    # the measured Hopper table; FP8 latent rows and other GPUs keep the default
+    assert tm.choose_tuning(64, 128, 1, 2, sm=90) == tm.Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    assert tm.choose_tuning(64, 16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3)
+    assert tm.choose_tuning(1, 16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=8, num_stages=2)
+    assert tm.choose_tuning(64, 16, 1, 1, sm=90) == tm.choose_tuning(64, 128, 1, 2, sm=80) == tm.DEFAULT_TUNING
     q = jnp.zeros((2, 16, 576), jnp.bfloat16)
     kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
     assert tm.unsupported_reason(q, kv, kv_lora_rank=512) is None
@@ -170,3 +190,47 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=4e-2, rtol=4e-2)
     again = jattn.mla_decode_with_kvcache(*args, backend="triton", **kw)[0]
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(),
+        dict(block_n=64, num_warps=4, num_stages=3),
+        dict(block_n=64, num_warps=8, num_stages=2),
+        dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    ],
+    ids=["default", "n64_w4_s3", "n64_w8_s2", "m64_n64_w8_s2"],
+)
+def test_gpu_every_hopper_tuning(tuning):
+    """Each launch choice of ``choose_tuning``'s table gives the reference's result, on
+    lengths 0, 1, 97 and one not a multiple of any block, NaN in unused pages."""
+    from jattn import reference
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels import triton_mla as tm
+
+    if not on_gpu() or not triton_glue.available():
+        pytest.skip("needs a GPU with jax-triton")
+    rng = np.random.default_rng(1)
+    lens, heads, q_len, ps, w = (3001, 97, 0, 1), 32, 2, 64, 576
+    per = max(-(-n // ps) for n in lens) + 1
+    pages = len(lens) * per + 3
+    kv = np.full((pages, ps, w), np.nan, np.float32)
+    table = rng.permutation(pages)[: len(lens) * per].reshape(len(lens), per).astype(np.int32)
+    for b, n in enumerate(lens):
+        t = np.arange(n)
+        kv[table[b, t // ps], t % ps] = rng.standard_normal((n, w)) * 0.5
+    q = (rng.standard_normal((len(lens) * q_len, heads, w)) * 0.5).astype(np.float32)
+    args = (
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(kv, jnp.bfloat16),
+        jnp.asarray(table),
+        jnp.asarray(lens, jnp.int32),
+    )
+    kw = dict(kv_lora_rank=512, softmax_scale=1 / 192**0.5, max_seqlen_q=q_len, return_lse=True)
+    out, lse = tm.mla_decode(*args, tuning=dataclasses.replace(tm.DEFAULT_TUNING, **tuning), **kw)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    want, want_lse = reference.mla_decode(f32(args[0]), f32(args[1]), args[2], args[3], **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=4e-2, rtol=4e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=4e-2, rtol=4e-2)

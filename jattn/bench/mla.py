@@ -86,14 +86,75 @@ def _setup(row: Row, rng, num_q: int):
     return qs, kv, jnp.asarray(tables), jnp.asarray(lens), lens
 
 
+def sweep_tunings(spec: str) -> list:
+    """The Triton launch choices of ``--sweep``: the product of ``field=v1,v2`` lists
+    separated by ';' over :class:`triton_mla.Tuning`'s defaults (none for '')."""
+    import itertools
+
+    from jattn.pallas_kernels import triton_mla
+
+    fields = {f.name for f in dataclasses.fields(triton_mla.Tuning)}
+    axes = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        name, _, values = part.partition("=")
+        if name.strip() not in fields:
+            raise ValueError(f"unknown field {name.strip()!r}; choose from {', '.join(sorted(fields))}")
+        axes.append([(name.strip(), int(v)) for v in values.split(",") if v.strip()])
+    if not axes:
+        return []
+    return [dataclasses.replace(triton_mla.DEFAULT_TUNING, **dict(combo)) for combo in itertools.product(*axes)]
+
+
+def tuning_label(tuning) -> str:
+    """``triton m32 n64 w4 s2 v2``: a Triton launch choice as a backend column."""
+    t = tuning
+    return f"triton m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} v{t.waves}"
+
+
+def timed_triton(tuning, row: Row, qs, kv, tables, lens, n_hi: int):
+    """GPU seconds per call of the Triton kernel at one launch choice (None if it fails)."""
+    from jattn.pallas_kernels import triton_mla
+
+    def step(i, qs, kv, tables, lens):
+        return triton_mla.mla_decode(
+            qs[i],
+            kv,
+            tables[i % NUM_ROT],
+            lens,
+            kv_lora_rank=R,
+            softmax_scale=SCALE,
+            max_seqlen_q=row.q_len,
+            tuning=tuning,
+        )
+
+    try:
+        t = common.time_rotated(step, (qs, kv, tables, lens), n_hi=n_hi, reps=3, join=False, device=True)
+        return t.device_seconds or t.seconds
+    except Exception as e:  # noqa: BLE001 - a launch that does not fit (shared memory, registers)
+        print(f"{row.label}: {tuning_label(tuning)}: {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench mla", description=__doc__)
     ap.add_argument(
         "--rows", default="", help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS)
     )
     ap.add_argument("--no-xla", action="store_true", help="time jattn only")
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="also time the Triton kernel at these launch choices (triton_mla.Tuning fields), the "
+        "product of ';'-separated lists, e.g. 'block_n=32,64;num_warps=4,8;num_stages=2,3'",
+    )
     common.add_output_args(ap)
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    try:
+        tunings = sweep_tunings(args.sweep)
+    except (TypeError, ValueError) as e:
+        ap.error(f"--sweep: {e}")
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     unknown = want - {r.label for r in ROWS}
     if unknown:
@@ -142,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [("mosaic", None if why else timed("mosaic"))]
         if triton_mla_runs:
             kernels.append(("triton", timed("triton")))
+            for tuning in tunings:
+                kernels.append((tuning_label(tuning), timed_triton(tuning, row, qs, kv, tables, lens, n_hi)))
         if ref is not None:
             kernels.append(("xla", ref))
         for backend, s in kernels:
