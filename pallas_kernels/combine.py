@@ -38,7 +38,14 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
     tl = None
 
-__all__ = ["combine_splits", "combine_launch_params", "invariant_num_splits", "INVARIANT_SPLIT_TOKENS"]
+__all__ = [
+    "combine_splits",
+    "combine_launch_params",
+    "choose_num_splits",
+    "invariant_num_splits",
+    "INVARIANT_SPLIT_TOKENS",
+    "NUM_SMS",
+]
 
 _LN2 = math.log(2.0)
 _ELEMS = 8192  # partial-output elements one program loads per chunk (64 per thread)
@@ -119,6 +126,28 @@ def _combine_kernel(
 #: Tokens of the page-table width per split in batch-invariant decode
 #: (``jattn.mha_decode_with_kvcache(batch_invariant=True)``).
 INVARIANT_SPLIT_TOKENS = 256  # measured trade-off: docs/PERF.md
+
+
+NUM_SMS = 132  # H200 / H100 SXM
+
+
+def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
+    """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
+
+    Only static facts are used (batch size and the page-table width): the actual
+    lengths are traced values. Score = fraction of the last wave in use minus a
+    small cost per extra wave; splits never exceed the number of KV blocks.
+    """
+    ctas = batch * m_groups
+    best, best_score = 1, -1e9
+    cap = max(1, min(max_blocks, 4 * num_sms))
+    for s in range(1, cap + 1):
+        n = ctas * s
+        waves = -(-n // num_sms)
+        score = n / (waves * num_sms) - 0.02 * waves
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
 
 
 def invariant_num_splits(width_tokens: int) -> int:

@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels.combine import NUM_SMS, choose_num_splits
+
 __all__ = [
     "DecodeConfig",
     "decode_config",
@@ -49,7 +51,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_Q_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_GROUP = 16
 MAX_Q_LEN = 8
-NUM_SMS = 132  # H200 / H100 SXM
 FP8_CONVERT_STAGES = 2  # f16 ring slots of the FP8 converter warpgroup
 SMEM_LIMIT = 227 * 1024  # shared memory per block on sm90 (opt-in maximum)
 
@@ -102,25 +103,6 @@ class KernelOptions:
 def convert_stages_for(kv_itemsize: int, options: KernelOptions) -> int:
     """The FP8 converter's f16 ring slots for this KV width and these options (0: none)."""
     return FP8_CONVERT_STAGES if kv_itemsize == 1 and options.fp8_converter else 0
-
-
-def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int = NUM_SMS) -> int:
-    """Splits per request so that batch * splits CTAs fill the SMs in whole waves.
-
-    Only static facts are used (batch size and the page-table width): the actual
-    lengths are traced values. Score = fraction of the last wave in use minus a
-    small cost per extra wave; splits never exceed the number of KV blocks.
-    """
-    ctas = batch * m_groups
-    best, best_score = 1, -1e9
-    cap = max(1, min(max_blocks, 4 * num_sms))
-    for s in range(1, cap + 1):
-        n = ctas * s
-        waves = -(-n // num_sms)
-        score = n / (waves * num_sms) - 0.02 * waves
-        if score > best_score + 1e-9:
-            best, best_score = s, score
-    return best
 
 
 def block_shape(num_kv_heads, head_dim, page_size, target_n=None):

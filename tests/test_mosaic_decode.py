@@ -591,3 +591,33 @@ def test_fp8_converter_lowers_for_cuda(name, monkeypatch):
         fn = jax.jit(lambda q, k, v, table, lens, o=opts: md.mha_decode(q, k, v, table, lens, options=o, **kw))
         texts.append(fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text())
     assert "_conv2" in texts[0] and "_conv2" not in texts[1]
+
+
+def test_block_sizes_over_shared_memory_are_refused():
+    """Explicit block sizes that do not fit with the FP8 converter's ring raise a clear
+    error at trace time, naming block_sizes (not Mosaic's shared-memory failure)."""
+    from jattn.pallas_kernels import decode_tuning as dt
+
+    kw = dict(batch=2, num_kv_heads=8, head_dim=128, page_size=64, max_pages=32, m_rows=32, kv_itemsize=1)
+    plain = dt.choose_block_sizes(**kw)  # chosen without the converter's f16 ring
+    cfg = dict(
+        batch=2,
+        num_pages=70,
+        page_size=64,
+        max_pages=32,
+        num_kv_heads=8,
+        num_q_heads=32,
+        head_dim=128,
+        q_len=1,
+        is_causal=True,
+        window_left=-1,
+        logit_cap=0.0,
+        kv_itemsize=1,
+        q_itemsize=2,
+        interpret=False,
+    )
+    with pytest.raises(ValueError, match="block_sizes=.*shared memory"):
+        dt.decode_config(block_sizes=plain, options=dt.KernelOptions(fp8_converter=True), **cfg)
+    assert dt.decode_config(block_sizes=plain, options=dt.KernelOptions(fp8_converter=False), **cfg).bs == plain
+    conv = dt.choose_block_sizes(convert_stages=dt.convert_stages_for(1, dt.KernelOptions()), **kw)
+    assert dt.decode_config(block_sizes=conv, options=dt.KernelOptions(), **cfg).convert_stages == 2
