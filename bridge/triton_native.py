@@ -323,16 +323,9 @@ def mla_decode_partials(
     bs, h = page_table.shape[0], q.shape[1]
     if tuning is None:
         major, minor = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (8, 0)
-        tuning = triton_mla.choose_tuning(bs, h, max_seqlen_q, kv_cache.element_size(), 10 * major + minor)
+        tuning = triton_mla.choose_tuning(h, max_seqlen_q, kv_cache.element_size(), 10 * major + minor)
     grid, params, launch = triton_mla.launch_params(
-        bs,
-        h,
-        max_seqlen_q,
-        page_table.shape[1] * kv_cache.shape[1],
-        num_splits,
-        tuning,
-        width=kv_cache.shape[-1],
-        kv_itemsize=kv_cache.element_size(),
+        bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits, tuning
     )
     rows = max_seqlen_q * h
     scale = _scalars(q.device, float(softmax_scale) * float(kv_scale))

@@ -28,8 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn.pallas_kernels.combine import choose_num_splits
-
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed
@@ -140,9 +138,7 @@ class Tuning:
       registers); at least 16 (the mma's rows).
     block_n: tokens per key block.
     num_warps, num_stages: Triton's warps per program and software-pipeline depth.
-    waves: splits so that about this many waves of programs cover the SMs; 0: splits
-      that fill whole waves of the programs that fit an SM's shared memory at once
-      (``combine.choose_num_splits``).
+    waves: splits so that about this many waves of programs cover the SMs.
     """
 
     block_m: int = 32
@@ -153,65 +149,38 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()  # every GPU but Hopper, and FP8 latent rows on Hopper
-_SMEM = 227 * 1024  # shared memory an SM gives its programs (sm_90)
+MAX_SPLITS = 128
 
 
-def programs_per_sm(tuning: Tuning, width: int, kv_itemsize: int) -> int:
-    """Programs that fit one SM's shared memory at once: the pipelined key blocks,
-    ``num_stages`` of ``block_n`` latent rows each (at most 4: registers)."""
-    per = tuning.num_stages * tuning.block_n * width * kv_itemsize
-    return max(1, min(4, _SMEM // per))
-
-
-HOPPER_WAVES = 0  # the split rule of choose_tuning's Hopper entries (Tuning.waves)
-
-
-def choose_tuning(bs: int, heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tuning:
+def choose_tuning(heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tuning:
     """The launch choice of a call on a GPU of compute capability ``sm`` (90 for sm_90).
 
     Hopper, 2-byte latent rows, from ``bench mla --sweep`` on the H200 (docs/PERF.md):
-    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.5x the
-    default at 128 heads); fewer rows take 64-token blocks, with 4 warps and three
-    stages with 32 row tiles or more before the splits, else 8 warps and two stages
-    (1.1-1.3x). FP8
-    latent rows and other GPUs keep :data:`DEFAULT_TUNING`: the Hopper choices need up to
-    221 KB of shared memory, and FP8 measured slower with each of them."""
+    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.6x the
+    default at 128 heads); fewer rows take 64-token blocks, 4 warps and three stages
+    (1.1-1.8x at 16 heads). FP8 latent rows and other GPUs keep :data:`DEFAULT_TUNING`:
+    the Hopper choices need up to 221 KB of shared memory, and FP8 measured slower with
+    each of them."""
     if sm < 90 or kv_itemsize != 2:
         return DEFAULT_TUNING
-    m = q_len * heads
-    if m >= 64:
-        return Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2, waves=HOPPER_WAVES)
-    if bs * -(-m // 32) >= 32:  # row tiles before splitting: 64 measured, 1 the other way
-        return Tuning(block_n=64, num_warps=4, num_stages=3, waves=HOPPER_WAVES)
-    return Tuning(block_n=64, num_warps=8, num_stages=2, waves=HOPPER_WAVES)
+    if q_len * heads >= 64:
+        return Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    return Tuning(block_n=64, num_warps=4, num_stages=3)
 
 
 def launch_params(
-    bs: int,
-    heads: int,
-    q_len: int,
-    max_tokens: int,
-    num_splits: int | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
-    *,
-    width: int = 576,
-    kv_itemsize: int = 2,
+    bs: int, heads: int, q_len: int, max_tokens: int, num_splits: int | None = None, tuning: Tuning = DEFAULT_TUNING
 ):
     """``(grid, constexprs, launch)`` apart from the shapes: row tiles of at most
-    ``tuning.block_m`` rows, at least 16; splits of at least 256 tokens each, so that
-    about ``tuning.waves`` waves of programs cover the SMs, or with ``waves=0`` so that
-    they fill whole waves of :func:`programs_per_sm` programs per SM (latent rows of
-    ``width`` columns of ``kv_itemsize`` bytes); ``launch`` holds ``num_warps`` and
-    ``num_stages``."""
+    ``tuning.block_m`` rows, at least 16; splits so that about ``tuning.waves`` waves of
+    programs cover the SMs, each at least 256 tokens, at most :data:`MAX_SPLITS`
+    (batch 1 at 32k: 128); ``launch`` holds ``num_warps`` and ``num_stages``."""
     m = q_len * heads
     block_m = min(tuning.block_m, max(16, 1 << max(0, (m - 1).bit_length())))
     tiles = -(-m // block_m)
-    if num_splits is None and tuning.waves == 0:
-        slots = _NUM_SMS * programs_per_sm(tuning, width, kv_itemsize)
-        num_splits = choose_num_splits(bs, tiles, max(1, max_tokens // 256), slots)
-    elif num_splits is None:
+    if num_splits is None:
         want = -(-tuning.waves * _NUM_SMS // max(1, bs * tiles))
-        num_splits = max(1, min(want, max_tokens // 256, 64))
+        num_splits = max(1, min(want, max_tokens // 256, MAX_SPLITS))
     launch = dict(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     return (bs, tiles, num_splits), dict(BLOCK_M=block_m, BLOCK_N=tuning.block_n, SPLITS=num_splits), launch
 
@@ -258,16 +227,9 @@ def _mla_decode(
     bs, h = page_table.shape[0], q.shape[1]
     if tuning is None:
         itemsize = jnp.dtype(kv_cache.dtype).itemsize
-        tuning = choose_tuning(bs, h, max_seqlen_q, itemsize, triton_glue.capability())
+        tuning = choose_tuning(h, max_seqlen_q, itemsize, triton_glue.capability())
     grid, params, launch = launch_params(
-        bs,
-        h,
-        max_seqlen_q,
-        page_table.shape[1] * kv_cache.shape[1],
-        num_splits,
-        tuning,
-        width=kv_cache.shape[-1],
-        kv_itemsize=jnp.dtype(kv_cache.dtype).itemsize,
+        bs, h, max_seqlen_q, page_table.shape[1] * kv_cache.shape[1], num_splits, tuning
     )
     rows = max_seqlen_q * h
     kw = constexprs(

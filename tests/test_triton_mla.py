@@ -148,18 +148,12 @@ def test_launch_params_and_reasons():
     assert tm.launch_params(64, 128, 2, 4096, tuning=tm.Tuning(block_m=64))[0][:2] == (64, 4)
     assert tm.launch_params(1, 16, 1, 300, tuning=t)[0] == (1, 1, 1)  # at least 256 tokens a split
     # the measured Hopper table; FP8 latent rows and other GPUs keep the default
-    w = tm.HOPPER_WAVES
-    hop = tm.Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2, waves=w)
-    assert tm.choose_tuning(64, 128, 1, 2, sm=90) == hop
-    assert tm.choose_tuning(64, 16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3, waves=w)
-    assert tm.choose_tuning(1, 16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=8, num_stages=2, waves=w)
-    # whole waves of the programs that fit an SM: one at 147-221 KB, so batch 1 takes
-    # up to 128 splits of 256 tokens, batch 64 two
-    one = tm.Tuning(block_n=64, num_warps=8, num_stages=2, waves=0)
-    assert tm.programs_per_sm(one, 576, 2) == 1 and tm.programs_per_sm(tm.DEFAULT_TUNING, 576, 2) == 3
-    assert tm.launch_params(1, 16, 1, 32768, tuning=one)[0] == (1, 1, 128)
-    assert tm.launch_params(64, 16, 1, 4096, tuning=one)[0] == (64, 1, 2)
-    assert tm.choose_tuning(64, 16, 1, 1, sm=90) == tm.choose_tuning(64, 128, 1, 2, sm=80) == tm.DEFAULT_TUNING
+    hop = tm.Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    assert tm.choose_tuning(128, 1, 2, sm=90) == tm.choose_tuning(16, 4, 2, sm=90) == hop
+    assert tm.choose_tuning(16, 1, 2, sm=90) == tm.choose_tuning(16, 2, 2, sm=90)
+    assert tm.choose_tuning(16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3)
+    assert tm.launch_params(1, 16, 1, 32768)[0] == (1, 1, tm.MAX_SPLITS)  # batch 1: 128 splits of 256 tokens
+    assert tm.choose_tuning(16, 1, 1, sm=90) == tm.choose_tuning(128, 1, 2, sm=80) == tm.DEFAULT_TUNING
     q = jnp.zeros((2, 16, 576), jnp.bfloat16)
     kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
     assert tm.unsupported_reason(q, kv, kv_lora_rank=512) is None
@@ -205,11 +199,10 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
     "tuning",
     [
         dict(),
-        dict(block_n=64, num_warps=4, num_stages=3, waves=0),
-        dict(block_n=64, num_warps=8, num_stages=2, waves=0),
-        dict(block_m=64, block_n=64, num_warps=8, num_stages=2, waves=0),
+        dict(block_n=64, num_warps=4, num_stages=3),
+        dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
     ],
-    ids=["default", "n64_w4_s3", "n64_w8_s2", "m64_n64_w8_s2"],
+    ids=["default", "n64_w4_s3", "m64_n64_w8_s2"],
 )
 def test_gpu_every_hopper_tuning(tuning):
     """Each launch choice of ``choose_tuning``'s table gives the reference's result, on
