@@ -156,15 +156,19 @@ def choose_tuning(heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tun
     """The launch choice of a call on a GPU of compute capability ``sm`` (90 for sm_90).
 
     Hopper, 2-byte latent rows, from ``bench mla --sweep`` on the H200 (docs/PERF.md):
-    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.6x the
-    default at 128 heads); fewer rows take 64-token blocks, 4 warps and three stages
-    (1.1-1.8x at 16 heads). FP8 latent rows and other GPUs keep :data:`DEFAULT_TUNING`:
+    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.4-1.5x the
+    default at 128 heads); 17-63 rows 64-token blocks, 8 warps and three stages (1.1x at
+    16 heads and q_len 2); 16 rows or fewer 64-token blocks, 4 warps and three stages
+    (1.1-1.5x at 16 heads). FP8 latent rows and other GPUs keep :data:`DEFAULT_TUNING`:
     the Hopper choices need up to 221 KB of shared memory, and FP8 measured slower with
     each of them."""
     if sm < 90 or kv_itemsize != 2:
         return DEFAULT_TUNING
-    if q_len * heads >= 64:
+    m = q_len * heads
+    if m >= 64:
         return Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    if m > 16:
+        return Tuning(block_n=64, num_warps=8, num_stages=3)
     return Tuning(block_n=64, num_warps=4, num_stages=3)
 
 

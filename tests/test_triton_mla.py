@@ -150,7 +150,7 @@ def test_launch_params_and_reasons():
     # the measured Hopper table; FP8 latent rows and other GPUs keep the default
     hop = tm.Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
     assert tm.choose_tuning(128, 1, 2, sm=90) == tm.choose_tuning(16, 4, 2, sm=90) == hop
-    assert tm.choose_tuning(16, 1, 2, sm=90) == tm.choose_tuning(16, 2, 2, sm=90)
+    assert tm.choose_tuning(16, 2, 2, sm=90) == tm.Tuning(block_n=64, num_warps=8, num_stages=3)
     assert tm.choose_tuning(16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3)
     assert tm.launch_params(1, 16, 1, 32768)[0] == (1, 1, tm.MAX_SPLITS)  # batch 1: 128 splits of 256 tokens
     assert tm.choose_tuning(16, 1, 1, sm=90) == tm.choose_tuning(128, 1, 2, sm=80) == tm.DEFAULT_TUNING
@@ -200,9 +200,10 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
     [
         dict(),
         dict(block_n=64, num_warps=4, num_stages=3),
+        dict(block_n=64, num_warps=8, num_stages=3),
         dict(block_m=64, block_n=64, num_warps=8, num_stages=2),
     ],
-    ids=["default", "n64_w4_s3", "m64_n64_w8_s2"],
+    ids=["default", "n64_w4_s3", "n64_w8_s3", "m64_n64_w8_s2"],
 )
 def test_gpu_every_hopper_tuning(tuning):
     """Each launch choice of ``choose_tuning``'s table gives the reference's result, on
