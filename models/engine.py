@@ -19,7 +19,10 @@ what else is in the batch). Scheduling (chunked prefill, admission within the bu
 preemption when the page pool runs out) is described on :class:`Engine`. A bad request
 finishes with ``status="error"`` and a message; the others go on. With
 ``EngineConfig(overlap=True)`` each step is launched before the previous one's tokens are
-read back, so the host's planning overlaps the device's work (same tokens).
+read back, so the host's planning overlaps the device's work (same tokens); it is the
+default (``overlap=False`` reads each step back before planning the next). On a GPU the
+engine fuses the model's q/k/v and gate/up projections in place
+(``EngineConfig.fuse_projections``; same outputs up to rounding).
 
 Example::
 
@@ -135,16 +138,21 @@ class Engine:
                 model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend
             )
             self.model = model  # the tensor-parallel copy
-        if c.fuse_projections:
+        tensor_parallel = c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1
+        if c.fuse_projections and tensor_parallel:
+            raise ValueError(
+                "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "
+                "(their column sharding is per projection)"
+            )
+        fuse = c.fuse_projections
+        if fuse is None:  # auto: where it was measured faster (GPU), never tensor-parallel
+            fuse = jax.default_backend() == "gpu" and not tensor_parallel
+        if fuse:
             from jattn.models.layers import fuse_projections
 
-            if c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1:
-                raise ValueError(
-                    "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "
-                    "(their column sharding is per projection)"
-                )
             fuse_projections(self.model)
             model = self.model
+        self.fused_projections = fuse
         if backend is None:
             backend = self._default_backend(model, c)
         self.backend = backend
@@ -161,6 +169,7 @@ class Engine:
         self._next_rid = 0
         self.step_count = 0
         self._inflight: InFlight | None = None  # the launched step not yet read back
+        self._fail_at_readback: set[int] = set()  # overlap: rids that cannot grow, failed at read-back
         self._last_resolve = 0.0
 
     def _new_cache(self):
@@ -292,6 +301,7 @@ class Engine:
         self._release(req)
 
     def _release(self, req: Request):
+        self._fail_at_readback.discard(req.rid)
         if req.pages:
             self.pools[req.device].unref(req.pages)
             req.pages = []
@@ -388,7 +398,7 @@ class Engine:
         preempted, i = [], 0
         while i < len(self.running):
             r = self.running[i]
-            if self._ends_by_length(r):  # no decode row now: it ends with its token in flight
+            if self._sits_out(r):  # no decode row now (see _sits_out)
                 i += 1
                 continue
             pool = self.pools[r.device]
@@ -399,16 +409,26 @@ class Engine:
                 continue
             same = [x for x in self.running if x.device == r.device]  # only when the pool ran out
             if len(same) == 1:
-                self._fail(
-                    r,
-                    f"page pool exhausted: {r.seq_len + 1} tokens need {self._pages_for(r.seq_len + 1)} pages, "
-                    f"the pool has {pool.num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
-                )
+                if r.rid in self._pending:
+                    # Overlap: its token in flight is accepted first, as the plain loop
+                    # would have (it may end the request); it fails at that read-back.
+                    self._fail_at_readback.add(r.rid)
+                    i += 1
+                else:
+                    self._fail_exhausted(r)  # leaves self.running: i is the next request
             else:
                 victim = same[-1]  # the most recently admitted on that device
                 self._preempt(victim)
                 preempted.append(victim.rid)
         return preempted
+
+    def _fail_exhausted(self, r: Request):
+        need = self._pages_for(r.seq_len + 1)
+        self._fail(
+            r,
+            f"page pool exhausted: {r.seq_len + 1} tokens need {need} pages, the pool has "
+            f"{self.pools[r.device].num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
+        )
 
     def _page_table(self, reqs: list[Request]) -> np.ndarray:
         pt = np.zeros((len(reqs), self.max_pages), np.int32)
@@ -544,6 +564,8 @@ class Engine:
             if f.mode == "extend" and r.first_token_time is None:
                 r.first_token_time = now
             self._accept(r, int(nxt[i]))
+            if r.rid in self._fail_at_readback and not r.done:
+                self._fail_exhausted(r)
         return StepInfo(f.mode, tuple(r.rid for r in f.reqs), compiled=f.compiled, seconds=dt)
 
     def _accept(self, r: Request, tok: int):
@@ -557,10 +579,13 @@ class Engine:
         elif r.num_tokens >= self.config.max_context:
             self._finish(r, "length")  # no room to feed the token just generated
 
-    def _ends_by_length(self, r: Request) -> bool:
-        """Whether ``r``'s token in flight ends it by length: it gets no decode row now."""
+    def _sits_out(self, r: Request) -> bool:
+        """Whether running request ``r`` gets no decode row now (overlap mode): its token in
+        flight ends it by length, or it cannot grow and fails when that token is read back."""
         if r.rid not in self._pending:
             return False
+        if r.rid in self._fail_at_readback:
+            return True
         return len(r.output_tokens) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.config.max_context
 
     def _step_failed(self, mode: str, reqs: list[Request], err: Exception) -> StepInfo:
@@ -598,7 +623,7 @@ class Engine:
             mode, reqs = "extend", [r for r, _ in batch]
         elif self.running:
             preempted = self._grow_for_decode()
-            mode, reqs = "decode", [r for r in self.running if not self._ends_by_length(r)]
+            mode, reqs = "decode", [r for r in self.running if not self._sits_out(r)]
         else:
             mode, reqs = "idle", []
         launched = failed = None

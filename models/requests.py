@@ -57,10 +57,14 @@ class EngineConfig:
     # are read back (the tokens it feeds are taken on the device), so the host's work for
     # a step overlaps the device's work on the one before. The tokens are the same; a
     # request that stops on a stop token has computed one more row, which is dropped.
-    overlap: bool = False
+    # False: each step's tokens are read back before the next step is planned.
+    overlap: bool = True
     # Fused projections (models.layers.fuse_projections, applied to the model in place):
-    # q/k/v as one matmul and gate/up as one, per layer. Not with a tensor-parallel mesh.
-    fuse_projections: bool = False
+    # q/k/v as one matmul and gate/up as one, per layer. None (auto): on a GPU, unless the
+    # mesh is tensor-parallel (whose column sharding is per projection); True: always
+    # (refused with a tensor-parallel mesh); False: never. Weights given later through
+    # Engine.state must have the structure the engine ended up with.
+    fuse_projections: bool | None = None
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -73,9 +77,12 @@ class EngineConfig:
             bk = getattr(self, name)
             if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
-        for name in ("overlap", "fuse_projections"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
+        if self.fuse_projections not in (None, True, False):
+            raise ValueError(
+                f"EngineConfig.fuse_projections={self.fuse_projections!r} must be None (auto), True or False"
+            )
         if self.cascade not in (None, True, False):
             raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
         if self.token_buckets and max(self.token_buckets) < 16:

@@ -133,16 +133,31 @@ def test_twenty_requests_on_sixteen_pages(llama):
     assert eng.metrics.preemptions > 0
 
 
-def test_request_that_cannot_grow_alone_fails_cleanly(llama):
-    # 3 usable pages = 12 tokens; the prompt fits, 20 new tokens do not.
-    eng = _engine(llama, num_pages=4)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_request_that_cannot_grow_alone_fails_cleanly(llama, overlap):
+    # 3 usable pages = 12 tokens; the prompt fits, 20 new tokens do not. With overlap
+    # scheduling the token in flight is kept, as the plain loop keeps it.
+    eng = _engine(llama, num_pages=4, overlap=overlap)
     bad = eng.add_request([1] * 6, SamplingParams(max_new_tokens=20))
     _drain(eng)
     r = eng.requests[bad]
-    assert r.status == "error" and "page pool exhausted" in r.error and len(r.output_tokens) == 12 - 6 + 1
+    assert r.status == "error" and len(r.output_tokens) == 12 - 6 + 1
+    assert r.error == "page pool exhausted: 13 tokens need 4 pages, the pool has 3 (while decoding token 8)"
     ok = eng.add_request([2, 3], SamplingParams(max_new_tokens=3))  # the engine goes on
     _drain(eng)
     assert eng.requests[ok].status == "finished"
+
+
+def test_token_in_flight_that_stops_a_request_that_cannot_grow(llama):
+    """Overlap: a request that cannot grow waits for its token in flight; when that token
+    is a stop token it finishes with "stop", as in the plain loop, instead of failing."""
+    sp = SamplingParams(max_new_tokens=20)
+    toks = _engine(llama, num_pages=4).generate([[1] * 6], sp)[0].output_tokens
+    stop = dataclasses.replace(sp, stop_token_ids=(toks[6],))
+    runs = [_engine(llama, num_pages=4, overlap=o).generate([[1] * 6], stop)[0] for o in (False, True)]
+    assert [(r.status, r.finish_reason, r.output_tokens) for r in runs] == [
+        ("finished", "stop", toks[: toks.index(toks[6]) + 1])
+    ] * 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "mla"])
@@ -427,6 +442,8 @@ def test_new_weights_through_engine_state(llama):
         (dict(token_buckets=(8,)), "token_buckets"),
         (dict(batch_buckets=(0, 4)), "batch_buckets"),
         (dict(cascade="yes"), "cascade"),
+        (dict(overlap=None), "overlap"),
+        (dict(fuse_projections="yes"), "fuse_projections"),
     ],
 )
 def test_engine_config_refuses_what_cannot_serve(kw, match):
@@ -582,7 +599,7 @@ def test_overlap_scheduling_gives_the_same_tokens(llama, num_pages):
     stop = solo[2]
     assert stop not in solo[:2]
     kw = dict(num_pages=num_pages, token_buckets=(16, 32), max_prefill_tokens=16)
-    plain_reqs, _ = _mixed_workload(_engine(llama, **kw), stop)
+    plain_reqs, _ = _mixed_workload(_engine(llama, overlap=False, **kw), stop)
     eng = _engine(llama, overlap=True, **kw)
     reqs, infos = _mixed_workload(eng, stop)
     assert [r.output_tokens for r in reqs] == [r.output_tokens for r in plain_reqs]
@@ -612,6 +629,24 @@ def test_overlap_steady_state_never_recompiles(llama):
         )
     eng.run()
     assert eng.metrics.compilations == n and eng.metrics.decode_tokens > 0
+
+
+def test_projections_fused_by_default_on_a_gpu_only(llama, monkeypatch):
+    """fuse_projections=None (auto) fuses on a GPU and never on the CPU or with a
+    tensor-parallel mesh (where True is refused); False never fuses."""
+    plain = _engine(nnx.clone(llama))
+    assert plain.fused_projections is False and plain.model.layers[0].self_attn.q_proj is not None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    names = lambda m: {str(k) for p, _ in nnx.iter_graph(m) for k in p}  # noqa: E731
+    auto = _engine(nnx.clone(llama), kernel_backend="xla", command_buffers=False)
+    assert auto.fused_projections is True and {"qkv_proj", "gate_up_proj"} <= names(auto.model)
+    off = _engine(nnx.clone(llama), kernel_backend="xla", command_buffers=False, fuse_projections=False)
+    assert off.fused_projections is False and "qkv_proj" not in names(off.model)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    tp = _engine(nnx.clone(llama), kernel_backend="xla", command_buffers=False, mesh=mesh)
+    assert tp.fused_projections is False
+    with pytest.raises(ValueError, match="fuse_projections"):
+        _engine(nnx.clone(llama), kernel_backend="xla", command_buffers=False, mesh=mesh, fuse_projections=True)
 
 
 @pytest.mark.parametrize("arch", ["llama_bias", "mla"])

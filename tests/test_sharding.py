@@ -395,11 +395,11 @@ def check_engine_dp_mla():
     params = (params * 5)[: len(prompts)]
     params[4] = SamplingParams(max_new_tokens=4, temperature=0.7, seed=9, n=3)
     ec = dict(page_size=4, max_context=48, batch_buckets=(2, 4), token_buckets=(16, 32), max_prefill_tokens=16)
-    one = Engine(model, EngineConfig(**ec, num_pages=200))
+    one = Engine(model, EngineConfig(**ec, num_pages=200, overlap=False))
     ref = one.generate(prompts, params)
     want = [[s.output_tokens for s in one.samples(r.rid)] for r in ref]
     # 4 devices of 10 pages: 9 usable each, so the longer requests preempt on their device
-    eng = Engine(model, EngineConfig(**ec, num_pages=10, mesh=_mesh("dp"), mesh_axis="dp"))
+    eng = Engine(model, EngineConfig(**ec, num_pages=10, mesh=_mesh("dp"), mesh_axis="dp", overlap=False))
     assert eng.dp == 4 and len(eng.pools) == 4
     seen = set()
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]

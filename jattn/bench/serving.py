@@ -156,8 +156,8 @@ def run_one(
     batch_buckets: tuple | None = None,
     samples: int = 1,
     cascade: bool | None = None,
-    overlap: bool = False,
-    fuse_projections: bool = False,
+    overlap: bool = True,
+    fuse_projections: bool | None = None,
 ) -> dict:
     """One row. ``light_warmup``: compile with as many full-length prompts as one
     extend step takes (the batch bucket of that size is added) and one decode step of
@@ -167,8 +167,8 @@ def run_one(
     ``bs // samples`` prompts of ``samples`` parallel samples each (``SamplingParams.n``,
     temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``.
     ``overlap``: the engine's overlap scheduling (``EngineConfig.overlap``).
-    ``fuse_projections``: q/k/v and gate/up as one matmul each (give a model that is
-    already fused or one that may be fused in place)."""
+    ``fuse_projections``: q/k/v and gate/up as one matmul each (``EngineConfig.
+    fuse_projections``; True or None may fuse ``model`` in place)."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
@@ -396,15 +396,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--overlap",
-        default="off",
+        default="on",
         help="overlap scheduling (EngineConfig.overlap) settings to compare, comma-separated: off, on "
-        "(default off; off,on runs each row both ways)",
+        "(default on, the engine's; off,on runs each row both ways)",
     )
     ap.add_argument(
         "--fuse-projections",
-        default="off",
+        default="on",
         help="fused q/k/v and gate/up matmuls (EngineConfig.fuse_projections) settings to compare: off, on "
-        "(default off; off,on runs each row both ways, the fused rows on a fused copy of the model)",
+        "(default on, the engine's on a GPU; off,on runs each row both ways, the fused rows on a fused "
+        "copy of the model)",
     )
     ap.add_argument(
         "--cascade",
@@ -505,12 +506,12 @@ def main(argv=None) -> int:
                         print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
         shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
         fused_model = None
-        if "on" in fuse_modes:  # a fused copy for the fused rows (the engine fuses in place)
+        if "on" in fuse_modes:  # the fused rows' model: a fused copy when unfused rows run too
             from flax import nnx
 
             from jattn.models.layers import fuse_projections
 
-            fused_model = nnx.clone(model)
+            fused_model = nnx.clone(model) if "off" in fuse_modes else model
             fuse_projections(fused_model)
         for bs, prompt_len, cb, (be_name, backend), casc, ov, fu in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
