@@ -59,6 +59,7 @@ from jattn.models.requests import (
     _validated_prompt,
 )
 from jattn.models.sampling import SamplingParams, sample_tokens, sampling_arrays, wrap_seed
+from jattn.models.setup import new_kv_cache, serving_model
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
     InFlight,
@@ -125,39 +126,13 @@ class Engine:
     """
 
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), backend=None):
-        self.model = model
         self.config = c = config
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
-        if c.mesh is not None:
-            from jattn.models.parallel import for_engine
-
-            if backend is not None:
-                raise ValueError("EngineConfig.mesh: the engine builds the sharded backend; pass backend=None")
-            model, backend = for_engine(
-                model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend
-            )
-            self.model = model  # the tensor-parallel copy
-        tensor_parallel = c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1
-        if c.fuse_projections and tensor_parallel:
-            raise ValueError(
-                "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "
-                "(their column sharding is per projection)"
-            )
-        fuse = c.fuse_projections
-        if fuse is None:  # auto: where it was measured faster (GPU), never tensor-parallel
-            fuse = jax.default_backend() == "gpu" and not tensor_parallel
-        if fuse:
-            from jattn.models.layers import fuse_projections
-
-            fuse_projections(self.model)
-            model = self.model
-        self.fused_projections = fuse
-        if backend is None:
-            backend = self._default_backend(model, c)
-        self.backend = backend
+        self.model, self.backend, self.fused_projections = serving_model(model, c, backend)
+        model, backend = self.model, self.backend
         self.dp = getattr(backend, "data_parallel_size", 1)  # pools, one per device of a data-parallel axis
-        self.kv_cache = self._new_cache()
+        self.kv_cache = new_kv_cache(model, backend, c)
         self.pools = [PagePool(c.num_pages) for _ in range(self.dp)]
         self.metrics = EngineMetrics()
         self._graphdef, self.state = nnx.split(model)
@@ -171,17 +146,6 @@ class Engine:
         self._inflight: InFlight | None = None  # the launched step not yet read back
         self._fail_at_readback: set[int] = set()  # overlap: rids that cannot grow, failed at read-back
         self._last_resolve = 0.0
-
-    def _new_cache(self):
-        c = self.config
-        if c.mesh is not None:
-            from jattn.models.parallel import make_cache
-
-            dtype = c.kv_cache_dtype or self.model.config.dtype
-            return make_cache(self.model, self.backend, num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
-        return self.model.make_cache(
-            num_pages=c.num_pages, page_size=c.page_size, dtype=c.kv_cache_dtype or self.model.config.dtype
-        )
 
     @property
     def state(self):
@@ -198,15 +162,6 @@ class Engine:
     def allocator(self):
         """The free list of the first (with one device, the only) page pool."""
         return self.pools[0].allocator
-
-    @staticmethod
-    def _default_backend(model, c: EngineConfig):
-        from jattn.models.deepseek import Deepseek, default_mla_backend
-        from jattn.models.llama import default_mha_backend
-
-        if isinstance(model, Deepseek):
-            return default_mla_backend(model.config, c.page_size, c.kernel_backend)
-        return default_mha_backend(model.config, c.page_size, c.kernel_backend)
 
     # ------------------------------------------------------------------ requests
 
@@ -599,7 +554,7 @@ class Engine:
                 self._fail(r, msg)
         preempted = []
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv_cache)):
-            self.kv_cache = self._new_cache()
+            self.kv_cache = new_kv_cache(self.model, self.backend, self.config)
             for r in reversed(self.running + self.prefilling):
                 self._preempt(r)
                 preempted.append(r.rid)

@@ -1,0 +1,56 @@
+"""What an :class:`~jattn.models.engine.Engine` serves, built from its config: the model
+(a tensor-parallel copy on a mesh, its projections fused where that is the choice), the
+attention backend, and a fresh KV cache."""
+
+from __future__ import annotations
+
+import jax
+
+from jattn.models.requests import EngineConfig
+
+__all__ = ["serving_model", "new_kv_cache"]
+
+
+def serving_model(model, c: EngineConfig, backend=None):
+    """``(model, backend, fused)`` for config ``c``: on a mesh, the sharded model and
+    backend (``models.parallel.for_engine``; a backend given too is refused); the q/k/v
+    and gate/up projections fused in place when ``c.fuse_projections`` asks for it (None:
+    on a GPU unless tensor-parallel; True with a tensor-parallel mesh is refused); without
+    a backend, the model's default one for ``c.kernel_backend``."""
+    if c.mesh is not None:
+        from jattn.models.parallel import for_engine
+
+        if backend is not None:
+            raise ValueError("EngineConfig.mesh: the engine builds the sharded backend; pass backend=None")
+        model, backend = for_engine(model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend)
+    tensor_parallel = c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1
+    if c.fuse_projections and tensor_parallel:
+        raise ValueError(
+            "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "
+            "(their column sharding is per projection)"
+        )
+    fuse = c.fuse_projections
+    if fuse is None:  # auto: where it was measured faster (GPU), never tensor-parallel
+        fuse = jax.default_backend() == "gpu" and not tensor_parallel
+    if fuse:
+        from jattn.models.layers import fuse_projections
+
+        fuse_projections(model)
+    if backend is None:
+        from jattn.models.deepseek import Deepseek, default_mla_backend
+        from jattn.models.llama import default_mha_backend
+
+        default = default_mla_backend if isinstance(model, Deepseek) else default_mha_backend
+        backend = default(model.config, c.page_size, c.kernel_backend)
+    return model, backend, fuse
+
+
+def new_kv_cache(model, backend, c: EngineConfig):
+    """An empty KV cache of ``c.num_pages`` pages for ``model`` (sharded as ``backend``
+    serves it on a mesh), in ``c.kv_cache_dtype`` or the model's dtype."""
+    dtype = c.kv_cache_dtype or model.config.dtype
+    if c.mesh is not None:
+        from jattn.models.parallel import make_cache
+
+        return make_cache(model, backend, num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
+    return model.make_cache(num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
