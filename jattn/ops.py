@@ -306,7 +306,6 @@ def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
             m_rows=max_seqlen_q * q.shape[1],
             kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
             q_itemsize=jnp.dtype(q.dtype).itemsize,
-            convert_stages=mod.convert_stages_for(jnp.dtype(k_cache.dtype).itemsize, mod.KernelOptions()),
         )
         blocks = -(-width // (bsz.block_tokens * bsz.pages_per_block))
         return {"block_sizes": dataclasses.replace(bsz, num_splits=min(splits, blocks))}

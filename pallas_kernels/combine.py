@@ -42,6 +42,7 @@ __all__ = [
     "combine_splits",
     "combine_launch_params",
     "choose_num_splits",
+    "wave_splits",
     "invariant_num_splits",
     "INVARIANT_SPLIT_TOKENS",
     "NUM_SMS",
@@ -148,6 +149,14 @@ def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int =
         if score > best_score + 1e-9:
             best, best_score = s, score
     return best
+
+
+def wave_splits(programs: int, most: int, *, waves: int = 2, cap: int = 64) -> int:
+    """Splits per request so that about ``waves`` waves of ``programs * splits`` programs
+    (or CTAs) cover the SMs, at most ``most`` (what the length allows: a split's shortest
+    length) and ``cap``; at least 1."""
+    want = -(-waves * NUM_SMS // max(1, programs))
+    return max(1, min(want, most, cap))
 
 
 def invariant_num_splits(width_tokens: int) -> int:

@@ -137,15 +137,26 @@ def smem_bytes(block_n, head_dim, kv_itemsize, q_itemsize, compute_wgs, stages, 
 
 
 def choose_block_sizes(
-    *, batch, num_kv_heads, head_dim, page_size, max_pages, m_rows, kv_itemsize, q_itemsize=2, convert_stages=0
+    *,
+    batch,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    max_pages,
+    m_rows,
+    kv_itemsize,
+    q_itemsize=2,
+    options: KernelOptions = KernelOptions(),
 ) -> BlockSizes:
     """The tiling used when the caller gives none.
 
     Prefers a KV block near 128 rows (64 for head_dim 256) with a ring of at least
     3 stages in shared memory, two compute warpgroups when there are two 64-row
     query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`.
-    ``convert_stages``: the FP8 converter's f16 ring slots (0: in-chain upcast).
+    ``options``: the kernel options the tiling is for (FP8 KV with the converter warpgroup
+    holds its f16 ring in shared memory too).
     """
+    convert_stages = convert_stages_for(kv_itemsize, options)
     m_tiles = -(-m_rows // 64)
     compute_wgs = 2 if (m_tiles % 2 == 0 and kv_itemsize == 2) else 1
     choice = None
@@ -343,7 +354,7 @@ def decode_config(
                 f"convert_stages={convert_stages})"
             )
     bsz = block_sizes or choose_block_sizes(
-        convert_stages=convert_stages,
+        options=options,
         batch=batch,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,

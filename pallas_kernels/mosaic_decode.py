@@ -78,7 +78,6 @@ from jattn.pallas_kernels.decode_tuning import (
     auto_skip_reason,
     choose_block_sizes,
     choose_num_splits,
-    convert_stages_for,
     decode_config,
     unsupported_reason,
 )
@@ -92,7 +91,6 @@ __all__ = [
     "KernelOptions",
     "choose_block_sizes",
     "choose_num_splits",
-    "convert_stages_for",
     "SUPPORTED_PAGE_SIZES",
     "SUPPORTED_HEAD_DIMS",
 ]

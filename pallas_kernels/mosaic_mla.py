@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn.pallas_kernels.combine import combine_splits
+from jattn.pallas_kernels.combine import combine_splits, wave_splits
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
@@ -67,7 +67,6 @@ _LOG2E = math.log2(math.e)
 BLOCK_N = 64  # tokens per KV block
 NUM_STAGES = 2
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
-_NUM_SMS = 132  # H200; the split count targets two CTAs' worth of work per SM
 
 
 def _interpreting() -> bool:
@@ -138,9 +137,7 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
 def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
     """Splits per request so that the grid gives each SM about two CTAs, and no split
     is shorter than two blocks (each split pays its pipeline fill and a combine row)."""
-    ctas = max(1, batch * m_tiles)
-    want = -(-2 * _NUM_SMS // ctas)
-    return max(1, min(want, max_blocks // 2, 64))
+    return wave_splits(batch * m_tiles, max_blocks // 2)
 
 
 # ---------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels.combine import wave_splits
+
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed
@@ -42,7 +44,6 @@ __all__ = ["mha_decode", "unsupported_reason", "launch_params"]
 _LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_Q_LEN = 8
-_NUM_SMS = 132
 
 
 def _decode_kernel(
@@ -162,8 +163,7 @@ def launch_params(bs: int, hq: int, hkv: int, d: int, q_len: int, max_tokens: in
     block_m = max(16, 1 << max(0, (m - 1).bit_length()))
     block_n = 64 if d <= 128 else 32
     if num_splits is None:
-        want = -(-2 * _NUM_SMS // max(1, bs * hkv))
-        num_splits = max(1, min(want, max_tokens // 256, 64))
+        num_splits = wave_splits(bs * hkv, max_tokens // 256)
     return (bs, hkv, num_splits), dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits)
 
 

@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels.combine import wave_splits
+
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed
@@ -36,7 +38,6 @@ except ImportError:  # pragma: no cover - Triton not installed
 __all__ = ["mla_decode", "unsupported_reason", "launch_params", "choose_tuning", "Tuning", "DEFAULT_TUNING"]
 
 MAX_Q_LEN = 8
-_NUM_SMS = 132
 
 
 def _mla_kernel(
@@ -183,8 +184,7 @@ def launch_params(
     block_m = min(tuning.block_m, max(16, 1 << max(0, (m - 1).bit_length())))
     tiles = -(-m // block_m)
     if num_splits is None:
-        want = -(-tuning.waves * _NUM_SMS // max(1, bs * tiles))
-        num_splits = max(1, min(want, max_tokens // 256, MAX_SPLITS))
+        num_splits = wave_splits(bs * tiles, max_tokens // 256, waves=tuning.waves, cap=MAX_SPLITS)
     launch = dict(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     return (bs, tiles, num_splits), dict(BLOCK_M=block_m, BLOCK_N=tuning.block_n, SPLITS=num_splits), launch
 

@@ -1075,7 +1075,6 @@ def _run_mosaic(c):
                 max_pages=pool.width,
                 m_rows=c["q_len"] * c["hq"],
                 kv_itemsize=kc.dtype.itemsize,
-                convert_stages=mosaic.convert_stages_for(kc.dtype.itemsize, mosaic.KernelOptions()),
             )
             bsz = dataclasses.replace(bsz, num_splits=c["splits"])
         opts = mosaic.KernelOptions(overlap_qk=c["overlap_qk"])

@@ -101,7 +101,7 @@ def _block_sizes(c: Case, k, table, options: md.KernelOptions):
         max_pages=table.shape[1],
         m_rows=c.q_len * c.hq,
         kv_itemsize=jnp.dtype(k.dtype).itemsize,
-        convert_stages=md.convert_stages_for(jnp.dtype(k.dtype).itemsize, options),
+        options=options,
     )
     return dataclasses.replace(bs, num_splits=c.splits)
 
@@ -599,7 +599,7 @@ def test_block_sizes_over_shared_memory_are_refused():
     from jattn.pallas_kernels import decode_tuning as dt
 
     kw = dict(batch=2, num_kv_heads=8, head_dim=128, page_size=64, max_pages=32, m_rows=32, kv_itemsize=1)
-    plain = dt.choose_block_sizes(**kw)  # chosen without the converter's f16 ring
+    plain = dt.choose_block_sizes(options=dt.KernelOptions(fp8_converter=False), **kw)  # no f16 ring
     cfg = dict(
         batch=2,
         num_pages=70,
@@ -619,5 +619,5 @@ def test_block_sizes_over_shared_memory_are_refused():
     with pytest.raises(ValueError, match="block_sizes=.*shared memory"):
         dt.decode_config(block_sizes=plain, options=dt.KernelOptions(fp8_converter=True), **cfg)
     assert dt.decode_config(block_sizes=plain, options=dt.KernelOptions(fp8_converter=False), **cfg).bs == plain
-    conv = dt.choose_block_sizes(convert_stages=dt.convert_stages_for(1, dt.KernelOptions()), **kw)
+    conv = dt.choose_block_sizes(**kw)  # the default options: the converter's ring counted
     assert dt.decode_config(block_sizes=conv, options=dt.KernelOptions(), **cfg).convert_stages == 2

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             max_pages=tables.shape[-1],
             m_rows=q_len * HQ,
             kv_itemsize=jnp.dtype(kv_dtype).itemsize,
-            convert_stages=md.convert_stages_for(jnp.dtype(kv_dtype).itemsize, opts),
+            options=opts,
         )
         try:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)

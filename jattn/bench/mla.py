@@ -113,27 +113,20 @@ def tuning_label(tuning) -> str:
     return f"triton m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} v{t.waves}"
 
 
-def timed_triton(tuning, row: Row, qs, kv, tables, lens, n_hi: int):
-    """GPU seconds per call of the Triton kernel at one launch choice (None if it fails)."""
-    from jattn.pallas_kernels import triton_mla
+def time_calls(label: str, call, arrays, n_hi: int):
+    """GPU seconds per ``call(q, kv, page_table, lens)`` on the rotated ``arrays`` (the
+    queries and page tables rotate), or None, printed under ``label``, when it fails
+    (a backend that cannot run the row, a launch that does not fit)."""
+    qs, kv, tables, lens = arrays
 
     def step(i, qs, kv, tables, lens):
-        return triton_mla.mla_decode(
-            qs[i],
-            kv,
-            tables[i % NUM_ROT],
-            lens,
-            kv_lora_rank=R,
-            softmax_scale=SCALE,
-            max_seqlen_q=row.q_len,
-            tuning=tuning,
-        )
+        return call(qs[i], kv, tables[i % NUM_ROT], lens)
 
     try:
         t = common.time_rotated(step, (qs, kv, tables, lens), n_hi=n_hi, reps=3, join=False, device=True)
         return t.device_seconds or t.seconds
-    except Exception as e:  # noqa: BLE001 - a launch that does not fit (shared memory, registers)
-        print(f"{row.label}: {tuning_label(tuning)}: {type(e).__name__}: {str(e)[:300]}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
         return None
 
 
@@ -164,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import jattn
     from jattn.bench.prefill import matmul_rate
-    from jattn.pallas_kernels import mosaic_mla, triton_glue
+    from jattn.pallas_kernels import mosaic_mla, triton_glue, triton_mla
 
     triton_mla_runs = triton_glue.available()
 
@@ -185,16 +178,19 @@ def main(argv: list[str] | None = None) -> None:
         nbytes, flops = row_bytes_flops(row, lens_np)
         kw = dict(kv_lora_rank=R, softmax_scale=SCALE, max_seqlen_q=row.q_len, is_causal=True)
 
-        def timed(backend):
-            def step(i, qs, kv, tables, lens):
-                return jattn.mla_decode_with_kvcache(qs[i], kv, tables[i % NUM_ROT], lens, backend=backend, **kw)
+        arrays = (qs, kv, tables, lens)
 
-            try:
-                t = common.time_rotated(step, (qs, kv, tables, lens), n_hi=n_hi, reps=3, join=False, device=True)
-                return t.device_seconds or t.seconds
-            except Exception as e:  # noqa: BLE001 - a backend that cannot run this row
-                print(f"{row.label}: {backend}: {type(e).__name__}: {str(e)[:300]}")
-                return None
+        def timed(backend):
+            def call(q, kv, table, lens):
+                return jattn.mla_decode_with_kvcache(q, kv, table, lens, backend=backend, **kw)
+
+            return time_calls(f"{row.label}: {backend}", call, arrays, n_hi)
+
+        def timed_tuning(tuning):
+            def call(q, kv, table, lens):
+                return triton_mla.mla_decode(q, kv, table, lens, tuning=tuning, **kw)
+
+            return time_calls(f"{row.label}: {tuning_label(tuning)}", call, arrays, n_hi)
 
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
         if why:
@@ -204,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         if triton_mla_runs:
             kernels.append(("triton", timed("triton")))
             for tuning in tunings:
-                kernels.append((tuning_label(tuning), timed_triton(tuning, row, qs, kv, tables, lens, n_hi)))
+                kernels.append((tuning_label(tuning), timed_tuning(tuning)))
         if ref is not None:
             kernels.append(("xla", ref))
         for backend, s in kernels:
