@@ -50,7 +50,12 @@ def vec_iota(size: int, dim: int, *, interpret: bool):
     """i32 indices ``0..size-1`` of one axis of a WGMMA-layout tile: the rows
     (``dim=0``) or the columns (``dim=1``), in the reduced layout that broadcasts
     to the tile by reusing registers, so per-row and per-column work is done once
-    per row or column, not per element."""
+    per row or column, not per element.
+
+    ``vec_iota(n, 0)`` and ``vec_iota(n, 1)`` are the same op before their layout
+    casts: where one dominates the other, CSE merges them ahead of Mosaic GPU's layout
+    inference, which then has one value cast to two layouts and fails. In one scope
+    use at most one of the two per size (or a 2-D iota for the other)."""
     if interpret:
         return lax.broadcasted_iota(jnp.int32, (size,), 0)
     layout = plgpu.Layout.WGMMA.reduce(1 - dim)

@@ -29,10 +29,12 @@ Layout of the work:
 * Each split writes its normalised partial output and base-2 LSE;
   ``combine.combine_splits`` merges them and applies ``kv_scale`` to the output.
 
-Status: the kernel passes its tests under the Mosaic GPU interpreter and lowers for
-CUDA with jax 0.10, but on the H200 (jax 0.11.2) Mosaic GPU's layout inference
-finds no solution for it, so :func:`unsupported_reason` refuses every call on a
-GPU and ``jattn.mla_decode_with_kvcache`` runs on xla there.
+Register layouts: every register value derives its layout from an annotated source
+(the ``wgmma`` accumulator, a ``layout_cast``, or an iota built with a layout), and no
+two iotas of one shape and dimension are cast to different layouts: Mosaic GPU runs
+``canonicalize,cse`` before its layout inference, which merges identical ops, and a
+value cast to two layouts (or an iota whose uses fold away) leaves the search with
+no solution.
 
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
@@ -109,15 +111,7 @@ class MLADecodeConfig:
 
 
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
-    """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason.
-
-    On a GPU it serves nothing yet: Mosaic GPU's layout inference (jax 0.11.2) finds no
-    layout assignment for this kernel (docs/PERF.md), so calls go to xla; the kernel runs
-    under the interpreter (tests) and lowers for CUDA with jax 0.10."""
-    from jattn.pallas_kernels.interpret import interpreting, on_gpu
-
-    if on_gpu() and not interpreting():
-        return "the kernel does not compile on the GPU yet (Mosaic GPU layout inference finds no solution)"
+    """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason."""
     width = kv_cache.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q dtype {q.dtype} (bf16/f16 only)"
@@ -257,10 +251,15 @@ def _kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * 64, 64)], q_smem, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         xscale = scale_ref[0] * _LOG2E
-        rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
-        row_q = lax.div(rows, jnp.int32(H))  # its query index i
-        # the last key each row sees (padding rows: the last key of the request)
-        limit = jnp.minimum(seq_len - cfg.q_len + row_q, seq_len - 1) if cfg.is_causal else seq_len - 1 + 0 * row_q
+        if cfg.is_causal:
+            rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
+            row_q = lax.div(rows, jnp.int32(H))  # its query index i
+            # the last key each row sees (padding rows: the last key of the request)
+            limit = jnp.minimum(seq_len - cfg.q_len + row_q, seq_len - 1)
+        else:
+            # Every row sees every key. A scalar limit, not a row vector that folds to one:
+            # an iota left with no use that fixes its layout fails layout inference.
+            limit = seq_len - 1
 
         def qk(slot):
             k = kv_smem.at[slot]
@@ -275,13 +274,18 @@ def _kernel(
 
             return pl.run_scoped(scope, plgpu.ACC((64, BN), jnp.float32))
 
+        def tile_iota(dim):
+            """i32 indices along ``dim`` of a [64, 64] tile in the WGMMA layout. The column
+            index is built as a tile, not as a [64] vector broadcast: a [64] column iota is
+            the same op as the row iota above, so CSE merges the two before layout
+            inference, which then finds no layout for the one value cast to both."""
+            if interp:
+                return lax.broadcasted_iota(jnp.int32, (64, BN), dim)
+            return plgpu.broadcasted_iota(jnp.int32, (64, BN), dim, layout=plgpu.Layout.WGMMA)
+
         def clean(slot, k0):
             """An edge block's V entries of keys past the length, and non-finite ones, become 0."""
-            keyrow = (
-                lax.broadcasted_iota(jnp.int32, (BN, 64), 0)
-                if interp
-                else plgpu.broadcasted_iota(jnp.int32, (BN, 64), 0, layout=plgpu.Layout.WGMMA)
-            ) + k0
+            keyrow = tile_iota(0) + k0
             inside = keyrow < seq_len
             for c in range(0, cfg.rank, 64):
                 piece = kv_smem.at[slot, :, pl.ds(c, 64)]
@@ -299,8 +303,8 @@ def _kernel(
             plgpu.barrier_wait(kv_bar.at[slot])
             x = qk(slot) * xscale
             if edge:
-                cols = lax.broadcast_in_dim(vec_iota(BN, 1, interpret=interp) + k0, (64, BN), [1])
-                ok = cols <= lax.broadcast_in_dim(limit, (64, BN), [0])
+                cols = tile_iota(1) + k0
+                ok = cols <= (lax.broadcast_in_dim(limit, (64, BN), [0]) if cfg.is_causal else limit)
                 x = jnp.where(ok, x, -jnp.inf)
             m_new = jnp.maximum(m_i, x.max(axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -110,7 +110,6 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="Mosaic GPU layout inference (jax 0.11.2) finds no solution for the kernel yet", strict=False)
 @pytest.mark.parametrize("c", GPU_CASES, ids=str)
 def test_gpu(c):
     if not on_gpu():
@@ -135,7 +134,6 @@ def test_lowers_for_cuda(heads, q_len, page_size):
     assert "jattn_mla_decode" in text
 
 
-@pytest.mark.skipif(on_gpu(), reason="on a GPU every call is refused (layout inference)")
 def test_unsupported_reasons():
     q = jnp.zeros((2, 16, W), jnp.bfloat16)
     kv = jnp.zeros((4, 64, W), jnp.bfloat16)
