@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn.pallas_kernels.combine import combine_splits, wave_splits
+from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
@@ -128,10 +128,23 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
     return None
 
 
+#: A CTA's fixed cost in block times: the ring's fill and the output and LSE writes.
+SPLIT_OVERHEAD_BLOCKS = 2
+
+
 def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
-    """Splits per request so that the grid gives each SM about two CTAs, and no split
-    is shorter than two blocks (each split pays its pipeline fill and a combine row)."""
-    return wave_splits(batch * m_tiles, max_blocks // 2)
+    """Splits per request with the shortest predicted makespan. One CTA fits an SM (its
+    shared memory), so ``batch * m_tiles * splits`` CTAs run in waves of ``NUM_SMS``,
+    each CTA taking ``ceil(max_blocks / splits)`` blocks plus
+    :data:`SPLIT_OVERHEAD_BLOCKS`; the fewest splits win a tie (each split is a combine
+    row). Only static facts are used: the page-table width, not the traced lengths."""
+    programs = max(1, batch * m_tiles)
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(max_blocks, 2 * NUM_SMS)) + 1):
+        cost = -(-programs * s // NUM_SMS) * (-(-max_blocks // s) + SPLIT_OVERHEAD_BLOCKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 # ---------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 Wraps the solver's recursive search to remember the deepest point it reached (the
 fewest unknowns left) and prints, on failure, those unknowns' ops and source lines
-and the constraints still open there. JATTN_DIAG_FUEL sets the solver's fuel.
-Usage: python scripts/diag_mla_layout.py [--q-len N] [--page P]
+and the constraints still open there. JATTN_DIAG_FUEL sets the solver's fuel (default
+20,000: a failing build stops in about a minute; Mosaic GPU's own default is 100,000).
+Needs a GPU (the layout pass runs when the kernel is compiled).
+Usage: python scripts/diag_mla_layout.py [--q-len N] [--page P] [--heads H]
 """
+
 import argparse
 import os
 import sys
@@ -67,15 +70,15 @@ def main():
     try:
         out = mosaic_mla.mla_decode(q, kv, pt, lens, kv_lora_rank=512, softmax_scale=0.1, max_seqlen_q=args.q_len)
         jax.block_until_ready(out)
-        print(f"OFF={os.environ.get('JATTN_MLA_OFF', '')} COMPILED in {time.time() - t0:.0f}s", flush=True)
+        print(f"COMPILED in {time.time() - t0:.0f}s", flush=True)
         from jattn import reference
 
         ref = reference.mla_decode(q, kv, pt, lens, kv_lora_rank=512, softmax_scale=0.1, max_seqlen_q=args.q_len)
         print("max abs err vs reference:", float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()))
     except Exception as e:  # noqa: BLE001
-        print(f"OFF={os.environ.get('JATTN_MLA_OFF', '')} FAILED in {time.time() - t0:.0f}s: {str(e)[:300]}", flush=True)
+        print(f"FAILED in {time.time() - t0:.0f}s: {str(e)[:300]}", flush=True)
         best = state["best"]
-        if best is not None and not os.environ.get("JATTN_DIAG_QUIET"):
+        if best is not None:
             remaining, constraints = best
             print(f"solver calls {state['calls']}; deepest point: {len(remaining)} unknowns left")
             for v in remaining[:60]:

@@ -145,7 +145,48 @@ def test_unsupported_reasons():
 
 
 def test_choose_num_splits():
-    assert mm.choose_num_splits(1, 1, 512) == 64  # batch 1 at 32k: capped
-    assert mm.choose_num_splits(64, 1, 64) == 5  # 64 x 4096: ~2 CTAs per SM
-    assert mm.choose_num_splits(128, 2, 64) == 2
+    assert mm.choose_num_splits(1, 1, 512) == 128  # batch 1 at 32k: one wave, 4 blocks each
+    assert mm.choose_num_splits(64, 1, 64) == 2  # 64 x 4096: 128 CTAs in one wave
+    assert mm.choose_num_splits(128, 1, 64) == 1  # 128 x 4096: one wave already
+    assert mm.choose_num_splits(128, 2, 64) == 1
     assert mm.choose_num_splits(4, 1, 1) == 1  # a block or two: no split
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_deepseek_engine_interpreted_matches_xla():
+    """The serving engine on a DeepSeek model with the kernel's shapes (latent 512 + rope
+    64, 16 heads, f16): the Mosaic MLA decode and prefill kernels, interpreted, give the
+    xla reference's greedy tokens. About 6 minutes here, so `slow`."""
+    from flax import nnx
+
+    from jattn.models.config import DeepseekConfig
+    from jattn.models.deepseek import Deepseek
+    from jattn.models.engine import Engine, EngineConfig, SamplingParams
+
+    cfg = DeepseekConfig.tiny(
+        hidden_size=256,
+        num_heads=16,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_layers=1,
+        first_k_dense_replace=1,
+        dtype="float16",
+        param_dtype="float16",
+    )
+    model = Deepseek(cfg, rngs=nnx.Rngs(3), std=0.3)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 37)]
+
+    def run(backend):
+        config = EngineConfig(
+            page_size=16, num_pages=64, max_context=128, batch_buckets=(2,), token_buckets=(64,), kernel_backend=backend
+        )
+        return [r.output_tokens for r in Engine(model, config).generate(prompts, SamplingParams(max_new_tokens=4))]
+
+    want = run("xla")
+    with gpu_interpret():
+        assert run("mosaic") == want
