@@ -203,6 +203,26 @@ class _BridgeBase:
         """Plans new values into the bucket of ``bs`` (CUDA-graph replay: no retrace)."""
         return self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
 
+    def init_forward_metadata_out_graph(
+        self,
+        bs: int,
+        req_pool_indices=None,
+        seq_lens=None,
+        req_to_page=None,
+        forward_mode=ForwardMode.DECODE,
+        in_capture: bool = False,
+        **kwargs,
+    ):
+        """SGLang's planning outside the captured graph: installs the plan of the batch
+        (every mode; arguments as in :meth:`init_forward_metadata`). With ``in_capture``
+        ``bs`` must be a bucket, and the plan is kept as that bucket's capture plan."""
+        if in_capture and int(bs) not in self._jbackend.batch_buckets:
+            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self._jbackend.batch_buckets}")
+        md_dev = self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
+        if in_capture:
+            self.cuda_graph_metadata[int(bs)] = md_dev
+        return md_dev
+
     def init_forward_metadata(
         self,
         bs: int,

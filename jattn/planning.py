@@ -172,6 +172,31 @@ class _PlanningMixin:
             bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages
         )
 
+    def init_forward_metadata_out_graph(
+        self,
+        bs: int,
+        req_pool_indices,
+        seq_lens,
+        req_to_page,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+        in_capture: bool = False,
+        num_pages: int | None = None,
+        **kwargs,
+    ) -> DecodeMetadata | ExtendMetadata:
+        """SGLang's planning outside the captured graph: the plan of the batch, every mode.
+
+        Arguments as in :meth:`init_forward_metadata` (``extend_seq_lens`` and the rest
+        in ``kwargs``). A jitted step takes the plan as an argument, so planning is
+        always outside the compiled program; ``in_capture`` (the step that compiles the
+        bucket) only checks that ``bs`` is one of :attr:`batch_buckets`, so that the plan
+        has that bucket's shapes and later plans of the same bucket reuse the program.
+        """
+        if in_capture and int(bs) not in self.batch_buckets:
+            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self.batch_buckets}")
+        return self.init_forward_metadata(
+            bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages, **kwargs
+        )
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """The length to give padding rows of a bucket: 0 (an empty row: output 0,
         its new K/V written to the dummy page, no page of its own needed)."""

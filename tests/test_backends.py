@@ -667,3 +667,48 @@ def test_mla_backend_llama_4_scaling_scales_the_query():
         assert not np.allclose(np.asarray(got), np.asarray(plain), atol=1e-3), "the scaling changed nothing"
     with pytest.raises(ValueError, match="llama_4_scaling shape"):
         apply_llama_4_scaling(jnp.zeros((4, 2, 8)), jnp.ones((3,)))
+
+
+def test_mla_init_forward_metadata_out_graph():
+    """SGLang's out-of-graph planning: the capture plan of a bucket and later plans of the
+    same bucket run one compiled step; an extend plans as an extend; a capture at a size
+    that is no bucket is refused."""
+    rng = np.random.default_rng(9)
+    cfg, be, layer, cache = _mla_setup(rng, spec=2)
+    traces = []
+
+    @jax.jit
+    def step(cache, md, q):
+        traces.append(1)
+        return be.forward_decode(q, None, None, layer, cache, md, save_kv_cache=False)
+
+    outs = []
+    for lens, mode, capture in (
+        ([5, 9, 2, 3], ForwardMode.TARGET_VERIFY, True),
+        ([97, 2, 33], ForwardMode.TARGET_VERIFY, False),
+        ([40, 7], ForwardMode.TARGET_VERIFY, False),
+    ):
+        r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
+        for b, n in enumerate(lens):  # this request's rows hold finite values
+            for t in range(n):
+                p = r2p[b, t // 16]
+                cache = cache.replace_layer(0, cache.kv[0].at[p, t % 16].set(rng.standard_normal(80)))
+        md = be.init_forward_metadata_out_graph(len(lens), np.arange(len(lens)), np.array(lens), r2p, mode, capture)
+        assert md.batch_size == 4 and md.forward_mode is ForwardMode.TARGET_VERIFY
+        want = be.init_forward_metadata(len(lens), np.arange(len(lens)), np.array(lens), r2p, mode)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), md, want))
+        q = jnp.asarray(rng.standard_normal((4 * 2, 4, 80)), jnp.float32)
+        out, _ = step(cache, md, q)
+        outs.append(np.asarray(out)[: 2 * len(lens)])
+    assert len(traces) == 1 and all(np.isfinite(o).all() for o in outs)
+    ext = be.init_forward_metadata_out_graph(
+        2,
+        np.arange(2),
+        np.array([20, 3]),
+        _mla_pages(rng, [20, 3], 16, 32, 8),
+        ForwardMode.EXTEND,
+        extend_seq_lens=np.array([4, 3]),
+    )
+    assert ext.forward_mode is ForwardMode.EXTEND and ext.num_tokens >= 7
+    with pytest.raises(ValueError, match=r"in_capture: bs=3 is not one of the buckets \(4, 8\)"):
+        be.init_forward_metadata_out_graph(3, np.arange(3), np.array([5, 9, 1]), r2p, in_capture=True)

@@ -388,6 +388,21 @@ def test_mha_target_verify_and_cuda_graph_capture_replay():
         torch.testing.assert_close(
             out[r * spec : (r + 1) * spec].float().cpu().view(spec, hq, d), exp, atol=2e-2, rtol=2e-2
         )
+    # SGLang's out-of-graph planning installs the same plan: same program, same values
+    be.init_forward_metadata_out_graph(
+        3, eng.req_pool_indices, torch.tensor([6, 10, 3]), eng.req_to_page, ForwardMode.TARGET_VERIFY
+    )
+    again = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True)
+    assert fn._cache_size() == 1 and torch.equal(again, out)
+    with pytest.raises(ValueError, match=r"in_capture: bs=3 is not one of the buckets \(1, 2, 4\)"):
+        be.init_forward_metadata_out_graph(
+            3,
+            eng.req_pool_indices,
+            torch.tensor([6, 10, 3]),
+            eng.req_to_page,
+            ForwardMode.TARGET_VERIFY,
+            in_capture=True,
+        )
     assert be.support_kv_cache_prewrite(ForwardMode.DECODE) and not be.support_kv_cache_prewrite(ForwardMode.EXTEND)
 
 
