@@ -7,7 +7,8 @@
 * :class:`TorchMHABackend` (tokenspeed's ``MHAAttnBackend`` methods) and
   :class:`TorchMLABackend` (SGLang's ``TRTLLMMLABackend`` methods): torch tensors in
   and out, the work in jattn's core backends under ``jax.jit``, the KV pool viewed
-  (never copied) and written in place.
+  (never copied) and written in place; :class:`TorchMLAMultiStepDraftBackend`
+  (SGLang's ``TRTLLMMLAMultiStepDraftBackend``): one of those per EAGLE draft step.
 
 * ``triton_native.mha_decode`` / ``mla_decode``: jattn's Triton paged decode and MLA
   absorbed decode launched natively on torch tensors (no JAX in the call; capturable
@@ -15,7 +16,7 @@
   their layer calls this way (``native``).
 
 Modules: ``call`` (staging, views, jit cache, fences, per-layer plans), ``mha`` and
-``mla`` (the adapters), ``pool``, ``convert``, ``streams``, ``triton_native``, ``native``.
+``mla`` (the adapters), ``multistep``, ``pool``, ``convert``, ``streams``, ``triton_native``, ``native``.
 """
 
 try:
@@ -31,6 +32,7 @@ from jattn.metadata import ForwardMode
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, to_jax, to_torch
 from .mha import TorchMHABackend
 from .mla import TorchMLABackend
+from .multistep import TorchMLAMultiStepDraftBackend
 from .pool import AttentionLayer, TorchAttentionLayer, TorchKVPool, TorchMLAKVPool, layer_spec
 from .streams import StreamSync
 
@@ -48,6 +50,7 @@ __all__ = [
     "TorchMHABackend",
     "TorchMLABackend",
     "TorchMLAKVPool",
+    "TorchMLAMultiStepDraftBackend",
     "check_shareable",
     "layer_spec",
     "to_jax",

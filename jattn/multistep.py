@@ -155,6 +155,15 @@ class MLAMultiStepDraftBackend:
             raise ValueError(f"step={step} is not in [0, num_steps={self.num_steps})")
         return self.attn_backends[step].forward_decode(q, k, v, layer, kv_cache, metadata.step(step), **kwargs)
 
+    def init_forward_metadata_out_graph(
+        self, bs: int, req_pool_indices, seq_lens, req_to_page, in_capture: bool = False, num_pages: int | None = None
+    ) -> MultiStepMetadata:
+        """SGLang's planning outside the captured graph: the loop's plan, as
+        :meth:`init_forward_metadata`; ``in_capture`` checks that ``bs`` is a bucket."""
+        if in_capture and int(bs) not in self.batch_buckets:
+            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self.batch_buckets}")
+        return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, num_pages=num_pages)
+
     # ---- CUDA-graph analogue: one placeholder per bucket, refilled per loop.
 
     def init_cuda_graph_state(self, max_bs: int, *args, **kwargs) -> tuple:

@@ -492,6 +492,67 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
     torch.testing.assert_close(got, want)
 
 
+def test_mla_multistep_draft_loop():
+    """SGLang's multi-step draft backend on a torch pool: step i of a chain draft sees its
+    history plus the draft tokens of steps 0..i (written by the loop itself); a padding
+    row stays out; a capture plan then replays with no retrace; topk > 1 is refused."""
+    from jattn.bridge import TorchMLAMultiStepDraftBackend
+
+    rng = np.random.default_rng(6)
+    torch.manual_seed(6)
+    R, r, H, ps, steps = 64, 16, 4, 8, 3
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=r,
+        v_head_dim=32,
+        page_size=ps,
+        context_len=64,
+        num_pages=32,
+        batch_buckets=(4,),
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=32, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.bfloat16, device=DEV
+    )
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+    ms = TorchMLAMultiStepDraftBackend(cfg, pool, topk=1, speculative_num_steps=steps + 1)
+    assert ms.num_steps == steps and len(ms.attn_backends) == steps
+    eng = Engine(3, 8, ps, rng, 32)
+    hist = []
+    for rr, L in enumerate((5, 9, 1)):  # the history before the first draft token
+        c, kp = rand(L, R), rand(L, r)
+        pool.set_mla_kv_buffer(layer, torch.tensor(eng.slots(rr, 0, L), device=DEV), c, kp)
+        hist.append([torch.cat([c, kp], -1).float().cpu()])
+    lens0 = torch.tensor([6, 10, 0])  # request 2 is a padding row this loop
+    ms.init_forward_metadata(3, eng.req_pool_indices, lens0, eng.req_to_page)
+    for i in range(steps):
+        q, qr, c, kp = rand(3, H * R), rand(3, H * r), rand(3, R), rand(3, r)
+        out = ms.forward_decode(i, q, c, None, layer, None, save_kv_cache=True, q_rope=qr, k_rope=kp)
+        assert out.shape == (3, H * R)
+        for rr in range(2):
+            hist[rr].append(torch.cat([c[rr : rr + 1], kp[rr : rr + 1]], -1).float().cpu())
+            qq = torch.cat([q[rr].view(1, H, R), qr[rr].view(1, H, r)], -1).float().cpu()
+            exp = mla_ref(qq, torch.cat(hist[rr]), 1, R, cfg.softmax_scale)
+            torch.testing.assert_close(out[rr].float().cpu().view(1, H, R), exp, atol=3e-2, rtol=3e-2)
+        assert (out[2] == 0).all()  # the padding row's output
+    # request 2's page holds its history only: the padding row wrote nothing there
+    got = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[2], 1, ps)
+    torch.testing.assert_close(got, hist[2][0].to(torch.bfloat16).float())
+    # CUDA-graph helpers: capture bucket 4, replay new lengths, one program per step
+    assert ms.init_cuda_graph_state(4) == (4,) and ms.get_cuda_graph_seq_len_fill_value() == 0
+    ms.init_forward_metadata_capture_cuda_graph(4)
+    for i in range(steps):
+        ms.forward_decode(i, rand(4, H * R), rand(4, R), None, layer, None, save_kv_cache=False, q_rope=rand(4, H * r))
+    ms.init_forward_metadata_out_graph(2, eng.req_pool_indices, torch.tensor([3, 2]), eng.req_to_page)
+    for i in range(steps):
+        ms.forward_decode(i, rand(2, H * R), rand(2, R), None, layer, None, save_kv_cache=False, q_rope=rand(2, H * r))
+    assert all(len(be._fns) == 1 for be in ms.attn_backends)
+    assert all(f._cache_size() == 1 for be in ms.attn_backends for f in be._fns.values())
+    with pytest.raises(NotImplementedError, match="topk=2"):
+        TorchMLAMultiStepDraftBackend(cfg, pool, topk=2, speculative_num_steps=3)
+
+
 def _small_mla(H, P, r, Vd):
     """A small MLA config, its torch pool and backend, and one layer (prefill tests)."""
     cfg = MLAConfig(

@@ -108,7 +108,13 @@ def test_loop_in_one_jit_does_not_retrace_and_cuda_graph_flow():
         md = ms.init_forward_metadata_replay_cuda_graph(bs, np.arange(bs), np.array(lens), r2p)
         out, _ = run(cache, md, *args())
         assert np.isfinite(np.asarray(out)).all()
+        # SGLang's out-of-graph planning gives the same plan
+        og = ms.init_forward_metadata_out_graph(bs, np.arange(bs), np.array(lens), r2p)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), og, md))
+        run(cache, og, *args())
     assert len(traces) == 1
+    with pytest.raises(ValueError, match=r"in_capture: bs=3 is not one of the buckets"):
+        ms.init_forward_metadata_out_graph(3, np.arange(3), np.array([5, 30, 1]), r2p, in_capture=True)
 
 
 def test_multistep_errors_name_the_argument():

@@ -1,0 +1,106 @@
+"""``TorchMLAMultiStepDraftBackend``: SGLang's ``TRTLLMMLAMultiStepDraftBackend`` for a
+torch engine, over one latent pool.
+
+An EAGLE drafter runs ``speculative_num_steps - 1`` decode forwards back to back; step
+``i`` decodes the token at position ``seq_lens[b] - 1 + i`` and so sees
+``seq_lens[b] + i`` keys. As upstream, ``attn_backends[i]`` (a
+:class:`~jattn.bridge.TorchMLABackend` on the shared pool) serves step ``i`` with its
+own plan; the plans of a loop are made at once by :meth:`init_forward_metadata`, after
+the core's :class:`~jattn.multistep.MLAMultiStepDraftBackend` checked the loop (no two
+draft tokens of any step write one slot; chain drafts, ``topk=1``, only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jattn.backends import MLAConfig
+from jattn.metadata import ForwardMode
+from jattn.multistep import MLAMultiStepDraftBackend
+
+from .mla import TorchMLABackend
+from .state import _host
+
+__all__ = ["TorchMLAMultiStepDraftBackend"]
+
+
+class TorchMLAMultiStepDraftBackend:
+    """EAGLE multi-step draft decoding over a torch MLA latent pool (SGLang's methods).
+
+    ``bridge_kwargs`` (``device``, ``kv_writer``, ``sync``, ``kernels``) go to every
+    step's :class:`~jattn.bridge.TorchMLABackend`.
+    """
+
+    def __init__(
+        self,
+        config: MLAConfig,
+        token_to_kv_pool=None,
+        topk: int = 1,
+        speculative_num_steps: int = 2,
+        **bridge_kwargs,
+    ):
+        self._core = MLAMultiStepDraftBackend(config, topk=topk, speculative_num_steps=speculative_num_steps)
+        self.config = config
+        self.topk = self._core.topk
+        self.speculative_num_steps = self._core.speculative_num_steps
+        self.num_steps = self._core.num_steps
+        self.attn_backends = tuple(
+            TorchMLABackend(config, token_to_kv_pool, **bridge_kwargs) for _ in range(self.num_steps)
+        )
+
+    def _step_lens(self, bs: int, seq_lens) -> list[np.ndarray]:
+        sl = np.asarray(_host(seq_lens))
+        if sl.ndim != 1 or not 0 <= int(bs) <= sl.shape[0]:
+            raise ValueError(f"seq_lens must be 1-D with at least bs={bs} entries, got shape {sl.shape}")
+        sl = sl[: int(bs)].astype(np.int64)
+        return [np.where(sl > 0, sl + i, 0) for i in range(self.num_steps)]
+
+    def init_forward_metadata(self, bs: int, req_pool_indices, seq_lens, req_to_page, **kwargs) -> None:
+        """Plans the draft loop: step ``i`` gets lengths ``seq_lens + i`` (padding rows,
+        length 0, stay 0). ``seq_lens`` int[>= bs] counts each request's first draft
+        token; ``req_to_page`` rows must hold the pages of the last step's length."""
+        rpi, r2p = _host(req_pool_indices), _host(req_to_page)
+        lens = self._step_lens(bs, seq_lens)
+        self._core.init_forward_metadata(bs, rpi, _host(seq_lens), r2p)
+        for be, sl in zip(self.attn_backends, lens):
+            be.init_forward_metadata(bs, 0, rpi, sl, r2p, ForwardMode.DECODE, **kwargs)
+
+    def init_forward_metadata_out_graph(
+        self, bs: int, req_pool_indices, seq_lens, req_to_page, in_capture: bool = False, **kwargs
+    ) -> None:
+        """Every step's plan outside the captured graph (``in_capture``: ``bs`` must be a
+        bucket, and the plans are kept as the bucket's capture plans)."""
+        rpi, r2p = _host(req_pool_indices), _host(req_to_page)
+        lens = self._step_lens(bs, seq_lens)
+        self._core.init_forward_metadata(bs, rpi, _host(seq_lens), r2p)
+        for be, sl in zip(self.attn_backends, lens):
+            be.init_forward_metadata_out_graph(bs, rpi, sl, r2p, ForwardMode.DECODE, in_capture=in_capture, **kwargs)
+
+    def forward_decode(self, step: int, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+        """Step ``step`` of the loop: ``attn_backends[step].forward_decode(...)`` (the
+        keywords pass through: ``q_rope``, ``k_rope``, ``cos_sin_cache``, ...)."""
+        if not 0 <= step < self.num_steps:
+            raise ValueError(f"step={step} is not in [0, num_steps={self.num_steps})")
+        return self.attn_backends[step].forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    # ---- CUDA-graph helpers: each step's backend holds its bucket's plan.
+
+    def init_cuda_graph_state(self, max_bs: int, *args, **kwargs) -> tuple:
+        """Chooses the batch buckets up to ``max_bs`` for every step."""
+        buckets = self._core.init_cuda_graph_state(max_bs)
+        for be in self.attn_backends:
+            be.init_cuda_graph_state(max_bs)
+        return buckets
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, *args, **kwargs) -> None:
+        """An all-padding plan of bucket ``bs`` in every step's backend (compile with it)."""
+        for be in self.attn_backends:
+            be.init_forward_metadata_capture_cuda_graph(bs, forward_mode=ForwardMode.DECODE)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, req_to_page=None, **kwargs):
+        """New values into the bucket of ``bs`` for every step (no retrace)."""
+        self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """0, as :meth:`jattn.bridge.TorchMLABackend.get_cuda_graph_seq_len_fill_value`."""
+        return self._core.get_cuda_graph_seq_len_fill_value()
