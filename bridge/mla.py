@@ -404,6 +404,39 @@ class TorchMLABackend(_BridgeBase):
         self.sync.after_jax(o)
         return torch.from_dlpack(o.reshape(n, H * V)), torch.from_dlpack(lse)
 
+    def pad_draft_extend_query(self, q, padded_q, seq_lens_q, cu_seqlens_q):
+        """SGLang's helper on torch tensors: writes ``q[cu_seqlens_q[b] + i]`` into
+        ``padded_q[b, i]`` for ``i < seq_lens_q[b]`` in place and returns ``padded_q``
+        (the semantics of :meth:`jattn.MLABackend.pad_draft_extend_query`).
+        ``forward_extend`` in ``DRAFT_EXTEND`` mode pads inside, so it never needs this."""
+        bs, max_q = self._draft_extend_shapes(q.shape, padded_q, seq_lens_q, cu_seqlens_q, "padded_q")
+        i = torch.arange(max_q, device=padded_q.device)[None, :]
+        n = seq_lens_q.to(padded_q.device).long()
+        valid = i < n[:, None]
+        src = cu_seqlens_q.to(padded_q.device).long()[:-1, None] + i
+        padded_q[valid] = q[src[valid]].to(padded_q.dtype)
+        return padded_q
+
+    def unpad_draft_extend_output(self, raw_out, cu_seqlens_q, seq_lens_q, sum_seq_lens_q: int):
+        """SGLang's helper on torch tensors, the inverse of :meth:`pad_draft_extend_query`:
+        a new ``[sum_seq_lens_q, ...]`` tensor with row ``cu_seqlens_q[b] + i`` =
+        ``raw_out[b, i]`` for ``i < seq_lens_q[b]``."""
+        ragged = (int(sum_seq_lens_q), *raw_out.shape[2:])
+        bs, max_q = self._draft_extend_shapes(ragged, raw_out, seq_lens_q, cu_seqlens_q, "raw_out", exact=True)
+        dev = raw_out.device
+        n = seq_lens_q.to(dev).long()
+        b = torch.repeat_interleave(torch.arange(bs, device=dev), n, output_size=int(sum_seq_lens_q))
+        i = torch.arange(int(sum_seq_lens_q), device=dev) - cu_seqlens_q.to(dev).long()[b]
+        return raw_out[b, i]
+
+    @staticmethod
+    def _draft_extend_shapes(ragged_shape, padded, seq_lens_q, cu_seqlens_q, name: str, exact=False):
+        """The shape and length checks of the JAX helpers, on host copies of the lengths."""
+        from jattn.mla_backend import _check_draft_extend_shapes
+
+        lens, cu = _host(seq_lens_q), _host(cu_seqlens_q)
+        return _check_draft_extend_shapes(ragged_shape, tuple(padded.shape), lens, cu, name, exact)
+
     def merge_state(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
         """``attn_merge_state`` on torch tensors: o [T, H, D] (or [T, H * D] with lse [T, H]),
         natural-log LSE. Returns ``(o, lse)`` as torch tensors."""

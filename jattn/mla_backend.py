@@ -4,7 +4,9 @@ prefill and the chunked prefix cache; ``jattn.backends`` re-exports it."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import ops
 from jattn.config import LayerSpec, MLAConfig
@@ -41,6 +43,35 @@ def _front_unpad(y, cu_seqlens_q, max_seqlen_q: int, num_tokens: int):
     out = y[jnp.clip(row, 0, y.shape[0] - 1)]
     real = (t < cu_seqlens_q[-1]).reshape(-1, *([1] * (y.ndim - 1)))
     return jnp.where(real, out, 0)
+
+
+def _check_draft_extend_shapes(ragged_shape, padded_shape, seq_lens_q, cu_seqlens_q, padded_name: str, exact=False):
+    """``(bs, max_q)`` of a draft-extend pad / unpad after checking the shapes (and, where
+    they are concrete, that every request's length fits ``max_q`` and matches ``cu``;
+    ``exact``: that the lengths add up to the ragged rows)."""
+    if len(padded_shape) < 2 or tuple(padded_shape[2:]) != tuple(ragged_shape[1:]):
+        raise ValueError(
+            f"{padded_name} shape {tuple(padded_shape)} must be [bs, max_q, *{tuple(ragged_shape[1:])}] "
+            f"(the ragged rows' trailing dims)"
+        )
+    bs, max_q = int(padded_shape[0]), int(padded_shape[1])
+    if np.shape(seq_lens_q) != (bs,) or np.shape(cu_seqlens_q) != (bs + 1,):
+        raise ValueError(
+            f"seq_lens_q shape {np.shape(seq_lens_q)} / cu_seqlens_q shape {np.shape(cu_seqlens_q)} must be "
+            f"({bs},) / ({bs + 1},) for {padded_name} of {bs} requests"
+        )
+    if not any(isinstance(x, jax.core.Tracer) for x in (seq_lens_q, cu_seqlens_q)):
+        n, cu = np.asarray(seq_lens_q), np.asarray(cu_seqlens_q)
+        if (n < 0).any() or (n > max_q).any():
+            raise ValueError(f"seq_lens_q {n.tolist()} must be in [0, max_q={max_q}]")
+        if not np.array_equal(np.diff(cu), n) or cu[0] != 0 or cu[-1] > ragged_shape[0]:
+            raise ValueError(
+                f"cu_seqlens_q {cu.tolist()} must be the running sum of seq_lens_q {n.tolist()} from 0, within "
+                f"{ragged_shape[0]} ragged rows"
+            )
+        if exact and cu[-1] != ragged_shape[0]:
+            raise ValueError(f"sum_seq_lens_q={ragged_shape[0]} must equal sum(seq_lens_q)={int(cu[-1])}")
+    return bs, max_q
 
 
 def apply_llama_4_scaling(query, llama_4_scaling):
@@ -135,6 +166,36 @@ class MLABackend(_PlanningMixin):
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope), layer, kv_cache, metadata)
         return out.reshape(out.shape[0], -1), kv_cache
+
+    @staticmethod
+    def pad_draft_extend_query(q, padded_q, seq_lens_q, cu_seqlens_q):
+        """SGLang's helper: ``padded_q`` [bs, max_q, ...] with ``padded_q[b, i] =
+        q[cu_seqlens_q[b] + i]`` for ``i < seq_lens_q[b]`` (tokens first, the rest of each
+        row as ``padded_q`` held it). ``q`` [T, ...] ragged. Jittable; returns the new
+        array. :meth:`forward_draft_extend` takes ragged rows and pads inside, so a caller
+        of jattn's backends never needs this."""
+        q, padded_q = jnp.asarray(q), jnp.asarray(padded_q)
+        bs, max_q = _check_draft_extend_shapes(q.shape, padded_q.shape, seq_lens_q, cu_seqlens_q, "padded_q")
+        n = jnp.asarray(seq_lens_q, jnp.int32)
+        cu = jnp.asarray(cu_seqlens_q, jnp.int32)
+        i = jnp.arange(max_q, dtype=jnp.int32)[None, :]
+        valid = (i < n[:, None]).reshape(bs, max_q, *([1] * (q.ndim - 1)))
+        g = q[jnp.clip(cu[:-1, None] + i, 0, max(q.shape[0] - 1, 0))] if q.shape[0] else jnp.zeros_like(padded_q)
+        return jnp.where(valid, g.astype(padded_q.dtype), padded_q)
+
+    @staticmethod
+    def unpad_draft_extend_output(raw_out, cu_seqlens_q, seq_lens_q, sum_seq_lens_q: int):
+        """SGLang's helper, the inverse of :meth:`pad_draft_extend_query`: ``[sum_seq_lens_q,
+        ...]`` with row ``cu_seqlens_q[b] + i`` = ``raw_out[b, i]`` for ``i < seq_lens_q[b]``.
+        Jittable (``sum_seq_lens_q`` static)."""
+        raw_out = jnp.asarray(raw_out)
+        bs, max_q = _check_draft_extend_shapes(
+            (int(sum_seq_lens_q), *raw_out.shape[2:]), raw_out.shape, seq_lens_q, cu_seqlens_q, "raw_out", exact=True
+        )
+        cu = jnp.asarray(cu_seqlens_q, jnp.int32)
+        t = jnp.arange(int(sum_seq_lens_q), dtype=jnp.int32)
+        b = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, bs - 1)
+        return raw_out[b, jnp.clip(t - cu[b], 0, max_q - 1)]
 
     def forward_draft_extend(
         self,

@@ -712,3 +712,30 @@ def test_mla_init_forward_metadata_out_graph():
     assert ext.forward_mode is ForwardMode.EXTEND and ext.num_tokens >= 7
     with pytest.raises(ValueError, match=r"in_capture: bs=3 is not one of the buckets \(4, 8\)"):
         be.init_forward_metadata_out_graph(3, np.arange(3), np.array([5, 9, 1]), r2p, in_capture=True)
+
+
+def test_mla_pad_and_unpad_draft_extend():
+    """SGLang's pad / unpad helpers: tokens first in each padded row (the rest kept),
+    the inverse gives the ragged rows back; jittable; lengths that do not fit or do not
+    add up are refused, naming the argument."""
+    rng = np.random.default_rng(12)
+    lens = np.array([3, 0, 1, 4], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 2, 2, 5)), jnp.float32)  # 2 padding tokens at the end
+    base = jnp.full((4, 4, 2, 5), jnp.nan, jnp.float32)
+    padded = MLABackend.pad_draft_extend_query(q, base, lens, cu)
+    for b, n in enumerate(lens):
+        np.testing.assert_array_equal(np.asarray(padded[b, :n]), np.asarray(q[cu[b] : cu[b] + n]))
+        assert np.isnan(np.asarray(padded[b, n:])).all()
+    again = jax.jit(MLABackend.pad_draft_extend_query)(q, base, lens, cu)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(padded))
+    back = jax.jit(MLABackend.unpad_draft_extend_output, static_argnums=3)(padded, cu, lens, int(cu[-1]))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(q[: cu[-1]]))
+    with pytest.raises(ValueError, match=r"seq_lens_q \[3, 0, 5, 4\] must be in \[0, max_q=4\]"):
+        MLABackend.pad_draft_extend_query(q, base, np.array([3, 0, 5, 4]), np.array([0, 3, 3, 8, 12]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q \[0, 3, 3, 5, 8\] must be the running sum"):
+        MLABackend.pad_draft_extend_query(q, base, lens, np.array([0, 3, 3, 5, 8]))
+    with pytest.raises(ValueError, match=r"padded_q shape \(4, 4, 2, 6\) must be \[bs, max_q, \*\(2, 5\)\]"):
+        MLABackend.pad_draft_extend_query(q, jnp.zeros((4, 4, 2, 6)), lens, cu)
+    with pytest.raises(ValueError, match=r"sum_seq_lens_q=9 must equal sum\(seq_lens_q\)=8"):
+        MLABackend.unpad_draft_extend_output(padded, cu, lens, 9)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from jattn import ForwardMode, MHAConfig, MLAConfig
+from jattn import ForwardMode, MHAConfig, MLABackend, MLAConfig
 from jattn.bridge import (
     DRAFT_EXTEND,
     AttentionLayer,
@@ -551,6 +551,25 @@ def test_mla_multistep_draft_loop():
     assert all(f._cache_size() == 1 for be in ms.attn_backends for f in be._fns.values())
     with pytest.raises(NotImplementedError, match="topk=2"):
         TorchMLAMultiStepDraftBackend(cfg, pool, topk=2, speculative_num_steps=3)
+
+
+def test_mla_pad_and_unpad_draft_extend_on_torch():
+    """The torch helpers match the JAX ones; pad writes in place."""
+    _, be, _ = _small_mla(2, 32, 16, 32)
+    lens = torch.tensor([2, 0, 3])
+    cu = torch.tensor([0, 2, 2, 5])
+    q = rand(6, 4, 8)
+    padded = torch.full((3, 3, 4, 8), float("nan"), dtype=q.dtype, device=q.device)
+    out = be.pad_draft_extend_query(q, padded, lens, cu)
+    assert out.data_ptr() == padded.data_ptr()
+    want = MLABackend.pad_draft_extend_query(
+        jnp.asarray(q.float().cpu().numpy()), jnp.full((3, 3, 4, 8), jnp.nan), lens.numpy(), cu.numpy()
+    )
+    np.testing.assert_array_equal(padded.float().cpu().numpy(), np.asarray(want))
+    back = be.unpad_draft_extend_output(padded, cu, lens, 5)
+    assert torch.equal(back, q[:5])
+    with pytest.raises(ValueError, match=r"sum_seq_lens_q=6 must equal sum\(seq_lens_q\)=5"):
+        be.unpad_draft_extend_output(padded, cu, lens, 6)
 
 
 def _small_mla(H, P, r, Vd):
