@@ -393,6 +393,24 @@ class DeepseekConfig:
         return cls(**base)
 
     @classmethod
+    def tiny_v3_attention(cls, **kw) -> "DeepseekConfig":
+        """A tiny model around DeepSeek-V3's attention shapes: latent 512 + rope 64 (the
+        576-wide cache the MLA decode kernels serve), qk 128 + 64 and v 128 (the 192/128
+        prefill), 16 heads; two dense layers, hidden 256."""
+        base = dict(
+            hidden_size=256,
+            num_heads=16,
+            q_lora_rank=64,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            name="tiny-deepseek-v3-attention",
+        )
+        base.update(kw)
+        return cls.tiny(**base)
+
+    @classmethod
     def deepseek_v3(cls, **kw) -> "DeepseekConfig":
         scaling = RopeScaling(
             "yarn",

@@ -112,17 +112,7 @@ def test_deepseek_engine_on_the_mosaic_mla_kernel():
     heads) with random bf16 weights: auto serves MLA decode on the Mosaic kernel, and the
     greedy tokens agree with the xla reference."""
     assert jattn.ops.op_backend("mla_decode") == ("mosaic", None)
-    cfg = DeepseekConfig.tiny(
-        hidden_size=256,
-        num_heads=16,
-        q_lora_rank=64,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-    )
+    cfg = DeepseekConfig.tiny_v3_attention(dtype="bfloat16", param_dtype="bfloat16")
     model = Deepseek(cfg, rngs=nnx.Rngs(3), std=0.3)
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 97, 200)]

@@ -164,18 +164,8 @@ def test_deepseek_engine_interpreted_matches_xla():
     from jattn.models.deepseek import Deepseek
     from jattn.models.engine import Engine, EngineConfig, SamplingParams
 
-    cfg = DeepseekConfig.tiny(
-        hidden_size=256,
-        num_heads=16,
-        q_lora_rank=64,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        num_layers=1,
-        first_k_dense_replace=1,
-        dtype="float16",
-        param_dtype="float16",
+    cfg = DeepseekConfig.tiny_v3_attention(
+        num_layers=1, first_k_dense_replace=1, dtype="float16", param_dtype="float16"
     )
     model = Deepseek(cfg, rngs=nnx.Rngs(3), std=0.3)
     rng = np.random.default_rng(3)
