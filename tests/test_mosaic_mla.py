@@ -60,7 +60,7 @@ def _poison(c: Case, kv, table):
     return np.flatnonzero(sees)
 
 
-def _check(c: Case, dtype, seed=0, tol=2e-2):
+def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     q, kv, table, lens = _inputs(c, seed)
     scale = 1.0 / np.sqrt(192.0)
     kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
@@ -79,8 +79,9 @@ def _check(c: Case, dtype, seed=0, tol=2e-2):
     np.testing.assert_allclose(lse[rows], want_lse[rows], atol=tol, rtol=tol)
     empty = np.repeat(lens == 0, c.q_len)
     assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
-    o2 = np.asarray(mm.mla_decode(*args, num_splits=c.num_splits, **kw)[0], np.float32)
-    assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
+    if deterministic:
+        o2 = np.asarray(mm.mla_decode(*args, num_splits=c.num_splits, **kw)[0], np.float32)
+        assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
 # Interpreted: slow (the 576-wide tiles), so the default run keeps two cases.
@@ -96,8 +97,9 @@ CPU_CASES = [
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 @pytest.mark.parametrize("c", CPU_CASES, ids=str)
 def test_interpreted(c):
+    # A second run checks determinism; interpreted, one case does it.
     with gpu_interpret():
-        _check(c, jnp.float16)
+        _check(c, jnp.float16, deterministic=c == CPU_CASES[0])
 
 
 GPU_CASES = [

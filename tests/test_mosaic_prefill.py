@@ -164,7 +164,7 @@ def _poison(c: Case, x):
     return np.flatnonzero(sees)
 
 
-def _check(c: Case, dtype, seed=0, tol=2e-2):
+def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     x = _inputs(c, seed, dtype)
     want_o, want_lse = (np.asarray(a) for a in _oracle(c, x, dtype))  # on clean data
     bad = _poison(c, x) if c.poison >= 0 else np.zeros(0, int)
@@ -178,8 +178,9 @@ def _check(c: Case, dtype, seed=0, tol=2e-2):
     np.testing.assert_allclose(o[rows], want_o[rows], atol=tol, rtol=tol)
     np.testing.assert_allclose(lse[rows], want_lse[rows], atol=tol, rtol=tol)
     assert (o[n:] == 0).all() and np.isneginf(lse[n:]).all(), "padding rows must be 0 / -inf"
-    o2 = np.asarray(_run(c, x, dtype)[0], np.float32)
-    assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
+    if deterministic:
+        o2 = np.asarray(_run(c, x, dtype)[0], np.float32)
+        assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
 # Interpreted (slow: about a minute per case on one CI core, so the default run keeps
@@ -206,8 +207,9 @@ CPU_CASES = [
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 @pytest.mark.parametrize("c", CPU_CASES, ids=str)
 def test_interpreted(c):
+    # A second run checks determinism; interpreted, one case does it (each run is minutes).
     with gpu_interpret():
-        _check(c, jnp.float16)
+        _check(c, jnp.float16, deterministic=c == CPU_CASES[0])
 
 
 GPU_CASES = [
