@@ -432,10 +432,10 @@ class TorchMLABackend(_BridgeBase):
     @staticmethod
     def _draft_extend_shapes(ragged_shape, padded, seq_lens_q, cu_seqlens_q, name: str, exact=False):
         """The shape and length checks of the JAX helpers, on host copies of the lengths."""
-        from jattn.mla_backend import _check_draft_extend_shapes
+        from jattn.mla_backend import check_draft_extend_shapes
 
         lens, cu = _host(seq_lens_q), _host(cu_seqlens_q)
-        return _check_draft_extend_shapes(ragged_shape, tuple(padded.shape), lens, cu, name, exact)
+        return check_draft_extend_shapes(ragged_shape, tuple(padded.shape), lens, cu, name, exact)
 
     def merge_state(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
         """``attn_merge_state`` on torch tensors: o [T, H, D] (or [T, H * D] with lse [T, H]),

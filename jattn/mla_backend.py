@@ -45,7 +45,7 @@ def _front_unpad(y, cu_seqlens_q, max_seqlen_q: int, num_tokens: int):
     return jnp.where(real, out, 0)
 
 
-def _check_draft_extend_shapes(ragged_shape, padded_shape, seq_lens_q, cu_seqlens_q, padded_name: str, exact=False):
+def check_draft_extend_shapes(ragged_shape, padded_shape, seq_lens_q, cu_seqlens_q, padded_name: str, exact=False):
     """``(bs, max_q)`` of a draft-extend pad / unpad after checking the shapes (and, where
     they are concrete, that every request's length fits ``max_q`` and matches ``cu``;
     ``exact``: that the lengths add up to the ragged rows)."""
@@ -175,7 +175,7 @@ class MLABackend(_PlanningMixin):
         array. :meth:`forward_draft_extend` takes ragged rows and pads inside, so a caller
         of jattn's backends never needs this."""
         q, padded_q = jnp.asarray(q), jnp.asarray(padded_q)
-        bs, max_q = _check_draft_extend_shapes(q.shape, padded_q.shape, seq_lens_q, cu_seqlens_q, "padded_q")
+        bs, max_q = check_draft_extend_shapes(q.shape, padded_q.shape, seq_lens_q, cu_seqlens_q, "padded_q")
         n = jnp.asarray(seq_lens_q, jnp.int32)
         cu = jnp.asarray(cu_seqlens_q, jnp.int32)
         i = jnp.arange(max_q, dtype=jnp.int32)[None, :]
@@ -189,7 +189,7 @@ class MLABackend(_PlanningMixin):
         ...]`` with row ``cu_seqlens_q[b] + i`` = ``raw_out[b, i]`` for ``i < seq_lens_q[b]``.
         Jittable (``sum_seq_lens_q`` static)."""
         raw_out = jnp.asarray(raw_out)
-        bs, max_q = _check_draft_extend_shapes(
+        bs, max_q = check_draft_extend_shapes(
             (int(sum_seq_lens_q), *raw_out.shape[2:]), raw_out.shape, seq_lens_q, cu_seqlens_q, "raw_out", exact=True
         )
         cu = jnp.asarray(cu_seqlens_q, jnp.int32)
