@@ -59,6 +59,7 @@ import torch
 
 from jattn.backends import ForwardMode, LayerSpec, MHABackend, MLABackend
 from jattn.kv_cache import cache_dtype
+from jattn.planning import check_capture_bucket
 
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
 from .native import NativePlans
@@ -216,8 +217,8 @@ class _BridgeBase:
         """SGLang's planning outside the captured graph: installs the plan of the batch
         (every mode; arguments as in :meth:`init_forward_metadata`). With ``in_capture``
         ``bs`` must be a bucket, and the plan is kept as that bucket's capture plan."""
-        if in_capture and int(bs) not in self._jbackend.batch_buckets:
-            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self._jbackend.batch_buckets}")
+        if in_capture:
+            check_capture_bucket(bs, self._jbackend.batch_buckets)
         md_dev = self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
         if in_capture:
             self.cuda_graph_metadata[int(bs)] = md_dev

@@ -19,6 +19,7 @@ import torch
 from jattn.backends import MLABackend, MLAConfig
 from jattn.kv_cache import MLAKVCache
 from jattn.metadata import bucket
+from jattn.mla_backend import check_draft_extend_shapes
 from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
@@ -432,8 +433,6 @@ class TorchMLABackend(_BridgeBase):
     @staticmethod
     def _draft_extend_shapes(ragged_shape, padded, seq_lens_q, cu_seqlens_q, name: str, exact=False):
         """The shape and length checks of the JAX helpers, on host copies of the lengths."""
-        from jattn.mla_backend import check_draft_extend_shapes
-
         lens, cu = _host(seq_lens_q), _host(cu_seqlens_q)
         return check_draft_extend_shapes(ragged_shape, tuple(padded.shape), lens, cu, name, exact)
 

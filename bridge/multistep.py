@@ -48,33 +48,24 @@ class TorchMLAMultiStepDraftBackend:
             TorchMLABackend(config, token_to_kv_pool, **bridge_kwargs) for _ in range(self.num_steps)
         )
 
-    def _step_lens(self, bs: int, seq_lens) -> list[np.ndarray]:
-        sl = np.asarray(_host(seq_lens))
-        if sl.ndim != 1 or not 0 <= int(bs) <= sl.shape[0]:
-            raise ValueError(f"seq_lens must be 1-D with at least bs={bs} entries, got shape {sl.shape}")
-        sl = sl[: int(bs)].astype(np.int64)
-        return [np.where(sl > 0, sl + i, 0) for i in range(self.num_steps)]
-
     def init_forward_metadata(self, bs: int, req_pool_indices, seq_lens, req_to_page, **kwargs) -> None:
         """Plans the draft loop: step ``i`` gets lengths ``seq_lens + i`` (padding rows,
         length 0, stay 0). ``seq_lens`` int[>= bs] counts each request's first draft
         token; ``req_to_page`` rows must hold the pages of the last step's length."""
-        rpi, r2p = _host(req_pool_indices), _host(req_to_page)
-        lens = self._step_lens(bs, seq_lens)
-        self._core.init_forward_metadata(bs, rpi, _host(seq_lens), r2p)
-        for be, sl in zip(self.attn_backends, lens):
-            be.init_forward_metadata(bs, 0, rpi, sl, r2p, ForwardMode.DECODE, **kwargs)
+        self.init_forward_metadata_out_graph(bs, req_pool_indices, seq_lens, req_to_page, **kwargs)
 
     def init_forward_metadata_out_graph(
         self, bs: int, req_pool_indices, seq_lens, req_to_page, in_capture: bool = False, **kwargs
     ) -> None:
-        """Every step's plan outside the captured graph (``in_capture``: ``bs`` must be a
-        bucket, and the plans are kept as the bucket's capture plans)."""
-        rpi, r2p = _host(req_pool_indices), _host(req_to_page)
-        lens = self._step_lens(bs, seq_lens)
-        self._core.init_forward_metadata(bs, rpi, _host(seq_lens), r2p)
-        for be, sl in zip(self.attn_backends, lens):
-            be.init_forward_metadata_out_graph(bs, rpi, sl, r2p, ForwardMode.DECODE, in_capture=in_capture, **kwargs)
+        """Every step's plan outside the captured graph, as :meth:`init_forward_metadata`
+        (``in_capture``: ``bs`` must be a bucket, and the plans are kept as the bucket's
+        capture plans)."""
+        rpi, sl, r2p = _host(req_pool_indices), _host(seq_lens), _host(req_to_page)
+        self._core.init_forward_metadata(bs, rpi, sl, r2p)  # checks seq_lens and the loop's slots
+        sl = sl[: int(bs)].astype(np.int64)
+        for i, be in enumerate(self.attn_backends):
+            lens = np.where(sl > 0, sl + i, 0)
+            be.init_forward_metadata_out_graph(bs, rpi, lens, r2p, ForwardMode.DECODE, in_capture=in_capture, **kwargs)
 
     def forward_decode(self, step: int, q, k, v, layer, forward_batch=None, save_kv_cache: bool = True, **kwargs):
         """Step ``step`` of the loop: ``attn_backends[step].forward_decode(...)`` (the

@@ -27,6 +27,7 @@ import numpy as np
 
 from jattn.backends import MLABackend, MLAConfig
 from jattn.metadata import DecodeMetadata, ForwardMode, _check_unique_slots, _slots
+from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]
 
@@ -160,8 +161,8 @@ class MLAMultiStepDraftBackend:
     ) -> MultiStepMetadata:
         """SGLang's planning outside the captured graph: the loop's plan, as
         :meth:`init_forward_metadata`; ``in_capture`` checks that ``bs`` is a bucket."""
-        if in_capture and int(bs) not in self.batch_buckets:
-            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self.batch_buckets}")
+        if in_capture:
+            check_capture_bucket(bs, self.batch_buckets)
         return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, num_pages=num_pages)
 
     # ---- CUDA-graph analogue: one placeholder per bucket, refilled per loop.

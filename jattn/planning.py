@@ -40,6 +40,13 @@ def _check_plan(metadata, kv_cache) -> None:
         )
 
 
+def check_capture_bucket(bs, buckets) -> None:
+    """SGLang's ``in_capture`` rule: a plan made while a bucket compiles must be of that
+    bucket, so ``bs`` must be one of ``buckets``."""
+    if int(bs) not in buckets:
+        raise ValueError(f"in_capture: bs={bs} is not one of the buckets {tuple(buckets)}")
+
+
 class _PlanningMixin:
     """Planning shared by the MHA and MLA backends (host side, numpy in)."""
 
@@ -191,8 +198,8 @@ class _PlanningMixin:
         bucket) only checks that ``bs`` is one of :attr:`batch_buckets`, so that the plan
         has that bucket's shapes and later plans of the same bucket reuse the program.
         """
-        if in_capture and int(bs) not in self.batch_buckets:
-            raise ValueError(f"in_capture: bs={bs} is not one of the buckets {self.batch_buckets}")
+        if in_capture:
+            check_capture_bucket(bs, self.batch_buckets)
         return self.init_forward_metadata(
             bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages, **kwargs
         )
