@@ -31,7 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
@@ -186,10 +185,11 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, *, m_rows, num_q_heads, ou
     num_splits, batch, rows, d = o_part.shape
     grid, params = combine_launch_params(num_splits, batch, m_rows, d)
     has_sinks, has_vscale = sinks is not None, v_scale is not None
-    # Absent sinks / v_scale are numpy constants: an array built in the graph
-    # would be one more kernel per call.
-    sinks = np.zeros((num_q_heads,), np.float32) if sinks is None else sinks.astype(jnp.float32)
-    v_scale = np.ones((1,), np.float32) if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
+    # An absent sinks / v_scale is never read: lse_part (f32) stands in for its pointer.
+    # Any constant array would cost a kernel per call (XLA materialises a splat constant
+    # by a broadcast fusion).
+    sinks = lse_part if sinks is None else sinks.astype(jnp.float32)
+    v_scale = lse_part if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
     return triton_glue.triton_call(
         _combine_kernel,
         lse_part,

@@ -90,6 +90,7 @@ class MLADecodeConfig:
     num_pages: int
     max_pages: int
     num_splits: int
+    score_scale: float | None  # softmax_scale * kv_scale when known at trace time
     interpret: bool
 
     @property
@@ -99,6 +100,17 @@ class MLADecodeConfig:
     @property
     def m_tiles(self) -> int:
         return -(-self.m_rows // 64)
+
+    @property
+    def m_rows8(self) -> int:
+        """Query rows rounded up to 8 (a TMA box row of the tiled shared memory): the row
+        count of q as the kernel reads it and of its outputs."""
+        return -(-self.m_rows // 8) * 8
+
+    @property
+    def last_rows8(self) -> int:
+        """Rows of the last row tile that are read and written (a multiple of 8)."""
+        return self.m_rows8 - (self.m_tiles - 1) * 64
 
     @property
     def pieces(self) -> int:
@@ -155,12 +167,12 @@ def _kernel(
     # inputs
     page_table_ref,  # i32[bs, max_pages]
     lens_ref,  # i32[bs]
-    scale_ref,  # f32[1]: score scale (softmax_scale * kv_scale)
-    q_ref,  # [bs, m_pad, W]
+    scale_ref,  # f32[1]: score scale (softmax_scale * kv_scale); None when cfg.score_scale is
+    q_ref,  # [bs, m_rows8, W]
     kv_ref,  # [num_pages, page_size, W]
     # outputs
-    o_ref,  # [splits, bs, m_pad, R] (normalised per split)
-    lse_ref,  # f32[splits, bs, m_pad] (base 2)
+    o_ref,  # [splits, bs, m_rows8, R] (normalised per split)
+    lse_ref,  # f32[splits, bs, m_rows8] (base 2)
     # scratch
     q_smem,  # [64, W] (the output tile reuses its first R columns)
     kv_smem,  # [S, BN, W]
@@ -219,6 +231,15 @@ def _kernel(
         if interp:
             drain_free_barriers(count, S, kv_free)
 
+    def per_tile(fn):
+        """``fn(rows)`` with this tile's rows that are read and written: 64, or the last
+        tile's :attr:`MLADecodeConfig.last_rows8` (a static count under each branch)."""
+        if cfg.m_tiles == 1:
+            fn(cfg.last_rows8)
+        else:
+            pl.when(mt < cfg.m_tiles - 1)(functools.partial(fn, 64))
+            pl.when(mt == cfg.m_tiles - 1)(functools.partial(fn, cfg.last_rows8))
+
     def cast(x, layout):
         return cast_layout(x, layout, interpret=interp)
 
@@ -247,23 +268,35 @@ def _kernel(
 
     def write_out(acc, inv, col0):
         """This warpgroup's normalised half of the output through Q's shared memory (free
-        by now), to GMEM in [8, 64] boxes: a column slice of the tiled tile is not one
-        contiguous TMA source."""
+        by now), to GMEM in [8, 64] boxes (a column slice of the tiled tile is not one
+        contiguous TMA source). Only the boxes holding a real row are written: with 16
+        heads and one query token a tile has 16 real rows of 64."""
         q_smem.at[:, pl.ds(col0, HALF)][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        for r in range(0, 64, 8):
-            for c in range(col0, col0 + HALF, 64):
-                plgpu.copy_smem_to_gmem(
-                    q_smem.at[pl.ds(r, 8), pl.ds(c, 64)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(c, 64)]
-                )
+
+        def store(rows):
+            for r in range(0, rows, 8):
+                for c in range(col0, col0 + HALF, 64):
+                    plgpu.copy_smem_to_gmem(
+                        q_smem.at[pl.ds(r, 8), pl.ds(c, 64)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(c, 64)]
+                    )
+
+        per_tile(store)
 
     @pl.when(wg == 0)
     def _softmax_wg():
         if not interp:
             plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * 64, 64)], q_smem, q_bar.at[0])
+
+        # Only the real query rows are loaded (q is padded to a multiple of 8 rows, not
+        # 64); the tile's other rows hold whatever the shared memory held. Rows are
+        # independent through Q K^T, the softmax and P @ V, and those rows are not written.
+        def load_q(rows):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * 64, rows)], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
+
+        per_tile(load_q)
         plgpu.barrier_wait(q_bar.at[0])
-        xscale = scale_ref[0] * _LOG2E
+        xscale = (scale_ref[0] if cfg.score_scale is None else cfg.score_scale) * _LOG2E
         if cfg.is_causal:
             rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
             row_q = lax.div(rows, jnp.int32(H))  # its query index i
@@ -350,7 +383,11 @@ def _kernel(
         lse_smem[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
         plgpu.commit_smem()
         plgpu.barrier_arrive(fin.at[0])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, pl.ds(mt * 64, 64)])
+        per_tile(
+            lambda rows: plgpu.copy_smem_to_gmem(
+                lse_smem.at[pl.ds(0, rows)], lse_ref.at[split, b, pl.ds(mt * 64, rows)]
+            )
+        )
         write_out(acc, inv, 0)
         plgpu.wait_smem_to_gmem(0)
 
@@ -377,7 +414,7 @@ def _kernel(
 
 
 def _run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, q, kv):
-    bs, m_pad = q.shape[0], q.shape[1]
+    bs, m_pad = q.shape[0], cfg.m_rows8
     BN, S, W = BLOCK_N, NUM_STAGES, cfg.width
     out_type = (
         jax.ShapeDtypeStruct((cfg.num_splits, bs, m_pad, cfg.rank), dtype),
@@ -386,6 +423,8 @@ def _run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, q, kv):
     tr = swizzle_transforms(dtype, W)
 
     def entry(*refs):
+        if scale is None:
+            refs = refs[:2] + (None,) + refs[2:]
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
             plgpu.SMEM((64, W), dtype, transforms=tr),
@@ -410,11 +449,20 @@ def _run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, q, kv):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"jattn_mla_decode_p{cfg.page_size}_q{cfg.q_len}{'_causal' if cfg.is_causal else ''}",
     )
-    return kernel(page_table, lens, scale, q, kv)
+    return kernel(page_table, lens, *([] if scale is None else [scale]), q, kv)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("kv_lora_rank", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret")
+    jax.jit,
+    static_argnames=(
+        "kv_lora_rank",
+        "max_seqlen_q",
+        "is_causal",
+        "return_lse",
+        "num_splits",
+        "score_scale",
+        "interpret",
+    ),
 )
 def _mla_decode(
     q,
@@ -429,6 +477,7 @@ def _mla_decode(
     is_causal,
     return_lse,
     num_splits,
+    score_scale,
     interpret,
 ):
     num_pages, page_size, width = kv_cache.shape
@@ -444,13 +493,17 @@ def _mla_decode(
         num_pages=num_pages,
         max_pages=page_table.shape[1],
         num_splits=num_splits,
+        score_scale=score_scale,
         interpret=interpret,
     )
-    m_pad = cfg.m_tiles * 64
+    # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
     q3 = q.reshape(bs, cfg.m_rows, width)
-    if m_pad != cfg.m_rows:
-        q3 = jnp.pad(q3, ((0, 0), (0, m_pad - cfg.m_rows), (0, 0)))
-    scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
+    if cfg.m_rows8 != cfg.m_rows:
+        q3 = jnp.pad(q3, ((0, 0), (0, cfg.m_rows8 - cfg.m_rows), (0, 0)))
+    # a scale known when traced is built into the kernel: no operand, no op on the device
+    scale = None
+    if score_scale is None:
+        scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
     o_part, lse_part = _run(cfg, q.dtype, page_table.astype(jnp.int32), lens, scale, q3, kv_cache)
     v_scale = None if isinstance(kv_scale, (int, float)) and float(kv_scale) == 1.0 else kv_scale
@@ -505,5 +558,14 @@ def mla_decode(
         is_causal=is_causal,
         return_lse=return_lse,
         num_splits=int(num_splits),
+        score_scale=_static_scale(softmax_scale, kv_scale),
         interpret=_interpreting(),
     )
+
+
+def _static_scale(softmax_scale, kv_scale):
+    """``softmax_scale * kv_scale`` as a Python float when both are plain numbers, else None."""
+    numbers = (int, float)
+    if isinstance(softmax_scale, numbers) and isinstance(kv_scale, numbers):
+        return float(softmax_scale) * float(kv_scale)
+    return None

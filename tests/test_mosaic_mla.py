@@ -91,6 +91,8 @@ CPU_CASES = [
     # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks
     Case(lens=(66,), heads=16, q_len=3, page_size=64, poison=1),
     pytest.param(Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16), marks=pytest.mark.slow),
+    # two row tiles (80 rows): the last tile loads and writes only its 16 real rows
+    Case(lens=(70,), heads=40, q_len=2, page_size=64),
 ]
 
 
@@ -108,6 +110,7 @@ GPU_CASES = [
     Case(lens=(1000, 5, 300), heads=64, q_len=4, page_size=32),
     Case(lens=(513, 4000), heads=32, q_len=8, causal=False, page_size=16),
     Case(lens=(32768,), heads=16, page_size=128),
+    Case(lens=(1500, 0, 64), heads=32, q_len=3, page_size=64, poison=2),  # a last tile of 32 rows
 ]
 
 

@@ -130,6 +130,24 @@ def time_calls(label: str, call, arrays, n_hi: int):
         return None
 
 
+def _profile(row: Row, arrays, kw, nbytes: float) -> str:
+    """The device kernels of one Mosaic call (the decode kernel, the combine, any glue)."""
+    import jattn
+    from jattn.bench import profile as prof
+
+    qs, kv, tables, lens = arrays
+
+    @jax.jit
+    def one(q, table):  # jitted as in a serving step: the scales are constants
+        return jattn.mla_decode_with_kvcache(q, kv, table, lens, backend="mosaic", **kw)
+
+    try:
+        summ = prof.summarize(prof.profile_calls(one, [(qs[i], tables[i % NUM_ROT]) for i in range(8)]))
+    except Exception as e:  # noqa: BLE001
+        return f"{row.label}: profile failed {type(e).__name__}: {str(e)[:200]}"
+    return f"{row.label}: {nbytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n" + summ.table()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench mla", description=__doc__)
     ap.add_argument(
@@ -142,12 +160,26 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the Triton kernel at these launch choices (triton_mla.Tuning fields), the "
         "product of ';'-separated lists, e.g. 'block_n=32,64;num_warps=4,8;num_stages=2,3'",
     )
+    ap.add_argument(
+        "--mosaic-splits",
+        default="",
+        help="also time the Mosaic kernel at these split counts (comma-separated; default: its own choice only)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the Mosaic call per row: device span, kernel time, each kernel",
+    )
     common.add_output_args(ap)
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     try:
         tunings = sweep_tunings(args.sweep)
     except (TypeError, ValueError) as e:
         ap.error(f"--sweep: {e}")
+    try:
+        mosaic_splits = [int(v) for v in args.mosaic_splits.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--mosaic-splits: {args.mosaic_splits!r} is not a comma-separated list of integers")
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     unknown = want - {r.label for r in ROWS}
     if unknown:
@@ -168,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s"
     )
     header = list(HEADER)
-    out = []
+    out, profiles = [], []
     rng = np.random.default_rng(0)
     n_hi = 8
     for row in ROWS:
@@ -192,11 +224,22 @@ def main(argv: list[str] | None = None) -> None:
 
             return time_calls(f"{row.label}: {tuning_label(tuning)}", call, arrays, n_hi)
 
+        def timed_splits(splits):
+            def call(q, kv, table, lens):
+                return mosaic_mla.mla_decode(q, kv, table, lens, num_splits=splits, **kw)
+
+            return time_calls(f"{row.label}: mosaic s{splits}", call, arrays, n_hi)
+
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
         if why:
             print(f"{row.label}: the mosaic kernel refuses it ({why})")
         ref = None if args.no_xla else timed("xla")
         kernels = [("mosaic", None if why else timed("mosaic"))]
+        if not why:
+            kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
+            if args.profile:
+                profiles.append(_profile(row, arrays, kw, nbytes))
+                print(profiles[-1], flush=True)
         if triton_mla_runs:
             kernels.append(("triton", timed("triton")))
             for tuning in tunings:
@@ -220,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
             out.append(cells)
             print(" | ".join(cells), flush=True)
     print(common.fmt_table(header, out))
+    if profiles:
+        print("profiles of the mosaic call (8 calls, inputs rotated, a sync after each; medians per call):")
+        print("\n".join(profiles))
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_tbs=copy_bw / 1e12, copy_how=how)
     common.save_outputs(args, "mla", header, out, dict(meta, matmul_tflops=rate / 1e12))
 
