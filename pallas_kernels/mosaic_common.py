@@ -5,8 +5,8 @@
   jax 0.10 accepts both, newer releases only the new names).
 * :func:`swizzle_transforms`: the tiling + swizzle of a shared-memory tile whose
   rows are ``head_dim`` elements, as TMA and ``wgmma`` want it.
-* :func:`cast_layout` / :func:`vec_iota`: register-layout hints that the
-  Mosaic GPU interpreter does not take (CPU tests run the same kernel bodies).
+* :func:`cast_layout` / :func:`vec_iota` / :func:`load_layout`: register layouts that
+  the Mosaic GPU interpreter does not take (CPU tests run the same kernel bodies).
 * :func:`drain_free_barriers`: the end of a producer's K/V ring under the interpreter.
 
 Interpreter setup lives in ``interpret.py``; the split-KV combine in
@@ -22,10 +22,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["plgpu_kernel", "swizzle_transforms", "cast_layout", "vec_iota", "drain_free_barriers"]
+__all__ = ["plgpu_kernel", "swizzle_transforms", "cast_layout", "vec_iota", "load_layout", "drain_free_barriers"]
 
 _KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
 _OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
+# jax 0.10 requires plgpu.load's index argument; later releases deprecate it (index the ref)
+_LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_TAKES_IDX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
 
 
 def plgpu_kernel(body, out, **kwargs):
@@ -44,6 +47,16 @@ def swizzle_transforms(dtype, row_elems: int):
 def cast_layout(x, layout, *, interpret: bool):
     """``plgpu.layout_cast(x, layout)``; ``x`` itself under the interpreter."""
     return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def load_layout(ref, layout, *, interpret: bool):
+    """The whole of ``ref`` (shared memory) as a register value in ``layout``, by the
+    unoptimised load path (any layout); ``ref[...]`` under the interpreter."""
+    if interpret:
+        return ref[...]
+    if _LOAD_TAKES_IDX:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def vec_iota(size: int, dim: int, *, interpret: bool):

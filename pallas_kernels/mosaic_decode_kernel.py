@@ -20,6 +20,7 @@ from jattn.pallas_kernels.decode_tuning import (
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
+    load_layout,
     plgpu_kernel,
     swizzle_transforms,
     vec_iota,
@@ -233,9 +234,7 @@ def _decode_kernel(
 
         def load_rows(ref):
             """A [64] f32 row vector from shared memory, in the score tile's row layout."""
-            if cfg.interpret:
-                return ref[...]
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            return load_layout(ref, plgpu.Layout.WGMMA.reduce(1), interpret=cfg.interpret)
 
         def cols2d(x):
             return lax.broadcast_in_dim(x, (64, N), [1])

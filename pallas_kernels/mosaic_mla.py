@@ -58,6 +58,7 @@ from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
+    load_layout,
     plgpu_kernel,
     swizzle_transforms,
     vec_iota,
@@ -245,9 +246,7 @@ def _kernel(
 
     def load_rows(ref):
         """A [64] f32 vector from shared memory in the accumulator's row layout."""
-        if interp:
-            return ref[...]
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        return load_layout(ref, plgpu.Layout.WGMMA.reduce(1), interpret=interp)
 
     def p_tile(slot):
         """Where a block's P lives: the slot's last 64 columns (the rope part of K, which

@@ -81,6 +81,7 @@ from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
+    load_layout,
     plgpu_kernel,
     swizzle_transforms,
     vec_iota,
@@ -377,9 +378,7 @@ def _kernel(
 
         def load_cols(ref):
             """A [BK] f32 vector from shared memory, in the score tile's column layout."""
-            if interp:
-                return ref[...]
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            return load_layout(ref, plgpu.Layout.WGMMA.reduce(0), interpret=interp)
 
         def clean_edge_tile(slot, ok):
             """An edge block's V tile made safe to multiply by P, and the poison of the
