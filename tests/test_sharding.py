@@ -4,9 +4,9 @@ The sharded checks need several devices, which a CPU process gets only from
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX starts. The suite runs
 in-process (pytest-xdist workers with one device), so the checks run in subprocesses:
 
-* one process with 4 virtual devices runs every check of :data:`CHECKS` (sharded result
-  against the one-device result of the same call) and reports each as ``ok``, a failure
-  with its traceback, or ``skip: reason``;
+* each check of :data:`CHECKS` (sharded result against the one-device result of the same
+  call) runs in a process of its own with 4 virtual devices (so that the pytest-xdist
+  workers share them) and reports ``ok``, a failure with its traceback, or ``skip: reason``;
 * two processes under ``jax.distributed.initialize`` (gloo CPU collectives), 2 virtual
   devices each, run :func:`multihost_case` on the 4 devices of both and must give what
   the one-process run of it gave.
@@ -572,13 +572,14 @@ CHECKS = {
 }
 
 
-def run_checks(out_dir: str) -> None:
-    """Subprocess entry (4 virtual devices): every check, its result in ``results.json``."""
+def run_checks(out_dir: str, names: list[str]) -> None:
+    """Subprocess entry (4 virtual devices): the checks ``names``, each result in ``results.json``."""
     import jax
 
     assert jax.device_count() == 4, jax.devices()
     results = {}
-    for name, fn in CHECKS.items():
+    for name in names:
+        fn = CHECKS[name]
         try:
             res = fn(out_dir) if name == "multihost_reference" else fn()
             results[name] = res if isinstance(res, str) else "ok"
@@ -601,19 +602,22 @@ def run_multihost(process_id: int, port: int, out_dir: str) -> None:
 # ============================================================================ tests (main process)
 
 
-@pytest.fixture(scope="module")
-def checks(tmp_path_factory):
+def _run_checks(tmp_path_factory, names: list[str]) -> tuple[str, dict]:
+    """One 4-device subprocess runs the checks ``names``: (its output folder, the results)."""
     d = str(tmp_path_factory.mktemp("sharding"))
-    code = f"import test_sharding as t; t.run_checks({d!r})"
+    code = f"import test_sharding as t; t.run_checks({d!r}, {names!r})"
     r = subprocess.run([sys.executable, "-c", code], env=_env(4), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     with open(os.path.join(d, "results.json")) as f:
         return d, json.load(f)
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_sharded_equals_unsharded(name, checks):
-    res = checks[1][name]
+# Each check runs in its own subprocess (a few seconds of start-up each), so that the
+# pytest-xdist workers share them: one process for all of them took about 5 minutes on one
+# worker. The multihost reference runs in the multihost test.
+@pytest.mark.parametrize("name", [n for n in CHECKS if n != "multihost_reference"])
+def test_sharded_equals_unsharded(name, tmp_path_factory):
+    res = _run_checks(tmp_path_factory, [name])[1][name]
     if res.startswith("skip: "):
         pytest.skip(res[len("skip: ") :])
     assert res == "ok", res
@@ -625,13 +629,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_multihost_two_processes_equal_one_process(checks):
+def test_multihost_two_processes_equal_one_process(tmp_path_factory):
     """Two processes (jax.distributed, gloo) of 2 devices each = one process of 4."""
     import jax
 
     if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
         pytest.skip("this jax has no CPU collectives option (jax_cpu_collectives_implementation)")
-    d, results = checks
+    d, results = _run_checks(tmp_path_factory, ["multihost_reference"])
     assert results["multihost_reference"] == "ok", results["multihost_reference"]
     port = _free_port()
     procs = [
