@@ -135,14 +135,16 @@ def _check(c: Case, *, interpret: bool, seed: int | None = None, options: md.Ker
 
 # Small shapes for the interpreter (each case is a few seconds on a 2-core CPU).
 CPU_CASES = {
-    "lens_0_1_97": Case(lens=(0, 1, 97), page_size=32),
+    # 2 KV heads and 3 splits (the last one empty): the interpreter's cost grows with
+    # splits x requests x KV heads, and the lengths are what this case is for
+    "lens_0_1_97": Case(lens=(0, 1, 97), hq=8, hkv=2, page_size=32, splits=3),
     "mha_group1_page32": Case(lens=(45, 20), hq=8, page_size=32),
     "group2_d128": Case(lens=(33,), hq=16, d=128),
     "group4_page64": Case(lens=(50, 17), hq=32, page_size=64),
     "group16": Case(lens=(21,), hq=128),
     "qlen4_causal": Case(lens=(40, 5), q_len=4),
     "qlen4_noncausal": Case(lens=(40, 9), q_len=4, causal=False),
-    "window": Case(lens=(90, 20), window_left=24),
+    "window": Case(lens=(90, 20), hq=8, hkv=2, window_left=24),
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
@@ -235,7 +237,7 @@ def test_options_are_static_and_hashable():
 def test_interpreted_deterministic():
     if on_gpu():
         pytest.skip("interpreter tests run on the CPU")
-    c = Case(lens=(20, 3), q_len=2)
+    c = Case(lens=(70, 3), hkv=2, q_len=2, splits=2)  # two splits with keys: the merge runs
     a = _check(c, interpret=True)
     b = _check(c, interpret=True)
     np.testing.assert_array_equal(a, b)
@@ -355,7 +357,7 @@ def _poison_check(c: Case, spots, *, interpret: bool, options: md.KernelOptions 
 POISON_CPU = {
     # q_len 4 * 32 heads = two 64-row tiles: two compute warpgroups share each V tile
     "verify_qlen4_two_wgs": (
-        Case(lens=(40, 5), hq=32, hkv=8, d=64, q_len=4),
+        Case(lens=(40, 5), hq=32, hkv=4, d=64, q_len=4),
         [
             (0, [39], 1, "v", NAN, True),
             (0, [38], 2, "v", INF, True),
@@ -365,7 +367,7 @@ POISON_CPU = {
         ],
     ),
     "window_own_pages": (
-        Case(lens=(90, 20), window_left=24),
+        Case(lens=(90, 20), hq=8, hkv=4, window_left=24),
         [(0, range(0, 64), None, "kv", NAN, True), (0, [64], 3, "v", INF, True), (1, [3], 2, "v", NAN, True)],
     ),
     "window_qlen3": (
