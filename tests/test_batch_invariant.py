@@ -20,7 +20,7 @@ import jattn
 from jattn.pallas_kernels import combine
 
 LENS = (0, 1, 97, 200, 41)
-PS, HQ, HKV, D, WIDTH = 16, 4, 2, 64, 16
+PS, HQ, HKV, D, WIDTH = 64, 4, 2, 64, 4  # pages of 64: fewer page copies for the interpreted Mosaic calls
 SPLIT_TOKENS = 64  # -> 4 splits over the 256-token width
 
 
