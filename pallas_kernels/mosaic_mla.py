@@ -413,11 +413,11 @@ def _kernel(
 
 
 def _run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, q, kv):
-    bs, m_pad = q.shape[0], cfg.m_rows8
+    bs, rows = q.shape[0], cfg.m_rows8
     BN, S, W = BLOCK_N, NUM_STAGES, cfg.width
     out_type = (
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, m_pad, cfg.rank), dtype),
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, m_pad), jnp.float32),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, rows, cfg.rank), dtype),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, rows), jnp.float32),
     )
     tr = swizzle_transforms(dtype, W)
 

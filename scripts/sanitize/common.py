@@ -95,18 +95,28 @@ def decode(
         out, lse = md.mha_decode(*args, sinks=sinks_j, return_lse=True, block_sizes=bsz, options=opts, **kw)
         return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
-    if on_gpu():
-        out, lse = call()
-    else:
-        with gpu_interpret():
-            out, lse = call()
+    out, lse = run_here(call)
     truth, truth_lse = naive.mha_decode(q, kc, vc, pool.page_table, pool.lens, sinks=sk, **kw)
+    err = check(name, out, lse, truth, truth_lse, tol=3e-2 if fp8 else 2e-2)
+    report(name, f"splits={bsz.num_splits} block={bsz.block_tokens}x{bsz.pages_per_block} max_err={err:.2e}")
+
+
+def run_here(call):
+    """``call()`` on the GPU, or under the Mosaic GPU interpreter where there is none."""
+    if on_gpu():
+        return call()
+    with gpu_interpret():
+        return call()
+
+
+def check(name: str, out, lse, truth, truth_lse, *, tol: float) -> float:
+    """The kernel's ``(out, lse)`` against the float64 truth: no NaN, within ``tol``, the
+    same empty rows. Returns the largest absolute error."""
     assert not np.isnan(out).any(), f"{name}: NaN in the output"
     err = float(np.abs(out - truth).max(initial=0.0))
-    tol = 3e-2 if fp8 else 2e-2
     assert np.allclose(out, truth, atol=tol, rtol=tol), f"{name}: max error {err:.3e}"
     assert np.array_equal(np.isneginf(lse), np.isneginf(truth_lse)), f"{name}: empty rows differ"
-    report(name, f"splits={bsz.num_splits} block={bsz.block_tokens}x{bsz.pages_per_block} max_err={err:.2e}")
+    return err
 
 
 def report(name: str, detail: str) -> None:
@@ -171,16 +181,9 @@ def prefill(
             return mp.mha_prefill(*args, sinks=sinks_j, return_lse=True, **kw)
 
         truth, truth_lse = naive.mha_prefill(q, k, v, cu_q, cu_kv, sinks=sk, **kw)
-    if on_gpu():
-        out, lse = call()
-    else:
-        with gpu_interpret():
-            out, lse = call()
+    out, lse = run_here(call)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    assert not np.isnan(out).any(), f"{name}: NaN in the output"
-    err = float(np.abs(out - truth).max(initial=0.0))
-    assert np.allclose(out, truth, atol=3e-2, rtol=3e-2), f"{name}: max error {err:.3e}"
-    assert np.array_equal(np.isneginf(lse), np.isneginf(truth_lse)), f"{name}: empty rows differ"
+    err = check(name, out, lse, truth, truth_lse, tol=3e-2)
     report(name, f"{int(cu_q[-1])} query rows, max_err={err:.2e}")
 
 
@@ -203,14 +206,7 @@ def mla(name: str, *, lens, heads: int, page_size: int, q_len: int = 1, causal: 
         out, lse = mm.mla_decode(*args, return_lse=True, **kw)
         return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
-    if on_gpu():
-        out, lse = call()
-    else:
-        with gpu_interpret():
-            out, lse = call()
+    out, lse = run_here(call)
     truth, truth_lse = naive.mla_decode(q, kv, pool.page_table, pool.lens, **kw)
-    assert not np.isnan(out).any(), f"{name}: NaN in the output"
-    err = float(np.abs(out - truth).max(initial=0.0))
-    assert np.allclose(out, truth, atol=3e-2, rtol=3e-2), f"{name}: max error {err:.3e}"
-    assert np.array_equal(np.isneginf(lse), np.isneginf(truth_lse)), f"{name}: empty rows differ"
+    err = check(name, out, lse, truth, truth_lse, tol=3e-2)
     report(name, f"{out.shape[0]} query rows x {heads} heads, max_err={err:.2e}")
