@@ -44,10 +44,18 @@ class PagedKVCache:
     The cache holds data only: FP8 scales are the layer's (``LayerSpec.k_scale`` /
     ``v_scale``), passed to the writes and the reads by the backend.
     Page :data:`jattn.metadata.DUMMY_PAGE` is reserved for padded rows' writes.
+
+    **Stacked** (``stacked=True``, for a model whose layers run as one ``lax.scan``): ``k``
+    and ``v`` each hold ONE array ``[num_layers, num_pages, page_size, num_kv_heads,
+    head_dim]``. :meth:`flat` views it as a one-layer cache of ``num_layers * num_pages``
+    pages (a reshape, no copy), in which layer ``i``'s page ``p`` is page
+    ``i * num_pages + p``; a plan shifted by ``DecodeMetadata.with_page_offset`` addresses
+    one layer of it.
     """
 
     k: tuple
     v: tuple
+    stacked: bool = False
 
     @classmethod
     def create(
@@ -60,38 +68,75 @@ class PagedKVCache:
         head_dim: int,
         head_dim_v: int | None = None,
         dtype="bfloat16",
+        stacked: bool = False,
     ) -> "PagedKVCache":
         dt = cache_dtype(dtype)
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
         dv = head_dim if head_dim_v is None else head_dim_v
+        if stacked:
+            k = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dt),)
+            v = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, dv), dt),)
+            return cls(k=k, v=v, stacked=True)
         k = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dt) for _ in range(num_layers))
         v = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, dv), dt) for _ in range(num_layers))
         return cls(k=k, v=v)
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return self.k[0].shape[0] if self.stacked else len(self.k)
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[int(self.stacked)]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[1 + int(self.stacked)]
 
     @property
     def dtype(self):
         return self.k[0].dtype
 
     def layer(self, i: int):
+        if self.stacked:
+            return self.k[0][i], self.v[0][i]
         return self.k[i], self.v[i]
 
     def replace_layer(self, i: int, k, v) -> "PagedKVCache":
+        if self.stacked:
+            return dataclasses.replace(self, k=(self.k[0].at[i].set(k),), v=(self.v[0].at[i].set(v),))
         ks, vs = list(self.k), list(self.v)
         ks[i], vs[i] = k, v
         return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
+
+    def stack(self) -> "PagedKVCache":
+        """The same cache stacked (one copy; a stacked cache is returned as is)."""
+        if self.stacked:
+            return self
+        return PagedKVCache(k=(jnp.stack(self.k),), v=(jnp.stack(self.v),), stacked=True)
+
+    def flat(self) -> "PagedKVCache":
+        """A stacked cache as a one-layer cache of ``num_layers * num_pages`` pages (no copy)."""
+        _require_stacked(self)
+        return PagedKVCache(k=(_merge_layers(self.k[0]),), v=(_merge_layers(self.v[0]),))
+
+    def unflat(self, flat: "PagedKVCache") -> "PagedKVCache":
+        """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
+        _require_stacked(self)
+        return PagedKVCache(
+            k=(flat.k[0].reshape(self.k[0].shape),), v=(flat.v[0].reshape(self.v[0].shape),), stacked=True
+        )
+
+
+def _require_stacked(cache) -> None:
+    if not cache.stacked:
+        raise ValueError(f"{type(cache).__name__} is per-layer (stacked=False): flat() views a stacked cache")
+
+
+def _merge_layers(pool):
+    """``[L, P, ...] -> [L * P, ...]`` (a reshape: layer i's page p becomes page i * P + p)."""
+    return pool.reshape(pool.shape[0] * pool.shape[1], *pool.shape[2:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +144,13 @@ class MLAKVCache:
     """DeepSeek MLA latent cache: per-layer ``kv[i]`` of shape
     ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (c_kv then k_pe).
 
-    Data only: the FP8 scale is the layer's (``LayerSpec.k_scale``)."""
+    Data only: the FP8 scale is the layer's (``LayerSpec.k_scale``). ``stacked=True``:
+    ``kv`` holds one array ``[num_layers, num_pages, page_size, kv_lora_rank + rope_dim]``,
+    viewed by :meth:`flat` as :class:`PagedKVCache` describes."""
 
     kv: tuple
     kv_lora_rank: int = 512
+    stacked: bool = False
 
     @classmethod
     def create(
@@ -114,40 +162,62 @@ class MLAKVCache:
         kv_lora_rank: int = 512,
         rope_dim: int = 64,
         dtype="bfloat16",
+        stacked: bool = False,
     ) -> "MLAKVCache":
         dt = cache_dtype(dtype)
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
-        kv = tuple(jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dt) for _ in range(num_layers))
+        shape = (num_pages, page_size, kv_lora_rank + rope_dim)
+        if stacked:
+            return cls(kv=(jnp.zeros((num_layers, *shape), dt),), kv_lora_rank=kv_lora_rank, stacked=True)
+        kv = tuple(jnp.zeros(shape, dt) for _ in range(num_layers))
         return cls(kv=kv, kv_lora_rank=kv_lora_rank)
 
     @property
     def num_layers(self) -> int:
-        return len(self.kv)
+        return self.kv[0].shape[0] if self.stacked else len(self.kv)
 
     @property
     def num_pages(self) -> int:
-        return self.kv[0].shape[0]
+        return self.kv[0].shape[int(self.stacked)]
 
     @property
     def page_size(self) -> int:
-        return self.kv[0].shape[1]
+        return self.kv[0].shape[1 + int(self.stacked)]
 
     @property
     def dtype(self):
         return self.kv[0].dtype
 
     def layer(self, i: int):
-        return self.kv[i]
+        return self.kv[0][i] if self.stacked else self.kv[i]
 
     def replace_layer(self, i: int, kv) -> "MLAKVCache":
+        if self.stacked:
+            return dataclasses.replace(self, kv=(self.kv[0].at[i].set(kv),))
         kvs = list(self.kv)
         kvs[i] = kv
         return dataclasses.replace(self, kv=tuple(kvs))
 
+    def stack(self) -> "MLAKVCache":
+        """The same cache stacked (one copy; a stacked cache is returned as is)."""
+        if self.stacked:
+            return self
+        return MLAKVCache(kv=(jnp.stack(self.kv),), kv_lora_rank=self.kv_lora_rank, stacked=True)
 
-jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=[])
-jax.tree_util.register_dataclass(MLAKVCache, data_fields=["kv"], meta_fields=["kv_lora_rank"])
+    def flat(self) -> "MLAKVCache":
+        """A stacked cache as a one-layer cache of ``num_layers * num_pages`` pages (no copy)."""
+        _require_stacked(self)
+        return MLAKVCache(kv=(_merge_layers(self.kv[0]),), kv_lora_rank=self.kv_lora_rank)
+
+    def unflat(self, flat: "MLAKVCache") -> "MLAKVCache":
+        """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
+        _require_stacked(self)
+        return MLAKVCache(kv=(flat.kv[0].reshape(self.kv[0].shape),), kv_lora_rank=self.kv_lora_rank, stacked=True)
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=["stacked"])
+jax.tree_util.register_dataclass(MLAKVCache, data_fields=["kv"], meta_fields=["kv_lora_rank", "stacked"])
 
 
 class PagePoolExhausted(RuntimeError):

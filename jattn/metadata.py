@@ -87,8 +87,19 @@ def _pytree(cls, data):
     return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=meta)
 
 
+class _PagedPlan:
+    """What Decode and Extend plans share: shifting their pages."""
+
+    def with_page_offset(self, offset, num_pages: int):
+        """The same plan on pages ``offset + p`` of a pool of ``num_pages`` pages: page ids
+        and write slots shifted (jittable; ``offset`` may be traced). Layer ``i`` of a
+        stacked cache's ``flat()`` view (``jattn.kv_cache.PagedKVCache``) is
+        ``offset = i * pages per layer``, ``num_pages = layers * pages per layer``."""
+        return _with_page_offset(self, offset, num_pages)
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeMetadata:
+class DecodeMetadata(_PagedPlan):
     """Metadata of a decode step (``max_seqlen_q`` tokens per request, request-major).
 
     The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
@@ -151,7 +162,7 @@ class DecodeMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtendMetadata:
+class ExtendMetadata(_PagedPlan):
     """Metadata of an extend / prefill step (ragged new tokens over a paged prefix).
 
     The arrays are pytree data; ``max_seqlen_q``, ``page_size``, ``is_causal``,
@@ -180,6 +191,18 @@ class ExtendMetadata:
     @property
     def num_tokens(self) -> int:
         return self.out_cache_loc.shape[0]
+
+
+def _with_page_offset(md, offset, num_pages: int):
+    if md.num_pages is not None and md.num_pages > num_pages:
+        raise ValueError(f"with_page_offset: num_pages={num_pages} is below the plan's num_pages={md.num_pages}")
+    off = jnp.asarray(offset, jnp.int32)
+    return dataclasses.replace(
+        md,
+        page_table=md.page_table + off,
+        out_cache_loc=md.out_cache_loc + off * md.page_size,
+        num_pages=num_pages,
+    )
 
 
 _pytree(DecodeMetadata, ("page_table", "cache_seqlens", "out_cache_loc", "positions", "num_reqs", "prefix_pages"))

@@ -149,7 +149,7 @@ class Deepseek(CausalLM):
     def default_backend(self, page_size: int):
         return default_mla_backend(self.config, page_size)
 
-    def make_cache(self, *, num_pages: int, page_size: int, dtype=None):
+    def make_cache(self, *, num_pages: int, page_size: int, dtype=None, stacked: bool = False):
         from jattn.kv_cache import MLAKVCache
 
         cfg = self.config
@@ -160,4 +160,5 @@ class Deepseek(CausalLM):
             kv_lora_rank=cfg.kv_lora_rank,
             rope_dim=cfg.qk_rope_head_dim,
             dtype=dtype or cfg.dtype,
+            stacked=stacked,
         )

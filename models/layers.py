@@ -6,6 +6,8 @@ module serves prefill, extend and decode alike.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,7 +68,13 @@ def fuse_projections(model) -> None:
     the same outputs up to the matmul's rounding. The separate projections are dropped
     (their weights freed once nothing else holds them). Tensor-parallel models keep
     them separate (their column sharding is per projection)."""
-    for node in [n for _, n in nnx.iter_graph(model)]:  # listed first: the loop edits the graph
+    nodes = [n for _, n in nnx.iter_graph(model)]  # listed first: the loop edits the graph
+    unfused = any(
+        (isinstance(n, SwiGLU) and n.gate_up_proj is None) or getattr(n, "qkv_proj", 0) is None for n in nodes
+    )
+    if unfused and getattr(model, "layers_stacked", False):
+        raise ValueError("fuse_projections: this model's layers are stacked; fuse before stack_layers")
+    for node in nodes:
         if isinstance(node, SwiGLU) and node.gate_up_proj is None:
             node.gate_up_proj = fused_linear([node.gate_proj, node.up_proj])
             node.gate_proj = node.up_proj = None
@@ -240,6 +248,16 @@ class DecoderBlock(nnx.Module):
         return x, kv_cache
 
 
+class LayerRun(nnx.Module):
+    """``count`` consecutive decoder blocks of one structure as one ``block`` whose
+    parameters carry a leading layer axis; ``start`` is the first one's layer index."""
+
+    def __init__(self, block: nnx.Module, start: int, count: int):
+        self.block = block
+        self.start = start
+        self.count = count
+
+
 class CausalLM(nnx.Module):
     """The decoder-only body shared by the model families: embedding, ``block_cls`` blocks,
     final norm, (tied) LM head and RoPE tables. Subclasses give ``block_cls``,
@@ -261,6 +279,7 @@ class CausalLM(nnx.Module):
                 cfg.hidden_size, cfg.vocab_size, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, std=std, rngs=rngs
             )
         )
+        self.layer_runs = nnx.data(None)  # set by stack_layers
         inv_freq, attn_factor = cfg.rope()
         self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
         self._attn_factor = attn_factor
@@ -277,9 +296,76 @@ class CausalLM(nnx.Module):
             raise TypeError("without a kv_cache, metadata must be a RaggedMetadata")
         x = self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype))
         cos, sin = rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._attn_factor)
-        for layer in self.layers:
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
+        if self.layer_runs is not None:
+            x, kv_cache = self._scan_layers(x, cos, sin, kv_cache, metadata, backend)
+        else:
+            for layer in self.layers:
+                x, kv_cache = layer(x, cos, sin, kv_cache, metadata, backend)
         return self.norm(x), kv_cache
+
+    @property
+    def layers_stacked(self) -> bool:
+        return self.layer_runs is not None
+
+    def stack_layers(self) -> None:
+        """In place: each run of consecutive blocks of the same structure (all of a Llama;
+        a DeepSeek's dense blocks, then its MoE blocks) becomes one :class:`LayerRun` whose
+        parameters are stacked on a leading layer axis, and the forward runs each as one
+        ``jax.lax.scan``. A program then traces and compiles one block per run instead of
+        one per layer; the outputs are the same.
+
+        A stacked model reads a stacked KV cache (``make_cache(..., stacked=True)``, or
+        ``cache.stack()``): each scanned layer sees the cache's one-layer ``flat()`` view
+        and the plan shifted to its own pages (``with_page_offset``), so the attention
+        kernels take the pool as it is, with no slice copied out per layer. Every
+        attention's ``spec.layer_id`` becomes 0 for that view. Fuse projections first
+        (``fuse_projections``); weights loaded later must have the stacked structure."""
+        if self.layer_runs is not None:
+            return
+        runs = []  # [graphdef, states, start]
+        for i, block in enumerate(self.layers):
+            attn = block.self_attn
+            attn.spec = dataclasses.replace(attn.spec, layer_id=0)
+            graphdef, state = nnx.split(block)
+            if runs and runs[-1][0] == graphdef:
+                runs[-1][1].append(state)
+            else:
+                runs.append([graphdef, [state], i])
+        self.layer_runs = nnx.List(
+            [
+                LayerRun(nnx.merge(gd, jax.tree.map(lambda *a: jnp.stack(a), *states)), start, len(states))
+                for gd, states, start in runs
+            ]
+        )
+        self.layers = nnx.List([])
+
+    def _scan_layers(self, x, cos, sin, kv_cache, metadata, backend):
+        flat = None
+        if kv_cache is not None:
+            if not getattr(kv_cache, "stacked", False):
+                raise ValueError(
+                    "this model's layers are stacked (stack_layers): it reads a stacked KV cache, "
+                    "make_cache(..., stacked=True) or cache.stack()"
+                )
+            if kv_cache.num_layers != self.config.num_layers:
+                raise ValueError(f"kv_cache has {kv_cache.num_layers} layers; the model {self.config.num_layers}")
+            pages = kv_cache.num_pages
+            total = kv_cache.num_layers * pages
+            flat = kv_cache.flat()
+        metadata = jax.tree.map(jnp.asarray, metadata)  # a host plan's arrays are indexed by traced values
+        for run in self.layer_runs:
+            graphdef, state = nnx.split(run.block)
+
+            def body(carry, xs, graphdef=graphdef):
+                h, cache = carry
+                params, i = xs
+                md = metadata if cache is None else metadata.with_page_offset(i * pages, total)
+                h, cache = nnx.merge(graphdef, params)(h, cos, sin, cache, md, backend)
+                return (h, cache), None
+
+            ids = jnp.arange(run.start, run.start + run.count, dtype=jnp.int32)
+            (x, flat), _ = jax.lax.scan(body, (x, flat), (state, ids))
+        return x, (None if kv_cache is None else kv_cache.unflat(flat))
 
     def logits(self, hidden):
         """f32[T, vocab]."""

@@ -122,7 +122,7 @@ class Llama(CausalLM):
     def default_backend(self, page_size: int):
         return default_mha_backend(self.config, page_size)
 
-    def make_cache(self, *, num_pages: int, page_size: int, dtype=None):
+    def make_cache(self, *, num_pages: int, page_size: int, dtype=None, stacked: bool = False):
         from jattn.kv_cache import PagedKVCache
 
         cfg = self.config
@@ -133,4 +133,5 @@ class Llama(CausalLM):
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=dtype or cfg.dtype,
+            stacked=stacked,
         )

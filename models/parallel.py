@@ -89,6 +89,8 @@ def tensor_parallel(model, mesh: Mesh, axis: str = "tp"):
     ``config.num_kv_heads`` is the physical KV head count (its caches hold that many)."""
     if not _is_llama(model):
         raise TypeError(f"tensor_parallel: model must be a Llama-family model, got {type(model).__name__}")
+    if model.layers_stacked:
+        raise ValueError("tensor_parallel: the model's layers are stacked (stack_layers): build it per layer")
     if any(
         getattr(n, "qkv_proj", None) is not None or getattr(n, "gate_up_proj", None) is not None
         for _, n in nnx.iter_graph(model)
@@ -177,6 +179,8 @@ def for_engine(model, mesh: Mesh, axis: str, *, page_size: int, kernel_backend=N
     tensor-parallel copy and backend (heads split over ``axis``), or an MLA model's
     data-parallel copy and backend (requests and latent pools split over ``axis``; the
     engine places each request on a device)."""
+    if getattr(model, "layers_stacked", False):
+        raise ValueError("the model's layers are stacked (stack_layers): sharded serving takes per-layer models")
     if _is_mla(model):
         dp_model = data_parallel(model, mesh, axis)
         return dp_model, data_parallel_backend(dp_model, mesh, axis, page_size=page_size, kernel_backend=kernel_backend)

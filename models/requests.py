@@ -65,6 +65,11 @@ class EngineConfig:
     # (refused with a tensor-parallel mesh); False: never. Weights given later through
     # Engine.state must have the structure the engine ended up with.
     fuse_projections: bool | None = None
+    # Layers as one scan (CausalLM.stack_layers, applied to the model in place after any
+    # fusion): consecutive blocks of one structure run as one jax.lax.scan over stacked
+    # parameters and a stacked KV cache, so a program traces and compiles one block per
+    # run instead of one per layer. Not with a mesh.
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name, lo in (("page_size", 1), ("num_pages", 2), ("max_context", 2), ("max_running", 1)):
@@ -79,6 +84,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"EngineConfig.scan_layers={self.scan_layers!r} must be True or False")
+        if self.scan_layers and self.mesh is not None:
+            raise ValueError("EngineConfig.scan_layers: not supported with a mesh (sharded models keep their layers)")
         if self.fuse_projections not in (None, True, False):
             raise ValueError(
                 f"EngineConfig.fuse_projections={self.fuse_projections!r} must be None (auto), True or False"

@@ -16,7 +16,8 @@ def serving_model(model, c: EngineConfig, backend=None):
     backend (``models.parallel.for_engine``; a backend given too is refused); the q/k/v
     and gate/up projections fused in place when ``c.fuse_projections`` asks for it (None:
     on a GPU unless tensor-parallel; True with a tensor-parallel mesh is refused); without
-    a backend, the model's default one for ``c.kernel_backend``."""
+    a backend, the model's default one for ``c.kernel_backend``; its layers stacked in
+    place (``CausalLM.stack_layers``) when ``c.scan_layers``."""
     if c.mesh is not None:
         from jattn.models.parallel import for_engine
 
@@ -36,6 +37,8 @@ def serving_model(model, c: EngineConfig, backend=None):
         from jattn.models.layers import fuse_projections
 
         fuse_projections(model)
+    if c.scan_layers:
+        model.stack_layers()
     if backend is None:
         from jattn.models.deepseek import Deepseek, default_mla_backend
         from jattn.models.llama import default_mha_backend
@@ -53,4 +56,4 @@ def new_kv_cache(model, backend, c: EngineConfig):
         from jattn.models.parallel import make_cache
 
         return make_cache(model, backend, num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
-    return model.make_cache(num_pages=c.num_pages, page_size=c.page_size, dtype=dtype)
+    return model.make_cache(num_pages=c.num_pages, page_size=c.page_size, dtype=dtype, stacked=model.layers_stacked)

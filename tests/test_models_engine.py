@@ -444,6 +444,8 @@ def test_new_weights_through_engine_state(llama):
         (dict(cascade="yes"), "cascade"),
         (dict(overlap=None), "overlap"),
         (dict(fuse_projections="yes"), "fuse_projections"),
+        (dict(scan_layers=1), "scan_layers"),
+        (dict(scan_layers=True, mesh=object()), "scan_layers"),
     ],
 )
 def test_engine_config_refuses_what_cannot_serve(kw, match):
@@ -686,3 +688,121 @@ def test_fused_projections_give_the_same_model(arch, mla):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         with pytest.raises(ValueError, match="fused"):
             tensor_parallel(fused, mesh)
+
+
+def _deep(arch):
+    """A 4-layer model of the family: Llama (one run of blocks), or DeepSeek with a dense
+    first block then MoE blocks (two runs)."""
+    if arch == "llama":
+        cfg = LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2, num_layers=4, dtype="float32")
+        return Llama(cfg, rngs=nnx.Rngs(11), std=0.3)
+    cfg = DeepseekConfig.tiny(
+        vocab_size=VOCAB,
+        num_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        dtype="float32",
+    )
+    return Deepseek(cfg, rngs=nnx.Rngs(12), std=0.3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_scanned_layers_give_the_same_model(arch):
+    """``stack_layers`` runs each run of same-structure blocks as one scan over stacked
+    weights and a stacked cache: the same hidden states (f32) and written cache as the
+    per-layer model, for a cache-free prefill, an extend over a prefix and a decode step on
+    a permuted page table with NaN in every unused page; in the engine (Llama), the same
+    tokens with chunked prefill and parallel samples."""
+    from jattn.metadata import plan_decode, plan_extend
+    from jattn.models.attention import RaggedMetadata
+
+    model = _deep(arch)
+    stacked = nnx.clone(model)
+    stacked.stack_layers()
+    runs = [(r.start, r.count) for r in stacked.layer_runs]
+    assert runs == ([(0, 4)] if arch == "llama" else [(0, 1), (1, 3)])
+    assert not stacked.layers and stacked.layers_stacked
+
+    lens = [5, 3]
+    toks = np.asarray(_prompts(4, lens=(8,))[0], np.int32)
+    md = RaggedMetadata.from_lengths(lens)
+    pos = RaggedMetadata.positions(lens)
+    want, _ = model(toks, pos, None, md)
+    got, _ = stacked(toks, pos, None, md)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    ps, npages = 4, 24
+    rng = np.random.default_rng(5)
+    table = rng.permutation(np.arange(1, npages))[:12].reshape(2, 6)  # permuted pages, none the dummy
+    cache = model.make_cache(num_pages=npages, page_size=ps)
+    scache = stacked.make_cache(num_pages=npages, page_size=ps, stacked=True)
+    pools = (lambda c: c.k) if arch == "llama" else (lambda c: c.kv)
+    # the unused pages hold NaN: a stray read would show in every output
+    nan = lambda c: jax.tree.map(lambda a: a.at[:].set(np.nan), c)  # noqa: E731
+    cache, scache = nan(cache), nan(scache)
+    steps = [
+        (plan_extend(np.array([9, 6]), np.array([9, 6]), page_size=ps, page_table=table, num_pages=npages), 15),
+        (plan_extend(np.array([13, 7]), np.array([4, 1]), page_size=ps, page_table=table, num_pages=npages), 5),
+        (plan_decode(np.array([14, 8]), page_size=ps, page_table=table, num_pages=npages), 2),
+    ]
+    for plan, n in steps:
+        t = np.asarray(rng.integers(0, VOCAB, plan.num_tokens), np.int32)
+        want, cache = model(t, plan.positions, cache, plan)
+        got, scache = stacked(t, plan.positions, scache, plan)
+        real = slice(0, n)
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=2e-5, atol=2e-5)
+        assert np.isfinite(np.asarray(got)[real]).all()
+    for i in range(4):  # the same K/V (or latent rows) written to the same pages of each layer
+        a, b = np.asarray(pools(cache)[i]), np.asarray(pools(scache)[0][i])
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+    assert np.isnan(np.asarray(pools(scache)[0][:, table[0, 4]])).all()  # a page past request 0's length
+
+    if arch == "mla":  # the engine's scan flag is family-neutral; one family keeps CI short
+        return
+    prompts = _prompts(6, lens=(5, 30, 9))
+    params = [SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=5, n=2)]
+
+    def run(m, **kw):
+        eng = _engine(m, max_context=48, token_buckets=(16, 32, 64), max_prefill_tokens=16, **kw)
+        rids = [eng.add_request(p, q) for p, q in zip(prompts, params)]
+        eng.run()
+        return eng, [[s.output_tokens for s in eng.samples(r)] for r in rids]
+
+    _, plain = run(nnx.clone(model))
+    eng, scanned = run(nnx.clone(model), scan_layers=True)
+    assert scanned == plain and eng.model.layers_stacked and eng.kv_cache.stacked
+
+
+def test_stacked_models_refuse_what_they_cannot_take():
+    """A stacked model takes a stacked cache of its depth; it cannot be fused afterwards
+    nor sharded; a per-layer cache's flat() view is refused."""
+    from jattn.metadata import plan_decode
+    from jattn.models.layers import fuse_projections
+    from jattn.models.parallel import tensor_parallel
+
+    model = _deep("llama")
+    model.stack_layers()
+    model.stack_layers()  # a second call changes nothing
+    plan = plan_decode(np.array([3]), page_size=4, page_table=np.array([[1]]), num_pages=8)
+    toks = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match="stacked KV cache"):
+        model(toks, plan.positions, model.make_cache(num_pages=8, page_size=4), plan)
+    other = LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=2, num_layers=2)
+    short = Llama(other, rngs=nnx.Rngs(0)).make_cache(num_pages=8, page_size=4, stacked=True)
+    with pytest.raises(ValueError, match="2 layers"):
+        model(toks, plan.positions, short, plan)
+    with pytest.raises(ValueError, match="fuse before stack_layers"):
+        fuse_projections(model)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    with pytest.raises(ValueError, match="stacked"):
+        tensor_parallel(model, mesh)
+    with pytest.raises(ValueError, match="per-layer"):
+        _deep("llama").make_cache(num_pages=8, page_size=4).flat()
+    fused = _deep("llama")
+    fuse_projections(fused)
+    fused.stack_layers()
+    fuse_projections(fused)  # nothing left to fuse: accepted

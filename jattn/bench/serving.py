@@ -158,6 +158,7 @@ def run_one(
     cascade: bool | None = None,
     overlap: bool = True,
     fuse_projections: bool | None = None,
+    scan_layers: bool = False,
 ) -> dict:
     """One row. ``light_warmup``: compile with as many full-length prompts as one
     extend step takes (the batch bucket of that size is added) and one decode step of
@@ -168,7 +169,8 @@ def run_one(
     temperature 0.8), whose decode steps are cascade plans unless ``cascade=False``.
     ``overlap``: the engine's overlap scheduling (``EngineConfig.overlap``).
     ``fuse_projections``: q/k/v and gate/up as one matmul each (``EngineConfig.
-    fuse_projections``; True or None may fuse ``model`` in place)."""
+    fuse_projections``; True or None may fuse ``model`` in place). ``scan_layers``: the
+    layers as one scan (``EngineConfig.scan_layers``; stacks ``model`` in place)."""
     max_context = prompt_len + gen_len + page_size
     pages_per = -(-max_context // page_size)
     budget, per_step = _extend_batch(bs, prompt_len, prefill_tokens)
@@ -186,6 +188,7 @@ def run_one(
         cascade=cascade,
         overlap=overlap,
         fuse_projections=fuse_projections,
+        scan_layers=scan_layers,
     )
     engine = Engine(model, ecfg)
     n_prompts = max(1, bs // samples)
@@ -242,6 +245,7 @@ def run_one(
         samples=samples,
         overlap=overlap,
         fused_projections=fuse_projections,
+        scan_layers=scan_layers,
         cascade_steps=m.cascade_steps,
         shared_prompt_tokens=m.shared_tokens,
         warmup_s=warm,
@@ -408,6 +412,13 @@ def main(argv=None) -> int:
         "copy of the model)",
     )
     ap.add_argument(
+        "--scan-layers",
+        default="off",
+        help="layers as one scan (EngineConfig.scan_layers) settings to compare: off, on (default off, the "
+        "engine's; off,on runs each row both ways, the scanned rows on a stacked copy of the model; the "
+        "warm-up time is the compile time)",
+    )
+    ap.add_argument(
         "--cascade",
         default="auto",
         help="with --samples: cascade decode settings to compare, comma-separated: auto (the engine's "
@@ -455,6 +466,9 @@ def main(argv=None) -> int:
     fuse_modes = [o for o in args.fuse_projections.split(",") if o]
     if not fuse_modes or any(o not in overlaps for o in fuse_modes):
         ap.error(f"--fuse-projections takes off, on or off,on (got {args.fuse_projections!r})")
+    scan_modes = [o for o in args.scan_layers.split(",") if o]
+    if not scan_modes or any(o not in overlaps for o in scan_modes):
+        ap.error(f"--scan-layers takes off, on or off,on (got {args.scan_layers!r})")
     dev = jax.devices()[0]
     print(
         f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -474,7 +488,7 @@ def main(argv=None) -> int:
     plan = {}
     for name in models.split(","):
         plan[name] = [
-            (bs, p, cb, be, casc, ov, fu)
+            (bs, p, cb, be, casc, ov, fu, sc)
             for p in prompt_lens
             for bs in batches
             for cb in settings
@@ -482,6 +496,7 @@ def main(argv=None) -> int:
             for casc in cascade_modes
             for ov in overlap_modes
             for fu in fuse_modes
+            for sc in scan_modes
             if skip_reason(bs, p, be[0]) is None
         ]
         est = estimate(
@@ -513,16 +528,25 @@ def main(argv=None) -> int:
 
             fused_model = nnx.clone(model) if "off" in fuse_modes else model
             fuse_projections(fused_model)
-        for bs, prompt_len, cb, (be_name, backend), casc, ov, fu in plan[name]:
+        stacked = {}  # the scanned rows' models: stacked copies when unscanned rows run too
+        if "on" in scan_modes:
+            from flax import nnx
+
+            for fu in fuse_modes:
+                base = fused_model if fu == "on" else model
+                stacked[fu] = nnx.clone(base) if "off" in scan_modes else base
+                stacked[fu].stack_layers()
+        for bs, prompt_len, cb, (be_name, backend), casc, ov, fu, sc in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
             tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             tag += f" [{args.samples} samples, cascade {casc}]" if args.samples > 1 else ""
             tag += f" [overlap {ov}]" if len(overlap_modes) > 1 or ov == "on" else ""
             tag += f" [fused {fu}]" if len(fuse_modes) > 1 or fu == "on" else ""
+            tag += f" [scan {sc}]" if len(scan_modes) > 1 or sc == "on" else ""
             try:
                 r = run_one(
-                    fused_model if fu == "on" else model,
+                    stacked[fu] if sc == "on" else fused_model if fu == "on" else model,
                     bs,
                     prompt_len,
                     gen_len,
@@ -538,6 +562,7 @@ def main(argv=None) -> int:
                     cascade=cascades[casc],
                     overlap=overlaps[ov],
                     fuse_projections=fu == "on",
+                    scan_layers=sc == "on",
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -562,7 +587,7 @@ def main(argv=None) -> int:
                 ),
                 flush=True,
             )
-        del model, fused_model
+        del model, fused_model, stacked
     out = args.json or (os.path.join(os.environ["OUT"], "serving.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
