@@ -2,7 +2,9 @@
 engine on the xla reference, token for token (greedy): Llama on the MHA decode, extend
 and cascade paths, DeepSeek on the MLA absorbed decode and the 192/128 prefill."""
 
-import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -130,11 +132,9 @@ def test_deepseek_engine_on_the_mosaic_mla_kernel():
     assert agree >= 0.6, (agree, got, want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_scanned_layers_on_the_kernels(arch):
-    """``EngineConfig(scan_layers=True)``: the kernels read each layer's pages of the
-    stacked pool through its flat view (Llama: MHA extend and decode; DeepSeek: MLA decode
-    and the 192/128 prefill); the tokens match the per-layer engine on the same kernels."""
+def scanned_and_per_layer_tokens(arch):
+    """Greedy tokens of the engine with ``scan_layers`` on and off, on the auto kernels
+    (run by :func:`test_scanned_layers_on_the_kernels` in a process of its own)."""
     if arch == "llama":
         cfg = LlamaConfig.tiny(
             num_q_heads=16,
@@ -156,12 +156,35 @@ def test_scanned_layers_on_the_kernels(arch):
     params = SamplingParams(max_new_tokens=10)
 
     def run(scan):
-        c = EngineConfig(page_size=page, num_pages=64, max_context=512, batch_buckets=(1, 2, 4), scan_layers=scan)
-        eng = Engine(nnx.clone(model), dataclasses.replace(c, token_buckets=(128,)))
-        return [r.output_tokens for r in eng.generate(prompts, params)]
+        c = EngineConfig(
+            page_size=page,
+            num_pages=64,
+            max_context=512,
+            batch_buckets=(1, 2, 4),
+            token_buckets=(128,),
+            scan_layers=scan,
+        )
+        return [r.output_tokens for r in Engine(nnx.clone(model), c).generate(prompts, params)]
 
-    got, want = run(True), run(False)
-    for g, w in zip(got, want):
-        assert g[:4] == w[:4], (g, w)
-    agree = np.mean([a == b for g, w in zip(got, want) for a, b in zip(g, w)])
-    assert agree >= 0.9, agree
+    return run(True), run(False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mla"])
+def test_scanned_layers_on_the_kernels(arch):
+    """``EngineConfig(scan_layers=True)``: the kernels read each layer's pages of the
+    stacked pool through its flat view (Llama: MHA extend and decode; DeepSeek: MLA decode
+    and the 192/128 prefill), and the greedy tokens equal the per-layer engine's on the
+    same kernels, all of them. Run in a process with XLA's excess precision off: by default
+    XLA keeps bf16 elementwise work in f32 across the unrolled layers' fusions, which a
+    scan's per-layer boundary does not, and this random bf16 model amplifies that rounding
+    into other tokens (seen on the CPU; with the flag both give the same bits)."""
+    code = (
+        "import sys; from tests.test_models_gpu import scanned_and_per_layer_tokens as f\n"
+        f"got, want = f({arch!r})\n"
+        "print(got, want)\n"
+        "sys.exit(0 if got == want and all(len(g) == 10 for g in got) else 1)\n"
+    )
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
