@@ -136,6 +136,13 @@ def _prefill_kernel(
         q_b = tl.load(q_ptr + tok_row[:, None] * D + cols_b[None, :], mask=row_ok[:, None], other=0.0)
     cols_v = tl.arange(0, DV)
     scale = tl.load(params_ptr) * 1.4426950408889634  # to base 2
+    # A negative scale runs as a positive one on negated queries (exact), so that the
+    # unmasked loop may scale the row maximum instead of every score.
+    neg = scale < 0
+    q_a = tl.where(neg, -q_a, q_a)
+    if DB > 0:
+        q_b = tl.where(neg, -q_b, q_b)
+    scale = tl.abs(scale)
 
     # Blocks in [full_lo, full_hi) are whole and visible to every row of the tile: they
     # skip the masks. The others (the causal diagonal, the window's start, the last
@@ -154,49 +161,98 @@ def _prefill_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DV), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for t0 in range(lo, hi, BLOCK_N):
-        edge = (t0 < full_lo) | (t0 >= full_hi)
-        tok = t0 + offs_n
-        tok_ok = tok < hi
-        if PAGE > 0:
-            page = tl.load(pt_ptr + req * MAX_PAGES + tok // PAGE, mask=tok_ok, other=0)
-            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
-            kv_row = (page.to(tl.int64) * PAGE + tok % PAGE) * HKV + kvh
+    # Ragged K/V: one scalar base per request and head, plus offsets within a block.
+    k_off_a = offs_n[:, None] * (HKV * D) + cols_a[None, :]
+    if DB > 0:
+        k_off_b = offs_n[:, None] * (HKV * D) + cols_b[None, :]
+    v_off = offs_n[:, None] * (HKV * DV) + cols_v[None, :]
+    k_base = k_ptr + (kv0.to(tl.int64) * HKV + kvh) * D
+    v_base = v_ptr + (kv0.to(tl.int64) * HKV + kvh) * DV
+    # Three loops, each compiled on its own (PHASE is a compile-time constant): 0 the
+    # window's first blocks [lo, full_lo) and 2 the causal diagonal and the last partial
+    # block [full_hi, hi), both masked; 1 the blocks between, [full_lo, full_hi), with no
+    # mask, select or branch in its body, which Triton's software pipeliner overlaps.
+    for PHASE in tl.static_range(3):
+        if PHASE == 0:
+            p_lo = lo
+            p_hi = tl.minimum(full_lo, hi)
+        elif PHASE == 1:
+            p_lo = full_lo
+            p_hi = full_hi
         else:
-            kv_row = (kv0 + tok).to(tl.int64) * HKV + kvh
-        k_a = tl.load(k_ptr + kv_row[:, None] * D + cols_a[None, :], mask=tok_ok[:, None], other=0.0)
-        x = tl.dot(q_a, tl.trans(k_a.to(q_a.dtype)))
-        if DB > 0:
-            k_b = tl.load(k_ptr + kv_row[:, None] * D + cols_b[None, :], mask=tok_ok[:, None], other=0.0)
-            x += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)))
-        x = x * scale
-        if LOGIT_CAP > 0:
-            xc = x * (1.0 / (LOGIT_CAP * 1.4426950408889634))
-            e = tl.exp(-2.0 * tl.abs(xc))
-            th = (1.0 - e) / (1.0 + e)
-            x = tl.where(xc < 0, -th, th) * (LOGIT_CAP * 1.4426950408889634)
-        vis = tok_ok[None, :]
-        if CAUSAL:
-            vis = vis & (tok[None, :] <= qpos[:, None])
-        if WINDOW >= 0:
-            vis = vis & (tok[None, :] >= qpos[:, None] - WINDOW)
-        if edge:
-            x = tl.where(vis, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(x - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_row[:, None] * DV + cols_v[None, :], mask=tok_ok[:, None], other=0.0).to(q_a.dtype)
-        if PARTIAL:
-            if edge:
-                finite = (v - v) == 0
-                bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)  # [BLOCK_N]: V rows with a non-finite value
-                v = tl.where(finite, v, 0.0)
-                hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
-                l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v)
-        m_i = m_new
+            p_lo = full_hi
+            p_hi = hi
+        if PHASE != 0 or WINDOW >= 0:
+            for t0 in range(p_lo, p_hi, BLOCK_N):
+                tok = t0 + offs_n
+                tok_ok = tok < hi
+                if PAGE > 0:
+                    if PHASE == 1:
+                        page = tl.load(pt_ptr + req * MAX_PAGES + tok // PAGE)
+                    else:
+                        page = tl.load(pt_ptr + req * MAX_PAGES + tok // PAGE, mask=tok_ok, other=0)
+                    page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+                    kv_row = (page.to(tl.int64) * PAGE + tok % PAGE) * HKV + kvh
+                    k_a_ptrs = k_ptr + kv_row[:, None] * D + cols_a[None, :]
+                    if DB > 0:
+                        k_b_ptrs = k_ptr + kv_row[:, None] * D + cols_b[None, :]
+                    v_ptrs = v_ptr + kv_row[:, None] * DV + cols_v[None, :]
+                else:
+                    blk = tl.cast(t0, tl.int64)
+                    k_a_ptrs = k_base + blk * (HKV * D) + k_off_a
+                    if DB > 0:
+                        k_b_ptrs = k_base + blk * (HKV * D) + k_off_b
+                    v_ptrs = v_base + blk * (HKV * DV) + v_off
+                if PHASE == 1:
+                    k_a = tl.load(k_a_ptrs)
+                else:
+                    k_a = tl.load(k_a_ptrs, mask=tok_ok[:, None], other=0.0)
+                x = tl.dot(q_a, tl.trans(k_a.to(q_a.dtype)))
+                if DB > 0:
+                    if PHASE == 1:
+                        k_b = tl.load(k_b_ptrs)
+                    else:
+                        k_b = tl.load(k_b_ptrs, mask=tok_ok[:, None], other=0.0)
+                    x += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)))
+                # The unmasked loop without a logit cap scales the row maximum rather than
+                # every score (scale > 0), and folds the scale into the exponent (an FMA).
+                sc = scale
+                if PHASE != 1 or LOGIT_CAP > 0:
+                    x = x * scale
+                    sc = 1.0
+                    if LOGIT_CAP > 0:
+                        xc = x * (1.0 / (LOGIT_CAP * 1.4426950408889634))
+                        e = tl.exp(-2.0 * tl.abs(xc))
+                        th = (1.0 - e) / (1.0 + e)
+                        x = tl.where(xc < 0, -th, th) * (LOGIT_CAP * 1.4426950408889634)
+                if PHASE == 1:
+                    # Every key is visible to every row: no mask, the row maximum is finite.
+                    m_new = tl.maximum(m_i, tl.max(x, axis=1) * sc)
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(x * sc - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    v = tl.load(v_ptrs).to(q_a.dtype)
+                else:
+                    vis = tok_ok[None, :]
+                    if CAUSAL:
+                        vis = vis & (tok[None, :] <= qpos[:, None])
+                    if WINDOW >= 0:
+                        vis = vis & (tok[None, :] >= qpos[:, None] - WINDOW)
+                    x = tl.where(vis, x, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(x, axis=1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_use)
+                    p = tl.exp2(x - m_use[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    v = tl.load(v_ptrs, mask=tok_ok[:, None], other=0.0).to(q_a.dtype)
+                    if PARTIAL:
+                        finite = (v - v) == 0
+                        bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)  # [BLOCK_N]: V rows with a non-finite value
+                        v = tl.where(finite, v, 0.0)
+                        hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
+                        l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v)
+                m_i = m_new
 
     empty = l_i == 0.0
     m_safe = tl.where(empty, 0.0, m_i)
@@ -252,7 +308,9 @@ def launch_params(
     the H200, docs/PERF.md; 224 KB of shared memory at head_dim 256). Other GPUs: the
     score tile and the f32 accumulator fit the registers of ``num_warps`` warps and two
     K/V stages fit an sm80's shared memory (not timed here: no such GPU)."""
-    if sm >= 90:
+    if sm >= 90 and max(d, dv) <= 128:
+        bm0, bn0, w0, st0 = 128, 128, 8, 3
+    elif sm >= 90:
         bm0, bn0, w0, st0 = 64, 64, 4, 3
     elif max(d, dv) > 128:
         bm0, bn0, w0, st0 = 64, 32, 8, 2

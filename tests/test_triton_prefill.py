@@ -89,6 +89,24 @@ CASES = {
 }  # fmt: skip
 
 
+# GPU only (long enough that tiles of 128 rows have blocks below the diagonal), each
+# at several launches (block_m, block_n, warps, stages).
+GPU_CASES = {
+    "gpu_prefill_d128_long_poison": Case("prefill", (700, 0, 1, 300, 1000), hq=8, hkv=2, d=128, dv=128, poison=500),
+    "gpu_extend_d128_long_window_cap_sinks": Case(
+        "extend", (300, 1, 200), kv_lens=(900, 1, 1000), hq=8, hkv=2, d=128, dv=128, page_size=64,
+        window_left=333, logit_cap=30.0, sinks=True,
+    ),
+    "gpu_prefill_d256_long": Case("prefill", (600, 1, 300), hq=4, hkv=1, d=256, dv=256),
+    "gpu_prefill_192_128_long": Case("prefill", (600, 300), hq=4, hkv=2, d=192, dv=128),
+}  # fmt: skip
+GPU_LAUNCHES = {
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
+    192: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    256: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 4)],
+}
+
+
 def _offsets(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
@@ -96,7 +114,7 @@ def _offsets(lens):
 def _inputs(name):
     """The case's arrays (numpy): q, k, v (FP8 as ml_dtypes), cu_q, and cu_kv (prefill)
     or page_table and cache_seqlens (extend); NaN wherever no real token is."""
-    c = CASES[name]
+    c = CASES[name] if name in CASES else GPU_CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     cu_q = _offsets(c.q_lens)
     t = int(cu_q[-1]) + c.pad
@@ -299,6 +317,36 @@ def test_gpu_matches_reference(name, fp8):
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     want, want_lse = ref(*(f32(a) for a in args), *rest, **opts)
     out, want = np.asarray(out, np.float32), np.asarray(want)
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad)
+    assert np.isfinite(out[rows]).all()
+    np.testing.assert_allclose(out[rows], want[rows], atol=4e-2, rtol=4e-2)
+    np.testing.assert_allclose(np.asarray(lse)[rows], np.asarray(want_lse)[rows], atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name,launch", [(n, x) for n, c in GPU_CASES.items() for x in GPU_LAUNCHES[c.d]], ids=lambda v: str(v)
+)
+def test_gpu_launches_match_reference(name, launch):
+    """Long requests (blocks below the diagonal, windows, pages) at each launch that the
+    Hopper defaults choose among, against the f32 reference."""
+    from jattn import reference
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    if not on_gpu() or not triton_glue.available():
+        pytest.skip("needs a GPU with jax-triton")
+    c, args, rest, opts, bad = _gpu_args(name, False)
+    kw = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), launch))
+    if c.kind == "prefill":
+        out, lse = tp.mha_prefill(*args, *rest, **opts, **kw)
+        want, want_lse = reference.mha_prefill(*(jnp.asarray(a, jnp.float32) for a in args), *rest, **opts)
+    else:
+        out, lse = tp.mha_extend(*args, *rest, **opts, **kw)
+        want, want_lse = reference.mha_extend(*(jnp.asarray(a, jnp.float32) for a in args), *rest, **opts)
+    out, want = np.asarray(out, np.float32), np.asarray(want)
+    if bad.size:
+        assert not np.isfinite(out[bad]).all(axis=(1, 2)).any()
     rows = np.setdiff1d(np.arange(out.shape[0]), bad)
     assert np.isfinite(out[rows]).all()
     np.testing.assert_allclose(out[rows], want[rows], atol=4e-2, rtol=4e-2)

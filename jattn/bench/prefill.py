@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import re
 import statistics
 import sys
 import warnings
@@ -135,6 +136,70 @@ def build_row(row: Row, *, scale: int = 1, seed: int = 0) -> RowInputs:
     return RowInputs(row, args, flops, cu, table, seqlens)
 
 
+def triton_step(row: Row, launch: tuple[int, int, int, int] | None = None):
+    """The Triton kernel's timed step for ``row`` (``step(i, *RowInputs.args)``), at the
+    launch ``(block_m, block_n, num_warps, num_stages)`` or the default (None)."""
+    from jattn.pallas_kernels import triton_prefill
+
+    kw = {} if launch is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), launch))
+    if row.extend:
+
+        def step(i, q, kc, vc, pt, sl, cu):
+            return triton_prefill.mha_extend(q, kc, vc, pt, sl, cu, is_causal=row.causal, k_scale=1.0 + 1e-3 * i, **kw)
+
+    else:
+
+        def step(i, q, k, v, cu):
+            return triton_prefill.mha_prefill(q, k, v, cu, is_causal=row.causal, k_scale=1.0 + 1e-3 * i, **kw)
+
+    return step
+
+
+def parse_launches(text: str) -> list[tuple[int, int, int, int] | None]:
+    """``--triton-sweep`` launches: comma-separated ``BMxBNwWsS`` (``128x64w8s3``: block_m
+    128, block_n 64, 8 warps, 3 stages) or ``default`` (None: the kernel's own choice)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if item == "default":
+            out.append(None)
+            continue
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", item)
+        if m is None:
+            raise ValueError(f"launch {item!r}: write BMxBNwWsS (e.g. 128x64w8s3) or default")
+        out.append(tuple(int(g) for g in m.groups()))
+    return out
+
+
+def triton_sweep(specs, launches) -> tuple[list[str], list[list[str]]]:
+    """Time the Triton kernel alone at each launch on each row: TFLOP/s (GPU time per
+    call, as the table's) and, beside each launch after the first, the largest
+    difference of its output from the first launch's (a launch that computes something
+    else shows here). A launch that fails (shared memory, registers) costs its cell only."""
+    header = ["row"] + ["default" if x is None else "{}x{}w{}s{}".format(*x) for x in launches]
+    out = []
+    for spec in specs:
+        inp = build_row(spec)
+        row, first = [spec.label], None
+        for launch in launches:
+            step = triton_step(spec, launch)
+            try:
+                o = np.asarray(jax.jit(step, static_argnums=0)(0, *inp.args), np.float32)
+                bad = int((~np.isfinite(o)).sum())
+                diff = "" if first is None else f" d={float(np.abs(o - first).max()):.1e}"
+                first = o if first is None else first
+                t = common.time_rotated(step, inp.args, n_lo=1, n_hi=4, reps=3, join=False, device=True)
+                s = t.device_seconds or t.seconds
+                row.append(f"{inp.flops / s / 1e12:.0f}{diff}" + (f" nonfinite={bad}" if bad else ""))
+            except Exception as e:  # noqa: BLE001 - a launch that does not fit costs its cell
+                print(f"{spec.label} {header[len(row)]}: {type(e).__name__}: {str(e)[:300]}")
+                row.append("-")
+        out.append(row)
+        print(" | ".join(row), flush=True)
+    return header, out
+
+
 def matmul_rate(n: int = 8192) -> float:
     """bf16 matmul FLOP/s of this device (one large square product)."""
     a = jnp.ones((n, n), jnp.bfloat16)
@@ -230,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         default="default",
         help="the kernel's clean_edges option: default, on, off, or both (two jattn columns)",
     )
+    ap.add_argument(
+        "--triton-sweep",
+        default="",
+        help="time only the Triton kernel, at each of these launches (comma-separated BMxBNwWsS, "
+        "e.g. 128x64w8s3, or default), on the chosen rows",
+    )
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     variants = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
     if variants is None:
@@ -244,6 +315,16 @@ def main(argv: list[str] | None = None) -> None:
     from jattn.pallas_kernels import mosaic_prefill as mp
     from jattn.pallas_kernels import triton_glue, triton_prefill
 
+    if args.triton_sweep:
+        try:
+            launches = parse_launches(args.triton_sweep)
+        except ValueError as e:
+            ap.error(f"--triton-sweep: {e}")
+        print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; Triton kernel alone, TFLOP/s")
+        header, out = triton_sweep([r for r in ROWS if not want or r.label in want], launches)
+        print(common.fmt_table(header, out))
+        common.save_outputs(args, "prefill_triton_sweep", header, out, dict(device=jax.devices()[0].device_kind))
+        return
     rate = matmul_rate()
     print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     try:
@@ -294,17 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             row += cols
         peers = []
         if triton_glue.available() and triton_prefill.unsupported_reason(*inp.args[:3]) is None:
-            if spec.extend:
-
-                def tri(i, q, kc, vc, pt, sl, cu):
-                    return triton_prefill.mha_extend(q, kc, vc, pt, sl, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i)
-
-            else:
-
-                def tri(i, q, k, v, cu):
-                    return triton_prefill.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i)
-
-            peers.append(timed(tri))
+            peers.append(timed(triton_step(spec)))
         else:
             peers.append(None)
         if fa3 is not None and not args.no_peers:
