@@ -60,6 +60,9 @@ def _mla_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SWAP: tl.constexpr = 0,  # 0: S = Q K^T; 1: S^T = K Q^T; 2: S^T = K Q^T and O^T = V^T P^T
+    FP8_MATH: tl.constexpr = 0,  # FP8 rows: 0 upcast to q's dtype; 1 to f16; 2 FP8 Q K^T, f16 P V
+    PREFETCH: tl.constexpr = 0,  # 1: load the next block's rows into registers before this block's dots
 ):
     b = tl.program_id(0)
     mt = tl.program_id(1)
@@ -80,39 +83,109 @@ def _mla_kernel(
     q_nope = tl.load(q_ptr + q_row[:, None] + cr[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_ptr + q_row[:, None] + R + cp[None, :], mask=row_ok[:, None], other=0.0)
     scale = tl.load(scale_ptr) * 1.4426950408889634
+    row_scale = tl.full((BLOCK_M,), 1.0, tl.float32) * scale  # the score scale of each row (base 2)
+    if FP8_MATH == 1:  # f16 dots on the upcast rows: q in f16, the score scale folded in
+        q_nope = (q_nope.to(tl.float32) * scale).to(tl.float16)
+        q_pe = (q_pe.to(tl.float32) * scale).to(tl.float16)
+        row_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if FP8_MATH == 2:  # q rows in e4m3, each scaled so that its largest entry is 448
+        amax = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), axis=1), tl.max(tl.abs(q_pe.to(tl.float32)), axis=1))
+        qs = tl.where(amax > 0, 448.0 / tl.where(amax > 0, amax, 1.0), 1.0)
+        q_nope = (q_nope.to(tl.float32) * qs[:, None]).to(tl.float8e4nv)
+        q_pe = (q_pe.to(tl.float32) * qs[:, None]).to(tl.float8e4nv)
+        row_scale = scale / qs
+    cdt = tl.float16 if FP8_MATH != 0 else q_ptr.dtype.element_ty  # the P V dot's operand type
+    kdt = tl.float8e4nv if FP8_MATH == 2 else cdt  # the score dot's operand type
     last = tl.where(row_ok, seq_len - Q_LEN + qi, -1) if CAUSAL else tl.where(row_ok, seq_len - 1, -1)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, R), tl.float32)
+    if SWAP == 2:
+        acc = tl.zeros((R, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, R), tl.float32)
+    if SWAP != 0:
+        qt_nope = tl.trans(q_nope)
+        qt_pe = tl.trans(q_pe)
     offs_n = tl.arange(0, BLOCK_N)
+    pt_row = pt_ptr + b * MAX_PAGES
+    ONE_PAGE: tl.constexpr = PAGE % BLOCK_N == 0  # a block's tokens lie in one page
+    if ONE_PAGE:  # the page of the next block to load, one scalar load ahead
+        pg = tl.load(pt_row + t_lo // PAGE, mask=t_lo < t_hi, other=0)
+    else:
+        pg = 0
+    if PREFETCH:  # the first block's rows, loaded before the loop
+        tok = t_lo + offs_n
+        tok_ok = tok < t_hi
+        if ONE_PAGE:
+            kv_row = (tl.minimum(tl.maximum(pg, 0), NUM_PAGES - 1).to(tl.int64) * PAGE + tok % PAGE) * W
+            pg = tl.load(pt_row + (t_lo + BLOCK_N) // PAGE, mask=t_lo + BLOCK_N < t_hi, other=0)
+        else:
+            page = tl.load(pt_row + tok // PAGE, mask=tok_ok, other=0)
+            kv_row = (tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64) * PAGE + tok % PAGE) * W
+        k_nope_n = tl.load(kv_ptr + kv_row[:, None] + cr[None, :], mask=tok_ok[:, None], other=0.0)
+        k_pe_n = tl.load(kv_ptr + kv_row[:, None] + R + cp[None, :], mask=tok_ok[:, None], other=0.0)
     for t0 in range(t_lo, t_hi, BLOCK_N):
         tok = t0 + offs_n
         tok_ok = tok < t_hi
-        page = tl.load(pt_ptr + b * MAX_PAGES + tok // PAGE, mask=tok_ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
-        kv_row = (page.to(tl.int64) * PAGE + tok % PAGE) * W
-        k_nope = tl.load(kv_ptr + kv_row[:, None] + cr[None, :], mask=tok_ok[:, None], other=0.0).to(q_nope.dtype)
-        k_pe = tl.load(kv_ptr + kv_row[:, None] + R + cp[None, :], mask=tok_ok[:, None], other=0.0).to(q_nope.dtype)
-        x = (tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))) * scale
-        vis = tok_ok[None, :] & (tok[None, :] <= last[:, None])
-        x = tl.where(vis, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        # the rows of the block loaded now: this one, or with PREFETCH the next (this one's are in hand)
+        t1 = t0 + BLOCK_N if PREFETCH else t0
+        tok1 = t1 + offs_n
+        ok1 = tok1 < t_hi
+        if ONE_PAGE:
+            kv_row = (tl.minimum(tl.maximum(pg, 0), NUM_PAGES - 1).to(tl.int64) * PAGE + tok1 % PAGE) * W
+            pg = tl.load(pt_row + (t1 + BLOCK_N) // PAGE, mask=t1 + BLOCK_N < t_hi, other=0)
+        else:
+            page = tl.load(pt_row + tok1 // PAGE, mask=ok1, other=0)
+            kv_row = (tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64) * PAGE + tok1 % PAGE) * W
+        k_nope_l = tl.load(kv_ptr + kv_row[:, None] + cr[None, :], mask=ok1[:, None], other=0.0)
+        k_pe_l = tl.load(kv_ptr + kv_row[:, None] + R + cp[None, :], mask=ok1[:, None], other=0.0)
+        if PREFETCH:
+            k_nope = k_nope_n
+            k_pe = k_pe_n
+            k_nope_n = k_nope_l
+            k_pe_n = k_pe_l
+        else:
+            k_nope = k_nope_l
+            k_pe = k_pe_l
+        v = k_nope.to(cdt)
+        if SWAP == 0:
+            x = tl.dot(q_nope, tl.trans(k_nope.to(kdt))) + tl.dot(q_pe, tl.trans(k_pe.to(kdt)))
+            x = x * row_scale[:, None]
+            vis = tok_ok[None, :] & (tok[None, :] <= last[:, None])
+            x = tl.where(vis, x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        else:  # the tokens are the MMA rows of the score dot
+            x = tl.dot(k_nope.to(kdt), qt_nope) + tl.dot(k_pe.to(kdt), qt_pe)
+            x = x * row_scale[None, :]
+            vis = tok_ok[:, None] & (tok[:, None] <= last[None, :])
+            x = tl.where(vis, x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(x - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = k_nope
         if CAUSAL:  # a later draft token's entries reach the rows that do not see it as P = 0
             v = tl.where((v - v) == 0, v, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q_nope.dtype), v)
+        if SWAP == 0:
+            p = tl.exp2(x - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
+        else:
+            p = tl.exp2(x - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            if SWAP == 1:
+                acc = acc * alpha[:, None] + tl.dot(tl.trans(p.to(cdt)), v)
+            else:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(cdt))
         m_i = m_new
 
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), tl.where(empty, 0.0, m_i) + tl.log2(tl.where(empty, 1.0, l_i)))
     orow = ((s * BS + b) * M + rows).to(tl.int64)
-    tl.store(o_ptr + orow[:, None] * R + cr[None, :], acc * inv[:, None], mask=row_ok[:, None])
+    if SWAP == 2:
+        tl.store(o_ptr + orow[None, :] * R + cr[:, None], acc * inv[None, :], mask=row_ok[None, :])
+    else:
+        tl.store(o_ptr + orow[:, None] * R + cr[None, :], acc * inv[:, None], mask=row_ok[:, None])
     tl.store(lse_ptr + orow, lse, mask=row_ok)
 
 
@@ -140,6 +213,12 @@ class Tuning:
     block_n: tokens per key block.
     num_warps, num_stages: Triton's warps per program and software-pipeline depth.
     waves: splits so that about this many waves of programs cover the SMs.
+    swap: 0: scores ``Q K^T`` (query rows are the MMA rows); 1: ``(K Q^T)^T`` (the tokens
+      are, so Hopper's wgmma takes 16 query rows); 2: also ``O^T = V^T P^T``.
+    fp8_math: FP8 latent rows only: 0 upcast to q's dtype; 1 upcast to f16 (q in f16 with
+      the score scale folded in); 2 an FP8 ``Q K^T`` (q rows quantised to e4m3, each with
+      its own scale) and an f16 ``P V``.
+    prefetch: 1 loads the next block's rows into registers before this block's dots.
     """
 
     block_m: int = 32
@@ -147,6 +226,9 @@ class Tuning:
     num_warps: int = 4
     num_stages: int = 2
     waves: int = 2
+    swap: int = 0
+    fp8_math: int = 0
+    prefetch: int = 0
 
 
 DEFAULT_TUNING = Tuning()  # every GPU but Hopper, and FP8 latent rows on Hopper
@@ -186,11 +268,15 @@ def launch_params(
     if num_splits is None:
         num_splits = wave_splits(bs * tiles, max_tokens // 256, waves=tuning.waves, cap=MAX_SPLITS)
     launch = dict(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-    return (bs, tiles, num_splits), dict(BLOCK_M=block_m, BLOCK_N=tuning.block_n, SPLITS=num_splits), launch
+    params = dict(BLOCK_M=block_m, BLOCK_N=tuning.block_n, SPLITS=num_splits)
+    params.update(SWAP=tuning.swap, FP8_MATH=tuning.fp8_math, PREFETCH=tuning.prefetch)
+    return (bs, tiles, num_splits), params, launch
 
 
 def constexprs(q, kv_cache, page_table, *, kv_lora_rank, q_len, is_causal, params):
     num_pages, page, width = kv_cache.shape
+    fp8 = "float8" in str(kv_cache.dtype)
+    params = dict(params, FP8_MATH=params.get("FP8_MATH", 0) if fp8 else 0)
     return dict(
         BS=page_table.shape[0],
         H=q.shape[1],

@@ -87,30 +87,44 @@ def _setup(row: Row, rng, num_q: int):
 
 
 def sweep_tunings(spec: str) -> list:
-    """The Triton launch choices of ``--sweep``: the product of ``field=v1,v2`` lists
-    separated by ';' over :class:`triton_mla.Tuning`'s defaults (none for '')."""
+    """The Triton launch choices of ``--sweep``: groups separated by '|', each the product of
+    ``field=v1,v2`` lists separated by ';' over :class:`triton_mla.Tuning`'s defaults, and
+    optionally led by ``fp8:`` or ``bf16:`` (then it times only rows of that cache dtype).
+    Returns ``[(tuning, only)]`` with ``only`` None, "fp8" or "bf16" (none for '')."""
     import itertools
 
     from jattn.pallas_kernels import triton_mla
 
     fields = {f.name for f in dataclasses.fields(triton_mla.Tuning)}
-    axes = []
-    for part in (p.strip() for p in spec.split(";")):
-        if not part:
-            continue
-        name, _, values = part.partition("=")
-        if name.strip() not in fields:
-            raise ValueError(f"unknown field {name.strip()!r}; choose from {', '.join(sorted(fields))}")
-        axes.append([(name.strip(), int(v)) for v in values.split(",") if v.strip()])
-    if not axes:
-        return []
-    return [dataclasses.replace(triton_mla.DEFAULT_TUNING, **dict(combo)) for combo in itertools.product(*axes)]
+    out = []
+    for group in spec.split("|"):
+        group = group.strip()
+        only = None
+        for tag in ("fp8", "bf16"):
+            if group.startswith(tag + ":"):
+                only, group = tag, group[len(tag) + 1 :]
+        axes = []
+        for part in (p.strip() for p in group.split(";")):
+            if not part:
+                continue
+            name, _, values = part.partition("=")
+            if name.strip() not in fields:
+                raise ValueError(f"unknown field {name.strip()!r}; choose from {', '.join(sorted(fields))}")
+            axes.append([(name.strip(), int(v)) for v in values.split(",") if v.strip()])
+        if axes:
+            out += [
+                (dataclasses.replace(triton_mla.DEFAULT_TUNING, **dict(combo)), only)
+                for combo in itertools.product(*axes)
+            ]
+    return out
 
 
 def tuning_label(tuning) -> str:
     """``triton m32 n64 w4 s2 v2``: a Triton launch choice as a backend column."""
     t = tuning
-    return f"triton m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} v{t.waves}"
+    extra = (f" x{t.swap}" if t.swap else "") + (f" f{t.fp8_math}" if t.fp8_math else "")
+    extra += " p" if t.prefetch else ""
+    return f"triton m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages} v{t.waves}{extra}"
 
 
 def time_calls(label: str, call, arrays, n_hi: int):
@@ -158,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         "--sweep",
         default="",
         help="also time the Triton kernel at these launch choices (triton_mla.Tuning fields), the "
-        "product of ';'-separated lists, e.g. 'block_n=32,64;num_warps=4,8;num_stages=2,3'",
+        "product of ';'-separated lists, e.g. 'block_n=32,64;num_warps=4,8;num_stages=2,3'; several "
+        "such groups separated by '|', each optionally led by 'fp8:' or 'bf16:' (rows of that cache only)",
     )
+    ap.add_argument("--no-mosaic", action="store_true", help="do not time the Mosaic kernel")
     ap.add_argument(
         "--mosaic-splits",
         default="",
@@ -231,10 +247,12 @@ def main(argv: list[str] | None = None) -> None:
             return time_calls(f"{row.label}: mosaic s{splits}", call, arrays, n_hi)
 
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
-        if why:
+        if args.no_mosaic:
+            why = "--no-mosaic"
+        elif why:
             print(f"{row.label}: the mosaic kernel refuses it ({why})")
         ref = None if args.no_xla else timed("xla")
-        kernels = [("mosaic", None if why else timed("mosaic"))]
+        kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
             if args.profile:
@@ -242,8 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(profiles[-1], flush=True)
         if triton_mla_runs:
             kernels.append(("triton", timed("triton")))
-            for tuning in tunings:
-                kernels.append((tuning_label(tuning), timed_tuning(tuning)))
+            for tuning, only in tunings:
+                if only is None or only == ("fp8" if row.fp8 else "bf16"):
+                    kernels.append((tuning_label(tuning), timed_tuning(tuning)))
         if ref is not None:
             kernels.append(("xla", ref))
         for backend, s in kernels:
