@@ -260,7 +260,9 @@ def prefill(
     if sinks is not None:
         params[2:].copy_(sinks.float().to(dev) if hasattr(sinks, "data_ptr") else _scalars(dev, *sinks))
     major, minor = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (8, 0)
-    bm, bn, warps, stages = tp.launch_params(d, dv, sm=10 * major + minor, block_m=block_m, block_n=block_n)
+    bm, bn, warps, stages = tp.launch_params(
+        d, dv, sm=10 * major + minor, paged=paged, block_m=block_m, block_n=block_n
+    )
     num_tiles = tp.num_tiles_bound(t, nreq + 1, bm)
     tile_req, tile_q0 = prefill_tile_plan(
         cu_q, kv_len, num_tiles, block_m=bm, is_causal=is_causal, window_left=int(window_left)

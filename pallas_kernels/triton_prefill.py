@@ -27,9 +27,13 @@ in base 2. ``head_dim_qk = 192`` is two dots (128 + 64 columns). FP8 e4m3 K/V ar
 upcast to the query's dtype after the load; ``k_scale`` is in the score scale and
 ``v_scale``, like the sinks, is applied to the final output in the kernel.
 
-Only the edge blocks are masked: a block that lies whole inside the tile's keys and
-is seen by every row of the tile (below the causal diagonal, past the window's start
-for the tile's last row) takes no masks and no V cleaning. Masked keys contribute
+Only the edge blocks are masked. The key walk is three loops: the blocks at the
+window's start, the blocks that lie whole inside the tile's keys and are seen by every
+row of the tile (below the causal diagonal, past the window's start for the tile's last
+row), then the causal diagonal and the last partial block. The middle loop has no mask,
+select or branch (its V goes from the async copy straight to the dot), so Triton's
+software pipeliner overlaps its loads with the dots; the two others are masked and
+clean V. Masked keys contribute
 nothing, whatever they hold: keys outside the request (the
 next request's rows, padding rows, a page's unused tail, pages past the request) are
 not loaded (masked loads give 0); where a key inside the request is visible to some
@@ -297,21 +301,27 @@ def launch_params(
     dv: int,
     *,
     sm: int = 80,
+    paged: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by head width and compute capability
-    ``sm`` (90 for sm_90), each overridable. Hopper (sm >= 90): 64 x 64 tiles of 4 warps
-    and three K/V stages at every head width (the fastest of the configurations timed on
-    the H200, docs/PERF.md; 224 KB of shared memory at head_dim 256). Other GPUs: the
-    score tile and the f32 accumulator fit the registers of ``num_warps`` warps and two
-    K/V stages fit an sm80's shared memory (not timed here: no such GPU)."""
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by head width, compute capability
+    ``sm`` (90 for sm_90) and K/V layout (``paged``: an extend over the page table),
+    each overridable. Hopper (sm >= 90), the fastest of the launches timed on the H200
+    (docs/PERF.md, 2026-12-02): head_dim <= 128, 64 x 64 tiles of 4 warps and three K/V
+    stages for ragged K/V, 128 x 128 of 8 warps and three stages for a paged cache (half
+    the page-table gathers per key); head_dim 256, 128 x 64 of 8 warps, two stages
+    (192 KB of shared memory); 192/128, 128 x 64 of 8 warps, three stages. Other GPUs:
+    the score tile and the f32 accumulator fit the registers of ``num_warps`` warps and
+    two K/V stages fit an sm80's shared memory (not timed here: no such GPU)."""
     if sm >= 90 and max(d, dv) <= 128:
-        bm0, bn0, w0, st0 = 128, 128, 8, 3
+        bm0, bn0, w0, st0 = (128, 128, 8, 3) if paged else (64, 64, 4, 3)
+    elif sm >= 90 and d == 256:
+        bm0, bn0, w0, st0 = 128, 64, 8, 2
     elif sm >= 90:
-        bm0, bn0, w0, st0 = 64, 64, 4, 3
+        bm0, bn0, w0, st0 = 128, 64, 8, 3
     elif max(d, dv) > 128:
         bm0, bn0, w0, st0 = 64, 32, 8, 2
     else:
@@ -421,6 +431,7 @@ def _attention(
         q.shape[-1],
         dv,
         sm=triton_glue.capability(),
+        paged=paged,
         block_m=block_m,
         block_n=block_n,
         num_warps=num_warps,

@@ -379,3 +379,22 @@ def test_gpu_torch_launch_equals_jax_path():
     torch.cuda.synchronize()
     np.testing.assert_array_equal(o.float().cpu().numpy(), np.asarray(jo, np.float32))
     np.testing.assert_array_equal(lse.cpu().numpy(), np.asarray(jl))
+
+
+def test_launch_table_and_sweep_parsing():
+    """The Hopper launches measured fastest on the H200 (docs/PERF.md), the sm80 launch
+    unchanged, overrides kept; ``bench prefill --triton-sweep``'s launch syntax."""
+    from jattn.bench.prefill import parse_launches
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    assert tp.launch_params(128, 128, sm=90) == (64, 64, 4, 3)
+    assert tp.launch_params(64, 64, sm=90) == (64, 64, 4, 3)
+    assert tp.launch_params(128, 128, sm=90, paged=True) == (128, 128, 8, 3)
+    assert tp.launch_params(256, 256, sm=90) == (128, 64, 8, 2)
+    assert tp.launch_params(192, 128, sm=90) == (128, 64, 8, 3)
+    assert tp.launch_params(128, 128, sm=80) == (128, 64, 8, 2)
+    assert tp.launch_params(256, 256, sm=80, paged=True) == (64, 32, 8, 2)
+    assert tp.launch_params(128, 128, sm=90, block_m=16, num_stages=2) == (16, 64, 4, 2)
+    assert parse_launches("default, 128x64w8s3") == [None, (128, 64, 8, 3)]
+    with pytest.raises(ValueError, match="BMxBNwWsS"):
+        parse_launches("128x64")
