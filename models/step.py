@@ -75,6 +75,23 @@ def command_buffer_options(setting: bool | str) -> dict:
     return {"xla_gpu_enable_command_buffer": setting}
 
 
+# A stacked model's scan slices each layer's weights out of the stacked arrays. Fed to a
+# Triton GEMM fusion, each slice is a copy (the step took 2.7x as long, docs/PERF.md); with
+# dynamic-slice fusion XLA runs cuBLAS on the slice in place, which needs cuBLAS GEMMs.
+SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
+
+
+def step_compiler_options(model: nnx.Module, command_buffers: bool | str = True) -> dict:
+    """The jit ``compiler_options`` of a serving step on a GPU (none elsewhere): the
+    command buffers, and :data:`SCAN_COMPILER_OPTIONS` for a model with stacked layers."""
+    if not _is_gpu():
+        return {}
+    opts = dict(command_buffer_options(command_buffers))
+    if getattr(model, "layers_stacked", False):
+        opts.update(SCAN_COMPILER_OPTIONS)
+    return opts
+
+
 def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True, on_trace=None):
     """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
     greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
@@ -121,11 +138,8 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
             nxt = jax.lax.with_sharding_constraint(nxt, whole)
         return nxt, kv_cache
 
-    kw = {}
-    if _is_gpu():
-        opts = command_buffer_options(command_buffers)
-        if opts:
-            kw["compiler_options"] = opts
+    opts = step_compiler_options(model, command_buffers)
+    kw = {"compiler_options": opts} if opts else {}
     return jax.jit(step, donate_argnums=(1,), static_argnames=("greedy_only",), **kw)
 
 
@@ -141,7 +155,7 @@ def shared_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = 
     """``(jitted step, trace counter)`` shared by every engine of the same model structure
     and backend config, so a new engine reuses the programs already compiled."""
     graphdef, _ = nnx.split(model)
-    cb = str(command_buffer_options(command_buffers)) if _is_gpu() else None
+    cb = str(step_compiler_options(model, command_buffers)) if _is_gpu() else None
     key = (graphdef, type(backend), backend.config, getattr(backend, "sharding_key", None), cb)
     if key not in _STEP_FNS:
         counter = [0]

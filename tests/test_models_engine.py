@@ -806,3 +806,18 @@ def test_stacked_models_refuse_what_they_cannot_take():
     fuse_projections(fused)
     fused.stack_layers()
     fuse_projections(fused)  # nothing left to fuse: accepted
+
+
+def test_stacked_step_compiles_with_slices_in_place(monkeypatch):
+    """On a GPU a stacked model's step asks XLA for cuBLAS GEMMs on the layer slices in
+    place (no copy of each layer's weights per step); a per-layer model does not."""
+    from jattn.models import step as step_mod
+
+    model = _deep("llama")
+    assert step_mod.step_compiler_options(model) == {}  # the CPU: no options
+    monkeypatch.setattr(step_mod, "_is_gpu", lambda: True)
+    assert step_mod.step_compiler_options(model, False) == {"xla_gpu_enable_command_buffer": ""}
+    model.stack_layers()
+    opts = step_mod.step_compiler_options(model, False)
+    assert opts == {"xla_gpu_enable_command_buffer": "", **step_mod.SCAN_COMPILER_OPTIONS}
+    assert opts["xla_gpu_enable_dynamic_slice_fusion"] is True
