@@ -231,28 +231,35 @@ class Tuning:
     prefetch: int = 0
 
 
-DEFAULT_TUNING = Tuning()  # every GPU but Hopper, and FP8 latent rows on Hopper
+DEFAULT_TUNING = Tuning()  # every GPU but Hopper, and FP8 latent rows of more than 16 query rows on Hopper
 MAX_SPLITS = 128
 
 
 def choose_tuning(heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tuning:
     """The launch choice of a call on a GPU of compute capability ``sm`` (90 for sm_90).
 
-    Hopper, 2-byte latent rows, from ``bench mla --sweep`` on the H200 (docs/PERF.md):
-    64 query rows or more take 64-row tiles, 64-token blocks and 8 warps (1.4-1.5x the
-    default at 128 heads); 17-63 rows 64-token blocks, 8 warps and three stages (1.1x at
-    16 heads and q_len 2); 16 rows or fewer 64-token blocks, 4 warps and three stages
-    (1.1-1.5x at 16 heads). FP8 latent rows and other GPUs keep :data:`DEFAULT_TUNING`:
-    the Hopper choices need up to 221 KB of shared memory, and FP8 measured slower with
-    each of them."""
-    if sm < 90 or kv_itemsize != 2:
+    Hopper, from ``bench mla --sweep`` on the H200 (docs/PERF.md, 2026-12-02): 2-byte latent
+    rows with 64 query rows or more take 64-row tiles, 64-token blocks and 8 warps; 17-63
+    rows 64-token blocks, 8 warps and three stages; 16 rows or fewer 64-token blocks, 4 warps,
+    three stages and the tokens as the score dot's MMA rows (``swap=1``: 103.8 us at
+    64 x 4096, 16 heads, against 119.4 without). FP8 latent rows, 16 query rows or fewer:
+    64-token blocks, 8 warps, the next block prefetched into registers and f16 dots on the
+    upcast rows (159.7 us against 231.5 with the default). ``fp8_math=2`` (FP8 ``Q K^T``,
+    114.5 us with ``swap=2``, 8 warps, four stages) is an option only: it moves the LSE by
+    up to 2e-2 where the upcast paths stay at 1e-6. Everything else keeps
+    :data:`DEFAULT_TUNING`."""
+    if sm < 90:
         return DEFAULT_TUNING
     m = q_len * heads
+    if kv_itemsize != 2:
+        if m <= 16:
+            return Tuning(block_n=64, num_warps=8, num_stages=1, fp8_math=1, prefetch=1)
+        return DEFAULT_TUNING
     if m >= 64:
         return Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
     if m > 16:
         return Tuning(block_n=64, num_warps=8, num_stages=3)
-    return Tuning(block_n=64, num_warps=4, num_stages=3)
+    return Tuning(block_n=64, num_warps=4, num_stages=3, swap=1)
 
 
 def launch_params(

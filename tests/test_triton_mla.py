@@ -181,9 +181,11 @@ def test_launch_params_and_reasons():
     hop = tm.Tuning(block_m=64, block_n=64, num_warps=8, num_stages=2)
     assert tm.choose_tuning(128, 1, 2, sm=90) == tm.choose_tuning(16, 4, 2, sm=90) == hop
     assert tm.choose_tuning(16, 2, 2, sm=90) == tm.Tuning(block_n=64, num_warps=8, num_stages=3)
-    assert tm.choose_tuning(16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3)
+    assert tm.choose_tuning(16, 1, 2, sm=90) == tm.Tuning(block_n=64, num_warps=4, num_stages=3, swap=1)
+    fp8 = tm.Tuning(block_n=64, num_warps=8, num_stages=1, fp8_math=1, prefetch=1)
+    assert tm.choose_tuning(16, 1, 1, sm=90) == fp8 and tm.choose_tuning(16, 2, 1, sm=90) == tm.DEFAULT_TUNING
     assert tm.launch_params(1, 16, 1, 32768)[0] == (1, 1, tm.MAX_SPLITS)  # batch 1: 128 splits of 256 tokens
-    assert tm.choose_tuning(16, 1, 1, sm=90) == tm.choose_tuning(128, 1, 2, sm=80) == tm.DEFAULT_TUNING
+    assert tm.choose_tuning(128, 1, 1, sm=90) == tm.choose_tuning(128, 1, 2, sm=80) == tm.DEFAULT_TUNING
     q = jnp.zeros((2, 16, 576), jnp.bfloat16)
     kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
     assert tm.unsupported_reason(q, kv, kv_lora_rank=512) is None
@@ -224,8 +226,8 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))  # deterministic
 
 
-# (tuning fields, FP8 cache, heads, q_len): choose_tuning's table and the candidates that
-# `bench mla --sweep` times for 16 query rows (16 heads, q_len 1)
+# (tuning fields, FP8 cache, heads, q_len): choose_tuning's table (16 query rows: h16_n64_w4_s3_x1,
+# fp8_h16_n64_w8_s1_f1_p) and the candidates that `bench mla --sweep` timed for 16 heads, q_len 1
 GPU_TUNINGS = {
     "default": (dict(), False, 32, 2),
     "n64_w4_s3": (dict(block_n=64, num_warps=4, num_stages=3), False, 32, 2),
