@@ -716,7 +716,7 @@ def test_scanned_layers_give_the_same_model(arch):
     weights and a stacked cache: the same hidden states (f32) and written cache as the
     per-layer model, for a cache-free prefill, an extend over a prefix and a decode step on
     a permuted page table with NaN in every unused page; in the engine (Llama), the same
-    tokens with chunked prefill and parallel samples."""
+    tokens with chunked prefill, an FP8 cache and parallel samples on cascade plans."""
     from jattn.metadata import plan_decode, plan_extend
     from jattn.models.attention import RaggedMetadata
 
@@ -772,9 +772,13 @@ def test_scanned_layers_give_the_same_model(arch):
         eng.run()
         return eng, [[s.output_tokens for s in eng.samples(r)] for r in rids]
 
-    _, plain = run(nnx.clone(model))
-    eng, scanned = run(nnx.clone(model), scan_layers=True)
+    # an FP8 cache and cascade plans for the parallel samples (the shifted page table
+    # carries the shared prefix's pages too)
+    kw = dict(cascade=True, kv_cache_dtype="fp8")
+    _, plain = run(nnx.clone(model), **kw)
+    eng, scanned = run(nnx.clone(model), scan_layers=True, **kw)
     assert scanned == plain and eng.model.layers_stacked and eng.kv_cache.stacked
+    assert eng.metrics.cascade_steps > 0
 
 
 def test_stacked_models_refuse_what_they_cannot_take():
