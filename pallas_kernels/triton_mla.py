@@ -238,15 +238,14 @@ MAX_SPLITS = 128
 def choose_tuning(heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tuning:
     """The launch choice of a call on a GPU of compute capability ``sm`` (90 for sm_90).
 
-    Hopper, from ``bench mla --sweep`` on the H200 (docs/PERF.md, 2026-12-02): 2-byte latent
-    rows with 64 query rows or more take 64-row tiles, 64-token blocks and 8 warps; 17-63
-    rows 64-token blocks, 8 warps and three stages; 16 rows or fewer 64-token blocks, 4 warps,
-    three stages and the tokens as the score dot's MMA rows (``swap=1``: 103.8 us at
-    64 x 4096, 16 heads, against 119.4 without). FP8 latent rows, 16 query rows or fewer:
-    64-token blocks, 8 warps, the next block prefetched into registers and f16 dots on the
-    upcast rows (159.7 us against 231.5 with the default). ``fp8_math=2`` (FP8 ``Q K^T``,
-    114.5 us with ``swap=2``, 8 warps, four stages) is an option only: it moves the LSE by
-    up to 2e-2 where the upcast paths stay at 1e-6. Everything else keeps
+    Hopper, the fastest launches of ``bench mla --sweep`` (docs/PERF.md has the figures):
+    2-byte latent rows with 64 query rows or more take 64-row tiles, 64-token blocks and 8
+    warps; 17-63 rows 64-token blocks, 8 warps and three stages; 16 rows or fewer 64-token
+    blocks, 4 warps, three stages and the tokens as the score dot's MMA rows (``swap=1``).
+    FP8 latent rows, 16 query rows or fewer: 64-token blocks, 8 warps, the next block
+    prefetched into registers and f16 dots on the upcast rows. ``fp8_math=2`` (an FP8
+    ``Q K^T`` on e4m3 query rows, faster still) is an option only: it moves the LSE by
+    about 1e-2 where the upcast paths stay near 1e-6. Everything else keeps
     :data:`DEFAULT_TUNING`."""
     if sm < 90:
         return DEFAULT_TUNING
