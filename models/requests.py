@@ -68,10 +68,9 @@ class EngineConfig:
     # Layers as one scan (CausalLM.stack_layers, applied to the model in place after any
     # fusion): consecutive blocks of one structure run as one jax.lax.scan over stacked
     # parameters and a stacked KV cache, so a program traces and compiles one block per
-    # run instead of one per layer (Llama-3-8B shapes: 2.1-2.4x shorter compiles). On a GPU
-    # its step uses cuBLAS GEMMs on the layer slices in place (models.step.
-    # SCAN_COMPILER_OPTIONS), about 9% slower at batch 1 than XLA's default GEMMs, hence off
-    # by default. Not with a mesh.
+    # run instead of one per layer: shorter compiles. On a GPU its step uses cuBLAS GEMMs on
+    # the layer slices in place (models.step.SCAN_COMPILER_OPTIONS), slower at batch 1 than
+    # XLA's default GEMMs (docs/PERF.md), hence off by default. Not with a mesh.
     scan_layers: bool = False
 
     def __post_init__(self):

@@ -76,8 +76,8 @@ def command_buffer_options(setting: bool | str) -> dict:
 
 
 # A stacked model's scan slices each layer's weights out of the stacked arrays. Fed to a
-# Triton GEMM fusion, each slice is a copy (the step took 2.7x as long, docs/PERF.md); with
-# dynamic-slice fusion XLA runs cuBLAS on the slice in place, which needs cuBLAS GEMMs.
+# Triton GEMM fusion, each slice is a copy of the layer's weights per step (docs/PERF.md);
+# with dynamic-slice fusion XLA runs cuBLAS on the slice in place, which needs cuBLAS GEMMs.
 SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_enable_triton_gemm": False}
 
 
