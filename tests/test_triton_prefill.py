@@ -51,11 +51,15 @@ class Case:
     pad: int = 3  # padding query rows past cu_seqlens_q[-1]
     block_m: int | None = None
     block_n: int | None = None
+    softmax_scale: float | None = None  # None: 1 / sqrt(d)
 
 
 CASES = {
     "prefill_gqa_lens_0_1_97_small_tiles": Case("prefill", (97, 0, 1, 40), block_m=32, block_n=16),
-    "prefill_causal_poison_future_v": Case("prefill", (70, 33), hq=2, hkv=1, poison=41, block_m=16, block_n=16),
+    # a negative scale: the kernel runs it as a positive one on negated queries
+    "prefill_causal_poison_future_v": Case(
+        "prefill", (70, 33), hq=2, hkv=1, poison=41, block_m=16, block_n=16, softmax_scale=-0.2
+    ),
     "prefill_192_128_longer_kv_fp16": Case(
         "prefill", (20, 1, 9), kv_lens=(50, 7, 0), hq=2, hkv=2, d=192, dv=128, dtype="float16", block_m=16
     ),
@@ -151,6 +155,7 @@ def _options(c, sinks):
         sinks=sinks,
         k_scale=c.k_scale,
         v_scale=c.v_scale,
+        softmax_scale=c.softmax_scale,
     )
 
 
