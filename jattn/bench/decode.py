@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also time batch-invariant mode (the split count from the page-table width, not the batch)",
     )
     ap.add_argument(
+        "--heads-kernel",
+        action="store_true",
+        help="also time the experimental per-KV-head kernel (pallas_kernels/mosaic_decode_heads.py) "
+        "where it serves the row: one sweep line each",
+    )
+    ap.add_argument(
         "--set",
         default="",
         help="kernel options (mosaic_decode.KernelOptions fields), e.g. overlap_qk=0,kernel_combine=0 (A/B runs)",
@@ -301,6 +307,25 @@ def main(argv: list[str] | None = None) -> None:
                 tri = [f"{ts * 1e6:.1f}", f"{kv_bytes / ts / 1e12:.2f}"]
             except Exception as e:  # noqa: BLE001
                 tri = ["-", "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)]
+        if args.heads_kernel:
+            from jattn.pallas_kernels import mosaic_decode_heads as mh
+
+            why = mh.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
+            line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} per-KV-head kernel: "
+            if why is None:
+
+                def hstep(i, qs, k, v, tables, lens):
+                    return mh.mha_decode_heads(qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len)
+
+                try:
+                    ht = common.time_rotated(hstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
+                    hs = ht.device_seconds or ht.seconds
+                    line += f"device {hs * 1e6:.1f} us, {kv_bytes / hs / 1e12:.2f} TB/s"
+                except Exception as e:  # noqa: BLE001
+                    line += "fails: " + (str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            else:
+                line += f"not served ({why})"
+            sweep.append(line)
         fa = ["-"] * 4
         if fa3 is not None and not args.no_peer and kvname == "bf16":
             best = None

@@ -1,0 +1,375 @@
+"""Paged MHA/GQA decode, one KV head per CTA, keys as the MMA rows (Mosaic GPU, Hopper).
+
+EXPERIMENTAL: checked under the Mosaic GPU interpreter and in the cuda lowering on a CPU,
+not yet compiled or timed on a GPU (docs/PERF.md, decode section, 2026-12-02 fourth
+session, says what must be measured first). It is not reachable through ``jattn.ops``.
+
+The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through its 2-D
+view ``[pages * page_size, kv_heads * head_dim]``, in which one KV head's tokens of a page
+are a plain TMA box ``[64, head_dim]``. A CTA takes one (split, request, KV head); the
+head's ``q_len * group`` query rows (row ``i * group + j``: query token ``i``, query head
+``h * group + j``), padded to ``N`` (16, 32 or 64), are the MMA's columns:
+
+* ``S^T = K Q^T``: ``wgmma`` with the block's 64 tokens as rows (M = 64, N query rows),
+  so the work per token is N / 64 of a kernel whose query rows are the MMA rows;
+* the online softmax runs per column, its max and sum reducing over the rows (keys);
+* ``O^T += V^T P^T``: ``P^T`` goes to shared memory as ``[64, N]`` and ``V^T`` is a
+  transposed view of the ``[64, head_dim]`` V tile, in 64-row halves of ``head_dim``. The
+  V tile and ``P^T`` share one swizzle (``2 N`` bytes), as one ``wgmma``'s operands must.
+
+Masked keys contribute nothing: blocks that hold keys past the length, or keys some query
+of a causal draft does not see, are masked in ``S^T``; their V rows past the length become
+0, and non-finite V entries of keys some query does not see become 0 too, a query that
+does see one being recorded and coming out NaN (the semantics of docs/SEMANTICS.md).
+
+Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
+them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
+Bf16/f16 only, page sizes 64 and 128, head_dim 64 or 128, no window, logit cap or sinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
+from jattn.pallas_kernels.mosaic_common import (
+    cast_layout,
+    drain_free_barriers,
+    plgpu_kernel,
+    swizzle_transforms,
+    vec_iota,
+)
+
+__all__ = ["mha_decode_heads", "unsupported_reason", "HeadsConfig"]
+
+_LOG2E = math.log2(math.e)
+BLOCK = 64  # tokens per block
+STAGES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    head_dim: int
+    group: int  # query heads per KV head
+    kv_heads: int
+    q_len: int
+    is_causal: bool
+    page_size: int
+    num_pages: int
+    max_pages: int
+    num_splits: int
+    scale: float  # softmax scale, built into the kernel
+    interpret: bool
+
+    @property
+    def rows(self) -> int:
+        """Real query rows of a KV head."""
+        return self.q_len * self.group
+
+    @property
+    def n(self) -> int:
+        """The MMA's N: the rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a swizzle)."""
+        return max(16, 1 << (self.rows - 1).bit_length())
+
+
+def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
+    """None when this kernel can serve the call, else a one-line reason."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtypes q {q.dtype} / k {k_cache.dtype} / v {v_cache.dtype} (bf16 or f16, all the same)"
+    _, ps, hkv, d = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        return "v_cache must have k_cache's shape"
+    if ps not in (64, 128):
+        return f"page_size={ps} (64 or 128)"
+    if d not in (64, 128):
+        return f"head_dim={d} (64 or 128)"
+    hq = q.shape[1]
+    if hq % hkv:
+        return f"{hq} query heads are not a multiple of {hkv} KV heads"
+    if not 1 <= max_seqlen_q <= 8 or max_seqlen_q * (hq // hkv) > 64:
+        return f"max_seqlen_q={max_seqlen_q} x group {hq // hkv} (at most 64 rows per KV head)"
+    for name in ("window_left", "logit_cap", "sinks"):
+        val = kw.get(name)
+        if val is not None and val not in (-1, 0, 0.0):
+            return f"{name} is not supported"
+    return None
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
+    """Splits that fill the SMs about twice (two CTAs fit an SM), at most one per block."""
+    programs = max(1, batch * kv_heads)
+    return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
+
+
+def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
+    q_s, k_s, v_s, p_s, o_s, l_s, flag_s, kv_bar, kv_free, q_bar = scratch
+    D, N, S, G = cfg.head_dim, cfg.n, STAGES, cfg.group
+    split, b, h = lax.axis_index("split"), lax.axis_index("b"), lax.axis_index("h")
+    wg = lax.axis_index("wg")
+    interp = cfg.interpret
+    seq_len = lens_ref[b]
+    nblk = lax.div(seq_len + BLOCK - 1, jnp.int32(BLOCK))
+    per = lax.div(nblk + cfg.num_splits - 1, jnp.int32(cfg.num_splits))
+    lo = jnp.minimum(split * per, nblk)
+    count = jnp.minimum(lo + per, nblk) - lo
+    # the first key some query does not see (a later draft token of a causal block)
+    first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
+
+    @pl.when(wg == 1)
+    def _producer():
+        if not interp:
+            plgpu.set_max_registers(40, action="decrease")
+        per_page = cfg.page_size // BLOCK
+
+        @pl.loop(0, count)
+        def _(i):
+            slot = lax.rem(i, jnp.int32(S))
+
+            @pl.when(i >= S)
+            def _():
+                plgpu.barrier_wait(kv_free.at[slot])
+
+            blk = lo + i
+            pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
+            page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+            row = page * cfg.page_size + lax.rem(blk, jnp.int32(per_page)) * BLOCK
+            cols = pl.ds(h * D, D)
+            plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, BLOCK), cols], k_s.at[slot], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, BLOCK), cols], v_s.at[slot], kv_bar.at[slot])
+
+        if interp:
+            drain_free_barriers(count, S, kv_free)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        if not interp:
+            plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        xscale = cfg.scale * _LOG2E
+
+        def tile_iota(dim):
+            if interp:
+                return lax.broadcasted_iota(jnp.int32, (BLOCK, N), dim)
+            return plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), dim, layout=plgpu.Layout.WGMMA)
+
+        cols = tile_iota(1)
+        # the last key each column sees (padding columns: the request's last key)
+        q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
+        limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
+
+        def s_t(slot):
+            k = k_s.at[slot]
+            if interp:
+                return lax.dot_general(k[...], q_s[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+            def scope(acc):
+                plgpu.wgmma(acc, k, q_s.T)
+                return acc[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
+
+        def o_t(acc, slot, half):
+            """acc + V[:, half]^T @ P^T, one 64-row half of O^T."""
+            v = v_s.at[slot, :, pl.ds(half * 64, 64)]
+            if interp:
+                return acc + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32)
+
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v, (1, 0)), p_s)
+
+            return pl.run_state(body)(plgpu.ACC.init(acc))
+
+        def clean(slot, t0, seen, flag):
+            """An edge block: V rows past the length become 0; non-finite entries of keys
+            some query does not see become 0, and the queries that see such a row are
+            flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
+            they are."""
+            v = v_s.at[slot][...]
+            if interp:
+                keyrow = lax.broadcasted_iota(jnp.int32, v.shape, 0) + t0
+            else:
+                keyrow = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + t0
+            finite = v - v == 0
+            # keys every query sees keep what they hold (a non-finite V reaches every row)
+            keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
+            v_s.at[slot][...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
+            if cfg.is_causal and cfg.q_len > 1:
+                row = vec_iota(BLOCK, 0, interpret=interp) + t0
+                partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
+                bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
+                bad = lax.broadcast_in_dim(bad_row, (BLOCK, N), [0])
+                flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
+            return flag
+
+        def step(i, carry, edge: bool):
+            acc, m_i, l_i, flag = carry
+            slot = lax.rem(i, jnp.int32(S))
+            t0 = (lo + i) * BLOCK
+            plgpu.barrier_wait(kv_bar.at[slot])
+            x = s_t(slot) * xscale
+            if edge:
+                seen = tile_iota(0) + t0 <= limit
+                x = jnp.where(seen, x, -jnp.inf)
+                flag = clean(slot, t0, seen, flag)
+            m_new = jnp.maximum(m_i, x.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [1]))
+            l_i = l_i * alpha + p.sum(axis=0)
+            p_s[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            acc = tuple(o_t(a * lax.broadcast_in_dim(alpha, a.shape, [1]), slot, half) for half, a in enumerate(acc))
+            plgpu.barrier_arrive(kv_free.at[slot])
+            return acc, m_new, l_i, flag
+
+        vec = plgpu.Layout.WGMMA.reduce(0)
+        m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
+        l_i = cast_layout(jnp.full((N,), 0.0, jnp.float32), vec, interpret=interp)
+        flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
+        acc = tuple(
+            cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp) for _ in range(D // 64)
+        )
+        n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), (acc, m_i, l_i, flag))
+        acc, m_i, l_i, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+
+        empty = l_i == 0.0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+        inv = jnp.where(flag > 0, jnp.nan, inv)
+        for half, a in enumerate(acc):
+            o_s.at[pl.ds(half * 64, 64)][...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
+        l_s[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h])
+        plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
+    bs = q_arr.shape[0]
+    D, N, S = cfg.head_dim, cfg.n, STAGES
+    tr = swizzle_transforms(dtype, D)
+    tr_pv = swizzle_transforms(dtype, N)  # V and P^T share one swizzle (2N bytes)
+    out_type = (
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, D, N), jnp.float32),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, N), jnp.float32),
+    )
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
+            plgpu.SMEM((N, D), dtype, transforms=tr),
+            plgpu.SMEM((S, BLOCK, D), dtype, transforms=tr),
+            plgpu.SMEM((S, BLOCK, D), dtype, transforms=tr_pv),
+            plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
+            plgpu.SMEM((D, N), jnp.float32),
+            plgpu.SMEM((N,), jnp.float32),
+            plgpu.SMEM((N,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=1, num_barriers=S),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
+            collective_axes="wg",
+        )
+
+    kernel = plgpu_kernel(
+        entry,
+        out_type,
+        grid=(cfg.num_splits, bs, cfg.kv_heads),
+        grid_names=("split", "b", "h"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=f"jattn_decode_heads_n{N}_q{cfg.q_len}{'_causal' if cfg.is_causal else ''}",
+    )
+    return kernel(page_table, lens, q_arr, k2d, v2d)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("softmax_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret")
+)
+def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, max_seqlen_q, is_causal, return_lse,
+            num_splits, interpret):  # fmt: skip
+    num_pages, ps, hkv, d = k_cache.shape
+    bs = page_table.shape[0]
+    hq = q.shape[1]
+    cfg = HeadsConfig(
+        head_dim=d,
+        group=hq // hkv,
+        kv_heads=hkv,
+        q_len=max_seqlen_q,
+        is_causal=bool(is_causal and max_seqlen_q > 1),
+        page_size=ps,
+        num_pages=num_pages,
+        max_pages=page_table.shape[1],
+        num_splits=num_splits,
+        scale=softmax_scale,
+        interpret=interpret,
+    )
+    n, g = cfg.n, cfg.group
+    # q [bs * q_len, hq, d] -> [bs, hkv, N, d], row i * g + j of KV head h: query i, head h * g + j
+    q5 = q.reshape(bs, max_seqlen_q, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, cfg.rows, d)
+    q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, n - cfg.rows), (0, 0)))
+    k2d = k_cache.reshape(num_pages * ps, hkv * d)
+    v2d = v_cache.reshape(num_pages * ps, hkv * d)
+    o_t, lse = _run(cfg, q.dtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d)
+    # [S, bs, hkv, d, N] -> [S, bs, q_len * hq, d] in combine's row order (i * hq + h * g + j)
+    s = num_splits
+    o = o_t[..., : cfg.rows].reshape(s, bs, hkv, d, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
+    o = o.reshape(s, bs, max_seqlen_q * hq, d)
+    lse = lse[..., : cfg.rows].reshape(s, bs, hkv, max_seqlen_q, g).transpose(0, 1, 3, 2, 4)
+    lse = lse.reshape(s, bs, max_seqlen_q * hq)
+    out, lse = combine_splits(
+        o, lse, q_len=max_seqlen_q, num_q_heads=hq, sinks=None, v_scale=None, out_dtype=q.dtype, use_kernel=True
+    )
+    return (out, lse) if return_lse else out
+
+
+def mha_decode_heads(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    softmax_scale: float | None = None,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+):
+    """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16, no window, cap or
+    sinks): ``q [bs * max_seqlen_q, Hq, D]``, pools ``[pages, page_size, Hkv, D]``.
+    Returns ``[bs * max_seqlen_q, Hq, D]`` in q's dtype (and with ``return_lse`` the
+    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``). Experimental: see the module docstring."""
+    from jattn.pallas_kernels.interpret import interpreting
+
+    reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
+    if reason:
+        raise ValueError(f"mha_decode_heads: {reason}")
+    _, ps, hkv, d = k_cache.shape
+    bs, max_pages = page_table.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(bs, hkv, -(-(max_pages * ps) // BLOCK))
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    return _decode(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        cache_seqlens,
+        softmax_scale=scale,
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        return_lse=return_lse,
+        num_splits=int(num_splits),
+        interpret=interpreting(),
+    )

@@ -1,0 +1,155 @@
+"""Tests of the experimental per-KV-head Mosaic GPU decode kernel
+(``jattn.pallas_kernels.mosaic_decode_heads``: keys as the MMA rows).
+
+CPU: the Mosaic GPU interpreter (f16, small) and the cuda lowering. GPU (marker ``gpu``,
+bf16, full shapes): the compiled kernel, which has not run on a GPU yet. Both against the
+f32 ``jattn.reference.mha_decode`` on fresh random draws: unused pages and page tails hold
+NaN, page tables are permuted, and poison cases put a NaN in one cached V row (the rows
+that see it must come out non-finite, every other row exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import reference
+from jattn.pallas_kernels import mosaic_decode_heads as mh
+from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    hq: int = 4
+    hkv: int = 2
+    d: int = 64
+    page_size: int = 64
+    q_len: int = 1
+    causal: bool = True
+    num_splits: int | None = None
+    poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
+
+
+def _inputs(c: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    bs, ps = len(c.lens), c.page_size
+    max_pages = max(1, max(-(-n // ps) for n in c.lens)) + 1
+    num_pages = bs * max_pages + 2
+    shape = (num_pages, ps, c.hkv, c.d)
+    k, v = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    table = rng.permutation(num_pages)[: bs * max_pages].reshape(bs, max_pages).astype(np.int32)
+    for b, n in enumerate(c.lens):
+        for t in range(n):
+            k[table[b, t // ps], t % ps] = rng.standard_normal((c.hkv, c.d))
+            v[table[b, t // ps], t % ps] = rng.standard_normal((c.hkv, c.d))
+        npg = -(-n // ps)
+        table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)  # never read
+    q = rng.standard_normal((bs * c.q_len, c.hq, c.d)).astype(np.float32)
+    return q, k, v, table, np.asarray(c.lens, np.int32)
+
+
+def _poison(c: Case, v, table):
+    """NaN in V (KV head 0) of key ``lens[0] - 1 - c.poison`` of request 0; returns the
+    (row, query head) pairs that see it: request 0's queries that see the key, heads of KV head 0."""
+    j = c.lens[0] - 1 - c.poison
+    v[table[0, j // c.page_size], j % c.page_size, 0, 5] = np.nan
+    i = np.arange(c.q_len)
+    sees = (c.lens[0] - c.q_len + i >= j) if c.causal else np.ones(c.q_len, bool)
+    return [(r, h) for r in np.flatnonzero(sees) for h in range(c.hq // c.hkv)]
+
+
+def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
+    q, k, v, table, lens = _inputs(c, seed)
+    bad = _poison(c, v, table) if c.poison >= 0 else []
+    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
+    r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
+    want_o, want_lse = (np.asarray(a) for a in reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), jnp.asarray(lens))
+    o, lse = mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert o.shape == q.shape and lse.shape == q.shape[:2]
+    ok = np.ones(o.shape[:2], bool)
+    for rr, hh in bad:
+        assert not np.isfinite(o[rr, hh]).all(), "a row that sees a NaN V must be non-finite"
+        ok[rr, hh] = False
+    assert np.isfinite(o[ok]).all(), "NaN/Inf in a real row"
+    np.testing.assert_allclose(o[ok], want_o[ok], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse[ok], want_lse[ok], atol=tol, rtol=tol)
+    empty = np.repeat(lens == 0, c.q_len)
+    assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
+    if deterministic:
+        o2 = np.asarray(mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)[0], np.float32)
+        assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
+
+
+CPU_CASES = [
+    # lengths 0, 1, 97 (a page tail), two splits, GQA 2, page 64; poison seen by every row
+    Case(lens=(97, 1, 0), num_splits=2, poison=5),
+    # causal verify, 3 queries x 4 heads (N = 16), page 128, a NaN in a key only the last
+    # two queries see
+    Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
+    # non-causal draft block, 4 queries x 4 heads, two requests
+    Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False),
+]
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+@pytest.mark.parametrize("c", CPU_CASES, ids=str)
+def test_interpreted(c):
+    with gpu_interpret():
+        _check(c, jnp.float16, deterministic=c == CPU_CASES[2])
+
+
+GPU_CASES = [
+    Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, poison=0),
+    Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, poison=1),
+    Case(lens=(1000, 5, 300), hq=32, hkv=8, d=128, q_len=8, causal=False, page_size=128),
+    Case(lens=(32768,), hq=32, hkv=8, d=128),
+    Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, q_len=2, poison=1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+def test_gpu(c):
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    _check(c, jnp.bfloat16, tol=3e-2, deterministic=True)
+
+
+LOWER = [(32, 8, 128, 64, 1, True), (32, 8, 128, 64, 4, True), (16, 8, 64, 128, 8, False)]
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+@pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal", LOWER)
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal):
+    """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
+    the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
+    bs = 3
+    q = jnp.zeros((bs * q_len, hq, d), jnp.bfloat16)
+    pool = jnp.zeros((40, page_size, hkv, d), jnp.bfloat16)
+    pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
+
+    def fn(q, k, v):
+        return mh.mha_decode_heads(q, k, v, pt, lens, max_seqlen_q=q_len, is_causal=causal, num_splits=2)
+
+    text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_decode_heads" in text
+
+
+def test_unsupported_reasons():
+    q = jnp.zeros((2, 32, 128), jnp.bfloat16)
+    pool = jnp.zeros((4, 64, 8, 128), jnp.bfloat16)
+    assert mh.unsupported_reason(q, pool, pool) is None
+    assert "dtypes" in mh.unsupported_reason(q, pool.astype(jnp.float8_e4m3fn), pool)
+    assert "page_size" in mh.unsupported_reason(q, pool[:, :16], pool[:, :16])
+    assert "head_dim" in mh.unsupported_reason(q[..., :96], pool[..., :96], pool[..., :96])
+    assert "max_seqlen_q" in mh.unsupported_reason(q, pool, pool, max_seqlen_q=9)
+    assert "window_left" in mh.unsupported_reason(q, pool, pool, window_left=10)
+    with pytest.raises(ValueError, match="page_size"):
+        mh.mha_decode_heads(q, pool[:, :16], pool[:, :16], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))
