@@ -24,7 +24,11 @@ does see one being recorded and coming out NaN (the semantics of docs/SEMANTICS.
 
 Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
 them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
-Bf16/f16 only, page sizes 64 and 128, head_dim 64 or 128, no window, logit cap or sinks.
+Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
+query is cast to f16 too) by the compute warpgroup as it takes them, into one K and one V
+tile: the MMA work per block is small here, so the upcast is the largest part of the chain.
+``k_scale`` is in the score scale; the combine applies ``v_scale``. Page sizes 64 and 128,
+head_dim 64 or 128, no window, logit cap or sinks.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class HeadsConfig:
     num_pages: int
     max_pages: int
     num_splits: int
-    scale: float  # softmax scale, built into the kernel
+    scale: float  # softmax scale times k_scale, built into the kernel
+    fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
     interpret: bool
 
     @property
@@ -82,8 +87,9 @@ class HeadsConfig:
 
 def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
     """None when this kernel can serve the call, else a one-line reason."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"dtypes q {q.dtype} / k {k_cache.dtype} / v {v_cache.dtype} (bf16 or f16, all the same)"
+    kv_ok = (q.dtype, jnp.dtype(jnp.float8_e4m3fn))
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype not in kv_ok or v_cache.dtype != k_cache.dtype:
+        return f"dtypes q {q.dtype} / k {k_cache.dtype} / v {v_cache.dtype} (bf16 or f16 q; K/V q's dtype or FP8 e4m3)"
     _, ps, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape:
         return "v_cache must have k_cache's shape"
@@ -110,7 +116,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 
 def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
-    q_s, k_s, v_s, p_s, o_s, l_s, flag_s, kv_bar, kv_free, q_bar = scratch
+    q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
+    kc_s, vc_s = upcast if cfg.fp8 else (None, None)  # FP8: the tiles the MMAs read
     D, N, S, G = cfg.head_dim, cfg.n, STAGES, cfg.group
     split, b, h = lax.axis_index("split"), lax.axis_index("b"), lax.axis_index("h")
     wg = lax.axis_index("wg")
@@ -166,8 +173,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
         limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
 
-        def s_t(slot):
-            k = k_s.at[slot]
+        def s_t(k):
             if interp:
                 return lax.dot_general(k[...], q_s[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -177,9 +183,9 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
             return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
 
-        def o_t(acc, slot, half):
+        def o_t(acc, v_tile, half):
             """acc + V[:, half]^T @ P^T, one 64-row half of O^T."""
-            v = v_s.at[slot, :, pl.ds(half * 64, 64)]
+            v = v_tile.at[:, pl.ds(half * 64, 64)]
             if interp:
                 return acc + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32)
 
@@ -188,12 +194,12 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
             return pl.run_state(body)(plgpu.ACC.init(acc))
 
-        def clean(slot, t0, seen, flag):
+        def clean(v_tile, t0, seen, flag):
             """An edge block: V rows past the length become 0; non-finite entries of keys
             some query does not see become 0, and the queries that see such a row are
             flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
             they are."""
-            v = v_s.at[slot][...]
+            v = v_tile[...]
             if interp:
                 keyrow = lax.broadcasted_iota(jnp.int32, v.shape, 0) + t0
             else:
@@ -201,7 +207,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             finite = v - v == 0
             # keys every query sees keep what they hold (a non-finite V reaches every row)
             keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
-            v_s.at[slot][...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
+            v_tile[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
             if cfg.is_causal and cfg.q_len > 1:
                 row = vec_iota(BLOCK, 0, interpret=interp) + t0
                 partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
@@ -215,11 +221,19 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             slot = lax.rem(i, jnp.int32(S))
             t0 = (lo + i) * BLOCK
             plgpu.barrier_wait(kv_bar.at[slot])
-            x = s_t(slot) * xscale
+            if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
+                kc_s[...] = k_s[slot].astype(dtype)
+                vc_s[...] = v_s[slot].astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(kv_free.at[slot])
+                k_tile, v_tile = kc_s, vc_s
+            else:
+                k_tile, v_tile = k_s.at[slot], v_s.at[slot]
+            x = s_t(k_tile) * xscale
             if edge:
                 seen = tile_iota(0) + t0 <= limit
                 x = jnp.where(seen, x, -jnp.inf)
-                flag = clean(slot, t0, seen, flag)
+                flag = clean(v_tile, t0, seen, flag)
             m_new = jnp.maximum(m_i, x.max(axis=0))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_i - m_use)
@@ -227,8 +241,9 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             l_i = l_i * alpha + p.sum(axis=0)
             p_s[...] = p.astype(dtype)
             plgpu.commit_smem()
-            acc = tuple(o_t(a * lax.broadcast_in_dim(alpha, a.shape, [1]), slot, half) for half, a in enumerate(acc))
-            plgpu.barrier_arrive(kv_free.at[slot])
+            acc = tuple(o_t(a * lax.broadcast_in_dim(alpha, a.shape, [1]), v_tile, h2) for h2, a in enumerate(acc))
+            if not cfg.fp8:
+                plgpu.barrier_arrive(kv_free.at[slot])
             return acc, m_new, l_i, flag
 
         vec = plgpu.Layout.WGMMA.reduce(0)
@@ -259,6 +274,10 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     D, N, S = cfg.head_dim, cfg.n, STAGES
     tr = swizzle_transforms(dtype, D)
     tr_pv = swizzle_transforms(dtype, N)  # V and P^T share one swizzle (2N bytes)
+    kv_dt = k2d.dtype
+    # FP8: the TMA ring holds e4m3 tiles; the MMAs read one upcast K and one upcast V tile
+    ring_k, ring_v = (swizzle_transforms(kv_dt, D),) * 2 if cfg.fp8 else (tr, tr_pv)
+    upcast = [plgpu.SMEM((BLOCK, D), dtype, transforms=tr), plgpu.SMEM((BLOCK, D), dtype, transforms=tr_pv)]
     out_type = (
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, D, N), jnp.float32),
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, N), jnp.float32),
@@ -268,12 +287,12 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
             plgpu.SMEM((N, D), dtype, transforms=tr),
-            plgpu.SMEM((S, BLOCK, D), dtype, transforms=tr),
-            plgpu.SMEM((S, BLOCK, D), dtype, transforms=tr_pv),
+            plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_k),
+            plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v),
             plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
             plgpu.SMEM((D, N), jnp.float32),
             plgpu.SMEM((N,), jnp.float32),
-            plgpu.SMEM((N,), jnp.float32),
+            *(upcast if cfg.fp8 else []),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
@@ -294,10 +313,13 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("softmax_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret")
-)
-def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, max_seqlen_q, is_causal, return_lse,
-            num_splits, interpret):  # fmt: skip
+    jax.jit,
+    static_argnames=(
+        "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret",
+    ),
+)  # fmt: skip
+def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
+            is_causal, return_lse, num_splits, interpret):  # fmt: skip
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -311,7 +333,8 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, ma
         num_pages=num_pages,
         max_pages=page_table.shape[1],
         num_splits=num_splits,
-        scale=softmax_scale,
+        scale=softmax_scale * k_scale,
+        fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
         interpret=interpret,
     )
     n, g = cfg.n, cfg.group
@@ -320,7 +343,11 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, ma
     q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, n - cfg.rows), (0, 0)))
     k2d = k_cache.reshape(num_pages * ps, hkv * d)
     v2d = v_cache.reshape(num_pages * ps, hkv * d)
-    o_t, lse = _run(cfg, q.dtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d)
+    # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
+    cdtype = jnp.float16 if cfg.fp8 else q.dtype
+    o_t, lse = _run(
+        cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr.astype(cdtype), k2d, v2d
+    )
     # [S, bs, hkv, d, N] -> [S, bs, q_len * hq, d] in combine's row order (i * hq + h * g + j)
     s = num_splits
     o = o_t[..., : cfg.rows].reshape(s, bs, hkv, d, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
@@ -328,7 +355,14 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, ma
     lse = lse[..., : cfg.rows].reshape(s, bs, hkv, max_seqlen_q, g).transpose(0, 1, 3, 2, 4)
     lse = lse.reshape(s, bs, max_seqlen_q * hq)
     out, lse = combine_splits(
-        o, lse, q_len=max_seqlen_q, num_q_heads=hq, sinks=None, v_scale=None, out_dtype=q.dtype, use_kernel=True
+        o,
+        lse,
+        q_len=max_seqlen_q,
+        num_q_heads=hq,
+        sinks=None,
+        v_scale=None if v_scale == 1.0 else jnp.float32(v_scale),
+        out_dtype=q.dtype,
+        use_kernel=True,
     )
     return (out, lse) if return_lse else out
 
@@ -341,12 +375,15 @@ def mha_decode_heads(
     cache_seqlens,
     *,
     softmax_scale: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     max_seqlen_q: int = 1,
     is_causal: bool = True,
     return_lse: bool = False,
     num_splits: int | None = None,
 ):
-    """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16, no window, cap or
+    """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
+    or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
     sinks): ``q [bs * max_seqlen_q, Hq, D]``, pools ``[pages, page_size, Hkv, D]``.
     Returns ``[bs * max_seqlen_q, Hq, D]`` in q's dtype (and with ``return_lse`` the
     natural-log LSE ``f32[bs * max_seqlen_q, Hq]``). Experimental: see the module docstring."""
@@ -367,6 +404,8 @@ def mha_decode_heads(
         page_table,
         cache_seqlens,
         softmax_scale=scale,
+        k_scale=float(k_scale),
+        v_scale=float(v_scale),
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
         return_lse=return_lse,

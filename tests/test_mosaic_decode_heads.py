@@ -1,7 +1,7 @@
 """Tests of the experimental per-KV-head Mosaic GPU decode kernel
 (``jattn.pallas_kernels.mosaic_decode_heads``: keys as the MMA rows).
 
-CPU: the Mosaic GPU interpreter (f16, small) and the cuda lowering. GPU (marker ``gpu``,
+CPU: the Mosaic GPU interpreter (f16 queries, f16 or FP8 K/V, small) and the cuda lowering. GPU (marker ``gpu``,
 bf16, full shapes): the compiled kernel, which has not run on a GPU yet. Both against the
 f32 ``jattn.reference.mha_decode`` on fresh random draws: unused pages and page tails hold
 NaN, page tables are permuted, and poison cases put a NaN in one cached V row (the rows
@@ -33,6 +33,7 @@ class Case:
     causal: bool = True
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
+    fp8: bool = False  # FP8 e4m3 K/V with scales
 
 
 def _inputs(c: Case, seed: int):
@@ -67,9 +68,19 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     q, k, v, table, lens = _inputs(c, seed)
     bad = _poison(c, v, table) if c.poison >= 0 else []
     kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
-    r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
-    want_o, want_lse = (np.asarray(a) for a in reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
-    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), jnp.asarray(lens))
+    if c.fp8:  # the cache holds x / scale in e4m3; both sides read the same rounded values
+        kw.update(k_scale=0.37, v_scale=0.61)
+        kc = jnp.asarray(k / kw["k_scale"], jnp.float8_e4m3fn)
+        vc = jnp.asarray(v / kw["v_scale"], jnp.float8_e4m3fn)
+        want_o, want_lse = reference.mha_decode(
+            jnp.asarray(jnp.asarray(q, dtype), jnp.float32), kc, vc, table, lens, **kw
+        )
+    else:
+        r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
+        kc, vc = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        want_o, want_lse = reference.mha_decode(r(q), r(k), r(v), table, lens, **kw)
+    want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
+    args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
     o, lse = mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -95,6 +106,8 @@ CPU_CASES = [
     Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
     # non-causal draft block, 4 queries x 4 heads, two requests
     Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False),
+    # FP8 e4m3 K/V with scales, causal verify over a page tail, poison
+    Case(lens=(75, 0), hq=4, hkv=2, q_len=2, fp8=True, poison=0),
 ]
 
 
@@ -111,6 +124,8 @@ GPU_CASES = [
     Case(lens=(1000, 5, 300), hq=32, hkv=8, d=128, q_len=8, causal=False, page_size=128),
     Case(lens=(32768,), hq=32, hkv=8, d=128),
     Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, q_len=2, poison=1),
+    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, fp8=True, poison=3),
+    Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, fp8=True, page_size=128),
 ]
 
 
@@ -122,17 +137,18 @@ def test_gpu(c):
     _check(c, jnp.bfloat16, tol=3e-2, deterministic=True)
 
 
-LOWER = [(32, 8, 128, 64, 1, True), (32, 8, 128, 64, 4, True), (16, 8, 64, 128, 8, False)]
+LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
+         (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True)]  # fmt: skip
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
-@pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal", LOWER)
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal):
+@pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
     q = jnp.zeros((bs * q_len, hq, d), jnp.bfloat16)
-    pool = jnp.zeros((40, page_size, hkv, d), jnp.bfloat16)
+    pool = jnp.zeros((40, page_size, hkv, d), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
     def fn(q, k, v):
@@ -146,7 +162,9 @@ def test_unsupported_reasons():
     q = jnp.zeros((2, 32, 128), jnp.bfloat16)
     pool = jnp.zeros((4, 64, 8, 128), jnp.bfloat16)
     assert mh.unsupported_reason(q, pool, pool) is None
+    assert mh.unsupported_reason(q, pool.astype(jnp.float8_e4m3fn), pool.astype(jnp.float8_e4m3fn)) is None
     assert "dtypes" in mh.unsupported_reason(q, pool.astype(jnp.float8_e4m3fn), pool)
+    assert "dtypes" in mh.unsupported_reason(q, pool.astype(jnp.float16), pool.astype(jnp.float16))
     assert "page_size" in mh.unsupported_reason(q, pool[:, :16], pool[:, :16])
     assert "head_dim" in mh.unsupported_reason(q[..., :96], pool[..., :96], pool[..., :96])
     assert "max_seqlen_q" in mh.unsupported_reason(q, pool, pool, max_seqlen_q=9)

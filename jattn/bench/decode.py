@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
             if why is None:
 
                 def hstep(i, qs, k, v, tables, lens):
-                    return mh.mha_decode_heads(qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len)
+                    return mh.mha_decode_heads(
+                        qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale
+                    )
 
                 try:
                     ht = common.time_rotated(hstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
