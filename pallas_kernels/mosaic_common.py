@@ -5,8 +5,10 @@
   jax 0.10 accepts both, newer releases only the new names).
 * :func:`swizzle_transforms`: the tiling + swizzle of a shared-memory tile whose
   rows are ``head_dim`` elements, as TMA and ``wgmma`` want it.
-* :func:`cast_layout` / :func:`vec_iota` / :func:`load_layout`: register layouts that
-  the Mosaic GPU interpreter does not take (CPU tests run the same kernel bodies).
+* :func:`cast_layout` / :func:`vec_iota` / :func:`tile_iota` / :func:`load_layout`:
+  register layouts that the Mosaic GPU interpreter does not take (CPU tests run the same
+  kernel bodies).
+* :func:`split_blocks`: a split-KV CTA's range of a request's key blocks.
 * :func:`drain_free_barriers`: the end of a producer's K/V ring under the interpreter.
 
 Interpreter setup lives in ``interpret.py``; the split-KV combine in
@@ -22,7 +24,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["plgpu_kernel", "swizzle_transforms", "cast_layout", "vec_iota", "load_layout", "drain_free_barriers"]
+__all__ = [
+    "plgpu_kernel",
+    "swizzle_transforms",
+    "cast_layout",
+    "vec_iota",
+    "tile_iota",
+    "load_layout",
+    "split_blocks",
+    "drain_free_barriers",
+]
 
 _KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
 _OUT_KW = "out_type" if "out_type" in _KERNEL_PARAMS else "out_shape"
@@ -73,6 +84,24 @@ def vec_iota(size: int, dim: int, *, interpret: bool):
         return lax.broadcasted_iota(jnp.int32, (size,), 0)
     layout = plgpu.Layout.WGMMA.reduce(1 - dim)
     return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+
+def tile_iota(shape, dim: int, *, interpret: bool):
+    """i32 indices along ``dim`` of a 2-D tile of ``shape`` in the WGMMA layout (plain
+    under the interpreter). Two of one shape and dim are one op to CSE: give them one layout."""
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def split_blocks(seq_len, block: int, num_splits: int, split):
+    """``(first block, block count)`` of split ``split`` when a request of ``seq_len`` keys
+    in blocks of ``block`` is cut into ``num_splits`` ranges of ``ceil(blocks / num_splits)``
+    blocks (the last ones short or empty)."""
+    nblk = lax.div(seq_len + block - 1, jnp.int32(block))
+    per = lax.div(nblk + num_splits - 1, jnp.int32(num_splits))
+    lo = jnp.minimum(split * per, nblk)
+    return lo, jnp.minimum(lo + per, nblk) - lo
 
 
 def drain_free_barriers(count, num_stages: int, *free_barriers) -> None:

@@ -48,7 +48,9 @@ from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
     plgpu_kernel,
+    split_blocks,
     swizzle_transforms,
+    tile_iota,
     vec_iota,
 )
 
@@ -123,10 +125,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
     wg = lax.axis_index("wg")
     interp = cfg.interpret
     seq_len = lens_ref[b]
-    nblk = lax.div(seq_len + BLOCK - 1, jnp.int32(BLOCK))
-    per = lax.div(nblk + cfg.num_splits - 1, jnp.int32(cfg.num_splits))
-    lo = jnp.minimum(split * per, nblk)
-    count = jnp.minimum(lo + per, nblk) - lo
+    lo, count = split_blocks(seq_len, BLOCK, cfg.num_splits, split)
     # the first key some query does not see (a later draft token of a causal block)
     first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
 
@@ -163,12 +162,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         plgpu.barrier_wait(q_bar.at[0])
         xscale = cfg.scale * _LOG2E
 
-        def tile_iota(dim):
-            if interp:
-                return lax.broadcasted_iota(jnp.int32, (BLOCK, N), dim)
-            return plgpu.broadcasted_iota(jnp.int32, (BLOCK, N), dim, layout=plgpu.Layout.WGMMA)
-
-        cols = tile_iota(1)
+        cols = tile_iota((BLOCK, N), 1, interpret=interp)
         # the last key each column sees (padding columns: the request's last key)
         q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
         limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
@@ -200,10 +194,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
             they are."""
             v = v_tile[...]
-            if interp:
-                keyrow = lax.broadcasted_iota(jnp.int32, v.shape, 0) + t0
-            else:
-                keyrow = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + t0
+            keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
             finite = v - v == 0
             # keys every query sees keep what they hold (a non-finite V reaches every row)
             keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
@@ -231,7 +222,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 k_tile, v_tile = k_s.at[slot], v_s.at[slot]
             x = s_t(k_tile) * xscale
             if edge:
-                seen = tile_iota(0) + t0 <= limit
+                seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
                 x = jnp.where(seen, x, -jnp.inf)
                 flag = clean(v_tile, t0, seen, flag)
             m_new = jnp.maximum(m_i, x.max(axis=0))

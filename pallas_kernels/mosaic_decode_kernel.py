@@ -23,6 +23,7 @@ from jattn.pallas_kernels.mosaic_common import (
     load_layout,
     plgpu_kernel,
     swizzle_transforms,
+    tile_iota,
     vec_iota,
 )
 
@@ -412,11 +413,7 @@ def _decode_kernel(
 
                 @pl.when(blk * BTB + BTB > seq_len)
                 def _():
-                    vrows = (
-                        lax.broadcasted_iota(jnp.int32, (N, D), 0)
-                        if cfg.interpret
-                        else plgpu.broadcasted_iota(jnp.int32, (N, D), 0, layout=plgpu.Layout.WGMMA)
-                    )
+                    vrows = tile_iota((N, D), 0, interpret=cfg.interpret)
                     _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
                     vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
                     plgpu.commit_smem()

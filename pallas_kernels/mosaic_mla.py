@@ -60,7 +60,9 @@ from jattn.pallas_kernels.mosaic_common import (
     drain_free_barriers,
     load_layout,
     plgpu_kernel,
+    split_blocks,
     swizzle_transforms,
+    tile_iota,
     vec_iota,
 )
 
@@ -192,11 +194,7 @@ def _kernel(
     wg = lax.axis_index("wg")
     interp = cfg.interpret
     seq_len = lens_ref[b]
-    nblk = lax.div(seq_len + BN - 1, jnp.int32(BN))
-    per = lax.div(nblk + cfg.num_splits - 1, jnp.int32(cfg.num_splits))
-    lo = jnp.minimum(split * per, nblk)
-    hi = jnp.minimum(lo + per, nblk)
-    count = hi - lo
+    lo, count = split_blocks(seq_len, BN, cfg.num_splits, split)
     # the first key that some query row of the request does not see (causal drafts)
     first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal else seq_len
 
@@ -319,18 +317,9 @@ def _kernel(
 
             return pl.run_scoped(scope, plgpu.ACC((64, BN), jnp.float32))
 
-        def tile_iota(dim):
-            """i32 indices along ``dim`` of a [64, 64] tile in the WGMMA layout. The column
-            index is built as a tile, not as a [64] vector broadcast: a [64] column iota is
-            the same op as the row iota above, so CSE merges the two before layout
-            inference, which then finds no layout for the one value cast to both."""
-            if interp:
-                return lax.broadcasted_iota(jnp.int32, (64, BN), dim)
-            return plgpu.broadcasted_iota(jnp.int32, (64, BN), dim, layout=plgpu.Layout.WGMMA)
-
         def clean(slot, k0):
             """An edge block's V entries of keys past the length, and non-finite ones, become 0."""
-            keyrow = tile_iota(0) + k0
+            keyrow = tile_iota((64, BN), 0, interpret=interp) + k0
             inside = keyrow < seq_len
             for c in range(0, cfg.rank, 64):
                 piece = kv_smem.at[slot, :, pl.ds(c, 64)]
@@ -348,7 +337,10 @@ def _kernel(
             plgpu.barrier_wait(kv_bar.at[slot])
             x = qk(slot) * xscale
             if edge:
-                cols = tile_iota(1) + k0
+                # built as a tile, not a [64] vector broadcast: a [64] column iota is the same
+                # op as the row iota above, so CSE would merge them before layout inference,
+                # which then finds no layout for the one value cast to both
+                cols = tile_iota((64, BN), 1, interpret=interp) + k0
                 ok = cols <= (lax.broadcast_in_dim(limit, (64, BN), [0]) if cfg.is_causal else limit)
                 x = jnp.where(ok, x, -jnp.inf)
             m_new = jnp.maximum(m_i, x.max(axis=1))

@@ -84,6 +84,7 @@ from jattn.pallas_kernels.mosaic_common import (
     load_layout,
     plgpu_kernel,
     swizzle_transforms,
+    tile_iota,
     vec_iota,
 )
 
@@ -367,11 +368,7 @@ def _kernel(
 
             @pl.when((k0 < 0) | (k0 + BK > n_kv))
             def _():
-                vr = (
-                    lax.broadcasted_iota(jnp.int32, (BK, DV), 0)
-                    if interp
-                    else plgpu.broadcasted_iota(jnp.int32, (BK, DV), 0, layout=plgpu.Layout.WGMMA)
-                )
+                vr = tile_iota((BK, DV), 0, interpret=interp)
                 key = vr + k0
                 vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
                 plgpu.commit_smem()
