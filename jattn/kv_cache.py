@@ -36,8 +36,78 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
 
+class _Pools:
+    """What the MHA and MLA caches share: per-layer pools, the tuple fields named by
+    ``_POOLS``, each one array per layer or (``stacked``) one array of all layers."""
+
+    _POOLS: tuple = ()
+
+    def _first(self):
+        return getattr(self, self._POOLS[0])
+
+    @property
+    def num_layers(self) -> int:
+        return self._first()[0].shape[0] if self.stacked else len(self._first())
+
+    @property
+    def num_pages(self) -> int:
+        return self._first()[0].shape[int(self.stacked)]
+
+    @property
+    def page_size(self) -> int:
+        return self._first()[0].shape[1 + int(self.stacked)]
+
+    @property
+    def dtype(self):
+        return self._first()[0].dtype
+
+    def _layer(self, i: int) -> tuple:
+        return tuple(getattr(self, n)[0][i] if self.stacked else getattr(self, n)[i] for n in self._POOLS)
+
+    def _replace_layer(self, i: int, arrays):
+        new = {}
+        for n, a in zip(self._POOLS, arrays):
+            pools = getattr(self, n)
+            if self.stacked:
+                new[n] = (pools[0].at[i].set(a),)
+            else:
+                per_layer = list(pools)
+                per_layer[i] = a
+                new[n] = tuple(per_layer)
+        return dataclasses.replace(self, **new)
+
+    def stack(self):
+        """The same cache stacked (one copy; a stacked cache is returned as is)."""
+        if self.stacked:
+            return self
+        return dataclasses.replace(self, stacked=True, **{n: (jnp.stack(getattr(self, n)),) for n in self._POOLS})
+
+    def _require_stacked(self) -> None:
+        if not self.stacked:
+            raise ValueError(f"{type(self).__name__} is per-layer (stacked=False): flat() views a stacked cache")
+
+    def flat(self):
+        """A stacked cache as a one-layer cache of ``num_layers * num_pages`` pages (no copy)."""
+        self._require_stacked()
+        return dataclasses.replace(
+            self, stacked=False, **{n: (_merge_layers(getattr(self, n)[0]),) for n in self._POOLS}
+        )
+
+    def unflat(self, flat):
+        """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
+        self._require_stacked()
+        return dataclasses.replace(
+            self, **{n: (getattr(flat, n)[0].reshape(getattr(self, n)[0].shape),) for n in self._POOLS}
+        )
+
+
+def _merge_layers(pool):
+    """``[L, P, ...] -> [L * P, ...]`` (a reshape: layer i's page p becomes page i * P + p)."""
+    return pool.reshape(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+
+
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(_Pools):
     """MHA/GQA paged cache: per-layer ``k[i]``, ``v[i]`` of shape
     ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
@@ -56,6 +126,7 @@ class PagedKVCache:
     k: tuple
     v: tuple
     stacked: bool = False
+    _POOLS = ("k", "v")
 
     @classmethod
     def create(
@@ -82,65 +153,15 @@ class PagedKVCache:
         v = tuple(jnp.zeros((num_pages, page_size, num_kv_heads, dv), dt) for _ in range(num_layers))
         return cls(k=k, v=v)
 
-    @property
-    def num_layers(self) -> int:
-        return self.k[0].shape[0] if self.stacked else len(self.k)
-
-    @property
-    def num_pages(self) -> int:
-        return self.k[0].shape[int(self.stacked)]
-
-    @property
-    def page_size(self) -> int:
-        return self.k[0].shape[1 + int(self.stacked)]
-
-    @property
-    def dtype(self):
-        return self.k[0].dtype
-
     def layer(self, i: int):
-        if self.stacked:
-            return self.k[0][i], self.v[0][i]
-        return self.k[i], self.v[i]
+        return self._layer(i)
 
     def replace_layer(self, i: int, k, v) -> "PagedKVCache":
-        if self.stacked:
-            return dataclasses.replace(self, k=(self.k[0].at[i].set(k),), v=(self.v[0].at[i].set(v),))
-        ks, vs = list(self.k), list(self.v)
-        ks[i], vs[i] = k, v
-        return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
-
-    def stack(self) -> "PagedKVCache":
-        """The same cache stacked (one copy; a stacked cache is returned as is)."""
-        if self.stacked:
-            return self
-        return PagedKVCache(k=(jnp.stack(self.k),), v=(jnp.stack(self.v),), stacked=True)
-
-    def flat(self) -> "PagedKVCache":
-        """A stacked cache as a one-layer cache of ``num_layers * num_pages`` pages (no copy)."""
-        _require_stacked(self)
-        return PagedKVCache(k=(_merge_layers(self.k[0]),), v=(_merge_layers(self.v[0]),))
-
-    def unflat(self, flat: "PagedKVCache") -> "PagedKVCache":
-        """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
-        _require_stacked(self)
-        return PagedKVCache(
-            k=(flat.k[0].reshape(self.k[0].shape),), v=(flat.v[0].reshape(self.v[0].shape),), stacked=True
-        )
-
-
-def _require_stacked(cache) -> None:
-    if not cache.stacked:
-        raise ValueError(f"{type(cache).__name__} is per-layer (stacked=False): flat() views a stacked cache")
-
-
-def _merge_layers(pool):
-    """``[L, P, ...] -> [L * P, ...]`` (a reshape: layer i's page p becomes page i * P + p)."""
-    return pool.reshape(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+        return self._replace_layer(i, (k, v))
 
 
 @dataclasses.dataclass(frozen=True)
-class MLAKVCache:
+class MLAKVCache(_Pools):
     """DeepSeek MLA latent cache: per-layer ``kv[i]`` of shape
     ``[num_pages, page_size, kv_lora_rank + rope_dim]`` (c_kv then k_pe).
 
@@ -151,6 +172,7 @@ class MLAKVCache:
     kv: tuple
     kv_lora_rank: int = 512
     stacked: bool = False
+    _POOLS = ("kv",)
 
     @classmethod
     def create(
@@ -173,47 +195,11 @@ class MLAKVCache:
         kv = tuple(jnp.zeros(shape, dt) for _ in range(num_layers))
         return cls(kv=kv, kv_lora_rank=kv_lora_rank)
 
-    @property
-    def num_layers(self) -> int:
-        return self.kv[0].shape[0] if self.stacked else len(self.kv)
-
-    @property
-    def num_pages(self) -> int:
-        return self.kv[0].shape[int(self.stacked)]
-
-    @property
-    def page_size(self) -> int:
-        return self.kv[0].shape[1 + int(self.stacked)]
-
-    @property
-    def dtype(self):
-        return self.kv[0].dtype
-
     def layer(self, i: int):
-        return self.kv[0][i] if self.stacked else self.kv[i]
+        return self._layer(i)[0]
 
     def replace_layer(self, i: int, kv) -> "MLAKVCache":
-        if self.stacked:
-            return dataclasses.replace(self, kv=(self.kv[0].at[i].set(kv),))
-        kvs = list(self.kv)
-        kvs[i] = kv
-        return dataclasses.replace(self, kv=tuple(kvs))
-
-    def stack(self) -> "MLAKVCache":
-        """The same cache stacked (one copy; a stacked cache is returned as is)."""
-        if self.stacked:
-            return self
-        return MLAKVCache(kv=(jnp.stack(self.kv),), kv_lora_rank=self.kv_lora_rank, stacked=True)
-
-    def flat(self) -> "MLAKVCache":
-        """A stacked cache as a one-layer cache of ``num_layers * num_pages`` pages (no copy)."""
-        _require_stacked(self)
-        return MLAKVCache(kv=(_merge_layers(self.kv[0]),), kv_lora_rank=self.kv_lora_rank)
-
-    def unflat(self, flat: "MLAKVCache") -> "MLAKVCache":
-        """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
-        _require_stacked(self)
-        return MLAKVCache(kv=(flat.kv[0].reshape(self.kv[0].shape),), kv_lora_rank=self.kv_lora_rank, stacked=True)
+        return self._replace_layer(i, (kv,))
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k", "v"], meta_fields=["stacked"])
