@@ -138,6 +138,21 @@ def parse_options(spec: str):
     return KernelOptions(**values)
 
 
+def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
+    """GPU time per call (s) of ``fn``, a paged decode with jattn's arguments, over the
+    rotated page tables of ``args`` (``qs, k, v, tables, lens``): ``(seconds, None)``, or
+    ``(None, the error's first line)``."""
+
+    def step(i, qs, k, v, tables, lens):
+        return fn(qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+
+    try:
+        t = common.time_rotated(step, args, n_hi=n_hi, device=True)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    return t.device_seconds or t.seconds, None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
     ap.add_argument("--page-sizes", default="16,64")
@@ -294,37 +309,18 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001
                 peer = "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)
         tri = ["-", "-"]
+        targs = (qs, k, v, tables, lens)
         if triton_glue.available() and triton_decode.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len) is None:
-
-            def tstep(i, qs, k, v, tables, lens):
-                return triton_decode.mha_decode(
-                    qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale
-                )
-
-            try:
-                tt = common.time_rotated(tstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
-                ts = tt.device_seconds or tt.seconds
-                tri = [f"{ts * 1e6:.1f}", f"{kv_bytes / ts / 1e12:.2f}"]
-            except Exception as e:  # noqa: BLE001
-                tri = ["-", "fails: " + (str(e).splitlines()[0][:50] if str(e) else type(e).__name__)]
+            got, err = _time_decode(triton_decode.mha_decode, targs, n_hi, q_len, kscale)
+            tri = ["-", "fails: " + err[:50]] if err else [f"{got * 1e6:.1f}", f"{kv_bytes / got / 1e12:.2f}"]
         if args.heads_kernel:
             from jattn.pallas_kernels import mosaic_decode_heads as mh
 
             why = mh.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
             line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} per-KV-head kernel: "
             if why is None:
-
-                def hstep(i, qs, k, v, tables, lens):
-                    return mh.mha_decode_heads(
-                        qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale
-                    )
-
-                try:
-                    ht = common.time_rotated(hstep, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
-                    hs = ht.device_seconds or ht.seconds
-                    line += f"device {hs * 1e6:.1f} us, {kv_bytes / hs / 1e12:.2f} TB/s"
-                except Exception as e:  # noqa: BLE001
-                    line += "fails: " + (str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                got, err = _time_decode(mh.mha_decode_heads, targs, n_hi, q_len, kscale)
+                line += "fails: " + err[:200] if err else f"device {got * 1e6:.1f} us, {kv_bytes / got / 1e12:.2f} TB/s"
             else:
                 line += f"not served ({why})"
             sweep.append(line)
@@ -352,8 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                     "-" if dev_s is None else f"{dev_s * 1e6:.1f}",
                     "-" if dev_s is None else f"{kv_bytes / dev_s / 1e12:.2f}",
                 ]
-        # Other timing methods of the same calls, each one line of the sweep.
-        targs = (qs, k, v, tables, lens)
+        # Other timing methods of the same calls (targs), each one line of the sweep.
         methods = []
         if args.graph:
             methods.append(("graph", lambda: common.time_rotated(step, targs, n_hi=n_hi, graph=True)))
