@@ -34,6 +34,7 @@ __all__ = [
     "convert_stages_for",
     "unsupported_reason",
     "auto_skip_reason",
+    "prefer_heads_kernel",
     "block_shape",
     "smem_bytes",
     "SUPPORTED_PAGE_SIZES",
@@ -93,11 +94,27 @@ class KernelOptions:
       compute warpgroup runs the 2-byte loop (``overlap_qk`` included) with no
       upcast on its chain (the default: faster on the H200, docs/PERF.md). Off:
       the compute warpgroup upcasts each tile itself, in the plain loop.
+    heads_kernel: calls that :func:`prefer_heads_kernel` gives to the per-KV-head kernel
+      (``mosaic_decode_heads``: one KV head per CTA, keys as the MMA rows) run there
+      when it serves them and no ``block_sizes`` are given. Off: every call runs
+      this kernel.
     """
 
     overlap_qk: bool = True
     kernel_combine: bool = True
     fp8_converter: bool = True
+    heads_kernel: bool = True
+
+
+def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:
+    """Whether the per-KV-head kernel is the faster of the two decode kernels for a call
+    both serve (measured on an H200, docs/PERF.md): multi-token calls (verify, draft
+    blocks) whose query rows ``q_len * num_q_heads`` fill more than one 64-row tile of
+    this kernel. Each tile's warpgroup runs the whole wgmma -> softmax -> wgmma chain on
+    every KV block (a block of all KV heads, most of its scores masked by GQA), while the
+    per-KV-head kernel's MMA columns only widen. 2-byte KV only: its FP8 upcast sits on
+    its chain and is slower than this kernel's converter warpgroup."""
+    return q_len >= 2 and q_len * num_q_heads > 64 and kv_itemsize == 2
 
 
 def convert_stages_for(kv_itemsize: int, options: KernelOptions) -> int:

@@ -36,7 +36,10 @@ Layout of the work:
   ``combine.combine_splits`` merges the splits and applies sinks and
   ``v_scale``. With one split there is nothing to merge.
 
-The entry point is :func:`mha_decode` (here); the kernel body and its launch are
+Multi-token calls whose query rows fill more than one 64-row tile go to the per-KV-head
+kernel (``mosaic_decode_heads``) where ``decode_tuning.prefer_heads_kernel`` picks it and
+it serves the call (``KernelOptions.heads_kernel``; explicit ``block_sizes`` keep them
+here). The entry point is :func:`mha_decode` (here); the kernel body and its launch are
 ``mosaic_decode_kernel``; ``decode_tuning`` holds its static
 configuration (:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
 :func:`unsupported_reason`, which says whether a call can be served here. The
@@ -79,12 +82,14 @@ from jattn.pallas_kernels.decode_tuning import (
     choose_block_sizes,
     choose_num_splits,
     decode_config,
+    prefer_heads_kernel,
     unsupported_reason,
 )
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
 
 __all__ = [
     "mha_decode",
+    "heads_kernel_for",
     "unsupported_reason",
     "auto_skip_reason",
     "BlockSizes",
@@ -144,6 +149,24 @@ def mha_decode(
 
       out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
     """
+    if block_sizes is None and options.heads_kernel:
+        heads = heads_kernel_for(
+            q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale
+        )
+        if heads is not None:
+            return heads(
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                cache_seqlens,
+                softmax_scale=softmax_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                max_seqlen_q=max_seqlen_q,
+                is_causal=is_causal,
+                return_lse=return_lse,
+            )
     # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
     # A Python k_scale is folded into a constant score scale (no kernel computes it).
     unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
@@ -167,6 +190,25 @@ def mha_decode(
         block_sizes=block_sizes,
         options=options,
     )
+
+
+def heads_kernel_for(q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale):
+    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
+    and it serves the call (Python-number scales, no window, cap or sinks), else None."""
+    from jattn.pallas_kernels import mosaic_decode_heads
+
+    py = (int, float)
+    if not (
+        isinstance(k_scale, py) and isinstance(v_scale, py) and (softmax_scale is None or isinstance(softmax_scale, py))
+    ):
+        return None
+    if window_left != -1 or logit_cap != 0.0 or sinks is not None:
+        return None
+    if q.ndim != 3 or not prefer_heads_kernel(max_seqlen_q, q.shape[1], jnp.dtype(k_cache.dtype).itemsize):
+        return None
+    if mosaic_decode_heads.unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q) is not None:
+        return None
+    return mosaic_decode_heads.mha_decode_heads
 
 
 @functools.partial(

@@ -1,8 +1,9 @@
 """Paged MHA/GQA decode, one KV head per CTA, keys as the MMA rows (Mosaic GPU, Hopper).
 
-EXPERIMENTAL: checked under the Mosaic GPU interpreter and in the cuda lowering on a CPU,
-not yet compiled or timed on a GPU (docs/PERF.md, decode section, 2026-12-02 fourth
-session, says what must be measured first). It is not reachable through ``jattn.ops``.
+``mosaic_decode.mha_decode`` (so ``jattn.ops.mha_decode_with_kvcache`` on the mosaic
+backend) sends it the multi-token calls that ``decode_tuning.prefer_heads_kernel`` picks
+(spec verify and draft blocks whose query rows fill more than one 64-row tile of the
+all-heads kernel) when it serves them; ``KernelOptions(heads_kernel=False)`` turns that off.
 
 The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through its 2-D
 view ``[pages * page_size, kv_heads * head_dim]``, in which one KV head's tokens of a page
@@ -95,6 +96,8 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
     _, ps, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape:
         return "v_cache must have k_cache's shape"
+    if q.ndim != 3 or q.shape[2] != d:
+        return f"q {q.shape} must be [tokens, Hq, head_dim={d}]"
     if ps not in (64, 128):
         return f"page_size={ps} (64 or 128)"
     if d not in (64, 128):
@@ -104,10 +107,10 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
         return f"{hq} query heads are not a multiple of {hkv} KV heads"
     if not 1 <= max_seqlen_q <= 8 or max_seqlen_q * (hq // hkv) > 64:
         return f"max_seqlen_q={max_seqlen_q} x group {hq // hkv} (at most 64 rows per KV head)"
-    for name in ("window_left", "logit_cap", "sinks"):
-        val = kw.get(name)
-        if val is not None and val not in (-1, 0, 0.0):
-            return f"{name} is not supported"
+    if kw.get("window_left", -1) != -1 or kw.get("logit_cap", 0.0) != 0.0 or kw.get("sinks") is not None:
+        return "window_left, logit_cap and sinks are not supported"
+    if q.shape[0] % max_seqlen_q:
+        return f"q rows {q.shape[0]} not a multiple of max_seqlen_q={max_seqlen_q}"
     return None
 
 
@@ -207,10 +210,32 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
             return flag
 
-        def step(i, carry, edge: bool):
-            acc, m_i, l_i, flag = carry
-            slot = lax.rem(i, jnp.int32(S))
+        def softmax_pv(i, x, carry, v_tile, edge: bool):
+            """Block ``i``'s scores ``x`` (``S^T``, unscaled) into the running softmax and
+            ``O^T += V^T P^T``. The softmax sums stay a ``[64, N]`` tile (``l_t``, rescaled
+            with the outputs), summed over its rows once after the loop: one cross-warp
+            reduction per block (the max) instead of two."""
+            acc, m_i, l_t, flag = carry
             t0 = (lo + i) * BLOCK
+            x = x * xscale
+            if edge:
+                seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
+                x = jnp.where(seen, x, -jnp.inf)
+                flag = clean(v_tile, t0, seen, flag)
+            m_new = jnp.maximum(m_i, x.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [1]))
+            alpha_t = lax.broadcast_in_dim(alpha, x.shape, [1])
+            l_t = l_t * alpha_t + p
+            p_s[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            acc = tuple(o_t(a * alpha_t, v_tile, h2) for h2, a in enumerate(acc))
+            return acc, m_new, l_t, flag
+
+        def step(i, carry, edge: bool):
+            """One block in order: wait K/V, ``S^T = K Q^T``, softmax, ``O^T += V^T P^T``."""
+            slot = lax.rem(i, jnp.int32(S))
             plgpu.barrier_wait(kv_bar.at[slot])
             if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
                 kc_s[...] = k_s[slot].astype(dtype)
@@ -220,33 +245,23 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 k_tile, v_tile = kc_s, vc_s
             else:
                 k_tile, v_tile = k_s.at[slot], v_s.at[slot]
-            x = s_t(k_tile) * xscale
-            if edge:
-                seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
-                x = jnp.where(seen, x, -jnp.inf)
-                flag = clean(v_tile, t0, seen, flag)
-            m_new = jnp.maximum(m_i, x.max(axis=0))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [1]))
-            l_i = l_i * alpha + p.sum(axis=0)
-            p_s[...] = p.astype(dtype)
-            plgpu.commit_smem()
-            acc = tuple(o_t(a * lax.broadcast_in_dim(alpha, a.shape, [1]), v_tile, h2) for h2, a in enumerate(acc))
+            carry = softmax_pv(i, s_t(k_tile), carry, v_tile, edge)
             if not cfg.fp8:
                 plgpu.barrier_arrive(kv_free.at[slot])
-            return acc, m_new, l_i, flag
+            return carry
 
         vec = plgpu.Layout.WGMMA.reduce(0)
         m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
-        l_i = cast_layout(jnp.full((N,), 0.0, jnp.float32), vec, interpret=interp)
+        l_t = cast_layout(jnp.zeros((BLOCK, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
         flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
         acc = tuple(
             cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp) for _ in range(D // 64)
         )
         n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), (acc, m_i, l_i, flag))
-        acc, m_i, l_i, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+        carry = (acc, m_i, l_t, flag)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), carry)
+        acc, m_i, l_t, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+        l_i = l_t.sum(axis=0)
 
         empty = l_i == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
@@ -377,7 +392,7 @@ def mha_decode_heads(
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
     sinks): ``q [bs * max_seqlen_q, Hq, D]``, pools ``[pages, page_size, Hkv, D]``.
     Returns ``[bs * max_seqlen_q, Hq, D]`` in q's dtype (and with ``return_lse`` the
-    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``). Experimental: see the module docstring."""
+    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)

@@ -1,8 +1,9 @@
-"""Tests of the experimental per-KV-head Mosaic GPU decode kernel
-(``jattn.pallas_kernels.mosaic_decode_heads``: keys as the MMA rows).
+"""Tests of the per-KV-head Mosaic GPU decode kernel
+(``jattn.pallas_kernels.mosaic_decode_heads``: keys as the MMA rows), and of the routing
+that sends multi-token calls of ``mosaic_decode.mha_decode`` (and the ops) to it.
 
-CPU: the Mosaic GPU interpreter (f16 queries, f16 or FP8 K/V, small) and the cuda lowering. GPU (marker ``gpu``,
-bf16, full shapes): the compiled kernel, which has not run on a GPU yet. Both against the
+CPU: the Mosaic GPU interpreter (f16 queries, f16 or FP8 K/V, small) and the cuda
+lowering. GPU (marker ``gpu``, bf16, full shapes): the compiled kernel. Both against the
 f32 ``jattn.reference.mha_decode`` on fresh random draws: unused pages and page tails hold
 NaN, page tables are permuted, and poison cases put a NaN in one cached V row (the rows
 that see it must come out non-finite, every other row exact).
@@ -118,6 +119,49 @@ def test_interpreted(c):
         _check(c, jnp.float16, deterministic=c == CPU_CASES[2])
 
 
+def _spy(monkeypatch):
+    """Count the calls that reach ``mha_decode_heads`` (still running it)."""
+    calls = []
+    real = mh.mha_decode_heads
+
+    def spy(*a, **k):
+        calls.append(k.get("max_seqlen_q"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(mh, "mha_decode_heads", spy)
+    return calls
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_verify_calls_route_to_heads_kernel(monkeypatch):
+    """A causal verify of 4 tokens x 32 query heads (two 64-row tiles of the all-heads
+    kernel) through ``jattn.ops`` on the mosaic backend runs the per-KV-head kernel and
+    matches the reference; with a window (which it does not serve), with
+    ``heads_kernel=False`` and with explicit block sizes it runs the all-heads kernel."""
+    from jattn import ops
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    c = Case(lens=(70, 0), hq=32, hkv=2, q_len=4)
+    q, k, v, table, lens = _inputs(c, 3)
+    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
+    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
+    calls = _spy(monkeypatch)
+    with gpu_interpret():
+        for window in (-1, 33):
+            kw = dict(max_seqlen_q=4, window_left=window)
+            want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
+            got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", **kw), np.float32)
+            np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+            assert len(calls) == 1, calls  # the window call adds none
+        assert calls == [4]
+        md.mha_decode(*args, max_seqlen_q=4, options=md.KernelOptions(heads_kernel=False))
+        assert calls == [4], "heads_kernel=False must keep the call on the all-heads kernel"
+    # explicit scales as traced values, or one 64-row tile (q_len 2 x 32 heads), stay too
+    assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, jnp.float32(1), 1.0) is None
+    assert md.heads_kernel_for(args[0][:4], args[1], args[2], 2, -1, 0.0, None, None, 1.0, 1.0) is None
+    assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, 1.0, 1.0) is not None
+
+
 GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, poison=0),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, poison=1),
@@ -135,6 +179,25 @@ def test_gpu(c):
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, tol=3e-2, deterministic=True)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_through_ops(monkeypatch):
+    """On the GPU, ``jattn.ops`` (auto backend) sends a causal 4-token verify at 32/8 heads
+    to the per-KV-head kernel and gets the reference's result."""
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    from jattn import ops
+
+    c = Case(lens=(3000, 97, 0, 1), hq=32, hkv=8, d=128, q_len=4)
+    q, k, v, table, lens = _inputs(c, 5)
+    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.bfloat16), jnp.float32)  # noqa: E731
+    want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, max_seqlen_q=4))
+    calls = _spy(monkeypatch)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), table, lens)
+    got = np.asarray(ops.mha_decode_with_kvcache(*args, max_seqlen_q=4), np.float32)
+    assert calls == [4]
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
 LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
@@ -169,5 +232,7 @@ def test_unsupported_reasons():
     assert "head_dim" in mh.unsupported_reason(q[..., :96], pool[..., :96], pool[..., :96])
     assert "max_seqlen_q" in mh.unsupported_reason(q, pool, pool, max_seqlen_q=9)
     assert "window_left" in mh.unsupported_reason(q, pool, pool, window_left=10)
+    assert "sinks" in mh.unsupported_reason(q, pool, pool, sinks=jnp.zeros(32))
+    assert "head_dim" in mh.unsupported_reason(q[..., :64], pool, pool)
     with pytest.raises(ValueError, match="page_size"):
         mh.mha_decode_heads(q, pool[:, :16], pool[:, :16], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))

@@ -138,6 +138,14 @@ def parse_options(spec: str):
     return KernelOptions(**values)
 
 
+def _heads_splits(bs: int, length: int, page_size: int) -> int:
+    """The per-KV-head kernel's split count for a row (its own chooser)."""
+    from jattn.pallas_kernels import mosaic_decode_heads as mh
+
+    max_pages = -(-length // page_size)
+    return mh.choose_num_splits(bs, HKV, -(-(max_pages * page_size) // mh.BLOCK))
+
+
 def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
     """GPU time per call (s) of ``fn``, a paged decode with jattn's arguments, over the
     rotated page tables of ``args`` (``qs, k, v, tables, lens``): ``(seconds, None)``, or
@@ -199,8 +207,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--heads-kernel",
         action="store_true",
-        help="also time the experimental per-KV-head kernel (pallas_kernels/mosaic_decode_heads.py) "
-        "where it serves the row: one sweep line each",
+        help="also time the decode kernel that the row's call does not run (the per-KV-head kernel "
+        "pallas_kernels/mosaic_decode_heads.py, or the all-heads kernel where the call runs the "
+        "per-KV-head one): one sweep line each",
+    )
+    ap.add_argument(
+        "--q-lens",
+        default="4",
+        help="query tokens per request of the extra verify rows (64x4096 and 1x32768, causal), comma-separated",
     )
     ap.add_argument(
         "--set",
@@ -233,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     rows_spec = [(ps, bs, L, 1, jnp.bfloat16) for ps in page_sizes for bs, L in shapes]
     if not args.no_extra:
         for ps in page_sizes:
-            rows_spec += [(ps, 64, 4096, 4, jnp.bfloat16), (ps, 1, 32768, 4, jnp.bfloat16)]
+            for ql in (int(x) for x in args.q_lens.split(",")):
+                rows_spec += [(ps, 64, 4096, ql, jnp.bfloat16), (ps, 1, 32768, ql, jnp.bfloat16)]
             rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
 
     rng = np.random.default_rng(0)
@@ -270,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
                 options=options,
             )
 
+        # the call runs the per-KV-head kernel where mosaic_decode routes it (splits column: "h" + its count)
+        heads = (
+            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale) is not None
+            and opts.heads_kernel
+        )
+        noheads = dataclasses.replace(opts, heads_kernel=False)
         bsz = md.choose_block_sizes(
             batch=bs,
             num_kv_heads=HKV,
@@ -284,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
             tbs = kv_bytes / t.seconds / 1e12
             cells = [
-                bsz.num_splits,
+                f"h{_heads_splits(bs, L, ps)}" if heads else bsz.num_splits,
                 f"{t.seconds * 1e6:.1f}",
                 f"{tbs:.2f}",
                 f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%",
@@ -317,9 +338,13 @@ def main(argv: list[str] | None = None) -> None:
             from jattn.pallas_kernels import mosaic_decode_heads as mh
 
             why = mh.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
-            line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} per-KV-head kernel: "
-            if why is None:
-                got, err = _time_decode(mh.mha_decode_heads, targs, n_hi, q_len, kscale)
+            if heads:  # the row ran the per-KV-head kernel: time the all-heads one
+                other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
+            else:
+                other, fn = "per-KV-head kernel", mh.mha_decode_heads
+            line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} {other}: "
+            if why is None or heads:
+                got, err = _time_decode(fn, targs, n_hi, q_len, kscale)
                 line += "fails: " + err[:200] if err else f"device {got * 1e6:.1f} us, {kv_bytes / got / 1e12:.2f} TB/s"
             else:
                 line += f"not served ({why})"
