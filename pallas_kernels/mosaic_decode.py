@@ -149,6 +149,7 @@ def mha_decode(
 
       out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
     """
+    _check_plan(q, page_table, cache_seqlens, max_seqlen_q)
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale
@@ -190,6 +191,15 @@ def mha_decode(
         block_sizes=block_sizes,
         options=options,
     )
+
+
+def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
+    """The page table and lengths must describe ``q``'s batch (``rows / max_seqlen_q``)."""
+    batch = q.shape[0] // max(1, max_seqlen_q)
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
 
 
 def heads_kernel_for(q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale):
@@ -253,10 +263,6 @@ def _mha_decode(
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     tokens, num_q_heads, _ = q.shape
     batch = tokens // max_seqlen_q
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
-    if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
     cfg = decode_config(
         batch=batch,
         num_pages=num_pages,

@@ -236,3 +236,16 @@ def test_unsupported_reasons():
     assert "head_dim" in mh.unsupported_reason(q[..., :64], pool, pool)
     with pytest.raises(ValueError, match="page_size"):
         mh.mha_decode_heads(q, pool[:, :16], pool[:, :16], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))
+
+
+def test_mha_decode_checks_the_plan_before_routing():
+    """A page table or lengths of another batch than ``q``'s is refused by name on either
+    kernel's path (a verify call would otherwise reach the per-KV-head kernel unchecked)."""
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    q = jnp.zeros((8, 32, 128), jnp.bfloat16)  # 2 requests x 4 tokens
+    pool = jnp.zeros((4, 64, 8, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_table shape"):
+        md.mha_decode(q, pool, pool, jnp.zeros((3, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
+    with pytest.raises(ValueError, match="cache_seqlens shape"):
+        md.mha_decode(q, pool, pool, jnp.zeros((2, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
