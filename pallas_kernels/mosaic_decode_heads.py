@@ -180,16 +180,20 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
             return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
 
-        def o_t(acc, v_tile, half):
-            """acc + V[:, half]^T @ P^T, one 64-row half of O^T."""
-            v = v_tile.at[:, pl.ds(half * 64, 64)]
+        def o_t(acc, v_tile):
+            """``acc[h] + V[:, h]^T @ P^T`` for each 64-row half ``h`` of ``O^T``: the halves'
+            ``wgmma``s are issued together and waited for once."""
+            vs = [v_tile.at[:, pl.ds(h * 64, 64)] for h in range(len(acc))]
             if interp:
-                return acc + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32)
+                return tuple(
+                    a + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32) for a, v in zip(acc, vs)
+                )
 
-            def body(acc_ref):
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v, (1, 0)), p_s)
+            def body(acc_refs):
+                for acc_ref, v in zip(acc_refs, vs):
+                    plgpu.wgmma(acc_ref, v.T, p_s)
 
-            return pl.run_state(body)(plgpu.ACC.init(acc))
+            return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in acc))
 
         def clean(v_tile, t0, seen, flag):
             """An edge block: V rows past the length become 0; non-finite entries of keys
@@ -230,7 +234,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             l_t = l_t * alpha_t + p
             p_s[...] = p.astype(dtype)
             plgpu.commit_smem()
-            acc = tuple(o_t(a * alpha_t, v_tile, h2) for h2, a in enumerate(acc))
+            acc = o_t(tuple(a * alpha_t for a in acc), v_tile)
             return acc, m_new, l_t, flag
 
         def step(i, carry, edge: bool):
