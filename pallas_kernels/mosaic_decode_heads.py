@@ -7,7 +7,9 @@ all-heads kernel) when it serves them; ``KernelOptions(heads_kernel=False)`` tur
 
 The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through its 2-D
 view ``[pages * page_size, kv_heads * head_dim]``, in which one KV head's tokens of a page
-are a plain TMA box ``[64, head_dim]``. A CTA takes one (split, request, KV head); the
+are a plain TMA box ``[rows, head_dim]``. A block of 64 tokens is one box of a page of 64 or
+128, or ``64 / page_size`` boxes of consecutive pages of 16 or 32 landing in one tile. A CTA
+takes one (split, request, KV head); the
 head's ``q_len * group`` query rows (row ``i * group + j``: query token ``i``, query head
 ``h * group + j``), padded to ``N`` (16, 32 or 64), are the MMA's columns:
 
@@ -28,7 +30,7 @@ them into the row order of ``combine.combine_splits`` (a transpose of a few KB p
 Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
 query is cast to f16 too) by the compute warpgroup as it takes them, into one K and one V
 tile: the MMA work per block is small here, so the upcast is the largest part of the chain.
-``k_scale`` is in the score scale; the combine applies ``v_scale``. Page sizes 64 and 128,
+``k_scale`` is in the score scale; the combine applies ``v_scale``. Page sizes 16 to 128,
 head_dim 64 or 128, no window, logit cap or sinks.
 """
 
@@ -83,6 +85,11 @@ class HeadsConfig:
         return self.q_len * self.group
 
     @property
+    def piece_rows(self) -> int:
+        """Tokens of one TMA box: the block's 64, or a whole page of 16 or 32."""
+        return min(BLOCK, self.page_size)
+
+    @property
     def n(self) -> int:
         """The MMA's N: the rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a swizzle)."""
         return max(16, 1 << (self.rows - 1).bit_length())
@@ -98,8 +105,8 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
         return "v_cache must have k_cache's shape"
     if q.ndim != 3 or q.shape[2] != d:
         return f"q {q.shape} must be [tokens, Hq, head_dim={d}]"
-    if ps not in (64, 128):
-        return f"page_size={ps} (64 or 128)"
+    if ps not in (16, 32, 64, 128):
+        return f"page_size={ps} (16, 32, 64 or 128)"
     if d not in (64, 128):
         return f"head_dim={d} (64 or 128)"
     hq = q.shape[1]
@@ -136,7 +143,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
     def _producer():
         if not interp:
             plgpu.set_max_registers(40, action="decrease")
-        per_page = cfg.page_size // BLOCK
+        rows = cfg.piece_rows
 
         @pl.loop(0, count)
         def _(i):
@@ -146,13 +153,15 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             def _():
                 plgpu.barrier_wait(kv_free.at[slot])
 
-            blk = lo + i
-            pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
-            page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-            row = page * cfg.page_size + lax.rem(blk, jnp.int32(per_page)) * BLOCK
             cols = pl.ds(h * D, D)
-            plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, BLOCK), cols], k_s.at[slot], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, BLOCK), cols], v_s.at[slot], kv_bar.at[slot])
+            for j in range(BLOCK // rows):  # the block's pieces: one per page, or one piece of a page
+                tok = (lo + i) * BLOCK + j * rows
+                pidx = jnp.minimum(lax.div(tok, jnp.int32(cfg.page_size)), cfg.max_pages - 1)
+                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                row = page * cfg.page_size + lax.rem(tok, jnp.int32(cfg.page_size))
+                dst = pl.ds(j * rows, rows)
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, rows), cols], k_s.at[slot, dst], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, rows), cols], v_s.at[slot, dst], kv_bar.at[slot])
 
         if interp:
             drain_free_barriers(count, S, kv_free)
@@ -303,7 +312,7 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
             plgpu.SMEM((D, N), jnp.float32),
             plgpu.SMEM((N,), jnp.float32),
             *(upcast if cfg.fp8 else []),
-            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2 * (BLOCK // cfg.piece_rows), num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
             collective_axes="wg",

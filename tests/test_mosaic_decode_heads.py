@@ -109,6 +109,11 @@ CPU_CASES = [
     Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False),
     # FP8 e4m3 K/V with scales, causal verify over a page tail, poison
     Case(lens=(75, 0), hq=4, hkv=2, q_len=2, fp8=True, poison=0),
+    # pages of 16: four boxes per 64-token block, the last block past the last page; a
+    # NaN only the last of 2 draft tokens sees
+    Case(lens=(97, 0, 33), hq=8, hkv=2, page_size=16, q_len=2, poison=0),
+    # pages of 32, FP8: two boxes per block of the FP8 ring
+    Case(lens=(70, 1), hq=4, hkv=1, page_size=32, fp8=True),
 ]
 
 
@@ -170,6 +175,8 @@ GPU_CASES = [
     Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, q_len=2, poison=1),
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, fp8=True, poison=3),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, fp8=True, page_size=128),
+    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1),
+    Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, page_size=32, q_len=8, causal=False),
 ]
 
 
@@ -201,7 +208,8 @@ def test_gpu_verify_through_ops(monkeypatch):
 
 
 LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
-         (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True)]  # fmt: skip
+         (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True), (32, 8, 128, 16, 4, True, False),
+         (32, 8, 128, 32, 1, True, True)]  # fmt: skip
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
@@ -228,14 +236,14 @@ def test_unsupported_reasons():
     assert mh.unsupported_reason(q, pool.astype(jnp.float8_e4m3fn), pool.astype(jnp.float8_e4m3fn)) is None
     assert "dtypes" in mh.unsupported_reason(q, pool.astype(jnp.float8_e4m3fn), pool)
     assert "dtypes" in mh.unsupported_reason(q, pool.astype(jnp.float16), pool.astype(jnp.float16))
-    assert "page_size" in mh.unsupported_reason(q, pool[:, :16], pool[:, :16])
+    assert "page_size" in mh.unsupported_reason(q, pool[:, :8], pool[:, :8])
     assert "head_dim" in mh.unsupported_reason(q[..., :96], pool[..., :96], pool[..., :96])
     assert "max_seqlen_q" in mh.unsupported_reason(q, pool, pool, max_seqlen_q=9)
     assert "window_left" in mh.unsupported_reason(q, pool, pool, window_left=10)
     assert "sinks" in mh.unsupported_reason(q, pool, pool, sinks=jnp.zeros(32))
     assert "head_dim" in mh.unsupported_reason(q[..., :64], pool, pool)
     with pytest.raises(ValueError, match="page_size"):
-        mh.mha_decode_heads(q, pool[:, :16], pool[:, :16], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))
+        mh.mha_decode_heads(q, pool[:, :8], pool[:, :8], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))
 
 
 def test_mha_decode_checks_the_plan_before_routing():
