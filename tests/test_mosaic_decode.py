@@ -599,9 +599,16 @@ def test_lowers_for_cuda(name, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel's "GPU here?" check
     q, k, v, table, lens, sinks, ks, vs = _inputs(c, 0)
     kw = _kwargs(c, sinks, ks, vs)
-    fn = jax.jit(lambda q, k, v, table, lens: md.mha_decode(q, k, v, table, lens, **kw))
-    text = fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jattn_paged_decode" in text
+    # the all-heads kernel itself, then the default, which sends the calls the per-KV-head
+    # kernel takes (here: draft_block) there
+    routed = md.heads_kernel_for(q, k, v, c.q_len, kw.get("window_left", -1), kw.get("logit_cap", 0.0),
+                                 kw.get("sinks"), None, kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))  # fmt: skip
+    for opts, kernel in ((md.KernelOptions(heads_kernel=False), "jattn_paged_decode"),
+                       (md.KernelOptions(), "jattn_decode_heads" if routed else "jattn_paged_decode")):  # fmt: skip
+        fn = jax.jit(lambda q, k, v, table, lens, o=opts: md.mha_decode(q, k, v, table, lens, options=o, **kw))
+        text = fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        assert kernel in text, kernel
+    assert (routed is not None) == (name == "draft_block"), "the one case here that the per-KV-head kernel takes"
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
