@@ -9,16 +9,18 @@ The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through 
 view ``[pages * page_size, kv_heads * head_dim]``, in which one KV head's tokens of a page
 are a plain TMA box ``[rows, head_dim]``. A block of 64 tokens is one box of a page of 64 or
 128, or ``64 / page_size`` boxes of consecutive pages of 16 or 32 landing in one tile. A CTA
-takes one (split, request, KV head); the
-head's ``q_len * group`` query rows (row ``i * group + j``: query token ``i``, query head
-``h * group + j``), padded to ``N`` (16, 32 or 64), are the MMA's columns:
+takes one (split, request, KV head); the head's ``q_len * group`` query rows (row
+``i * group + j``: query token ``i``, query head ``h * group + j``), padded to ``N`` (16, 32
+or 64), are the MMA's columns:
 
 * ``S^T = K Q^T``: ``wgmma`` with the block's 64 tokens as rows (M = 64, N query rows),
   so the work per token is N / 64 of a kernel whose query rows are the MMA rows;
-* the online softmax runs per column, its max and sum reducing over the rows (keys);
+* the online softmax runs per column: its max reduces over the rows (keys) every block, its
+  sums stay a ``[64, N]`` tile rescaled with the outputs and reduce once after the loop;
 * ``O^T += V^T P^T``: ``P^T`` goes to shared memory as ``[64, N]`` and ``V^T`` is a
-  transposed view of the ``[64, head_dim]`` V tile, in 64-row halves of ``head_dim``. The
-  V tile and ``P^T`` share one swizzle (``2 N`` bytes), as one ``wgmma``'s operands must.
+  transposed view of the ``[64, head_dim]`` V tile, in 64-row halves of ``head_dim`` issued
+  as one ``wgmma`` group. The V tile and ``P^T`` share one swizzle (``2 N`` bytes), as one
+  ``wgmma``'s operands must.
 
 Masked keys contribute nothing: blocks that hold keys past the length, or keys some query
 of a causal draft does not see, are masked in ``S^T``; their V rows past the length become
