@@ -212,11 +212,10 @@ def heads_kernel_for(q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, 
         isinstance(k_scale, py) and isinstance(v_scale, py) and (softmax_scale is None or isinstance(softmax_scale, py))
     ):
         return None
-    if window_left != -1 or logit_cap != 0.0 or sinks is not None:
-        return None
-    if q.ndim != 3 or not prefer_heads_kernel(max_seqlen_q, q.shape[1], jnp.dtype(k_cache.dtype).itemsize):
-        return None
-    if mosaic_decode_heads.unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q) is not None:
+    reason = mosaic_decode_heads.unsupported_reason(
+        q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, logit_cap=logit_cap, sinks=sinks
+    )
+    if reason is not None or not prefer_heads_kernel(max_seqlen_q, q.shape[1], jnp.dtype(k_cache.dtype).itemsize):
         return None
     return mosaic_decode_heads.mha_decode_heads
 

@@ -123,8 +123,10 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
     return None
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
-    """Splits that fill the SMs about twice (two CTAs fit an SM), at most one per block."""
+def choose_num_splits(batch: int, kv_heads: int, width_tokens: int) -> int:
+    """Splits that fill the SMs about twice (two CTAs fit an SM), at most one per block of a
+    page table ``width_tokens`` wide (columns * page size)."""
+    max_blocks = -(-width_tokens // BLOCK)
     programs = max(1, batch * kv_heads)
     return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
 
@@ -416,7 +418,7 @@ def mha_decode_heads(
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:
-        num_splits = choose_num_splits(bs, hkv, -(-(max_pages * ps) // BLOCK))
+        num_splits = choose_num_splits(bs, hkv, max_pages * ps)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     return _decode(
         q,

@@ -143,7 +143,7 @@ def _heads_splits(bs: int, length: int, page_size: int) -> int:
     from jattn.pallas_kernels import mosaic_decode_heads as mh
 
     max_pages = -(-length // page_size)
-    return mh.choose_num_splits(bs, HKV, -(-(max_pages * page_size) // mh.BLOCK))
+    return mh.choose_num_splits(bs, HKV, max_pages * page_size)
 
 
 def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
