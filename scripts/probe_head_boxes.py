@@ -28,10 +28,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn.pallas_kernels.mosaic_common import plgpu_kernel, swizzle_transforms
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "block", "stages", "splits"))
-def stream(x, k2d, v2d, table, lens, *, page_size, block, stages, splits):
+@functools.partial(jax.jit, static_argnames=("page_size", "block", "stages", "splits", "kv_inner"))
+def stream(x, k2d, v2d, table, lens, *, page_size, block, stages, splits, kv_inner=False):
     """Streams each (request, KV head)'s K and V blocks; returns f32[splits, bs, heads, 128]
-    (zeros: the output exists so the call is not dead code)."""
+    (zeros: the output exists so the call is not dead code). ``kv_inner``: the KV heads are
+    the fastest grid axis (launched side by side), else the splits, then the requests."""
     bs, max_pages = table.shape
     d = 128
     heads = k2d.shape[1] // d
@@ -85,9 +86,9 @@ def stream(x, k2d, v2d, table, lens, *, page_size, block, stages, splits):
     kernel = plgpu_kernel(
         entry,
         jax.ShapeDtypeStruct((splits, bs, heads, 128), jnp.float32),
-        grid=(splits, bs, heads),
-        grid_names=("s", "b", "h"),
-        kernel_name=f"probe_head_boxes_b{block}_s{stages}",
+        grid=(heads, splits, bs) if kv_inner else (splits, bs, heads),
+        grid_names=("h", "s", "b") if kv_inner else ("s", "b", "h"),
+        kernel_name=f"probe_head_boxes_b{block}_s{stages}{'_h' if kv_inner else ''}",
     )
     return kernel(x, k2d, v2d, table, lens)
 
@@ -102,8 +103,10 @@ def check() -> None:
     table = jnp.asarray([[3, 1, 4], [5, 2, 0]], jnp.int32)
     lens = jnp.asarray([150, 0], jnp.int32)
     with gpu_interpret():
-        for block, stages, splits in ((64, 2, 1), (32, 3, 2)):
-            out = stream(jnp.zeros(8), k, k, table, lens, page_size=ps, block=block, stages=stages, splits=splits)
+        for block, stages, splits, inner in ((64, 2, 1, False), (32, 3, 2, True)):
+            out = stream(
+                jnp.zeros(8), k, k, table, lens, page_size=ps, block=block, stages=stages, splits=splits, kv_inner=inner
+            )
             assert out.shape == (splits, 2, heads, 128) and not np.asarray(out).any()
     print("ok: interpreted")
 
@@ -127,20 +130,35 @@ def bench(bs: int = 64, length: int = 4096, configs=None) -> None:
         f"copy {copy / 1e12:.2f} TB/s ({how}); B{bs} L{length} {heads} KV heads d128 page {ps}, "
         f"K+V {nbytes / 1e9:.2f} GB"
     )
-    configs = configs or ((64, 2, 1), (64, 3, 1), (64, 3, 2), (64, 4, 1), (32, 4, 1), (32, 4, 2))
-    for block, stages, splits in configs:
+    configs = configs or [
+        (b, s, sp, inner) for inner in (False, True) for b, s, sp in ((64, 2, 1), (64, 3, 1), (64, 3, 2), (32, 4, 1))
+    ]
+    for block, stages, splits, inner in configs:
 
-        def step(i, x, k, v, tables, lens, block=block, stages=stages, splits=splits):
+        def step(i, x, k, v, tables, lens, block=block, stages=stages, splits=splits, inner=inner):
             # x + i: every call's operands differ, so XLA cannot merge two calls that share a
             # table (8 tables, more calls: merged calls made this probe print 7 TB/s)
-            return stream(x + i, k, v, tables[i % 8], lens, page_size=ps, block=block, stages=stages, splits=splits)
+            return stream(
+                x + i,
+                k,
+                v,
+                tables[i % 8],
+                lens,
+                page_size=ps,
+                block=block,
+                stages=stages,
+                splits=splits,
+                kv_inner=inner,
+            )
 
         try:
             t = common.time_rotated(step, (x, k, v, tables, lens), device=True)
             sec = t.device_seconds or t.seconds
-            print(f"block {block} stages {stages} splits {splits}: {sec * 1e6:7.1f} us, {nbytes / sec / 1e12:.2f} TB/s")
+            name = f"{'heads' if inner else 'splits'} first, block {block} stages {stages} splits {splits}"
+            print(f"{name}: {sec * 1e6:7.1f} us, {nbytes / sec / 1e12:.2f} TB/s")
         except Exception as e:  # report and go on
-            print(f"block {block} stages {stages} splits {splits}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            name = f"{'heads' if inner else 'splits'} first, block {block} stages {stages} splits {splits}"
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
 if __name__ == "__main__":
