@@ -27,6 +27,13 @@ of a causal draft does not see, are masked in ``S^T``; their V rows past the len
 0, and non-finite V entries of keys some query does not see become 0 too, a query that
 does see one being recorded and coming out NaN (the semantics of docs/SEMANTICS.md).
 
+Occupancy. With 2-byte K/V and N <= 32 two CTAs share an SM (two softmax chains in flight):
+the compute warpgroup asks for 128 registers (ptxas launches a kernel that uses setmaxnreg at
+its largest count, so this count sets the occupancy), ``O^T`` leaves through one 64-row f32
+staging tile, and the ring keeps three slots where they fit half the SM's shared memory, two
+where they do not (``HeadsConfig.paired`` / ``stages``). FP8 and N = 64 run one CTA per SM at
+232 registers.
+
 Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
 them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
 Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
@@ -63,7 +70,15 @@ __all__ = ["mha_decode_heads", "unsupported_reason", "HeadsConfig"]
 
 _LOG2E = math.log2(math.e)
 BLOCK = 64  # tokens per block
-STAGES = 3
+STAGES = 3  # ring slots, fewer where two CTAs would not fit an SM otherwise
+# Two CTAs share an SM (two softmax chains in flight) when each takes at most half of the
+# SM's registers and shared memory. ptxas launches a kernel with setmaxnreg at its
+# largest count, so the compute warpgroup's count decides: 128 x 256 threads is half the
+# register file.
+_SMEM_PER_SM = 228 * 1024
+_SMEM_RESERVED = 1024  # per CTA
+_PAIR_REGS = 128
+_SOLO_REGS = 232
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +112,30 @@ class HeadsConfig:
         """The MMA's N: the rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a swizzle)."""
         return max(16, 1 << (self.rows - 1).bit_length())
 
+    def smem_bytes(self, stages: int) -> int:
+        """Shared memory of one CTA: the K/V ring, Q, P^T, one 64-row half of O^T (f32),
+        the LSE row and, for FP8, the two upcast tiles (1 KB alignment each), plus 4 KB for
+        the barriers and the cross-warp reduction's scratch."""
+        kv = 1 if self.fp8 else 2
+        parts = [2 * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
+        parts += [64 * self.n * 4, self.n * 4] + ([BLOCK * self.head_dim * 2] * 2 if self.fp8 else [])
+        return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
+
+    @property
+    def paired(self) -> bool:
+        """Two CTAs per SM: 2-byte K/V (the FP8 upcast needs the larger register budget),
+        N <= 32 (a [64, N] accumulator pair, the sum tile and the scores fit 128 registers)
+        and a ring of at least two slots within half the SM's shared memory."""
+        half = _SMEM_PER_SM // 2 - _SMEM_RESERVED
+        return not self.fp8 and self.n <= 32 and self.smem_bytes(2) <= half
+
+    @property
+    def stages(self) -> int:
+        if not self.paired:
+            return STAGES
+        half = _SMEM_PER_SM // 2 - _SMEM_RESERVED
+        return max(s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= half)
+
 
 def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
     """None when this kernel can serve the call, else a one-line reason."""
@@ -125,8 +164,8 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
 
 
 def choose_num_splits(batch: int, kv_heads: int, width_tokens: int) -> int:
-    """Splits that fill the SMs about twice (two CTAs fit an SM), at most one per block of a
-    page table ``width_tokens`` wide (columns * page size)."""
+    """Splits that give about two CTAs per SM (one wave where two fit an SM, two waves where
+    one does), at most one per block of a page table ``width_tokens`` wide (columns * page size)."""
     max_blocks = -(-width_tokens // BLOCK)
     programs = max(1, batch * kv_heads)
     return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
@@ -135,7 +174,7 @@ def choose_num_splits(batch: int, kv_heads: int, width_tokens: int) -> int:
 def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
     q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
     kc_s, vc_s = upcast if cfg.fp8 else (None, None)  # FP8: the tiles the MMAs read
-    D, N, S, G = cfg.head_dim, cfg.n, STAGES, cfg.group
+    D, N, S, G = cfg.head_dim, cfg.n, cfg.stages, cfg.group
     split, b, h = lax.axis_index("split"), lax.axis_index("b"), lax.axis_index("h")
     wg = lax.axis_index("wg")
     interp = cfg.interpret
@@ -174,7 +213,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
     @pl.when(wg == 0)
     def _consumer():
         if not interp:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_PAIR_REGS if cfg.paired else _SOLO_REGS, action="increase")
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         xscale = cfg.scale * _LOG2E
@@ -284,18 +323,22 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         empty = l_i == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
         inv = jnp.where(flag > 0, jnp.nan, inv)
-        for half, a in enumerate(acc):
-            o_s.at[pl.ds(half * 64, 64)][...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
         l_s[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h])
-        plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])
+        # O^T leaves in 64-row halves through one staging tile (half the shared memory)
+        for half, a in enumerate(acc):
+            if half:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last half has been read
+            o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, pl.ds(half * 64, 64)])
+            if not half:
+                plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])
         plgpu.wait_smem_to_gmem(0)
 
 
 def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     bs = q_arr.shape[0]
-    D, N, S = cfg.head_dim, cfg.n, STAGES
+    D, N, S = cfg.head_dim, cfg.n, cfg.stages
     tr = swizzle_transforms(dtype, D)
     tr_pv = swizzle_transforms(dtype, N)  # V and P^T share one swizzle (2N bytes)
     kv_dt = k2d.dtype
@@ -314,7 +357,7 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
             plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_k),
             plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v),
             plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
-            plgpu.SMEM((D, N), jnp.float32),
+            plgpu.SMEM((64, N), jnp.float32),
             plgpu.SMEM((N,), jnp.float32),
             *(upcast if cfg.fp8 else []),
             plgpu.Barrier(num_arrivals=2 * (BLOCK // cfg.piece_rows), num_barriers=S),

@@ -118,6 +118,8 @@ CPU_CASES = [
     Case(lens=(97, 0, 33), hq=8, hkv=2, page_size=16, q_len=2, poison=0),
     # pages of 32, FP8: two boxes per block of the FP8 ring
     Case(lens=(70, 1), hq=4, hkv=1, page_size=32, fp8=True),
+    # d128, 8 causal queries x 4 heads (N = 32): the two-slot ring of two CTAs per SM
+    Case(lens=(150,), hq=8, hkv=2, d=128, q_len=8, poison=2),
 ]
 
 
@@ -235,6 +237,28 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, kv_inner):
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_decode_heads" in text
+
+
+def test_two_ctas_per_sm_where_they_fit():
+    """2-byte K/V with N <= 32 runs two CTAs per SM (the ring shrinks to two slots where
+    three would not fit half the SM's shared memory); FP8 and N = 64 run one."""
+
+    def cfg(d, q_len, group, fp8=False):
+        return mh.HeadsConfig(
+            head_dim=d, group=group, kv_heads=8, q_len=q_len, is_causal=True, page_size=64, num_pages=9,
+            max_pages=4, num_splits=1, scale=1.0, fp8=fp8, interpret=False,
+        )  # fmt: skip
+
+    half = 114 * 1024 - 1024
+    for c, paired, stages in [
+        (cfg(128, 4, 4), True, 3),
+        (cfg(128, 8, 4), True, 2),
+        (cfg(64, 8, 4), True, 3),
+        (cfg(128, 8, 8), False, 3),
+        (cfg(128, 4, 4, fp8=True), False, 3),
+    ]:
+        assert (c.paired, c.stages) == (paired, stages), c
+        assert not c.paired or c.smem_bytes(c.stages) <= half
 
 
 def test_unsupported_reasons():
