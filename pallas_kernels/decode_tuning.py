@@ -98,16 +98,12 @@ class KernelOptions:
       (``mosaic_decode_heads``: one KV head per CTA, keys as the MMA rows) run there
       when it serves them and no ``block_sizes`` are given. Off: every call runs
       this kernel.
-    heads_kv_inner: the per-KV-head kernel's launch order: a request's KV heads are the
-      fastest grid axis, so the CTAs reading the heads of one page run side by side. Off:
-      splits, then requests, then KV heads.
     """
 
     overlap_qk: bool = True
     kernel_combine: bool = True
     fp8_converter: bool = True
     heads_kernel: bool = True
-    heads_kv_inner: bool = False
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

@@ -167,7 +167,6 @@ def mha_decode(
                 max_seqlen_q=max_seqlen_q,
                 is_causal=is_causal,
                 return_lse=return_lse,
-                kv_heads_inner=options.heads_kv_inner,
             )
     # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
     # A Python k_scale is folded into a constant score scale (no kernel computes it).

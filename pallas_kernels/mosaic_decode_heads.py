@@ -95,7 +95,6 @@ class HeadsConfig:
     scale: float  # softmax scale times k_scale, built into the kernel
     fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
     interpret: bool
-    kv_inner: bool = False  # grid order: a request's KV heads are the fastest axis
 
     @property
     def rows(self) -> int:
@@ -366,15 +365,11 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
             collective_axes="wg",
         )
 
-    # The first grid axis varies fastest in launch order. KV heads first: the CTAs that read
-    # the heads of one page run side by side, so each page's rows are read together.
-    axes = {"split": cfg.num_splits, "b": bs, "h": cfg.kv_heads}
-    names = ("h", "split", "b") if cfg.kv_inner else ("split", "b", "h")
     kernel = plgpu_kernel(
         entry,
         out_type,
-        grid=tuple(axes[n] for n in names),
-        grid_names=names,
+        grid=(cfg.num_splits, bs, cfg.kv_heads),
+        grid_names=("split", "b", "h"),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -387,11 +382,10 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret",
-        "kv_inner",
     ),
 )  # fmt: skip
 def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
-            is_causal, return_lse, num_splits, interpret, kv_inner):  # fmt: skip
+            is_causal, return_lse, num_splits, interpret):  # fmt: skip
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -408,7 +402,6 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_
         scale=softmax_scale * k_scale,
         fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
         interpret=interpret,
-        kv_inner=kv_inner,
     )
     n, g = cfg.n, cfg.group
     # q [bs * q_len, hq, d] -> [bs, hkv, N, d], row i * g + j of KV head h: query i, head h * g + j
@@ -454,15 +447,12 @@ def mha_decode_heads(
     is_causal: bool = True,
     return_lse: bool = False,
     num_splits: int | None = None,
-    kv_heads_inner: bool = False,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
     sinks): ``q [bs * max_seqlen_q, Hq, D]``, pools ``[pages, page_size, Hkv, D]``.
     Returns ``[bs * max_seqlen_q, Hq, D]`` in q's dtype (and with ``return_lse`` the
-    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``). ``kv_heads_inner``: launch a request's
-    KV heads next to each other (the fastest grid axis) instead of its splits and the
-    batch; the same result."""
+    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -487,5 +477,4 @@ def mha_decode_heads(
         return_lse=return_lse,
         num_splits=int(num_splits),
         interpret=interpreting(),
-        kv_inner=bool(kv_heads_inner),
     )

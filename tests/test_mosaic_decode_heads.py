@@ -35,7 +35,6 @@ class Case:
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
     fp8: bool = False  # FP8 e4m3 K/V with scales
-    kv_inner: bool = False  # launch order: KV heads the fastest grid axis
 
 
 def _inputs(c: Case, seed: int):
@@ -83,7 +82,6 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
         want_o, want_lse = reference.mha_decode(r(q), r(k), r(v), table, lens, **kw)
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
-    kw["kv_heads_inner"] = c.kv_inner
     o, lse = mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -104,8 +102,6 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
 CPU_CASES = [
     # lengths 0, 1, 97 (a page tail), two splits, GQA 2, page 64; poison seen by every row
     Case(lens=(97, 1, 0), num_splits=2, poison=5),
-    # the same launched KV heads first (another grid order, the same program ids per CTA)
-    Case(lens=(97, 1, 0), num_splits=2, poison=5, kv_inner=True),
     # causal verify, 3 queries x 4 heads (N = 16), page 128, a NaN in a key only the last
     # two queries see
     Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
@@ -183,7 +179,6 @@ GPU_CASES = [
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, fp8=True, page_size=128),
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1),
     Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, page_size=32, q_len=8, causal=False),
-    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1, kv_inner=True),
 ]
 
 
@@ -214,15 +209,14 @@ def test_gpu_verify_through_ops(monkeypatch):
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
-LOWER = [(32, 8, 128, 64, 1, True, False, False), (32, 8, 128, 64, 4, True, False, False),
-         (16, 8, 64, 128, 8, False, False, False), (32, 8, 128, 64, 1, True, True, False),
-         (32, 8, 128, 128, 4, True, True, False), (32, 8, 128, 16, 4, True, False, False),
-         (32, 8, 128, 32, 1, True, True, False), (32, 8, 128, 16, 8, False, False, True)]  # fmt: skip
+LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
+         (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True), (32, 8, 128, 16, 4, True, False),
+         (32, 8, 128, 32, 1, True, True), (32, 8, 128, 16, 8, False, False)]  # fmt: skip
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
-@pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8, kv_inner", LOWER)
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, kv_inner):
+@pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
@@ -231,9 +225,7 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, kv_inner):
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
     def fn(q, k, v):
-        return mh.mha_decode_heads(
-            q, k, v, pt, lens, max_seqlen_q=q_len, is_causal=causal, num_splits=2, kv_heads_inner=kv_inner
-        )
+        return mh.mha_decode_heads(q, k, v, pt, lens, max_seqlen_q=q_len, is_causal=causal, num_splits=2)
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_decode_heads" in text

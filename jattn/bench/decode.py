@@ -343,8 +343,7 @@ def main(argv: list[str] | None = None) -> None:
             if heads:  # the row ran the per-KV-head kernel: time the all-heads one
                 other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
             else:
-                other = "per-KV-head kernel"
-                fn = functools.partial(mh.mha_decode_heads, kv_heads_inner=opts.heads_kv_inner)
+                other, fn = "per-KV-head kernel", mh.mha_decode_heads
             line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} {other}: "
             if why is None or heads:
                 got, err = _time_decode(fn, targs, n_hi, q_len, kscale)
