@@ -84,3 +84,23 @@ def test_every_bench_has_a_chart_of_its_own_columns(tmp_path):
     )
     with pytest.raises(ValueError, match=r"lack the columns \['backend'\]"):
         plot.series(dict(bench="mla", header=["row", "TB/s"], rows=[]))
+
+
+def test_decode_verify_ratios_compare_rows_of_one_run():
+    """``bench decode`` sets each multi-token bf16 row against the q_len 1 row of the same
+    page size and shape; rows without that partner, FP8 rows and failed rows are left out."""
+    h = list(decode.HEADER)
+    blank = [""] * (len(h) - 9)
+
+    def row(ps, shape, q_len, kv, dev_us):
+        return [ps, shape, q_len, kv, 2, "1", "1", "1%", dev_us] + blank
+
+    rows = [
+        row(16, "64x4096", 1, "bf16", "250.0"),
+        row(16, "64x4096", 4, "bf16", "275.0"),
+        row(64, "64x4096", 4, "bf16", "280.0"),  # no q_len 1 row at page 64
+        row(16, "64x4096", 1, "fp8", "240.0"),
+        row(16, "64x4096", 8, "bf16", "-"),  # failed
+    ]
+    lines = decode.verify_ratios(h, rows)
+    assert lines == ["page 16 64x4096 q_len 4: 275.0 us against q_len 1's 250.0 (+10.0%)"]

@@ -146,6 +146,32 @@ def _heads_splits(bs: int, length: int, page_size: int) -> int:
     return mh.choose_num_splits(bs, HKV, max_pages * page_size)
 
 
+def verify_ratios(header, rows) -> list[str]:
+    """One line per multi-token 2-byte row: its device time against the q_len 1 row of the
+    same page size and shape in the same run (issue 16's verify target compares the two;
+    timings from different machines differ by several percent, so only one run's rows are
+    compared)."""
+    col = {name: i for i, name in enumerate(header)}
+    page, shape, ql, kv, dev = (col[c] for c in ("page", "batch x len", "q_len", "kv", "device us"))
+
+    def device_us(row):
+        try:
+            return float(row[dev])
+        except (TypeError, ValueError):
+            return None
+
+    base = {(r[page], r[shape]): device_us(r) for r in rows if r[ql] == 1 and r[kv] == "bf16"}
+    out = []
+    for r in rows:
+        one, t = base.get((r[page], r[shape])), device_us(r)
+        if r[ql] != 1 and r[kv] == "bf16" and one and t:
+            out.append(
+                f"page {r[page]} {r[shape]} q_len {r[ql]}: {t:.1f} us against q_len 1's {one:.1f} "
+                f"({100 * (t / one - 1):+.1f}%)"
+            )
+    return out
+
+
 def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
     """GPU time per call (s) of ``fn``, a paged decode with jattn's arguments, over the
     rotated page tables of ``args`` (``qs, k, v, tables, lens``): ``(seconds, None)``, or
@@ -506,6 +532,10 @@ def main(argv: list[str] | None = None) -> None:
     if sweep:
         print("graph timings, split-count sweep:")
         print("\n".join(sweep))
+    ratios = verify_ratios(header, rows)
+    if ratios:
+        print("multi-token rows against q_len 1 (device time, this run):")
+        print("\n".join(ratios))
     print(common.fmt_table(header, rows))
     meta = dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12, copy_how=how)
     common.save_outputs(args, "decode", header, rows, meta)
