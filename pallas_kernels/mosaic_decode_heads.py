@@ -77,6 +77,7 @@ STAGES = 3  # ring slots, fewer where two CTAs would not fit an SM otherwise
 # register file.
 _SMEM_PER_SM = 228 * 1024
 _SMEM_RESERVED = 1024  # per CTA
+_SMEM_HALF = _SMEM_PER_SM // 2 - _SMEM_RESERVED  # what each of two CTAs may take
 _PAIR_REGS = 128
 _SOLO_REGS = 232
 
@@ -125,15 +126,13 @@ class HeadsConfig:
         """Two CTAs per SM: 2-byte K/V (the FP8 upcast needs the larger register budget),
         N <= 32 (a [64, N] accumulator pair, the sum tile and the scores fit 128 registers)
         and a ring of at least two slots within half the SM's shared memory."""
-        half = _SMEM_PER_SM // 2 - _SMEM_RESERVED
-        return not self.fp8 and self.n <= 32 and self.smem_bytes(2) <= half
+        return not self.fp8 and self.n <= 32 and self.smem_bytes(2) <= _SMEM_HALF
 
     @property
     def stages(self) -> int:
         if not self.paired:
             return STAGES
-        half = _SMEM_PER_SM // 2 - _SMEM_RESERVED
-        return max(s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= half)
+        return max(s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= _SMEM_HALF)
 
 
 def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
@@ -330,8 +329,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, pl.ds(half * 64, 64)])
-            if not half:
-                plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])
+        plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])  # committed with the first half
         plgpu.wait_smem_to_gmem(0)
 
 

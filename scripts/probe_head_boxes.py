@@ -151,13 +151,12 @@ def bench(bs: int = 64, length: int = 4096, configs=None) -> None:
                 kv_inner=inner,
             )
 
+        name = f"{'heads' if inner else 'splits'} first, block {block} stages {stages} splits {splits}"
         try:
             t = common.time_rotated(step, (x, k, v, tables, lens), device=True)
             sec = t.device_seconds or t.seconds
-            name = f"{'heads' if inner else 'splits'} first, block {block} stages {stages} splits {splits}"
             print(f"{name}: {sec * 1e6:7.1f} us, {nbytes / sec / 1e12:.2f} TB/s")
         except Exception as e:  # report and go on
-            name = f"{'heads' if inner else 'splits'} first, block {block} stages {stages} splits {splits}"
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
