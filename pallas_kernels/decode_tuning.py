@@ -98,23 +98,28 @@ class KernelOptions:
       (``mosaic_decode_heads``: one KV head per CTA, keys as the MMA rows) run there
       when it serves them and no ``block_sizes`` are given. Off: every call runs
       this kernel.
+    heads_persistent: the per-KV-head kernel launches one CTA per SM slot, each walking
+      several (split, request, KV head) items (``mha_decode_heads(persistent=...)``); off
+      (the default: the hardware's own CTA scheduling balanced better on the H200,
+      docs/PERF.md), one CTA per item.
     """
 
     overlap_qk: bool = True
     kernel_combine: bool = True
     fp8_converter: bool = True
     heads_kernel: bool = True
+    heads_persistent: bool = False
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:
     """Whether the per-KV-head kernel is the faster of the two decode kernels for a call
     both serve (measured on an H200, docs/PERF.md): multi-token calls (verify, draft
-    blocks) whose query rows ``q_len * num_q_heads`` fill more than one 64-row tile of
+    blocks) whose query rows ``q_len * num_q_heads`` fill at least one 64-row tile of
     this kernel. Each tile's warpgroup runs the whole wgmma -> softmax -> wgmma chain on
     every KV block (a block of all KV heads, most of its scores masked by GQA), while the
     per-KV-head kernel's MMA columns only widen. 2-byte KV only: its FP8 upcast sits on
     its chain and is slower than this kernel's converter warpgroup."""
-    return q_len >= 2 and q_len * num_q_heads > 64 and kv_itemsize == 2
+    return q_len >= 2 and q_len * num_q_heads >= 64 and kv_itemsize == 2
 
 
 def convert_stages_for(kv_itemsize: int, options: KernelOptions) -> int:

@@ -36,7 +36,7 @@ Layout of the work:
   ``combine.combine_splits`` merges the splits and applies sinks and
   ``v_scale``. With one split there is nothing to merge.
 
-Multi-token calls whose query rows fill more than one 64-row tile go to the per-KV-head
+Multi-token calls whose query rows fill at least one 64-row tile go to the per-KV-head
 kernel (``mosaic_decode_heads``) where ``decode_tuning.prefer_heads_kernel`` picks it and
 it serves the call (``KernelOptions.heads_kernel``; explicit ``block_sizes`` keep them
 here). The entry point is :func:`mha_decode` (here); the kernel body and its launch are
@@ -167,6 +167,7 @@ def mha_decode(
                 max_seqlen_q=max_seqlen_q,
                 is_causal=is_causal,
                 return_lse=return_lse,
+                persistent=options.heads_persistent,
             )
     # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
     # A Python k_scale is folded into a constant score scale (no kernel computes it).

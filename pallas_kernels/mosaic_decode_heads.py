@@ -2,7 +2,7 @@
 
 ``mosaic_decode.mha_decode`` (so ``jattn.ops.mha_decode_with_kvcache`` on the mosaic
 backend) sends it the multi-token calls that ``decode_tuning.prefer_heads_kernel`` picks
-(spec verify and draft blocks whose query rows fill more than one 64-row tile of the
+(spec verify and draft blocks whose query rows fill at least one 64-row tile of the
 all-heads kernel) when it serves them; ``KernelOptions(heads_kernel=False)`` turns that off.
 
 The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through its 2-D
@@ -33,6 +33,12 @@ its largest count, so this count sets the occupancy), ``O^T`` leaves through one
 staging tile, and the ring keeps three slots where they fit half the SM's shared memory, two
 where they do not (``HeadsConfig.paired`` / ``stages``). FP8 and N = 64 run one CTA per SM at
 232 registers.
+
+Launch. A CTA walks the items ``cta, cta + ctas, ...`` (an item: one split of one request's
+KV head, splits fastest), keeping one ring and its barrier phases across them, loading the
+next item's Q as soon as the current item's last ``S^T`` has read Q, and reusing the
+staging tiles once the last item's stores have read them. By default ``ctas`` is the item
+count (one item per CTA); ``persistent=True`` launches one CTA per SM slot.
 
 Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
 them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
@@ -93,6 +99,8 @@ class HeadsConfig:
     num_pages: int
     max_pages: int
     num_splits: int
+    batch: int
+    ctas: int  # CTAs launched; each walks the items cta, cta + ctas, ... (see `items`)
     scale: float  # softmax scale times k_scale, built into the kernel
     fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
     interpret: bool
@@ -101,6 +109,11 @@ class HeadsConfig:
     def rows(self) -> int:
         """Real query rows of a KV head."""
         return self.q_len * self.group
+
+    @property
+    def items(self) -> int:
+        """Work items, one per (split, request, KV head)."""
+        return self.num_splits * self.batch * self.kv_heads
 
     @property
     def piece_rows(self) -> int:
@@ -169,17 +182,34 @@ def choose_num_splits(batch: int, kv_heads: int, width_tokens: int) -> int:
     return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
 
 
+def launch_ctas(cfg: HeadsConfig, num_ctas: int | None) -> int:
+    """CTAs to launch for ``cfg``'s items: ``num_ctas`` when given (at most one per item),
+    -1 for one per item, None for the SM slots (two CTAs per SM where ``cfg.paired``)."""
+    if num_ctas == -1:
+        return cfg.items
+    if num_ctas is None:
+        num_ctas = (2 if cfg.paired else 1) * NUM_SMS
+    return max(1, min(num_ctas, cfg.items))
+
+
 def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
     q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
     kc_s, vc_s = upcast if cfg.fp8 else (None, None)  # FP8: the tiles the MMAs read
     D, N, S, G = cfg.head_dim, cfg.n, cfg.stages, cfg.group
-    split, b, h = lax.axis_index("split"), lax.axis_index("b"), lax.axis_index("h")
     wg = lax.axis_index("wg")
     interp = cfg.interpret
-    seq_len = lens_ref[b]
-    lo, count = split_blocks(seq_len, BLOCK, cfg.num_splits, split)
-    # the first key some query does not see (a later draft token of a causal block)
-    first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
+    cta, P = lax.axis_index("cta"), cfg.ctas
+    my_items = lax.div(cfg.items - cta + P - 1, jnp.int32(P))
+
+    def item_of(k):
+        """The ``k``-th item of this CTA: ``(split, request, KV head)``, splits fastest."""
+        item = cta + k * P
+        split = lax.rem(item, jnp.int32(cfg.num_splits))
+        rest = lax.div(item, jnp.int32(cfg.num_splits))
+        return split, lax.rem(rest, jnp.int32(cfg.batch)), lax.div(rest, jnp.int32(cfg.batch))
+
+    def blocks_of(split, b):
+        return split_blocks(lens_ref[b], BLOCK, cfg.num_splits, split)
 
     @pl.when(wg == 1)
     def _producer():
@@ -187,149 +217,184 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             plgpu.set_max_registers(40, action="decrease")
         rows = cfg.piece_rows
 
-        @pl.loop(0, count)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(S))
-
-            @pl.when(i >= S)
-            def _():
-                plgpu.barrier_wait(kv_free.at[slot])
-
+        def item_loads(k, n):
+            """Item ``k``'s K/V blocks into the ring; ``n`` blocks went before it."""
+            split, b, h = item_of(k)
+            lo, count = blocks_of(split, b)
             cols = pl.ds(h * D, D)
-            for j in range(BLOCK // rows):  # the block's pieces: one per page, or one piece of a page
-                tok = (lo + i) * BLOCK + j * rows
-                pidx = jnp.minimum(lax.div(tok, jnp.int32(cfg.page_size)), cfg.max_pages - 1)
-                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-                row = page * cfg.page_size + lax.rem(tok, jnp.int32(cfg.page_size))
-                dst = pl.ds(j * rows, rows)
-                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, rows), cols], k_s.at[slot, dst], kv_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, rows), cols], v_s.at[slot, dst], kv_bar.at[slot])
 
+            @pl.loop(0, count)
+            def _(i):
+                slot = lax.rem(n + i, jnp.int32(S))
+
+                @pl.when(n + i >= S)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                for j in range(BLOCK // rows):  # the block's pieces: one per page, or one piece of a page
+                    tok = (lo + i) * BLOCK + j * rows
+                    pidx = jnp.minimum(lax.div(tok, jnp.int32(cfg.page_size)), cfg.max_pages - 1)
+                    page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                    row = page * cfg.page_size + lax.rem(tok, jnp.int32(cfg.page_size))
+                    dst = pl.ds(j * rows, rows)
+                    plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, rows), cols], k_s.at[slot, dst], kv_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, rows), cols], v_s.at[slot, dst], kv_bar.at[slot])
+
+            return n + count
+
+        total = lax.fori_loop(0, my_items, item_loads, jnp.int32(0))
         if interp:
-            drain_free_barriers(count, S, kv_free)
+            drain_free_barriers(total, S, kv_free)
 
     @pl.when(wg == 0)
     def _consumer():
         if not interp:
             plgpu.set_max_registers(_PAIR_REGS if cfg.paired else _SOLO_REGS, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, q_bar.at[0])
-        plgpu.barrier_wait(q_bar.at[0])
         xscale = cfg.scale * _LOG2E
 
-        cols = tile_iota((BLOCK, N), 1, interpret=interp)
-        # the last key each column sees (padding columns: the request's last key)
-        q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
-        limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
+        def load_q(k):
+            _, b, h = item_of(k)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, q_bar.at[0])
 
-        def s_t(k):
-            if interp:
-                return lax.dot_general(k[...], q_s[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        load_q(0)  # every CTA has at least one item
 
-            def scope(acc):
-                plgpu.wgmma(acc, k, q_s.T)
-                return acc[...]
+        def item_body(k, n):
+            """Item ``k``: its blocks ``n ..`` of the ring, then ``O^T`` and the LSE out."""
+            split, b, h = item_of(k)
+            seq_len = lens_ref[b]
+            lo, count = blocks_of(split, b)
+            # the first key some query does not see (a later draft token of a causal block)
+            first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
+            plgpu.barrier_wait(q_bar.at[0])
 
-            return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
+            cols = tile_iota((BLOCK, N), 1, interpret=interp)
+            # the last key each column sees (padding columns: the request's last key)
+            q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
+            limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
 
-        def o_t(acc, v_tile):
-            """``acc[h] + V[:, h]^T @ P^T`` for each 64-row half ``h`` of ``O^T``: the halves'
-            ``wgmma``s are issued together and waited for once."""
-            vs = [v_tile.at[:, pl.ds(h * 64, 64)] for h in range(len(acc))]
-            if interp:
-                return tuple(
-                    a + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32) for a, v in zip(acc, vs)
-                )
+            def s_t(k_tile):
+                if interp:
+                    return lax.dot_general(
+                        k_tile[...], q_s[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    )
 
-            def body(acc_refs):
-                for acc_ref, v in zip(acc_refs, vs):
-                    plgpu.wgmma(acc_ref, v.T, p_s)
+                def scope(acc):
+                    plgpu.wgmma(acc, k_tile, q_s.T)
+                    return acc[...]
 
-            return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in acc))
+                return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
 
-        def clean(v_tile, t0, seen, flag):
-            """An edge block: V rows past the length become 0; non-finite entries of keys
-            some query does not see become 0, and the queries that see such a row are
-            flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
-            they are."""
-            v = v_tile[...]
-            keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
-            finite = v - v == 0
-            # keys every query sees keep what they hold (a non-finite V reaches every row)
-            keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
-            v_tile[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
-            if cfg.is_causal and cfg.q_len > 1:
-                row = vec_iota(BLOCK, 0, interpret=interp) + t0
-                partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
-                bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
-                bad = lax.broadcast_in_dim(bad_row, (BLOCK, N), [0])
-                flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
-            return flag
+            def o_t(acc, v_tile):
+                """``acc[h] + V[:, h]^T @ P^T`` for each 64-row half ``h`` of ``O^T``: the halves'
+                ``wgmma``s are issued together and waited for once."""
+                vs = [v_tile.at[:, pl.ds(h * 64, 64)] for h in range(len(acc))]
+                if interp:
+                    return tuple(
+                        a + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32) for a, v in zip(acc, vs)
+                    )
 
-        def softmax_pv(i, x, carry, v_tile, edge: bool):
-            """Block ``i``'s scores ``x`` (``S^T``, unscaled) into the running softmax and
-            ``O^T += V^T P^T``. The softmax sums stay a ``[64, N]`` tile (``l_t``, rescaled
-            with the outputs), summed over its rows once after the loop: one cross-warp
-            reduction per block (the max) instead of two."""
-            acc, m_i, l_t, flag = carry
-            t0 = (lo + i) * BLOCK
-            x = x * xscale
-            if edge:
-                seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
-                x = jnp.where(seen, x, -jnp.inf)
-                flag = clean(v_tile, t0, seen, flag)
-            m_new = jnp.maximum(m_i, x.max(axis=0))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [1]))
-            alpha_t = lax.broadcast_in_dim(alpha, x.shape, [1])
-            l_t = l_t * alpha_t + p
-            p_s[...] = p.astype(dtype)
-            plgpu.commit_smem()
-            acc = o_t(tuple(a * alpha_t for a in acc), v_tile)
-            return acc, m_new, l_t, flag
+                def body(acc_refs):
+                    for acc_ref, v in zip(acc_refs, vs):
+                        plgpu.wgmma(acc_ref, v.T, p_s)
 
-        def step(i, carry, edge: bool):
-            """One block in order: wait K/V, ``S^T = K Q^T``, softmax, ``O^T += V^T P^T``."""
-            slot = lax.rem(i, jnp.int32(S))
-            plgpu.barrier_wait(kv_bar.at[slot])
-            if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
-                kc_s[...] = k_s[slot].astype(dtype)
-                vc_s[...] = v_s[slot].astype(dtype)
+                return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in acc))
+
+            def clean(v_tile, t0, seen, flag):
+                """An edge block: V rows past the length become 0; non-finite entries of keys
+                some query does not see become 0, and the queries that see such a row are
+                flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
+                they are."""
+                v = v_tile[...]
+                keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
+                finite = v - v == 0
+                # keys every query sees keep what they hold (a non-finite V reaches every row)
+                keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
+                v_tile[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
+                if cfg.is_causal and cfg.q_len > 1:
+                    row = vec_iota(BLOCK, 0, interpret=interp) + t0
+                    partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
+                    bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
+                    bad = lax.broadcast_in_dim(bad_row, (BLOCK, N), [0])
+                    flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
+                return flag
+
+            def softmax_pv(i, x, carry, v_tile, edge: bool):
+                """Block ``i``'s scores ``x`` (``S^T``, unscaled) into the running softmax and
+                ``O^T += V^T P^T``. The softmax sums stay a ``[64, N]`` tile (``l_t``, rescaled
+                with the outputs), summed over its rows once after the loop: one cross-warp
+                reduction per block (the max) instead of two."""
+                acc, m_i, l_t, flag = carry
+                t0 = (lo + i) * BLOCK
+                x = x * xscale
+                if edge:
+                    seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
+                    x = jnp.where(seen, x, -jnp.inf)
+                    flag = clean(v_tile, t0, seen, flag)
+                m_new = jnp.maximum(m_i, x.max(axis=0))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [1]))
+                alpha_t = lax.broadcast_in_dim(alpha, x.shape, [1])
+                l_t = l_t * alpha_t + p
+                p_s[...] = p.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(kv_free.at[slot])
-                k_tile, v_tile = kc_s, vc_s
-            else:
-                k_tile, v_tile = k_s.at[slot], v_s.at[slot]
-            carry = softmax_pv(i, s_t(k_tile), carry, v_tile, edge)
-            if not cfg.fp8:
-                plgpu.barrier_arrive(kv_free.at[slot])
-            return carry
+                acc = o_t(tuple(a * alpha_t for a in acc), v_tile)
+                return acc, m_new, l_t, flag
 
-        vec = plgpu.Layout.WGMMA.reduce(0)
-        m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
-        l_t = cast_layout(jnp.zeros((BLOCK, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
-        flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
-        acc = tuple(
-            cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp) for _ in range(D // 64)
-        )
-        n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
-        carry = (acc, m_i, l_t, flag)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), carry)
-        acc, m_i, l_t, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
-        l_i = l_t.sum(axis=0)
+            def step(i, carry, edge: bool):
+                """One block in order: wait K/V, ``S^T = K Q^T``, softmax, ``O^T += V^T P^T``."""
+                slot = lax.rem(n + i, jnp.int32(S))
+                plgpu.barrier_wait(kv_bar.at[slot])
+                if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
+                    kc_s[...] = k_s[slot].astype(dtype)
+                    vc_s[...] = v_s[slot].astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(kv_free.at[slot])
+                    k_tile, v_tile = kc_s, vc_s
+                else:
+                    k_tile, v_tile = k_s.at[slot], v_s.at[slot]
+                carry = softmax_pv(i, s_t(k_tile), carry, v_tile, edge)
+                if not cfg.fp8:
+                    plgpu.barrier_arrive(kv_free.at[slot])
+                return carry
 
-        empty = l_i == 0.0
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-        inv = jnp.where(flag > 0, jnp.nan, inv)
-        l_s[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
-        # O^T leaves in 64-row halves through one staging tile (half the shared memory)
-        for half, a in enumerate(acc):
-            if half:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last half has been read
-            o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, pl.ds(half * 64, 64)])
-        plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])  # committed with the first half
+            vec = plgpu.Layout.WGMMA.reduce(0)
+            m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
+            l_t = cast_layout(jnp.zeros((BLOCK, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
+            flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
+            acc = tuple(
+                cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
+                for _ in range(D // 64)
+            )
+            n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
+            carry = (acc, m_i, l_t, flag)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), carry)
+            acc, m_i, l_t, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+
+            # Every S^T of this item has been read: the next item's Q lands during the epilogue
+            # (the producer is already streaming its K/V into the slots freed above).
+            @pl.when(k + 1 < my_items)
+            def _():
+                load_q(k + 1)
+
+            l_i = l_t.sum(axis=0)
+            empty = l_i == 0.0
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+            inv = jnp.where(flag > 0, jnp.nan, inv)
+            # the last item's stores have read the staging tiles
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            l_s[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
+            # O^T leaves in 64-row halves through one staging tile (half the shared memory)
+            for half, a in enumerate(acc):
+                if half:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last half has been read
+                o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, pl.ds(half * 64, 64)])
+            plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])  # committed with the first half
+            return n + count
+
+        lax.fori_loop(0, my_items, item_body, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -366,8 +431,8 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     kernel = plgpu_kernel(
         entry,
         out_type,
-        grid=(cfg.num_splits, bs, cfg.kv_heads),
-        grid_names=("split", "b", "h"),
+        grid=(cfg.ctas,),
+        grid_names=("cta",),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -379,11 +444,12 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "interpret",
+        "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
+        "interpret",
     ),
 )  # fmt: skip
 def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
-            is_causal, return_lse, num_splits, interpret):  # fmt: skip
+            is_causal, return_lse, num_splits, num_ctas, interpret):  # fmt: skip
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -397,10 +463,13 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_
         num_pages=num_pages,
         max_pages=page_table.shape[1],
         num_splits=num_splits,
+        batch=bs,
+        ctas=0,
         scale=softmax_scale * k_scale,
         fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
         interpret=interpret,
     )
+    cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     n, g = cfg.n, cfg.group
     # q [bs * q_len, hq, d] -> [bs, hkv, N, d], row i * g + j of KV head h: query i, head h * g + j
     q5 = q.reshape(bs, max_seqlen_q, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, cfg.rows, d)
@@ -445,12 +514,20 @@ def mha_decode_heads(
     is_causal: bool = True,
     return_lse: bool = False,
     num_splits: int | None = None,
+    persistent: bool = False,
+    num_ctas: int | None = None,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
     sinks): ``q [bs * max_seqlen_q, Hq, D]``, pools ``[pages, page_size, Hkv, D]``.
     Returns ``[bs * max_seqlen_q, Hq, D]`` in q's dtype (and with ``return_lse`` the
-    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``)."""
+    natural-log LSE ``f32[bs * max_seqlen_q, Hq]``).
+
+    ``persistent``: launch one CTA per SM slot (two per SM where two fit), each walking
+    several (split, request, KV head) items in a fixed round-robin order, so one item's
+    epilogue and the next item's Q load overlap the K/V stream the producer has already
+    started for it; off (the default), one CTA per item, placed by the hardware as SM
+    slots free up. ``num_ctas`` sets the CTA count of the persistent launch (tests)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -474,5 +551,6 @@ def mha_decode_heads(
         is_causal=is_causal,
         return_lse=return_lse,
         num_splits=int(num_splits),
+        num_ctas=(None if num_ctas is None else int(num_ctas)) if persistent else -1,
         interpret=interpreting(),
     )

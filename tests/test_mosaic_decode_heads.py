@@ -35,6 +35,8 @@ class Case:
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
     fp8: bool = False  # FP8 e4m3 K/V with scales
+    persistent: bool = False
+    num_ctas: int | None = None  # CTAs of the persistent launch (None: the SM slots)
 
 
 def _inputs(c: Case, seed: int):
@@ -82,7 +84,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
         want_o, want_lse = reference.mha_decode(r(q), r(k), r(v), table, lens, **kw)
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
-    o, lse = mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)
+    kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas)
+    o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
     ok = np.ones(o.shape[:2], bool)
@@ -95,27 +98,29 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     empty = np.repeat(lens == 0, c.q_len)
     assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
     if deterministic:
-        o2 = np.asarray(mh.mha_decode_heads(*args, num_splits=c.num_splits, **kw)[0], np.float32)
+        o2 = np.asarray(mh.mha_decode_heads(*args, **kw)[0], np.float32)
         assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
 CPU_CASES = [
-    # lengths 0, 1, 97 (a page tail), two splits, GQA 2, page 64; poison seen by every row
-    Case(lens=(97, 1, 0), num_splits=2, poison=5),
+    # lengths 0, 1, 97 (a page tail), two splits, GQA 2, page 64; poison seen by every row;
+    # 12 items on 5 persistent CTAs (3, 3, 2, 2, 2 items; empty splits among them)
+    Case(lens=(97, 1, 0), num_splits=2, poison=5, persistent=True, num_ctas=5),
     # causal verify, 3 queries x 4 heads (N = 16), page 128, a NaN in a key only the last
     # two queries see
     Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
     # non-causal draft block, 4 queries x 4 heads, two requests
     Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False),
     # FP8 e4m3 K/V with scales, causal verify over a page tail, poison
-    Case(lens=(75, 0), hq=4, hkv=2, q_len=2, fp8=True, poison=0),
+    Case(lens=(75, 0), hq=4, hkv=2, q_len=2, fp8=True, poison=0, persistent=True, num_ctas=3),
     # pages of 16: four boxes per 64-token block, the last block past the last page; a
     # NaN only the last of 2 draft tokens sees
-    Case(lens=(97, 0, 33), hq=8, hkv=2, page_size=16, q_len=2, poison=0),
+    # (one persistent CTA walks all six items through one ring)
+    Case(lens=(97, 0, 33), hq=8, hkv=2, page_size=16, q_len=2, poison=0, persistent=True, num_ctas=1),
     # pages of 32, FP8: two boxes per block of the FP8 ring
     Case(lens=(70, 1), hq=4, hkv=1, page_size=32, fp8=True),
     # d128, 8 causal queries x 4 heads (N = 32): the two-slot ring of two CTAs per SM
-    Case(lens=(150,), hq=8, hkv=2, d=128, q_len=8, poison=2),
+    Case(lens=(150,), hq=8, hkv=2, d=128, q_len=8, poison=2, num_splits=3, persistent=True, num_ctas=4),
 ]
 
 
@@ -163,9 +168,11 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
         assert calls == [4]
         md.mha_decode(*args, max_seqlen_q=4, options=md.KernelOptions(heads_kernel=False))
         assert calls == [4], "heads_kernel=False must keep the call on the all-heads kernel"
-    # explicit scales as traced values, or one 64-row tile (q_len 2 x 32 heads), stay too
+    # explicit scales as traced values, or single-token decode, stay too; one 64-row tile
+    # (q_len 2 x 32 heads) moves
     assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, jnp.float32(1), 1.0) is None
-    assert md.heads_kernel_for(args[0][:4], args[1], args[2], 2, -1, 0.0, None, None, 1.0, 1.0) is None
+    assert md.heads_kernel_for(args[0][:2], args[1], args[2], 1, -1, 0.0, None, None, 1.0, 1.0) is None
+    assert md.heads_kernel_for(args[0][:4], args[1], args[2], 2, -1, 0.0, None, None, 1.0, 1.0) is not None
     assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, 1.0, 1.0) is not None
 
 
@@ -179,6 +186,10 @@ GPU_CASES = [
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, fp8=True, page_size=128),
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1),
     Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, page_size=32, q_len=8, causal=False),
+    # persistent CTAs walking many items of uneven length (a few, and one per SM slot)
+    Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, persistent=True, num_ctas=7, poison=0),
+    Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, persistent=True),
+    Case(lens=(1500, 3, 64), hq=32, hkv=8, d=128, q_len=4, fp8=True, persistent=True, num_ctas=5),
 ]
 
 
@@ -238,7 +249,7 @@ def test_two_ctas_per_sm_where_they_fit():
     def cfg(d, q_len, group, fp8=False):
         return mh.HeadsConfig(
             head_dim=d, group=group, kv_heads=8, q_len=q_len, is_causal=True, page_size=64, num_pages=9,
-            max_pages=4, num_splits=1, scale=1.0, fp8=fp8, interpret=False,
+            max_pages=4, num_splits=1, batch=2, ctas=1, scale=1.0, fp8=fp8, interpret=False,
         )  # fmt: skip
 
     half = 114 * 1024 - 1024
@@ -251,6 +262,11 @@ def test_two_ctas_per_sm_where_they_fit():
     ]:
         assert (c.paired, c.stages) == (paired, stages), c
         assert not c.paired or c.smem_bytes(c.stages) <= half
+    # the persistent launch: the SM slots, never more CTAs than items (8 KV heads x 2 requests)
+    assert mh.launch_ctas(cfg(128, 4, 4), None) == 16
+    assert mh.launch_ctas(dataclasses.replace(cfg(128, 4, 4), num_splits=40), None) == 2 * 132
+    assert mh.launch_ctas(dataclasses.replace(cfg(128, 8, 8), num_splits=40), None) == 132
+    assert mh.launch_ctas(cfg(128, 4, 4), 5) == 5 and mh.launch_ctas(cfg(128, 4, 4), -1) == 16
 
 
 def test_unsupported_reasons():
