@@ -40,6 +40,17 @@ next item's Q as soon as the current item's last ``S^T`` has read Q, and reusing
 staging tiles once the last item's stores have read them. By default ``ctas`` is the item
 count (one item per CTA); ``persistent=True`` launches one CTA per SM slot.
 
+MLA (``mla_decode_heads``, ``HeadsConfig.latent``): the latent cache ``[pages, page_size, W]``
+is one KV head of width ``W`` (576) whose first ``latent`` (512) columns are V, and a
+request's ``q_len * H`` query rows (at most 32) are N. One ring tile per slot serves as K
+(``S^T = K Q^T`` over all ``W`` columns) and, after that, as V (``O^T`` in ``latent / 64``
+row halves), so Q, the tile and ``P^T`` share the ``2 N``-byte swizzle. Edge blocks zero the
+value columns of keys past the length and the non-finite ones of keys some query does not
+see, 64 columns at a time; a query that sees a non-finite value entry has a NaN score
+(the value columns are score columns), so no flag is needed. A 72 KB tile per slot leaves
+room for two slots and one CTA per SM. It runs where asked
+(``mosaic_mla.mla_decode(keys_as_rows=True)``); by default the MLA decode runs its own kernel.
+
 Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
 them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
 Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
@@ -72,7 +83,7 @@ from jattn.pallas_kernels.mosaic_common import (
     vec_iota,
 )
 
-__all__ = ["mha_decode_heads", "unsupported_reason", "HeadsConfig"]
+__all__ = ["mha_decode_heads", "mla_decode_heads", "unsupported_reason", "mla_unsupported_reason", "HeadsConfig"]
 
 _LOG2E = math.log2(math.e)
 BLOCK = 64  # tokens per block
@@ -84,6 +95,7 @@ STAGES = 3  # ring slots, fewer where two CTAs would not fit an SM otherwise
 _SMEM_PER_SM = 228 * 1024
 _SMEM_RESERVED = 1024  # per CTA
 _SMEM_HALF = _SMEM_PER_SM // 2 - _SMEM_RESERVED  # what each of two CTAs may take
+_SMEM_SOLO = 227 * 1024 - _SMEM_RESERVED  # one CTA per SM
 _PAIR_REGS = 128
 _SOLO_REGS = 232
 
@@ -104,6 +116,12 @@ class HeadsConfig:
     scale: float  # softmax scale times k_scale, built into the kernel
     fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
     interpret: bool
+    latent: int = 0  # MLA: one latent KV head, V its first `latent` columns (0: MHA, V its own pool)
+
+    @property
+    def v_dim(self) -> int:
+        """Columns of V (and of the output)."""
+        return self.latent or self.head_dim
 
     @property
     def rows(self) -> int:
@@ -126,11 +144,13 @@ class HeadsConfig:
         return max(16, 1 << (self.rows - 1).bit_length())
 
     def smem_bytes(self, stages: int) -> int:
-        """Shared memory of one CTA: the K/V ring, Q, P^T, one 64-row half of O^T (f32),
-        the LSE row and, for FP8, the two upcast tiles (1 KB alignment each), plus 4 KB for
-        the barriers and the cross-warp reduction's scratch."""
+        """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
+        P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the two upcast tiles
+        (1 KB alignment each), plus 4 KB for the barriers and the cross-warp reduction's
+        scratch."""
         kv = 1 if self.fp8 else 2
-        parts = [2 * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
+        tiles = 1 if self.latent else 2
+        parts = [tiles * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
         parts += [64 * self.n * 4, self.n * 4] + ([BLOCK * self.head_dim * 2] * 2 if self.fp8 else [])
         return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
 
@@ -143,9 +163,9 @@ class HeadsConfig:
 
     @property
     def stages(self) -> int:
-        if not self.paired:
-            return STAGES
-        return max(s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= _SMEM_HALF)
+        """Ring slots: the most (up to ``STAGES``) that fit the CTA's share of the SM."""
+        limit = _SMEM_HALF if self.paired else _SMEM_SOLO
+        return max([s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= limit], default=2)
 
 
 def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
@@ -193,7 +213,11 @@ def launch_ctas(cfg: HeadsConfig, num_ctas: int | None) -> int:
 
 
 def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
-    q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
+    if cfg.latent:  # one latent tile per slot: V is its first `latent` columns
+        q_s, k_s, p_s, o_s, l_s, kv_bar, kv_free, q_bar = scratch
+        v_s, upcast = None, []
+    else:
+        q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
     kc_s, vc_s = upcast if cfg.fp8 else (None, None)  # FP8: the tiles the MMAs read
     D, N, S, G = cfg.head_dim, cfg.n, cfg.stages, cfg.group
     wg = lax.axis_index("wg")
@@ -238,7 +262,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                     row = page * cfg.page_size + lax.rem(tok, jnp.int32(cfg.page_size))
                     dst = pl.ds(j * rows, rows)
                     plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row, rows), cols], k_s.at[slot, dst], kv_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, rows), cols], v_s.at[slot, dst], kv_bar.at[slot])
+                    if not cfg.latent:
+                        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row, rows), cols], v_s.at[slot, dst], kv_bar.at[slot])
 
             return n + count
 
@@ -303,7 +328,16 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 """An edge block: V rows past the length become 0; non-finite entries of keys
                 some query does not see become 0, and the queries that see such a row are
                 flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
-                they are."""
+                they are. MLA: the latent tile's value columns, 64 at a time, after its
+                ``S^T`` (a query that sees a non-finite value entry has a NaN score: no flag)."""
+                if cfg.latent:
+                    for c in range(cfg.latent // 64):
+                        chunk = v_tile.at[:, pl.ds(c * 64, 64)]
+                        v = chunk[...]
+                        keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
+                        keep = (keyrow < seq_len) & ((v - v == 0) | (keyrow < first_partial))
+                        chunk[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
+                    return flag
                 v = v_tile[...]
                 keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
                 finite = v - v == 0
@@ -352,7 +386,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                     plgpu.barrier_arrive(kv_free.at[slot])
                     k_tile, v_tile = kc_s, vc_s
                 else:
-                    k_tile, v_tile = k_s.at[slot], v_s.at[slot]
+                    k_tile = k_s.at[slot]
+                    v_tile = k_tile if cfg.latent else v_s.at[slot]
                 carry = softmax_pv(i, s_t(k_tile), carry, v_tile, edge)
                 if not cfg.fp8:
                     plgpu.barrier_arrive(kv_free.at[slot])
@@ -364,7 +399,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
             acc = tuple(
                 cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
-                for _ in range(D // 64)
+                for _ in range(cfg.v_dim // 64)
             )
             n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
             carry = (acc, m_i, l_t, flag)
@@ -401,14 +436,15 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     bs = q_arr.shape[0]
     D, N, S = cfg.head_dim, cfg.n, cfg.stages
-    tr = swizzle_transforms(dtype, D)
     tr_pv = swizzle_transforms(dtype, N)  # V and P^T share one swizzle (2N bytes)
+    # MLA: the latent tile is both operands' K and V, so Q, the tile and P^T share one swizzle
+    tr = tr_pv if cfg.latent else swizzle_transforms(dtype, D)
     kv_dt = k2d.dtype
     # FP8: the TMA ring holds e4m3 tiles; the MMAs read one upcast K and one upcast V tile
     ring_k, ring_v = (swizzle_transforms(kv_dt, D),) * 2 if cfg.fp8 else (tr, tr_pv)
     upcast = [plgpu.SMEM((BLOCK, D), dtype, transforms=tr), plgpu.SMEM((BLOCK, D), dtype, transforms=tr_pv)]
     out_type = (
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, D, N), jnp.float32),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.v_dim, N), jnp.float32),
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, N), jnp.float32),
     )
 
@@ -417,12 +453,12 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
             lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
             plgpu.SMEM((N, D), dtype, transforms=tr),
             plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_k),
-            plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v),
+            *([] if cfg.latent else [plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v)]),
             plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
             plgpu.SMEM((64, N), jnp.float32),
             plgpu.SMEM((N,), jnp.float32),
             *(upcast if cfg.fp8 else []),
-            plgpu.Barrier(num_arrivals=2 * (BLOCK // cfg.piece_rows), num_barriers=S),
+            plgpu.Barrier(num_arrivals=(1 if cfg.latent else 2) * (BLOCK // cfg.piece_rows), num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
             collective_axes="wg",
@@ -436,7 +472,8 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name=f"jattn_decode_heads_n{N}_q{cfg.q_len}{'_causal' if cfg.is_causal else ''}",
+        kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
+        f"{'_causal' if cfg.is_causal else ''}",
     )
     return kernel(page_table, lens, q_arr, k2d, v2d)
 
@@ -445,11 +482,11 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "interpret",
+        "latent", "interpret",
     ),
 )  # fmt: skip
 def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
-            is_causal, return_lse, num_splits, num_ctas, interpret):  # fmt: skip
+            is_causal, return_lse, num_splits, num_ctas, latent, interpret):  # fmt: skip
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -468,23 +505,25 @@ def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_
         scale=softmax_scale * k_scale,
         fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
         interpret=interpret,
+        latent=latent,
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
+    dv = cfg.v_dim
     n, g = cfg.n, cfg.group
     # q [bs * q_len, hq, d] -> [bs, hkv, N, d], row i * g + j of KV head h: query i, head h * g + j
     q5 = q.reshape(bs, max_seqlen_q, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, cfg.rows, d)
     q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, n - cfg.rows), (0, 0)))
     k2d = k_cache.reshape(num_pages * ps, hkv * d)
-    v2d = v_cache.reshape(num_pages * ps, hkv * d)
+    v2d = k2d if latent else v_cache.reshape(num_pages * ps, hkv * d)
     # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
     cdtype = jnp.float16 if cfg.fp8 else q.dtype
     o_t, lse = _run(
         cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr.astype(cdtype), k2d, v2d
     )
-    # [S, bs, hkv, d, N] -> [S, bs, q_len * hq, d] in combine's row order (i * hq + h * g + j)
+    # [S, bs, hkv, dv, N] -> [S, bs, q_len * hq, dv] in combine's row order (i * hq + h * g + j)
     s = num_splits
-    o = o_t[..., : cfg.rows].reshape(s, bs, hkv, d, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
-    o = o.reshape(s, bs, max_seqlen_q * hq, d)
+    o = o_t[..., : cfg.rows].reshape(s, bs, hkv, dv, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
+    o = o.reshape(s, bs, max_seqlen_q * hq, dv)
     lse = lse[..., : cfg.rows].reshape(s, bs, hkv, max_seqlen_q, g).transpose(0, 1, 3, 2, 4)
     lse = lse.reshape(s, bs, max_seqlen_q * hq)
     out, lse = combine_splits(
@@ -552,5 +591,83 @@ def mha_decode_heads(
         return_lse=return_lse,
         num_splits=int(num_splits),
         num_ctas=(None if num_ctas is None else int(num_ctas)) if persistent else -1,
+        latent=0,
+        interpret=interpreting(),
+    )
+
+
+def mla_unsupported_reason(q, kv_cache, *, kv_lora_rank, softmax_scale, kv_scale=1.0, max_seqlen_q=1, **_):
+    """None when :func:`mla_decode_heads` can serve this ``mla_decode_with_kvcache`` call,
+    else a one-line reason."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_cache.dtype != q.dtype:
+        return f"dtypes q {q.dtype} / kv_cache {kv_cache.dtype} (bf16 or f16, the same)"
+    if q.ndim != 3 or kv_cache.ndim != 3 or q.shape[2] != kv_cache.shape[2]:
+        return f"q {q.shape} must be [tokens, H, width] over kv_cache [pages, page_size, width] {kv_cache.shape}"
+    width, ps = kv_cache.shape[2], kv_cache.shape[1]
+    if width % 64 or kv_lora_rank % 64 or not 0 < kv_lora_rank <= width:
+        return f"latent width {width} / rank {kv_lora_rank} (multiples of 64)"
+    if ps not in (16, 32, 64, 128):
+        return f"page_size={ps} (16, 32, 64 or 128)"
+    if not 1 <= max_seqlen_q <= 8 or max_seqlen_q * q.shape[1] > 32:
+        return f"max_seqlen_q={max_seqlen_q} x {q.shape[1]} heads (at most 32 rows)"
+    if q.shape[0] % max_seqlen_q:
+        return f"q rows {q.shape[0]} not a multiple of max_seqlen_q={max_seqlen_q}"
+    numbers = (int, float)
+    if not isinstance(kv_scale, numbers) or not isinstance(softmax_scale, numbers):
+        return "softmax_scale and kv_scale must be Python numbers (built into the kernel)"
+    return None
+
+
+def mla_decode_heads(
+    q,
+    kv_cache,
+    page_table,
+    cache_seqlens,
+    *,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    max_seqlen_q: int = 1,
+    is_causal: bool = True,
+    kv_scale: float = 1.0,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+):
+    """MLA absorbed decode as ``jattn.ops.mla_decode_with_kvcache`` with the latent rows
+    as the MMA rows: the one latent KV head of width ``W`` is this kernel's K (all ``W``
+    columns) and V (the first ``kv_lora_rank``), and a request's ``q_len * H`` query rows
+    (at most 32) are the MMA's N, so the tensor work per token is N / 64 of a kernel whose
+    query rows are the MMA rows. ``q [bs * max_seqlen_q, H, W]``, ``kv_cache
+    [pages, page_size, W]``; returns ``[bs * max_seqlen_q, H, kv_lora_rank]`` in q's dtype
+    (and with ``return_lse`` the natural-log LSE ``f32[bs * max_seqlen_q, H]``)."""
+    from jattn.pallas_kernels import mosaic_mla
+    from jattn.pallas_kernels.interpret import interpreting
+
+    reason = mla_unsupported_reason(
+        q, kv_cache, kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, kv_scale=kv_scale,
+        max_seqlen_q=max_seqlen_q,
+    )  # fmt: skip
+    if reason:
+        raise ValueError(f"mla_decode_heads: {reason}")
+    num_pages, ps, width = kv_cache.shape
+    bs, max_pages = page_table.shape
+    if num_splits is None:
+        num_splits = mosaic_mla.choose_num_splits(bs, 1, -(-(max_pages * ps) // BLOCK))
+    scale = float(softmax_scale)
+    pool = kv_cache.reshape(num_pages, ps, 1, width)
+    return _decode(
+        q,
+        pool,
+        pool,
+        page_table,
+        cache_seqlens,
+        softmax_scale=scale,
+        k_scale=float(kv_scale),
+        v_scale=float(kv_scale),
+        max_seqlen_q=max_seqlen_q,
+        is_causal=is_causal,
+        return_lse=return_lse,
+        num_splits=int(num_splits),
+        num_ctas=-1,
+        latent=int(kv_lora_rank),
         interpret=interpreting(),
     )

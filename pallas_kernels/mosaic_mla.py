@@ -524,6 +524,7 @@ def mla_decode(
     kv_scale=1.0,
     return_lse: bool = False,
     num_splits: int | None = None,
+    keys_as_rows: bool = False,
 ):
     """MLA absorbed decode over the latent paged cache (Mosaic GPU, Hopper).
 
@@ -531,7 +532,28 @@ def mla_decode(
     split count (None: :func:`choose_num_splits`). Returns the latent output
     ``[bs * max_seqlen_q, H, R]`` in q's dtype, and with ``return_lse`` the
     natural-log LSE ``f32[bs * max_seqlen_q, H]``.
+
+    ``keys_as_rows``: run ``mosaic_decode_heads.mla_decode_heads`` (the latent rows as
+    the MMA rows, the query rows as its N; at most 32 query rows per request,
+    Python-number scales) instead of this module's kernel. Off by default: it measured
+    slower on the H200 at every 16-head shape (docs/PERF.md).
     """
+    from jattn.pallas_kernels import mosaic_decode_heads
+
+    if keys_as_rows:
+        return mosaic_decode_heads.mla_decode_heads(
+            q,
+            kv_cache,
+            page_table,
+            cache_seqlens,
+            kv_lora_rank=kv_lora_rank,
+            softmax_scale=softmax_scale,
+            max_seqlen_q=max_seqlen_q,
+            is_causal=is_causal,
+            kv_scale=kv_scale,
+            return_lse=return_lse,
+            num_splits=num_splits,
+        )
     bs, max_pages = page_table.shape
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
     if num_splits is None:

@@ -1,4 +1,6 @@
-"""Tests of the Mosaic GPU MLA absorbed decode kernel (``jattn.pallas_kernels.mosaic_mla``).
+"""Tests of the Mosaic GPU MLA absorbed decode kernels: ``jattn.pallas_kernels.mosaic_mla``
+(query rows as the MMA rows) and the keys-as-rows kernel it runs with ``keys_as_rows=True``
+(``mosaic_decode_heads.mla_decode_heads``, at most 32 query rows per request).
 
 Each case runs on the CPU under the Mosaic GPU interpreter (f16, small) and on an
 H200 (marker ``gpu``, bf16, full shapes) against the f32 ``jattn.reference.mla_decode``.
@@ -32,6 +34,7 @@ class Case:
     page_size: int = 64
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
+    keys_as_rows: bool = False  # mosaic_decode_heads.mla_decode_heads instead
 
 
 def _inputs(c: Case, seed: int):
@@ -68,7 +71,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     want_o, want_lse = (np.asarray(a) for a in reference.mla_decode(r(q), r(kv), table, lens, **kw))
     bad = _poison(c, kv, table) if c.poison >= 0 else np.zeros(0, int)
     args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(table), jnp.asarray(lens))
-    o, lse = mm.mla_decode(*args, num_splits=c.num_splits, **kw)
+    kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows)
+    o, lse = mm.mla_decode(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == (len(c.lens) * c.q_len, c.heads, R) and lse.shape == o.shape[:2]
     rows = np.setdiff1d(np.arange(o.shape[0]), bad)
@@ -80,14 +84,19 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     empty = np.repeat(lens == 0, c.q_len)
     assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
     if deterministic:
-        o2 = np.asarray(mm.mla_decode(*args, num_splits=c.num_splits, **kw)[0], np.float32)
+        o2 = np.asarray(mm.mla_decode(*args, **kw)[0], np.float32)
         assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
 # Interpreted: slow (the 576-wide tiles), so the default run keeps two cases.
 CPU_CASES = [
     # lengths 0, 1, 97 and a page tail; pages smaller than a block; two splits; poison
+    # (both kernels)
     Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3),
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, keys_as_rows=True),
+    # keys as rows: causal verify, 3 queries x 8 heads (N = 32), pages of 16, a NaN only
+    # the last two queries see
+    Case(lens=(75, 2), heads=8, q_len=3, page_size=16, num_splits=2, poison=1, keys_as_rows=True),
     # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks
     Case(lens=(66,), heads=16, q_len=3, page_size=64, poison=1),
     pytest.param(Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16), marks=pytest.mark.slow),
@@ -99,9 +108,9 @@ CPU_CASES = [
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 @pytest.mark.parametrize("c", CPU_CASES, ids=str)
 def test_interpreted(c):
-    # A second run checks determinism; interpreted, one case does it (the cheaper verify case).
+    # A second run checks determinism; interpreted, two cases do it (one per kernel).
     with gpu_interpret():
-        _check(c, jnp.float16, deterministic=c == CPU_CASES[1])
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3]))
 
 
 GPU_CASES = [
@@ -111,6 +120,11 @@ GPU_CASES = [
     Case(lens=(513, 4000), heads=32, q_len=8, causal=False, page_size=16),
     Case(lens=(32768,), heads=16, page_size=128),
     Case(lens=(1500, 0, 64), heads=32, q_len=3, page_size=64, poison=2),  # a last tile of 32 rows
+    # keys as rows: 16 heads; q_len 2 x 16 heads (N = 32), pages of 16, causal, poison; 32
+    # heads, pages of 32
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, keys_as_rows=True),
+    Case(lens=(3001, 97, 0, 1), heads=16, q_len=2, page_size=16, poison=1, keys_as_rows=True),
+    Case(lens=(2049, 1, 777), heads=32, page_size=32, poison=0, keys_as_rows=True),
 ]
 
 
@@ -123,7 +137,9 @@ def test_gpu(c):
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
-@pytest.mark.parametrize("heads, q_len, page_size", [(16, 1, 64), (128, 2, 16), (32, 4, 128)])
+@pytest.mark.parametrize(
+    "heads, q_len, page_size", [(16, 1, 64), (128, 2, 16), (32, 4, 128), (16, 2, 16), (32, 1, 32), (8, 4, 128)]
+)
 def test_lowers_for_cuda(heads, q_len, page_size):
     """Mosaic GPU's layout inference and TMA rules run at lowering: this catches on the
     CPU programs the interpreter accepts and the GPU compiler rejects."""
@@ -132,11 +148,14 @@ def test_lowers_for_cuda(heads, q_len, page_size):
     kv = jnp.zeros((40, page_size, W), jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
-    def fn(q, kv):
-        return mm.mla_decode(q, kv, pt, lens, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, num_splits=2)
+    kw = dict(kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, num_splits=2)
+    for keys in (False, True) if q_len * heads <= 32 else (False,):
 
-    text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jattn_mla_decode" in text
+        def fn(q, kv):
+            return mm.mla_decode(q, kv, pt, lens, keys_as_rows=keys, **kw)  # noqa: B023
+
+        text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("jattn_mla_decode_heads" if keys else "jattn_mla_decode_p") in text
 
 
 def test_unsupported_reasons():
@@ -147,6 +166,13 @@ def test_unsupported_reasons():
     assert "576 / 512" in mm.unsupported_reason(q[..., :320], kv[..., :320], kv_lora_rank=256)
     assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
     assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)
+    # the keys-as-rows kernel: at most 32 query rows a request, scales known when traced
+    from jattn.pallas_kernels import mosaic_decode_heads as mh
+
+    assert mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1) is None
+    assert "32 rows" in mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=4)
+    assert "Python numbers" in mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=jnp.float32(0.1))
+    assert "dtypes" in mh.mla_unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R, softmax_scale=0.1)
 
 
 def test_choose_num_splits():

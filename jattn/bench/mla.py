@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import jattn
     from jattn.bench.prefill import matmul_rate
-    from jattn.pallas_kernels import mosaic_mla, triton_glue, triton_mla
+    from jattn.pallas_kernels import mosaic_decode_heads, mosaic_mla, triton_glue, triton_mla
 
     triton_mla_runs = triton_glue.available()
 
@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
 
             return time_calls(f"{row.label}: {tuning_label(tuning)}", call, arrays, n_hi)
 
+        def timed_keys_as_rows():
+            def call(q, kv, table, lens):
+                return mosaic_mla.mla_decode(q, kv, table, lens, keys_as_rows=True, **kw)
+
+            return time_calls(f"{row.label}: mosaic keys as rows", call, arrays, n_hi)
+
         def timed_splits(splits):
             def call(q, kv, table, lens):
                 return mosaic_mla.mla_decode(q, kv, table, lens, num_splits=splits, **kw)
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
+            if mosaic_decode_heads.mla_unsupported_reason(qs[0], kv, **kw) is None:
+                kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
             if args.profile:
                 profiles.append(_profile(row, arrays, kw, nbytes))
                 print(profiles[-1], flush=True)

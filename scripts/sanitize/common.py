@@ -187,9 +187,13 @@ def prefill(
     report(name, f"{int(cu_q[-1])} query rows, max_err={err:.2e}")
 
 
-def mla(name: str, *, lens, heads: int, page_size: int, q_len: int = 1, causal: bool = True, seed: int = 0) -> None:
+def mla(
+    name: str, *, lens, heads: int, page_size: int, q_len: int = 1, causal: bool = True, seed: int = 0,
+    keys_as_rows: bool = False,
+) -> None:  # fmt: skip
     """One call of the Mosaic MLA absorbed decode (bf16, latent 512 + 64, NaN in unused
-    pages and page tails; its choice of splits), checked against naive float64 attention."""
+    pages and page tails; its choice of splits; with ``keys_as_rows`` the keys-as-rows
+    kernel), checked against naive float64 attention."""
     from jattn.pallas_kernels import mosaic_mla as mm
 
     rank, width = 512, 576
@@ -203,7 +207,7 @@ def mla(name: str, *, lens, heads: int, page_size: int, q_len: int = 1, causal: 
     args = [jnp.asarray(x) for x in (q, kv, pool.page_table, pool.lens)]
 
     def call():
-        out, lse = mm.mla_decode(*args, return_lse=True, **kw)
+        out, lse = mm.mla_decode(*args, return_lse=True, keys_as_rows=keys_as_rows, **kw)
         return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
     out, lse = run_here(call)
