@@ -146,34 +146,35 @@ def _spy(monkeypatch):
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_verify_calls_route_to_heads_kernel(monkeypatch):
-    """A causal verify of 4 tokens x 32 query heads (two 64-row tiles of the all-heads
-    kernel) through ``jattn.ops`` on the mosaic backend runs the per-KV-head kernel and
-    matches the reference; with a window (which it does not serve), with
-    ``heads_kernel=False`` and with explicit block sizes it runs the all-heads kernel."""
+    """A causal verify of 2 tokens x 32 query heads (64 rows: one tile of the all-heads
+    kernel, the smallest call routed) through ``jattn.ops`` on the mosaic backend runs the
+    per-KV-head kernel and matches the reference; with a window (which it does not serve)
+    and with ``heads_kernel=False`` it runs the all-heads kernel."""
     from jattn import ops
     from jattn.pallas_kernels import mosaic_decode as md
 
-    c = Case(lens=(70, 0), hq=32, hkv=2, q_len=4)
+    c = Case(lens=(70, 0), hq=32, hkv=2, q_len=2)
     q, k, v, table, lens = _inputs(c, 3)
     r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
     args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
     calls = _spy(monkeypatch)
     with gpu_interpret():
         for window in (-1, 33):
-            kw = dict(max_seqlen_q=4, window_left=window)
+            kw = dict(max_seqlen_q=2, window_left=window)
             want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
             got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", **kw), np.float32)
             np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
             assert len(calls) == 1, calls  # the window call adds none
-        assert calls == [4]
-        md.mha_decode(*args, max_seqlen_q=4, options=md.KernelOptions(heads_kernel=False))
-        assert calls == [4], "heads_kernel=False must keep the call on the all-heads kernel"
-    # explicit scales as traced values, or single-token decode, stay too; one 64-row tile
-    # (q_len 2 x 32 heads) moves
-    assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, jnp.float32(1), 1.0) is None
-    assert md.heads_kernel_for(args[0][:2], args[1], args[2], 1, -1, 0.0, None, None, 1.0, 1.0) is None
-    assert md.heads_kernel_for(args[0][:4], args[1], args[2], 2, -1, 0.0, None, None, 1.0, 1.0) is not None
-    assert md.heads_kernel_for(args[0], args[1], args[2], 4, -1, 0.0, None, None, 1.0, 1.0) is not None
+        assert calls == [2]
+        md.mha_decode(*args, max_seqlen_q=2, options=md.KernelOptions(heads_kernel=False))
+        assert calls == [2], "heads_kernel=False must keep the call on the all-heads kernel"
+    # explicit scales as traced values, single-token decode and fewer than 64 rows stay
+    # (q_len 2 x 16 heads); 4 tokens x 32 heads move
+    assert md.heads_kernel_for(args[0], args[1], args[2], 2, -1, 0.0, None, None, jnp.float32(1), 1.0) is None
+    assert md.heads_kernel_for(args[0], args[1], args[2], 1, -1, 0.0, None, None, 1.0, 1.0) is None
+    assert md.heads_kernel_for(args[0][:, :16], args[1], args[2], 2, -1, 0.0, None, None, 1.0, 1.0) is None
+    q4 = jnp.concatenate([args[0], args[0]])
+    assert md.heads_kernel_for(q4, args[1], args[2], 4, -1, 0.0, None, None, 1.0, 1.0) is not None
 
 
 GPU_CASES = [
