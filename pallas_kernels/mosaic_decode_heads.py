@@ -40,16 +40,15 @@ next item's Q as soon as the current item's last ``S^T`` has read Q, and reusing
 staging tiles once the last item's stores have read them. By default ``ctas`` is the item
 count (one item per CTA); ``persistent=True`` launches one CTA per SM slot.
 
-MLA (``mla_decode_heads``, ``HeadsConfig.latent``): the latent cache ``[pages, page_size, W]``
-is one KV head of width ``W`` (576) whose first ``latent`` (512) columns are V, and a
-request's ``q_len * H`` query rows (at most 32) are N. One ring tile per slot serves as K
-(``S^T = K Q^T`` over all ``W`` columns) and, after that, as V (``O^T`` in ``latent / 64``
-row halves), so Q, the tile and ``P^T`` share the ``2 N``-byte swizzle. Edge blocks zero the
-value columns of keys past the length and the non-finite ones of keys some query does not
-see, 64 columns at a time; a query that sees a non-finite value entry has a NaN score
-(the value columns are score columns), so no flag is needed. A 72 KB tile per slot leaves
-room for two slots and one CTA per SM. It runs where asked
-(``mosaic_mla.mla_decode(keys_as_rows=True)``); by default the MLA decode runs its own kernel.
+MLA (``HeadsConfig.latent``; entry point ``mosaic_mla_heads.mla_decode``): the latent
+cache ``[pages, page_size, W]`` is one KV head of width ``W`` (576) whose first ``latent``
+(512) columns are V, and a request's ``q_len * H`` query rows (at most 32) are N. One ring
+tile per slot serves as K (``S^T = K Q^T`` over all ``W`` columns) and, after that, as V
+(``O^T`` in ``latent / 64`` row halves), so Q, the tile and ``P^T`` share the ``2 N``-byte
+swizzle. Edge blocks zero the value columns of keys past the length and the non-finite ones
+of keys some query does not see, 64 columns at a time; a query that sees a non-finite value
+entry has a NaN score (the value columns are score columns), so no flag is needed. A 72 KB
+tile per slot leaves room for two slots and one CTA per SM.
 
 Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
 them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
@@ -83,7 +82,7 @@ from jattn.pallas_kernels.mosaic_common import (
     vec_iota,
 )
 
-__all__ = ["mha_decode_heads", "mla_decode_heads", "unsupported_reason", "mla_unsupported_reason", "HeadsConfig"]
+__all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
 
 _LOG2E = math.log2(math.e)
 BLOCK = 64  # tokens per block
@@ -330,21 +329,16 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
                 they are. MLA: the latent tile's value columns, 64 at a time, after its
                 ``S^T`` (a query that sees a non-finite value entry has a NaN score: no flag)."""
-                if cfg.latent:
-                    for c in range(cfg.latent // 64):
-                        chunk = v_tile.at[:, pl.ds(c * 64, 64)]
-                        v = chunk[...]
-                        keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
-                        keep = (keyrow < seq_len) & ((v - v == 0) | (keyrow < first_partial))
-                        chunk[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
-                    return flag
-                v = v_tile[...]
-                keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
-                finite = v - v == 0
-                # keys every query sees keep what they hold (a non-finite V reaches every row)
-                keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
-                v_tile[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
-                if cfg.is_causal and cfg.q_len > 1:
+                # the whole V tile, or the latent tile's value columns 64 at a time (registers)
+                chunks = [v_tile.at[:, pl.ds(c * 64, 64)] for c in range(cfg.latent // 64)] or [v_tile]
+                for chunk in chunks:
+                    v = chunk[...]
+                    keyrow = tile_iota(v.shape, 0, interpret=interp) + t0
+                    finite = v - v == 0
+                    # keys every query sees keep what they hold (a non-finite V reaches every row)
+                    keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
+                    chunk[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
+                if cfg.is_causal and cfg.q_len > 1 and not cfg.latent:
                     row = vec_iota(BLOCK, 0, interpret=interp) + t0
                     partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
                     bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
@@ -485,8 +479,13 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         "latent", "interpret",
     ),
 )  # fmt: skip
-def _decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
+def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret):  # fmt: skip
+    """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
+    arguments checked by their callers, scales as Python floats, pools
+    ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
+    value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
+    read); 0 for MHA."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -577,7 +576,7 @@ def mha_decode_heads(
     if num_splits is None:
         num_splits = choose_num_splits(bs, hkv, max_pages * ps)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    return _decode(
+    return decode(
         q,
         k_cache,
         v_cache,
@@ -592,82 +591,5 @@ def mha_decode_heads(
         num_splits=int(num_splits),
         num_ctas=(None if num_ctas is None else int(num_ctas)) if persistent else -1,
         latent=0,
-        interpret=interpreting(),
-    )
-
-
-def mla_unsupported_reason(q, kv_cache, *, kv_lora_rank, softmax_scale, kv_scale=1.0, max_seqlen_q=1, **_):
-    """None when :func:`mla_decode_heads` can serve this ``mla_decode_with_kvcache`` call,
-    else a one-line reason."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_cache.dtype != q.dtype:
-        return f"dtypes q {q.dtype} / kv_cache {kv_cache.dtype} (bf16 or f16, the same)"
-    if q.ndim != 3 or kv_cache.ndim != 3 or q.shape[2] != kv_cache.shape[2]:
-        return f"q {q.shape} must be [tokens, H, width] over kv_cache [pages, page_size, width] {kv_cache.shape}"
-    width, ps = kv_cache.shape[2], kv_cache.shape[1]
-    if width % 64 or kv_lora_rank % 64 or not 0 < kv_lora_rank <= width:
-        return f"latent width {width} / rank {kv_lora_rank} (multiples of 64)"
-    if ps not in (16, 32, 64, 128):
-        return f"page_size={ps} (16, 32, 64 or 128)"
-    if not 1 <= max_seqlen_q <= 8 or max_seqlen_q * q.shape[1] > 32:
-        return f"max_seqlen_q={max_seqlen_q} x {q.shape[1]} heads (at most 32 rows)"
-    if q.shape[0] % max_seqlen_q:
-        return f"q rows {q.shape[0]} not a multiple of max_seqlen_q={max_seqlen_q}"
-    numbers = (int, float)
-    if not isinstance(kv_scale, numbers) or not isinstance(softmax_scale, numbers):
-        return "softmax_scale and kv_scale must be Python numbers (built into the kernel)"
-    return None
-
-
-def mla_decode_heads(
-    q,
-    kv_cache,
-    page_table,
-    cache_seqlens,
-    *,
-    kv_lora_rank: int,
-    softmax_scale: float,
-    max_seqlen_q: int = 1,
-    is_causal: bool = True,
-    kv_scale: float = 1.0,
-    return_lse: bool = False,
-    num_splits: int | None = None,
-):
-    """MLA absorbed decode as ``jattn.ops.mla_decode_with_kvcache`` with the latent rows
-    as the MMA rows: the one latent KV head of width ``W`` is this kernel's K (all ``W``
-    columns) and V (the first ``kv_lora_rank``), and a request's ``q_len * H`` query rows
-    (at most 32) are the MMA's N, so the tensor work per token is N / 64 of a kernel whose
-    query rows are the MMA rows. ``q [bs * max_seqlen_q, H, W]``, ``kv_cache
-    [pages, page_size, W]``; returns ``[bs * max_seqlen_q, H, kv_lora_rank]`` in q's dtype
-    (and with ``return_lse`` the natural-log LSE ``f32[bs * max_seqlen_q, H]``)."""
-    from jattn.pallas_kernels import mosaic_mla
-    from jattn.pallas_kernels.interpret import interpreting
-
-    reason = mla_unsupported_reason(
-        q, kv_cache, kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale, kv_scale=kv_scale,
-        max_seqlen_q=max_seqlen_q,
-    )  # fmt: skip
-    if reason:
-        raise ValueError(f"mla_decode_heads: {reason}")
-    num_pages, ps, width = kv_cache.shape
-    bs, max_pages = page_table.shape
-    if num_splits is None:
-        num_splits = mosaic_mla.choose_num_splits(bs, 1, -(-(max_pages * ps) // BLOCK))
-    scale = float(softmax_scale)
-    pool = kv_cache.reshape(num_pages, ps, 1, width)
-    return _decode(
-        q,
-        pool,
-        pool,
-        page_table,
-        cache_seqlens,
-        softmax_scale=scale,
-        k_scale=float(kv_scale),
-        v_scale=float(kv_scale),
-        max_seqlen_q=max_seqlen_q,
-        is_causal=is_causal,
-        return_lse=return_lse,
-        num_splits=int(num_splits),
-        num_ctas=-1,
-        latent=int(kv_lora_rank),
         interpret=interpreting(),
     )

@@ -533,15 +533,15 @@ def mla_decode(
     ``[bs * max_seqlen_q, H, R]`` in q's dtype, and with ``return_lse`` the
     natural-log LSE ``f32[bs * max_seqlen_q, H]``.
 
-    ``keys_as_rows``: run ``mosaic_decode_heads.mla_decode_heads`` (the latent rows as
+    ``keys_as_rows``: run ``mosaic_mla_heads.mla_decode`` (the latent rows as
     the MMA rows, the query rows as its N; at most 32 query rows per request,
     Python-number scales) instead of this module's kernel. Off by default: it measured
     slower on the H200 at every 16-head shape (docs/PERF.md).
     """
-    from jattn.pallas_kernels import mosaic_decode_heads
-
     if keys_as_rows:
-        return mosaic_decode_heads.mla_decode_heads(
+        from jattn.pallas_kernels import mosaic_mla_heads
+
+        return mosaic_mla_heads.mla_decode(
             q,
             kv_cache,
             page_table,

@@ -1,6 +1,6 @@
 """Tests of the Mosaic GPU MLA absorbed decode kernels: ``jattn.pallas_kernels.mosaic_mla``
 (query rows as the MMA rows) and the keys-as-rows kernel it runs with ``keys_as_rows=True``
-(``mosaic_decode_heads.mla_decode_heads``, at most 32 query rows per request).
+(``mosaic_mla_heads.mla_decode``, at most 32 query rows per request).
 
 Each case runs on the CPU under the Mosaic GPU interpreter (f16, small) and on an
 H200 (marker ``gpu``, bf16, full shapes) against the f32 ``jattn.reference.mla_decode``.
@@ -34,7 +34,7 @@ class Case:
     page_size: int = 64
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
-    keys_as_rows: bool = False  # mosaic_decode_heads.mla_decode_heads instead
+    keys_as_rows: bool = False  # mosaic_mla_heads.mla_decode instead
 
 
 def _inputs(c: Case, seed: int):
@@ -167,12 +167,12 @@ def test_unsupported_reasons():
     assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
     assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)
     # the keys-as-rows kernel: at most 32 query rows a request, scales known when traced
-    from jattn.pallas_kernels import mosaic_decode_heads as mh
+    from jattn.pallas_kernels import mosaic_mla_heads as mlh
 
-    assert mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1) is None
-    assert "32 rows" in mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=4)
-    assert "Python numbers" in mh.mla_unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=jnp.float32(0.1))
-    assert "dtypes" in mh.mla_unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R, softmax_scale=0.1)
+    assert mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1) is None
+    assert "32 rows" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=4)
+    assert "Python numbers" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=jnp.float32(0.1))
+    assert "dtypes" in mlh.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R, softmax_scale=0.1)
 
 
 def test_choose_num_splits():

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import jattn
     from jattn.bench.prefill import matmul_rate
-    from jattn.pallas_kernels import mosaic_decode_heads, mosaic_mla, triton_glue, triton_mla
+    from jattn.pallas_kernels import mosaic_mla, mosaic_mla_heads, triton_glue, triton_mla
 
     triton_mla_runs = triton_glue.available()
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
-            if mosaic_decode_heads.mla_unsupported_reason(qs[0], kv, **kw) is None:
+            if mosaic_mla_heads.unsupported_reason(qs[0], kv, **kw) is None:
                 kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
             if args.profile:
                 profiles.append(_profile(row, arrays, kw, nbytes))

@@ -1,5 +1,5 @@
 """Mosaic MLA absorbed decode with the latent rows as the MMA rows
-(``mosaic_decode_heads.mla_decode_heads``), bf16, causal verify of 2 tokens x 16 heads
+(``mosaic_mla_heads.mla_decode``), bf16, causal verify of 2 tokens x 16 heads
 (N = 32): one request over several splits and the ring wrapping (700 keys), one of a single
 key, one empty; pages of 16 (four TMA copies per block)."""
 
