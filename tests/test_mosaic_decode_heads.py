@@ -149,7 +149,8 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
     """A causal verify of 2 tokens x 32 query heads (64 rows: one tile of the all-heads
     kernel, the smallest call routed) through ``jattn.ops`` on the mosaic backend runs the
     per-KV-head kernel and matches the reference; with a window (which it does not serve)
-    and with ``heads_kernel=False`` it runs the all-heads kernel."""
+    and with ``heads_kernel=False`` the call goes to the all-heads kernel (its entry is
+    stubbed here: its own tests run it)."""
     from jattn import ops
     from jattn.pallas_kernels import mosaic_decode as md
 
@@ -158,16 +159,17 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
     r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
     args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
     calls = _spy(monkeypatch)
+    all_heads = []
+    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(k["window_left"]) or jnp.zeros_like(q))
     with gpu_interpret():
-        for window in (-1, 33):
-            kw = dict(max_seqlen_q=2, window_left=window)
-            want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
-            got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", **kw), np.float32)
-            np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
-            assert len(calls) == 1, calls  # the window call adds none
-        assert calls == [2]
+        want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, max_seqlen_q=2))
+        got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", max_seqlen_q=2), np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+        assert calls == [2] and all_heads == []
+        md.mha_decode(*args, max_seqlen_q=2, window_left=33)
+        assert calls == [2] and all_heads == [33], "a window must keep the call on the all-heads kernel"
         md.mha_decode(*args, max_seqlen_q=2, options=md.KernelOptions(heads_kernel=False))
-        assert calls == [2], "heads_kernel=False must keep the call on the all-heads kernel"
+        assert calls == [2] and all_heads == [33, -1], "heads_kernel=False must keep the call on the all-heads kernel"
     # explicit scales as traced values, single-token decode and fewer than 64 rows stay
     # (q_len 2 x 16 heads); 4 tokens x 32 heads move
     assert md.heads_kernel_for(args[0], args[1], args[2], 2, -1, 0.0, None, None, jnp.float32(1), 1.0) is None
@@ -245,23 +247,26 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
 
 def test_two_ctas_per_sm_where_they_fit():
     """2-byte K/V with N <= 32 runs two CTAs per SM (the ring shrinks to two slots where
-    three would not fit half the SM's shared memory); FP8 and N = 64 run one."""
+    three would not fit half the SM's shared memory); FP8 and N = 64 run one. With one
+    item per CTA the epilogue's tiles share Q's and P^T's memory, which gives N = 32 at
+    head_dim 128 its third slot."""
 
-    def cfg(d, q_len, group, fp8=False):
+    def cfg(d, q_len, group, fp8=False, ctas=1):
         return mh.HeadsConfig(
             head_dim=d, group=group, kv_heads=8, q_len=q_len, is_causal=True, page_size=64, num_pages=9,
-            max_pages=4, num_splits=1, batch=2, ctas=1, scale=1.0, fp8=fp8, interpret=False,
+            max_pages=4, num_splits=1, batch=2, ctas=ctas, scale=1.0, fp8=fp8, interpret=False,
         )  # fmt: skip
 
     half = 114 * 1024 - 1024
     for c, paired, stages in [
         (cfg(128, 4, 4), True, 3),
         (cfg(128, 8, 4), True, 2),
+        (cfg(128, 8, 4, ctas=16), True, 3),  # one item per CTA: the shared epilogue
         (cfg(64, 8, 4), True, 3),
         (cfg(128, 8, 8), False, 3),
         (cfg(128, 4, 4, fp8=True), False, 3),
     ]:
-        assert (c.paired, c.stages) == (paired, stages), c
+        assert (c.paired, c.stages, c.share_epilogue) == (paired, stages, c.ctas == 16), c
         assert not c.paired or c.smem_bytes(c.stages) <= half
     # the persistent launch: the SM slots, never more CTAs than items (8 KV heads x 2 requests)
     assert mh.launch_ctas(cfg(128, 4, 4), None) == 16
