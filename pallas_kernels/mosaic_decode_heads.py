@@ -142,29 +142,16 @@ class HeadsConfig:
         """The MMA's N: the rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a swizzle)."""
         return max(16, 1 << (self.rows - 1).bit_length())
 
-    @property
-    def share_epilogue(self) -> bool:
-        """Every CTA takes one item, so Q and P^T (dead once the item's last ``O^T`` is
-        in registers) share their shared memory with the ``O^T`` staging tile and the LSE
-        row. A CTA that walks several items loads the next item's Q during the epilogue,
-        so it keeps them apart; so does the Mosaic GPU interpreter, which has no TMA copy
-        into an aliased buffer."""
-        return self.ctas == self.items and not self.interpret
-
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
-        P^T, one 64-row half of O^T (f32), the LSE row (the last two over the first two
-        where ``share_epilogue``) and, for FP8, the two upcast tiles (1 KB alignment
-        each), plus 4 KB for the barriers and the cross-warp reduction's scratch."""
-
-        def kb(*parts):
-            return sum(-(-p // 1024) * 1024 for p in parts)
-
+        P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the two upcast tiles
+        (1 KB alignment each), plus 4 KB for the barriers and the cross-warp reduction's
+        scratch."""
         kv = 1 if self.fp8 else 2
         tiles = 1 if self.latent else 2
-        ring = kb(tiles * stages * BLOCK * self.head_dim * kv, *([BLOCK * self.head_dim * 2] * 2 if self.fp8 else []))
-        main, epilogue = kb(self.n * self.head_dim * 2, BLOCK * self.n * 2), kb(64 * self.n * 4, self.n * 4)
-        return ring + (max(main, epilogue) if self.share_epilogue else main + epilogue) + 4 * 1024
+        parts = [tiles * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
+        parts += [64 * self.n * 4, self.n * 4] + ([BLOCK * self.head_dim * 2] * 2 if self.fp8 else [])
+        return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
 
     @property
     def paired(self) -> bool:
@@ -415,11 +402,9 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
             # Every S^T of this item has been read: the next item's Q lands during the epilogue
             # (the producer is already streaming its K/V into the slots freed above).
-            if not cfg.share_epilogue:  # (one item per CTA there: no next Q)
-
-                @pl.when(k + 1 < my_items)
-                def _():
-                    load_q(k + 1)
+            @pl.when(k + 1 < my_items)
+            def _():
+                load_q(k + 1)
 
             l_i = l_t.sum(axis=0)
             empty = l_i == 0.0
@@ -457,32 +442,15 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, N), jnp.float32),
     )
 
-    main = (plgpu.SMEM((N, D), dtype, transforms=tr), plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv))
-    epilogue = (plgpu.SMEM((64, N), jnp.float32), plgpu.SMEM((N,), jnp.float32))
-
-    def body(refs, parts, ring, rest):
-        (q_s, p_s), (o_s, l_s) = parts
-        _kernel(cfg, dtype, *refs, q_s, *ring, p_s, o_s, l_s, *rest)
-
     def entry(*refs):
-        nring = 1 if cfg.latent else 2
-        if cfg.share_epilogue:  # (Q, P^T) and (O^T staging, LSE) over one region
-
-            def scoped(union, *scratch):
-                body(refs, tuple(union), scratch[:nring], scratch[nring:])
-
-            parts = [plgpu.RefUnion(main, epilogue)]
-        else:
-
-            def scoped(*scratch):
-                body(refs, (scratch[:2], scratch[2:4]), scratch[4 : 4 + nring], scratch[4 + nring :])
-
-            parts = [*main, *epilogue]
         pl.run_scoped(
-            scoped,
-            *parts,
+            lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
+            plgpu.SMEM((N, D), dtype, transforms=tr),
             plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_k),
             *([] if cfg.latent else [plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v)]),
+            plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
+            plgpu.SMEM((64, N), jnp.float32),
+            plgpu.SMEM((N,), jnp.float32),
             *(upcast if cfg.fp8 else []),
             plgpu.Barrier(num_arrivals=(1 if cfg.latent else 2) * (BLOCK // cfg.piece_rows), num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),

@@ -247,26 +247,23 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
 
 def test_two_ctas_per_sm_where_they_fit():
     """2-byte K/V with N <= 32 runs two CTAs per SM (the ring shrinks to two slots where
-    three would not fit half the SM's shared memory); FP8 and N = 64 run one. With one
-    item per CTA the epilogue's tiles share Q's and P^T's memory, which gives N = 32 at
-    head_dim 128 its third slot."""
+    three would not fit half the SM's shared memory); FP8 and N = 64 run one."""
 
-    def cfg(d, q_len, group, fp8=False, ctas=1):
+    def cfg(d, q_len, group, fp8=False):
         return mh.HeadsConfig(
             head_dim=d, group=group, kv_heads=8, q_len=q_len, is_causal=True, page_size=64, num_pages=9,
-            max_pages=4, num_splits=1, batch=2, ctas=ctas, scale=1.0, fp8=fp8, interpret=False,
+            max_pages=4, num_splits=1, batch=2, ctas=1, scale=1.0, fp8=fp8, interpret=False,
         )  # fmt: skip
 
     half = 114 * 1024 - 1024
     for c, paired, stages in [
         (cfg(128, 4, 4), True, 3),
         (cfg(128, 8, 4), True, 2),
-        (cfg(128, 8, 4, ctas=16), True, 3),  # one item per CTA: the shared epilogue
         (cfg(64, 8, 4), True, 3),
         (cfg(128, 8, 8), False, 3),
         (cfg(128, 4, 4, fp8=True), False, 3),
     ]:
-        assert (c.paired, c.stages, c.share_epilogue) == (paired, stages, c.ctas == 16), c
+        assert (c.paired, c.stages) == (paired, stages), c
         assert not c.paired or c.smem_bytes(c.stages) <= half
     # the persistent launch: the SM slots, never more CTAs than items (8 KV heads x 2 requests)
     assert mh.launch_ctas(cfg(128, 4, 4), None) == 16
