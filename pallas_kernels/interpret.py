@@ -15,7 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 from typing import Iterator
 
 import jax
@@ -46,15 +48,63 @@ def interpreter_available() -> bool:
     return True
 
 
+_COMPILED_MAX = 64  # warpgroup programs kept compiled (a kernel call has one)
+_compiled: collections.OrderedDict = collections.OrderedDict()
+_compiled_lock = threading.Lock()
+
+
+def _run_jaxpr_compiled_once(jaxpr, consts, *args):
+    """The interpreter's per-thread runner, compiling each warpgroup program once.
+
+    The interpreter runs a kernel's grid points one after another, and for each point
+    starts one host thread per warpgroup that lowers and compiles the kernel body's
+    jaxpr with XLA before running it (AOT compilation, which bypasses jit's cache). The
+    jaxpr is the same object for every point and thread of a call, so the compile
+    dominated the interpreted run: (grid points x warpgroups) XLA compiles of the same
+    program. Here the executable is kept, keyed by the jaxpr (held, so its identity
+    stays unique) and the argument types; running it is unchanged."""
+
+    def _run(jaxpr, consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    leaves = jax.tree.leaves((consts, args))
+    key = (id(jaxpr), tuple((jax.numpy.shape(x), jax.numpy.result_type(x)) for x in leaves))
+    with _compiled_lock:
+        hit = _compiled.get(key)
+        if hit is not None:
+            _compiled.move_to_end(key)
+    if hit is None:
+        exe = jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        with _compiled_lock:
+            hit = _compiled.setdefault(key, (jaxpr, exe))
+            while len(_compiled) > _COMPILED_MAX:
+                _compiled.popitem(last=False)
+    hit[1](consts, *args)
+
+
+def _install_compile_cache() -> None:
+    """Route the interpreter's thread runner through :func:`_run_jaxpr_compiled_once`
+    where this JAX has the runner it replaces (same signature); else leave it."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map as _tm  # private
+    except ImportError:
+        return
+    if getattr(_tm, "_run_jaxpr", None) not in (None, _run_jaxpr_compiled_once):
+        _tm._run_jaxpr = _run_jaxpr_compiled_once
+
+
 @contextlib.contextmanager
 def gpu_interpret(**params) -> Iterator[None]:
     """Run every ``plgpu.kernel`` traced inside this context under the interpreter.
 
     Keyword arguments go to ``InterpretGPUParams`` (e.g. ``num_tma_threads_per_device``).
     Arrays must be traced inside the context: a function already jitted and cached
-    outside it keeps its compiled (GPU) form.
+    outside it keeps its compiled (GPU) form. Each warpgroup program is compiled once
+    per kernel call rather than once per grid point and warpgroup
+    (:func:`_run_jaxpr_compiled_once`).
     """
     params_cls, force = _private_api()
+    _install_compile_cache()
     try:
         with force(params_cls(**params)):
             yield

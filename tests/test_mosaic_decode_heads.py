@@ -300,3 +300,29 @@ def test_mha_decode_checks_the_plan_before_routing():
         md.mha_decode(q, pool, pool, jnp.zeros((3, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
     with pytest.raises(ValueError, match="cache_seqlens shape"):
         md.mha_decode(q, pool, pool, jnp.zeros((2, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_interpreter_compiles_each_warpgroup_program_once(monkeypatch):
+    """Under ``gpu_interpret`` a kernel of 4 CTAs x 2 warpgroups compiles its body once (the
+    interpreter alone compiles it per grid point and thread); a second call with new data
+    compiles nothing and both match the reference."""
+    import collections
+
+    from jattn.pallas_kernels import interpret
+
+    monkeypatch.setattr(interpret, "_compiled", collections.OrderedDict())  # empty: count this test's
+    c = Case(lens=(70, 100), hq=8, hkv=2, q_len=2, causal=False)
+    with gpu_interpret():
+        from jax._src.pallas.mosaic.interpret import thread_map  # private, as the helper
+
+        assert thread_map._run_jaxpr is interpret._run_jaxpr_compiled_once
+        for seed in (1, 2):
+            before = len(interpret._compiled)
+            q, k, v, table, lens = _inputs(c, seed)
+            f = [jnp.asarray(x, jnp.float16) for x in (q, k, v)]
+            got = mh.mha_decode_heads(*f, table, lens, max_seqlen_q=2, is_causal=False, num_splits=1)
+            r = [jnp.asarray(x, jnp.float32) for x in f]
+            want = reference.mha_decode(*r, table, lens, max_seqlen_q=2, is_causal=False)
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+            assert len(interpret._compiled) - before == (1 if seed == 1 else 0), len(interpret._compiled)
