@@ -165,26 +165,8 @@ CPU_CASES = {
 needs_interp = pytest.mark.skipif(not interpreter_available(), reason="no Mosaic GPU interpreter in this JAX")
 
 
-# Interpreted cases cost 20-150 s each on a CI core, so the default run keeps one case per
-# feature and the `slow` run (``-m "slow or not slow"``) adds the rest: a second group-1 or
-# group-4 shape, causal q_len 4 (the poison case `verify_qlen4_two_wgs` runs it), a second
-# window, fp16 alone (`fp8_kv_qlen2_fp16` is fp16), FP8 without q_len 2, and q_len 8 (about
-# four minutes; the GPU cases cover it).
-SLOW_CPU_CASES = {
-    "page128_qlen8_two_tiles",
-    "mha_group1_page32",
-    "group4_page64",
-    "qlen4_causal",
-    "window_qlen3",
-    "fp16",
-    "fp8_kv_scales",
-}
-
-
 @needs_interp
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CPU_CASES else n for n in CPU_CASES]
-)
+@pytest.mark.parametrize("name", list(CPU_CASES))
 def test_interpreted(name):
     if on_gpu():
         pytest.skip("interpreter tests run on the CPU")
@@ -207,16 +189,10 @@ OTHER_SETTING_CPU = [
     ("overlap_qk", n)
     for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail", "one_split_bf16", "window")
 ] + [("fp8_converter", "fp8_kv_scales"), ("fp8_converter", "fp8_kv_qlen2_fp16")]
-# the default run flips each option on its cheapest cases
-SLOW_OTHER_SETTING = {("overlap_qk", "lens_0_1_97"), ("overlap_qk", "qlen4_causal"), ("overlap_qk", "window")}
-SLOW_OTHER_SETTING |= {("fp8_converter", "fp8_kv_scales")}
 
 
 @needs_interp
-@pytest.mark.parametrize(
-    "option,name",
-    [pytest.param(*p, marks=pytest.mark.slow) if p in SLOW_OTHER_SETTING else p for p in OTHER_SETTING_CPU],
-)
+@pytest.mark.parametrize("option,name", OTHER_SETTING_CPU)
 def test_interpreted_other_option_setting(option, name):
     """A kernel option's other setting gives the same answers."""
     if on_gpu():
@@ -396,13 +372,8 @@ POISON_CPU = {
 
 # the default run: causal verify over two warpgroups, a window over the request's own
 # pages, several KV heads with a page tail; `slow` adds the others
-SLOW_POISON = {"window_qlen3", "noncausal_window_qlen4", "fp8_qlen2"}
-
-
 @needs_interp
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_POISON else n for n in POISON_CPU]
-)
+@pytest.mark.parametrize("name", list(POISON_CPU))
 def test_interpreted_masked_poison(name):
     """NaN / Inf in future draft tokens, outside the window (the request's own pages
     included), in masked K, in page tails and unused pages: only queries that see a
@@ -413,7 +384,6 @@ def test_interpreted_masked_poison(name):
     _poison_check(c, spots, interpret=True)
 
 
-@pytest.mark.slow
 @needs_interp
 def test_interpreted_masked_poison_other_loop():
     """The same with the plain block loop (overlap_qk's other setting)."""

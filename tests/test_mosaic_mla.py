@@ -99,7 +99,8 @@ CPU_CASES = [
     Case(lens=(75, 2), heads=8, q_len=3, page_size=16, num_splits=2, poison=1, keys_as_rows=True),
     # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks
     Case(lens=(66,), heads=16, q_len=3, page_size=64, poison=1),
-    pytest.param(Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16), marks=pytest.mark.slow),
+    # a non-causal draft block over pages of 16
+    Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16),
     # two row tiles (80 rows): the last tile loads and writes only its 16 real rows
     Case(lens=(70,), heads=40, q_len=2, page_size=64),
 ]

@@ -183,12 +183,12 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
         assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
-# Interpreted (slow: about a minute per case on one CI core, so the default run keeps
-# four: ragged tiles across requests with lengths 0 and 1 and a NaN/Inf-poisoned
+# Interpreted: ragged tiles across requests with lengths 0 and 1 and a NaN/Inf-poisoned
 # future key; the paged extend with pages smaller than a block, window, cap, sinks
 # and poison; more KV blocks than ring stages on the GPU's default edge path (run
-# twice: the determinism check); FP8 KV with poison.
-# `-m slow` runs the rest, the non-causal 192/128 MLA shape among them).
+# twice: the determinism check); FP8 KV with poison; the non-causal 192/128 MLA shape;
+# a request over several tiles; window, cap and sinks without a prefix; an extend whose
+# prefixes end inside, at and before a page of 64.
 CPU_CASES = [
     Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40),
     Case(
@@ -198,10 +198,10 @@ CPU_CASES = [
     Case(q_lens=(2, 40), prefix=(300, 0), page_size=32, hq=1, hkv=1, clean_edges=False),
     # FP8 KV: the producer's upcast into the f16 ring, pages smaller than a block, poison
     Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92),
-    pytest.param(Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False), marks=pytest.mark.slow),
-    pytest.param(Case(q_lens=(130, 5)), marks=pytest.mark.slow),
-    pytest.param(Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True), marks=pytest.mark.slow),
-    pytest.param(Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1), marks=pytest.mark.slow),
+    Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False),
+    Case(q_lens=(130, 5)),
+    Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True),
+    Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1),
 ]
 
 
