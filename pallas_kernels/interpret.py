@@ -53,6 +53,10 @@ _compiled: collections.OrderedDict = collections.OrderedDict()
 _compiled_lock = threading.Lock()
 
 
+def _eval_jaxpr(jaxpr, consts, *args):
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
 def _run_jaxpr_compiled_once(jaxpr, consts, *args):
     """The interpreter's per-thread runner, compiling each warpgroup program once.
 
@@ -63,10 +67,6 @@ def _run_jaxpr_compiled_once(jaxpr, consts, *args):
     dominated the interpreted run: (grid points x warpgroups) XLA compiles of the same
     program. Here the executable is kept, keyed by the jaxpr (held, so its identity
     stays unique) and the argument types; running it is unchanged."""
-
-    def _run(jaxpr, consts, *args):
-        jax.core.eval_jaxpr(jaxpr, consts, *args)
-
     leaves = jax.tree.leaves((consts, args))
     key = (id(jaxpr), tuple((jax.numpy.shape(x), jax.numpy.result_type(x)) for x in leaves))
     with _compiled_lock:
@@ -74,7 +74,7 @@ def _run_jaxpr_compiled_once(jaxpr, consts, *args):
         if hit is not None:
             _compiled.move_to_end(key)
     if hit is None:
-        exe = jax.jit(_run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        exe = jax.jit(_eval_jaxpr, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
         with _compiled_lock:
             hit = _compiled.setdefault(key, (jaxpr, exe))
             while len(_compiled) > _COMPILED_MAX:

@@ -370,8 +370,6 @@ POISON_CPU = {
 }
 
 
-# the default run: causal verify over two warpgroups, a window over the request's own
-# pages, several KV heads with a page tail; `slow` adds the others
 @needs_interp
 @pytest.mark.parametrize("name", list(POISON_CPU))
 def test_interpreted_masked_poison(name):
