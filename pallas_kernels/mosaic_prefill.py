@@ -121,6 +121,8 @@ def _attention(
     clean_edges,
     options,
 ):
+    if options.prefetch_k and options.overlap_pv:
+        raise ValueError("PrefillOptions: prefetch_k and overlap_pv cannot be combined")
     if options.prefetch_k and interpret and clean_edges:
         raise NotImplementedError("PrefillOptions(prefetch_k=True) with clean_edges under the interpreter")
     t, hq, d = q.shape

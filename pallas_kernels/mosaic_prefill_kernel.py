@@ -96,9 +96,7 @@ TILE_Q = plan.TILE_Q  # query rows per tile: two consumer warpgroups of 64
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOptions:
-    """Scheduling choices of the consumer loop (static). Both are off: their H200 A/B
-    (docs/PERF.md) was within the run-to-run noise, and ``prefetch_k`` is not yet
-    understood under the interpreter."""
+    """Scheduling choices of the consumer loop (static)."""
 
     # Fence the softmax results (acc, l, m, P) before the warpgroup hands the tensor
     # cores over, so the compiler cannot sink softmax work past the hand-over.
@@ -107,6 +105,11 @@ class PrefillOptions:
     # Deadlocks under the Mosaic GPU interpreter together with the edge cleaning
     # (docs/PERF.md), so it is off and refused there.
     prefetch_k: bool = False
+    # Intra-warpgroup overlap on the unmasked blocks: each warpgroup issues
+    # ``S(i) = Q K(i)^T`` and ``O += P(i-1) V(i-1)`` together, and runs the softmax of
+    # block i while its own P V is still on the tensor cores (O is rescaled once that
+    # product lands). Not combined with ``prefetch_k``.
+    overlap_pv: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,6 +406,23 @@ def _kernel(
             hit = jnp.where(ok & (bad > 0), 1.0, 0.0).max(axis=1)
             return jnp.where(hit > 0, jnp.nan, 0.0)
 
+        def softmax(s, m_i, l_i, ok=None):
+            """Online softmax of one block's scores (base 2): ``(P, alpha, m, l)``,
+            ``alpha`` the factor that rescales the accumulator to the new maximum."""
+            x = s * xscale
+            if cfg.logit_cap > 0:
+                x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
+            if ok is not None:
+                x = jnp.where(ok, x, -jnp.inf)
+            m_new = jnp.maximum(m_i, x.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
+            return p.astype(dtype), alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+        def rescale(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
         def step(i, carry, masked: bool, clean: bool = False):
             acc, m_i, l_i = carry
             slot = lax.rem(i, jnp.int32(S))
@@ -411,19 +431,9 @@ def _kernel(
                 plgpu.barrier_wait(k_bar.at[slot])
             s = qk(slot)
             plgpu.barrier_arrive(k_free.at[slot])
-            x = s * xscale
-            if cfg.logit_cap > 0:
-                x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
-            if masked:
-                ok = mask_of(blk)
-                x = jnp.where(ok, x, -jnp.inf)
-            m_new = jnp.maximum(m_i, x.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
+            ok = mask_of(blk) if masked else None
+            p16, alpha, m_new, l_i = softmax(s, m_i, l_i, ok)
+            acc = rescale(acc, alpha)
             if cfg.options.fence_softmax:
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
             if not interp:
@@ -455,6 +465,81 @@ def _kernel(
             @pl.when(i + 1 < count)
             def _():
                 plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(S))])
+
+        def overlapped_steps(a, b, carry):
+            """Unmasked steps [a, b) (a < b), the tensor-core work of consecutive blocks
+            overlapped in this warpgroup (``PrefillOptions.overlap_pv``):
+
+            * prologue: ``S(a)``, its softmax;
+            * step i: issue ``S(i)`` and ``O += P(i-1) V(i-1)`` together, hand the
+              tensor cores over, take ``S(i)`` as soon as it lands (the P V may still
+              run) and run its softmax, then wait for the P V and rescale O;
+            * epilogue: ``O += P(b-1) V(b-1)``.
+
+            The ping-pong barrier sees the same arrive / wait sequence as :func:`step`
+            (two of each per block), so overlapped and plain steps mix freely."""
+            acc, m_i, l_i = carry
+            slot = lax.rem(a, jnp.int32(S))
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = qk(slot)
+            plgpu.barrier_arrive(k_free.at[slot])
+            p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
+            acc = rescale(acc, alpha)
+            if not interp:
+                plgpu.barrier_arrive(sched)  # softmax done
+
+            def body(i, carry):
+                acc, m_i, l_i, p_prev = carry
+                slot = lax.rem(i, jnp.int32(S))
+                pslot = lax.rem(i - 1, jnp.int32(S))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[pslot])
+                if interp:
+                    s = lax.dot_general(
+                        qo_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    )
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    acc = acc + jnp.dot(p_prev, v_smem[pslot], preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(v_free.at[pslot])
+                    p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
+                    return rescale(acc, alpha), m_i, l_i, p16
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def scope(s_ref, o_ref):
+                    o_ref[...] = acc
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].T)
+                    plgpu.wgmma(o_ref, p_prev, v_smem.at[pslot])
+                    sched_sync()
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S(i) in, P V in flight
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p16, alpha, m_new, l_new = softmax(s, m_i, l_i)
+                    plgpu.barrier_arrive(sched)  # softmax done
+                    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                    plgpu.barrier_arrive(v_free.at[pslot])
+                    return rescale(o, alpha), m_new, l_new, p16
+
+                return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32), plgpu.ACC((64, DV), jnp.float32))
+
+            acc, m_i, l_i, p16 = lax.fori_loop(a + 1, b, body, (acc, m_i, l_i, p16))
+            slot = lax.rem(b - 1, jnp.int32(S))
+            plgpu.barrier_wait(v_bar.at[slot])
+            if interp:
+                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+            else:
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_i, l_i
+
+        def middle_steps(a, b, carry):
+            """The unmasked steps [a, b)."""
+            if not cfg.options.overlap_pv:
+                return lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+            return lax.cond(b > a, functools.partial(overlapped_steps, a, b), lambda c: c, carry)
 
         m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -499,7 +584,7 @@ def _kernel(
 
         window = cfg.window_left >= 0
         carry = edge_steps(0, full_lo - lo, carry, window)  # the window's first blocks, the request's first
-        carry = lax.fori_loop(full_lo - lo, full_hi - lo, functools.partial(step, masked=False), carry)
+        carry = middle_steps(full_lo - lo, full_hi - lo, carry)
         acc, m_i, l_i = edge_steps(full_hi - lo, count, carry, cfg.is_causal or window)  # diagonal, last
         if not interp:
             pl.when(wg == 0)(sched_sync)

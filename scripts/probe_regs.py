@@ -1,11 +1,15 @@
 """Probe (not a test): compile and run each Mosaic GPU decode kernel once at 64 x 4096
-(32/8 heads, d128, page 64) so that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints ptxas's register and
-shared-memory use per kernel, and ``ncu --metrics launch__*`` can read the occupancy.
+(32/8 heads, d128, page 64), or with ``--prefill`` the prefill kernel at each head width with
+and without ``PrefillOptions(overlap_pv=True)``, so that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints
+ptxas's register and shared-memory use per kernel, and ``ncu --metrics launch__*`` can read
+the occupancy.
 
-    MOSAIC_GPU_DUMP_PTXAS=1 python scripts/probe_regs.py 2>&1 | grep -E "Compiling|Used|spill"
+    MOSAIC_GPU_DUMP_PTXAS=1 python scripts/probe_regs.py [--prefill] 2>&1 | grep -E "==|Used|spill"
 """
 
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,20 @@ import numpy as np
 
 from jattn.pallas_kernels import mosaic_decode as md
 from jattn.pallas_kernels import mosaic_decode_heads as mh
+from jattn.pallas_kernels import mosaic_prefill as mp
+
+
+def prefill() -> None:
+    rng = np.random.default_rng(0)
+    cu = jnp.array([0, 1000, 2048], jnp.int32)
+    for d, dv, hq, hkv in ((64, 64, 32, 8), (128, 128, 32, 8), (192, 128, 16, 16), (256, 256, 16, 4)):
+        q = jnp.asarray(rng.standard_normal((2048, hq, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((2048, hkv, d)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((2048, hkv, dv)), jnp.bfloat16)
+        for overlap in (False, True):
+            print(f"== prefill d{d}/{dv} overlap_pv={overlap}", flush=True)
+            opts = mp.PrefillOptions(overlap_pv=overlap)
+            jax.block_until_ready(mp.mha_prefill(q, k, v, cu, is_causal=True, options=opts))
 
 
 def main() -> None:
@@ -32,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    prefill() if "--prefill" in sys.argv[1:] else main()

@@ -39,6 +39,7 @@ class Case:
     poison: int = -1  # >= 0: key of request 0 whose V is NaN (and the next key's K +inf)
     clean_edges: bool | None = None  # the kernel option (None: its default here)
     kv_fp8: bool = False  # K/V as FP8 e4m3 with the scales below (the oracle reads the same bytes)
+    overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
 
 
 _FP8_SCALES = (0.37, 1.9)  # k_scale, v_scale of the FP8 cases
@@ -96,7 +97,8 @@ def _opts(c: Case):
 
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
-    return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges)
+    options = mp.PrefillOptions(overlap_pv=True) if c.overlap else None
+    return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges, options=options)
 
 
 def _run(c: Case, x, dtype):
@@ -202,6 +204,10 @@ CPU_CASES = [
     Case(q_lens=(130, 5)),
     Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True),
     Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1),
+    # the intra-warpgroup overlap: runs of 4 unmasked blocks (the ring wraps), of 1, and
+    # tiles with none; non-causal with masked first and last blocks around a run of 4
+    Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True),
+    Case(q_lens=(97, 0, 1, 700), hq=2, hkv=1, causal=False, overlap=True),
 ]
 
 
@@ -226,6 +232,13 @@ GPU_CASES = [
     Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=16, hkv=4, d=256, window_left=700, kv_fp8=True),
     Case(q_lens=(97, 1000), prefix=(33, 0), page_size=128, hq=16, hkv=16, d=64, causal=False, kv_fp8=True),
     Case(q_lens=(400, 1), hq=16, hkv=16, d=192, dv=128, kv_fp8=True, sinks=True),
+    # the intra-warpgroup overlap at each head width, ragged and paged, bf16 and FP8
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128, poison=500, overlap=True),
+    Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, overlap=True),
+    Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, overlap=True),
+    Case(q_lens=(900, 33), hq=16, hkv=16, d=192, dv=128, poison=10, overlap=True),
+    Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128, overlap=True),
+    Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=16, hkv=4, d=128, kv_fp8=True, overlap=True),
 ]
 
 
@@ -352,3 +365,21 @@ def test_merge_sides_places_every_row():
             else:
                 want = -1.0  # written by the kernel directly
             assert out[s + r] == want and out_lse[s + r] == want, (b, r)
+
+
+def test_bench_option_sets_parse_and_refuse_unknown_names():
+    from jattn.bench.prefill import parse_options
+
+    assert parse_options("") == [("", None)]
+    got = parse_options("default; overlap_pv=1,fence_softmax=0")
+    assert got == [("", None), ("overlap_pv=1,fence_softmax=0", mp.PrefillOptions(overlap_pv=True))]
+    for bad in ("overlap=1", "overlap_pv=2", "overlap_pv"):
+        with pytest.raises(ValueError, match="NAME=0"):
+            parse_options(bad)
+
+
+def test_prefetch_k_and_overlap_pv_are_refused_together():
+    q = jnp.zeros((8, 1, 64), jnp.float16)
+    opts = mp.PrefillOptions(prefetch_k=True, overlap_pv=True)
+    with pytest.raises(ValueError, match="prefetch_k and overlap_pv"):
+        mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=opts)

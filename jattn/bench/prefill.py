@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.bench import common
+from jattn.pallas_kernels.mosaic_prefill_kernel import PrefillOptions
 
 # 16 request lengths spread geometrically from 128 to 8192 tokens.
 RAGGED16 = tuple(int(round(128 * 64 ** (j / 15))) for j in range(16))
@@ -172,6 +173,26 @@ def parse_launches(text: str) -> list[tuple[int, int, int, int] | None]:
     return out
 
 
+def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
+    """``'default;overlap_pv=1,fence_softmax=1'`` -> ``[(label, PrefillOptions or None)]``."""
+    fields = {f.name for f in dataclasses.fields(PrefillOptions)}
+    out = []
+    for spec in (text or "default").split(";"):
+        spec = spec.strip()
+        if spec in ("", "default"):
+            out.append(("", None))
+            continue
+        kw = {}
+        for item in spec.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in fields or value.strip() not in ("0", "1"):
+                raise ValueError(f"{item!r}: expected NAME=0|1 with NAME one of {', '.join(sorted(fields))}")
+            kw[name] = value.strip() == "1"
+        out.append((spec, PrefillOptions(**kw)))
+    return out
+
+
 def triton_sweep(specs, launches) -> tuple[list[str], list[list[str]]]:
     """Time the Triton kernel alone at each launch on each row: TFLOP/s (GPU time per
     call, as the table's) and, beside each launch after the first, the largest
@@ -296,15 +317,31 @@ def main(argv: list[str] | None = None) -> None:
         help="the kernel's clean_edges option: default, on, off, or both (two jattn columns)",
     )
     ap.add_argument(
+        "--options",
+        default="",
+        help="';'-separated PrefillOptions sets, each a jattn column, e.g. 'default;overlap_pv=1' "
+        "(fields: " + ", ".join(f.name for f in dataclasses.fields(PrefillOptions)) + ")",
+    )
+    ap.add_argument(
         "--triton-sweep",
         default="",
         help="time only the Triton kernel, at each of these launches (comma-separated BMxBNwWsS, "
         "e.g. 128x64w8s3, or default), on the chosen rows",
     )
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
-    variants = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
-    if variants is None:
+    cleans = {"default": [None], "on": [True], "off": [False], "both": [False, True]}.get(args.clean_edges)
+    if cleans is None:
         ap.error(f"--clean-edges {args.clean_edges!r}: choose default, on, off or both")
+    try:
+        option_sets = parse_options(args.options)
+    except ValueError as e:
+        ap.error(f"--options: {e}")
+    # jattn columns: (label, clean_edges, options); the first is the main column
+    variants = [
+        (" ".join(x for x in ("clean" if clean else "", label) if x), clean, opts)
+        for clean in cleans
+        for label, opts in option_sets
+    ]
     want = {r.strip() for r in args.rows.split(",") if r.strip()}
     unknown = want - {r.label for r in ROWS} - {"merge"}
     if unknown:
@@ -335,8 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     if torch is not None:
         print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) SDPA peers: {', '.join(TORCH_BACKENDS)}")
     header = ["row", "Hq/Hkv", "D/Dv", "tokens", "jattn ms", "TFLOP/s", "% matmul"]
-    if len(variants) > 1:
-        header += ["clean ms", "clean TFLOP/s"]
+    for label, _, _ in variants[1:]:
+        header += [f"{label} ms", f"{label} TFLOP/s"]
     header += ["triton TFLOP/s", "FA3 TFLOP/s", "cuDNN TFLOP/s", "torch flash TFLOP/s", "torch cuDNN TFLOP/s"]
     out = []
     for spec in ROWS:
@@ -355,18 +392,17 @@ def main(argv: list[str] | None = None) -> None:
 
         tokens = f"{sum(lens)} (+{len(lens)}x{spec.prefix} cached)" if spec.extend else sum(lens)
         row = [spec.label, f"{spec.hq}/{spec.hkv}", f"{d}/{spec.dv}", tokens]
-        for n, clean in enumerate(variants):
+        for n, (_, clean, opts) in enumerate(variants):
+            kw = dict(is_causal=causal, clean_edges=clean, options=opts)
             if spec.extend:
 
-                def ours(i, q, kc, vc, pt, sl, cu, clean=clean):
-                    return mp.mha_extend(
-                        q, kc, vc, pt, sl, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean
-                    )
+                def ours(i, q, kc, vc, pt, sl, cu, kw=kw):
+                    return mp.mha_extend(q, kc, vc, pt, sl, cu, k_scale=1.0 + 1e-3 * i, **kw)
 
             else:
 
-                def ours(i, q, k, v, cu, clean=clean):
-                    return mp.mha_prefill(q, k, v, cu, is_causal=causal, k_scale=1.0 + 1e-3 * i, clean_edges=clean)
+                def ours(i, q, k, v, cu, kw=kw):
+                    return mp.mha_prefill(q, k, v, cu, k_scale=1.0 + 1e-3 * i, **kw)
 
             s = timed(ours)
             cols = [f"{s * 1e3:.3f}", f"{flops / s / 1e12:.0f}"] if s is not None else ["-", "-"]
