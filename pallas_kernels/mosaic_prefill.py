@@ -46,13 +46,19 @@ def _interpreting() -> bool:
     return interpreting()
 
 
-def _choose_blocks(d: int, dv: int, kv_fp8: bool = False) -> tuple[int, int]:
+def _choose_blocks(d: int, dv: int, kv_fp8: bool = False, block_kv: int = 0) -> tuple[int, int]:
     """(block_kv, num_stages) by head width: the ring and the two query tiles fit
     in shared memory, and the score tile plus the accumulator fit in registers.
     FP8 at head_dim 256: the landing tiles leave room for one ring slot (the landing
-    tiles are then the second buffer)."""
+    tiles are then the second buffer). 192/128 takes 128-key blocks where its output
+    tiles borrow a ring slot (``PrefillConfig.out_in_ring``) and no FP8 landing tiles
+    are needed. ``block_kv`` (> 0) overrides the block, with two stages."""
+    if block_kv:
+        return block_kv, 2
     if d == 256 and kv_fp8:
         return 64, 1
+    if (d, dv) == (192, 128) and not kv_fp8:
+        return 128, 2
     if max(d, dv) > 128:
         return 64, 2
     return 128, 2
@@ -121,6 +127,8 @@ def _attention(
     clean_edges,
     options,
 ):
+    if options.block_kv not in (0, 64, 128):
+        raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
         raise ValueError("PrefillOptions: prefetch_k and overlap_pv cannot be combined")
     if options.prefetch_k and interpret and clean_edges:
@@ -136,7 +144,7 @@ def _attention(
     num_tiles = -(-(t + (TILE_Q + 6) * bs) // TILE_Q)
     # FP8 KV computes in f16: e4m3 -> f16 is exact; a bf16 q -> f16 keeps 10 mantissa bits.
     kv_fp8 = jnp.dtype(k.dtype).itemsize == 1
-    bk, stages = _choose_blocks(d, dv, kv_fp8)
+    bk, stages = _choose_blocks(d, dv, kv_fp8, options.block_kv)
     cdtype = jnp.dtype(jnp.float16) if kv_fp8 else q.dtype
     cfg = PrefillConfig(
         head_dim=d,

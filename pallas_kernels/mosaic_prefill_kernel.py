@@ -110,6 +110,9 @@ class PrefillOptions:
     # block i while its own P V is still on the tensor cores (O is rescaled once that
     # product lands). Not combined with ``prefetch_k``.
     overlap_pv: bool = False
+    # Keys per K/V block (0: by head width, ``mosaic_prefill._choose_blocks``); the
+    # ring keeps two stages.
+    block_kv: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,12 @@ class PrefillConfig:
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def out_in_ring(self) -> bool:
+        """The output tiles borrow a V ring slot after the loop (where ``Dv != D``, so
+        Q's tiles cannot hold them, and a slot holds both warpgroups' 64 rows)."""
+        return self.head_dim_v != self.head_dim and self.block_kv >= TILE_Q and self.num_stages >= 2
 
     @property
     def pieces(self) -> int:
@@ -183,6 +192,7 @@ def _kernel(
     v_stage,
     k_sbar,  # their TMA barriers
     v_sbar,
+    out_bar,  # out_in_ring: both warpgroups are done with the ring (else None)
 ):
     BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
     h = lax.axis_index("heads")
@@ -316,7 +326,10 @@ def _kernel(
         if not interp:
             plgpu.set_max_registers(_CONSUMER_REGS[cfg.kv_fp8], action="increase")
         qo_smem = q_smem.at[wg]
-        out_smem = qo_smem if o_smem is None else o_smem.at[wg]
+        if cfg.out_in_ring:  # slot count % S: its last block (count - S) is done in both warpgroups at out_bar
+            out_smem = v_smem.at[lax.rem(count, jnp.int32(S)), pl.ds(wg * 64, 64)]
+        else:
+            out_smem = qo_smem if o_smem is None else o_smem.at[wg]
         r0 = q0 + wg * 64  # first row of this warpgroup within the request
 
         @pl.when(live)
@@ -599,6 +612,10 @@ def _kernel(
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, l_i))) * (1.0 / _LOG2E))
 
+        if cfg.out_in_ring:
+            plgpu.barrier_arrive(out_bar)
+            plgpu.barrier_wait(out_bar)
+
         @pl.when(live)
         def _():
             out_smem[...] = acc.astype(dtype)
@@ -665,7 +682,7 @@ def run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *ins, *outs, *scratch),
             plgpu.SMEM((2, 64, D), dtype, transforms=tq),
-            None if DV == D else plgpu.SMEM((2, 64, DV), dtype, transforms=tv),
+            None if DV == D or cfg.out_in_ring else plgpu.SMEM((2, 64, DV), dtype, transforms=tv),
             plgpu.SMEM((S, BK, D), dtype, transforms=tq),
             plgpu.SMEM((S, BK, DV), dtype, transforms=tv),
             plgpu.SMEM((2, 64), jnp.float32),
@@ -678,6 +695,7 @@ def run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
             plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
             *staging,
+            plgpu.Barrier(num_arrivals=2) if cfg.out_in_ring else None,
             collective_axes="wg",
         )
 

@@ -208,6 +208,8 @@ CPU_CASES = [
     # tiles with none; non-causal with masked first and last blocks around a run of 4
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True),
     Case(q_lens=(97, 0, 1, 700), hq=2, hkv=1, causal=False, overlap=True),
+    # 192/128 with 128-key blocks, the output tiles in a V ring slot: tiles of 0 to 3 blocks
+    Case(q_lens=(300, 0, 1, 40), hq=2, hkv=2, d=192, dv=128, poison=130),
 ]
 
 
@@ -373,8 +375,9 @@ def test_bench_option_sets_parse_and_refuse_unknown_names():
     assert parse_options("") == [("", None)]
     got = parse_options("default; overlap_pv=1,fence_softmax=0")
     assert got == [("", None), ("overlap_pv=1,fence_softmax=0", mp.PrefillOptions(overlap_pv=True))]
-    for bad in ("overlap=1", "overlap_pv=2", "overlap_pv"):
-        with pytest.raises(ValueError, match="NAME=0"):
+    assert parse_options("block_kv=64")[0][1] == mp.PrefillOptions(block_kv=64)
+    for bad in ("overlap=1", "overlap_pv=x", "overlap_pv"):
+        with pytest.raises(ValueError, match="NAME=INT"):
             parse_options(bad)
 
 

@@ -174,7 +174,7 @@ def parse_launches(text: str) -> list[tuple[int, int, int, int] | None]:
 
 
 def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
-    """``'default;overlap_pv=1,fence_softmax=1'`` -> ``[(label, PrefillOptions or None)]``."""
+    """``'default;overlap_pv=1,block_kv=64'`` -> ``[(label, PrefillOptions or None)]``."""
     fields = {f.name for f in dataclasses.fields(PrefillOptions)}
     out = []
     for spec in (text or "default").split(";"):
@@ -186,9 +186,9 @@ def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
         for item in spec.split(","):
             name, _, value = item.partition("=")
             name = name.strip()
-            if name not in fields or value.strip() not in ("0", "1"):
-                raise ValueError(f"{item!r}: expected NAME=0|1 with NAME one of {', '.join(sorted(fields))}")
-            kw[name] = value.strip() == "1"
+            if name not in fields or not value.strip().isdigit():
+                raise ValueError(f"{item!r}: expected NAME=INT with NAME one of {', '.join(sorted(fields))}")
+            kw[name] = int(value) if name == "block_kv" else bool(int(value))
         out.append((spec, PrefillOptions(**kw)))
     return out
 
