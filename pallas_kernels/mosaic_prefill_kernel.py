@@ -52,7 +52,13 @@ Layout of the work (FlashAttention-3 style):
   its first or last row go to a small side buffer and are put in place after the
   kernel (a scatter of at most 128 rows per request). The rows past the last
   request (padding) are one more request with no keys, so the kernel writes every
-  output row (0, LSE -inf). The LSE likewise.
+  output row (0, LSE -inf). The LSE likewise. The output tiles are staged in Q's
+  tiles where ``Dv == D``; at 192/128 they borrow the V ring slot of block
+  ``count - S`` once both warpgroups are past their loops, which leaves room for
+  128-key blocks (``PrefillConfig.out_in_ring``).
+* ``PrefillOptions`` holds scheduling variants, off by default: an intra-warpgroup
+  overlap of ``S(i)`` with ``P(i-1) V(i-1)`` (``overlap_pv``), a fence before the
+  hand-over, an earlier wait for the next K, and the block size.
 
 The entry points (argument handling, the tile plan, padding, the side merge)
 are ``mosaic_prefill.mha_prefill`` and ``mosaic_prefill.mha_extend``; this module
