@@ -17,6 +17,7 @@ buffer, ``v_scale``. The f32 oracles are ``jattn.reference.mha_prefill`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels import prefill_plan as plan
+from jattn.pallas_kernels.combine import NUM_SMS
 from jattn.pallas_kernels.mosaic_prefill_kernel import TILE_Q, PrefillConfig, PrefillOptions, run
 
 __all__ = [
@@ -164,7 +166,15 @@ def _attention(
         clean_edges=clean_edges,
         options=options,
         kv_fp8=kv_fp8,
+        num_tiles=num_tiles,
     )
+    if options.persistent:
+        if cfg.out_in_ring:
+            raise ValueError(
+                f"PrefillOptions(persistent=True): head dims {d}/{dv} stage the output in the K/V ring, "
+                "which the next tile's blocks would overwrite; it needs head_dim == head_dim_v"
+            )
+        cfg = dataclasses.replace(cfg, ctas=options.ctas or NUM_SMS)
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
     # Only causal and windowed calls have keys inside a request that some rows do not
     # see (the kernel's edge_steps reads v_bad for those alone): no pass over V otherwise.
@@ -200,7 +210,7 @@ def _attention(
         kp,
         vp,
     )
-    o, lse, o_side, lse_side = run(cfg, cdtype, arrays, num_tiles)
+    o, lse, o_side, lse_side = run(cfg, cdtype, arrays)
     o, lse = plan.merge_sides(o, lse, o_side, lse_side, cu_q)
     if o.shape[0] != t:
         o, lse = o[:t], lse[:t]

@@ -119,6 +119,11 @@ class PrefillOptions:
     # Keys per K/V block (0: by head width, ``mosaic_prefill._choose_blocks``); the
     # ring keeps two stages.
     block_kv: int = 0
+    # One CTA per SM, each walking its share of the tiles (see ``_kernel``'s ``tile``):
+    # the next tile's K/V stream in while a tile ends, and no CTA launches per tile.
+    # Not where the output tiles borrow a ring slot (192/128).
+    persistent: bool = False
+    ctas: int = 0  # the persistent launch's CTA count (0: one per SM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +147,16 @@ class PrefillConfig:
     clean_edges: bool  # non-finite V on edge blocks: flag and clean (else only zero keys outside)
     options: PrefillOptions = PrefillOptions()
     kv_fp8: bool = False  # FP8 e4m3 K/V: staged by TMA, upcast to f16 into the ring by the producer
+    num_tiles: int = 1  # query tiles per head (the launch's work list is Hq x num_tiles items)
+    ctas: int = 0  # CTAs launched (0: one per item)
+
+    @property
+    def items(self) -> int:
+        return self.num_q_heads * self.num_tiles
+
+    @property
+    def launch_ctas(self) -> int:
+        return min(self.ctas, self.items) if self.ctas else self.items
 
     @property
     def group(self) -> int:
@@ -201,452 +216,488 @@ def _kernel(
     out_bar,  # out_in_ring: both warpgroups are done with the ring (else None)
 ):
     BK, S, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim_v
-    h = lax.axis_index("heads")
-    t = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
-    req = tile_req_ref[t]
-    live = req >= 0
-    b = jnp.maximum(req, 0)
-    loc = tile_loc_ref[t]
-    q_start = cu_q_ref[b]
-    n_q = cu_q_ref[b + 1] - q_start
-    n_kv = kv_len_ref[b]
-    off = n_kv - n_q  # key index of query 0 under the bottom-right causal alignment
-    kvh = lax.div(h, jnp.int32(cfg.group))
-    # TMA boxes of the tiled shared-memory layout start on 8-row boundaries of the
-    # GMEM arrays, so tiles and blocks start at the 8-row boundary at or before the
-    # request's first row: the tile's first rows (dq of them) and the first block's
-    # first keys (dk) belong to the previous request and are masked (rows: never
-    # gathered; keys: masked, their V zeroed).
-    q_base = lax.div(q_start, jnp.int32(8)) * 8
-    dq = q_start - q_base
-    if cfg.page_size == 0:
-        kv_start = kv_start_ref[b]
-        kv_base = lax.div(kv_start, jnp.int32(8)) * 8
-        dk = kv_start - kv_base
-    else:
-        dk = jnp.int32(0)
-    q0 = loc * TILE_Q - dq  # request row of the tile's first row (may be negative)
+    cta = lax.axis_index("ctas")
+    ctas = cfg.launch_ctas
+    rounds = -(-cfg.items // ctas)
 
-    # The tile's blocks: [lo, hi) in units of BK (same in every warpgroup); block
-    # ``blk`` holds keys ``blk * BK - dk + [0, BK)``.
-    row_hi = jnp.minimum(q0 + TILE_Q, n_q)  # rows past n_q belong to no query
-    key_hi = jnp.minimum(off + row_hi, n_kv) if cfg.is_causal else n_kv
-    hi = jnp.where(live, lax.div(jnp.maximum(key_hi, 0) + dk + BK - 1, jnp.int32(BK)), 0)
-    if cfg.window_left >= 0:
-        lo = lax.div(jnp.clip(off + q0 - cfg.window_left, 0, n_kv) + dk, jnp.int32(BK))
-    else:
-        lo = jnp.int32(0)
-    lo = jnp.minimum(lo, hi)
-    count = hi - lo
+    def tile(r):
+        """The scalars of this CTA's item in round ``r``: item ``w`` is query head
+        ``w % Hq``, tile ``w // Hq`` (tiles longest first), and the rounds walk the CTAs
+        forwards and backwards in turn, so each CTA's items add up to about the same
+        work. An item past the last is a dead tile (no blocks, no stores)."""
+        c = jnp.where(lax.rem(r, 2) == 0, cta, ctas - 1 - cta)
+        w = r * ctas + c
+        wc = jnp.minimum(w, cfg.items - 1)
+        h = lax.rem(wc, jnp.int32(cfg.num_q_heads))
+        t = lax.div(wc, jnp.int32(cfg.num_q_heads))
+        req = jnp.where(w < cfg.items, tile_req_ref[t], -1)
+        live = req >= 0
+        b = jnp.maximum(req, 0)
+        loc = tile_loc_ref[t]
+        q_start = cu_q_ref[b]
+        n_q = cu_q_ref[b + 1] - q_start
+        n_kv = kv_len_ref[b]
+        off = n_kv - n_q  # key index of query 0 under the bottom-right causal alignment
+        kvh = lax.div(h, jnp.int32(cfg.group))
+        # TMA boxes of the tiled shared-memory layout start on 8-row boundaries of the
+        # GMEM arrays, so tiles and blocks start at the 8-row boundary at or before the
+        # request's first row: the tile's first rows (dq of them) and the first block's
+        # first keys (dk) belong to the previous request and are masked (rows: never
+        # gathered; keys: masked, their V zeroed).
+        q_base = lax.div(q_start, jnp.int32(8)) * 8
+        dq = q_start - q_base
+        if cfg.page_size == 0:
+            kv_start = kv_start_ref[b]
+            kv_base = lax.div(kv_start, jnp.int32(8)) * 8
+            dk = kv_start - kv_base
+        else:
+            kv_base = dk = jnp.int32(0)
+        q0 = loc * TILE_Q - dq  # request row of the tile's first row (may be negative)
+
+        # The tile's blocks: [lo, hi) in units of BK (same in every warpgroup); block
+        # ``blk`` holds keys ``blk * BK - dk + [0, BK)``.
+        row_hi = jnp.minimum(q0 + TILE_Q, n_q)  # rows past n_q belong to no query
+        key_hi = jnp.minimum(off + row_hi, n_kv) if cfg.is_causal else n_kv
+        hi = jnp.where(live, lax.div(jnp.maximum(key_hi, 0) + dk + BK - 1, jnp.int32(BK)), 0)
+        if cfg.window_left >= 0:
+            lo = lax.div(jnp.clip(off + q0 - cfg.window_left, 0, n_kv) + dk, jnp.int32(BK))
+        else:
+            lo = jnp.int32(0)
+        lo = jnp.minimum(lo, hi)
+        count = hi - lo
+        return h, req, live, b, loc, n_q, n_kv, off, kvh, q_base, kv_base, dk, q0, lo, hi, count
+
+    def items(body):
+        """Run ``body(r, base) -> base`` over this CTA's rounds, ``base`` the ring steps
+        taken so far (the ring and its barrier phases run on across items)."""
+        if rounds == 1:
+            return body(0, jnp.int32(0))
+        return lax.fori_loop(0, rounds, body, jnp.int32(0))
 
     @pl.when(wg == 2)
     def _producer():
         if not cfg.interpret:
             plgpu.set_max_registers(_PRODUCER_REGS[cfg.kv_fp8], action="decrease")
 
-        def fetch(ref, smem, bar, slot, blk):
-            if cfg.page_size == 0:
-                plgpu.copy_gmem_to_smem(ref.at[pl.ds(kv_base + blk * BK, BK), kvh], smem.at[slot], bar.at[slot])
-                return
-            ps = cfg.page_size
-            if cfg.pieces == 1:  # BK divides the page: one box inside one page
-                per_page = ps // BK
-                pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
-                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-                row = lax.rem(blk, jnp.int32(per_page)) * BK
-                plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(row, BK), kvh], smem.at[slot], bar.at[slot])
-                return
-            for j in range(cfg.pieces):  # pages smaller than BK: one whole page per box
-                pidx = jnp.minimum(blk * cfg.pieces + j, cfg.max_pages - 1)
-                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-                plgpu.copy_gmem_to_smem(ref.at[page, :, kvh], smem.at[slot, pl.ds(j * ps, ps)], bar.at[slot])
+        def item(r, base):
+            h, req, live, b, loc, n_q, n_kv, off, kvh, q_base, kv_base, dk, q0, lo, hi, count = tile(r)
 
-        def upcast(stage, ring, slot, width):
-            """An FP8 tile from its landing buffer into ring slot ``slot`` as f16 (exact),
-            in [64, 64] pieces (32 values a thread), then made visible to the wgmma."""
-            for r in range(0, BK, 64):
-                for c in range(0, width, 64):
-                    x = stage[0, pl.ds(r, 64), pl.ds(c, 64)]
-                    ring[slot, pl.ds(r, 64), pl.ds(c, 64)] = x.astype(ring.dtype)
-            plgpu.commit_smem()
+            def fetch(ref, smem, bar, slot, blk):
+                if cfg.page_size == 0:
+                    plgpu.copy_gmem_to_smem(ref.at[pl.ds(kv_base + blk * BK, BK), kvh], smem.at[slot], bar.at[slot])
+                    return
+                ps = cfg.page_size
+                if cfg.pieces == 1:  # BK divides the page: one box inside one page
+                    per_page = ps // BK
+                    pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
+                    page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                    row = lax.rem(blk, jnp.int32(per_page)) * BK
+                    plgpu.copy_gmem_to_smem(ref.at[page, pl.ds(row, BK), kvh], smem.at[slot], bar.at[slot])
+                    return
+                for j in range(cfg.pieces):  # pages smaller than BK: one whole page per box
+                    pidx = jnp.minimum(blk * cfg.pieces + j, cfg.max_pages - 1)
+                    page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
+                    plgpu.copy_gmem_to_smem(ref.at[page, :, kvh], smem.at[slot, pl.ds(j * ps, ps)], bar.at[slot])
 
-        if cfg.kv_fp8:  # K(i + 1) lands while V(i) is upcast; the f16 ring runs ahead as before
+            def upcast(stage, ring, slot, width):
+                """An FP8 tile from its landing buffer into ring slot ``slot`` as f16 (exact),
+                in [64, 64] pieces (32 values a thread), then made visible to the wgmma."""
+                for r in range(0, BK, 64):
+                    for c in range(0, width, 64):
+                        x = stage[0, pl.ds(r, 64), pl.ds(c, 64)]
+                        ring[slot, pl.ds(r, 64), pl.ds(c, 64)] = x.astype(ring.dtype)
+                plgpu.commit_smem()
 
-            @pl.when(count > 0)
-            def _():
-                fetch(k_ref, k_stage, k_sbar, 0, lo)
+            if cfg.kv_fp8:  # K(i + 1) lands while V(i) is upcast; the f16 ring runs ahead as before
+
+                @pl.when(count > 0)
+                def _():
+                    fetch(k_ref, k_stage, k_sbar, 0, lo)
+
+                @pl.loop(0, count)
+                def _fetch_fp8(i):
+                    slot = lax.rem(base + i, jnp.int32(S))
+                    fetch(v_ref, v_stage, v_sbar, 0, lo + i)
+                    plgpu.barrier_wait(k_sbar.at[0])
+
+                    @pl.when(base + i >= S)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    upcast(k_stage, k_smem, slot, cfg.head_dim)  # ends with a warpgroup barrier:
+                    plgpu.barrier_arrive(k_bar.at[slot])  # k_stage's reads are done before its refill
+
+                    @pl.when(i + 1 < count)
+                    def _():
+                        fetch(k_ref, k_stage, k_sbar, 0, lo + i + 1)
+
+                    plgpu.barrier_wait(v_sbar.at[0])
+
+                    @pl.when(base + i >= S)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    upcast(v_stage, v_smem, slot, DV)
+                    plgpu.barrier_arrive(v_bar.at[slot])
+
+                return base + count
 
             @pl.loop(0, count)
-            def _fetch_fp8(i):
-                slot = lax.rem(i, jnp.int32(S))
-                fetch(v_ref, v_stage, v_sbar, 0, lo + i)
-                plgpu.barrier_wait(k_sbar.at[0])
+            def _fetch(i):
+                slot = lax.rem(base + i, jnp.int32(S))
 
-                @pl.when(i >= S)
+                @pl.when(base + i >= S)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
-                upcast(k_stage, k_smem, slot, cfg.head_dim)  # ends with a warpgroup barrier:
-                plgpu.barrier_arrive(k_bar.at[slot])  # k_stage's reads are done before its refill
+                fetch(k_ref, k_smem, k_bar, slot, lo + i)
 
-                @pl.when(i + 1 < count)
-                def _():
-                    fetch(k_ref, k_stage, k_sbar, 0, lo + i + 1)
-
-                plgpu.barrier_wait(v_sbar.at[0])
-
-                @pl.when(i >= S)
+                @pl.when(base + i >= S)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
-                upcast(v_stage, v_smem, slot, DV)
-                plgpu.barrier_arrive(v_bar.at[slot])
+                fetch(v_ref, v_smem, v_bar, slot, lo + i)
 
-            if cfg.interpret:
-                drain_free_barriers(count, S, k_free, v_free)
-            return
+            return base + count
 
-        @pl.loop(0, count)
-        def _fetch(i):
-            slot = lax.rem(i, jnp.int32(S))
-
-            @pl.when(i >= S)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-
-            fetch(k_ref, k_smem, k_bar, slot, lo + i)
-
-            @pl.when(i >= S)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-
-            fetch(v_ref, v_smem, v_bar, slot, lo + i)
-
+        total = items(item)
         if cfg.interpret:
-            drain_free_barriers(count, S, k_free, v_free)
+            drain_free_barriers(total, S, k_free, v_free)
 
     @pl.when(wg < 2)
     def _consumer():
         interp = cfg.interpret
         if not interp:
             plgpu.set_max_registers(_CONSUMER_REGS[cfg.kv_fp8], action="increase")
-        qo_smem = q_smem.at[wg]
-        if cfg.out_in_ring:  # slot count % S: its last block (count - S) is done in both warpgroups at out_bar
-            out_smem = v_smem.at[lax.rem(count, jnp.int32(S)), pl.ds(wg * 64, 64)]
-        else:
-            out_smem = qo_smem if o_smem is None else o_smem.at[wg]
-        r0 = q0 + wg * 64  # first row of this warpgroup within the request
 
-        @pl.when(live)
-        def _():
-            row = q_base + loc * TILE_Q + wg * 64
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, 64), h], qo_smem, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+        def item(r, base):
+            h, req, live, b, loc, n_q, n_kv, off, kvh, q_base, kv_base, dk, q0, lo, hi, count = tile(r)
 
-        scale = scale_ref[0]
-        xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
+            def ring(i):
+                """The ring slot of this item's block ``i``."""
+                return lax.rem(base + i, jnp.int32(S))
 
-        def cast(x, layout):
-            return cast_layout(x, layout, interpret=interp)
-
-        def sched_sync():
-            """Ping-pong: each call lets the other warpgroup take the tensor cores."""
-            if not interp:
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(sched)
-
-        def mask_of(blk):
-            cols = vec_iota(BK, 1, interpret=interp)
-            key = lax.broadcast_in_dim(cols + (blk * BK - dk), (64, BK), [1])
-            ok = (key >= 0) & (key < n_kv)
-            if cfg.is_causal or cfg.window_left >= 0:
-                rows = vec_iota(64, 0, interpret=interp) + r0  # [64] row of each query
-                qp = lax.broadcast_in_dim(off + rows, (64, BK), [0])  # its key position
-                if cfg.is_causal:
-                    ok = ok & (key <= qp)
-                if cfg.window_left >= 0:
-                    ok = ok & (key >= qp - cfg.window_left)
-            return ok
-
-        def qk(slot):
-            k_tile = k_smem.at[slot]
-            if interp:
-                return lax.dot_general(
-                    qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-
-            def scope(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
-                sched_sync()
-                return acc_ref[...]
-
-            return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32))
-
-        def zero_tail(slot, blk):
-            """Zero the V rows of keys outside [0, n_kv) (the first and last blocks)."""
-            vt = v_smem.at[slot]
-            k0 = blk * BK - dk
-
-            @pl.when((k0 < 0) | (k0 + BK > n_kv))
-            def _():
-                vr = tile_iota((BK, DV), 0, interpret=interp)
-                key = vr + k0
-                vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
-                plgpu.commit_smem()
-
-        def load_cols(ref):
-            """A [BK] f32 vector from shared memory, in the score tile's column layout."""
-            return load_layout(ref, plgpu.Layout.WGMMA.reduce(0), interpret=interp)
-
-        def clean_edge_tile(slot, ok):
-            """An edge block's V tile made safe to multiply by P, and the poison of the
-            rows that see a non-finite V. A masked key (P = 0) must add exactly nothing,
-            but 0 * NaN is NaN: warpgroup 0 records which V rows hold a non-finite value
-            (``bad_smem``) and replaces those entries by 0 in shared memory; both
-            warpgroups then read the record (``cleaned`` orders it before their P @ V)
-            and a row whose mask ``ok`` admits a flagged key gets NaN in its softmax
-            denominator. Warpgroup 0 runs ahead of warpgroup 1 (ping-pong), so the
-            wait rarely stalls."""
-            v_tile = v_smem.at[slot]
-
-            @pl.when(wg == 0)
-            def _():
-                v = v_tile[...]
-                finite = v - v == 0
-                one, zero = jnp.ones(v.shape, v.dtype), jnp.zeros(v.shape, v.dtype)
-                bad_smem[slot] = jnp.where(finite, zero, one).max(axis=1).astype(jnp.float32)
-                v_tile[...] = jnp.where(finite, v, zero)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(cleaned.at[slot])
-
-            plgpu.barrier_wait(cleaned.at[slot])
-            bad = lax.broadcast_in_dim(load_cols(bad_smem.at[slot]), (64, BK), [1])
-            hit = jnp.where(ok & (bad > 0), 1.0, 0.0).max(axis=1)
-            return jnp.where(hit > 0, jnp.nan, 0.0)
-
-        def softmax(s, m_i, l_i, ok=None):
-            """Online softmax of one block's scores (base 2): ``(P, alpha, m, l)``,
-            ``alpha`` the factor that rescales the accumulator to the new maximum."""
-            x = s * xscale
-            if cfg.logit_cap > 0:
-                x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
-            if ok is not None:
-                x = jnp.where(ok, x, -jnp.inf)
-            m_new = jnp.maximum(m_i, x.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
-            return p.astype(dtype), alpha, m_new, l_i * alpha + p.sum(axis=1)
-
-        def rescale(acc, alpha):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        def step(i, carry, masked: bool, clean: bool = False):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(S))
-            blk = lo + i
-            if not prefetch_k:
-                plgpu.barrier_wait(k_bar.at[slot])
-            s = qk(slot)
-            plgpu.barrier_arrive(k_free.at[slot])
-            ok = mask_of(blk) if masked else None
-            p16, alpha, m_new, l_i = softmax(s, m_i, l_i, ok)
-            acc = rescale(acc, alpha)
-            if cfg.options.fence_softmax:
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            if not interp:
-                plgpu.barrier_arrive(sched)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
-            if masked and clean:
-                l_i = l_i + clean_edge_tile(slot, ok)
-            elif masked:
-                zero_tail(slot, blk)
-            if interp:
-                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+            qo_smem = q_smem.at[wg]
+            if cfg.out_in_ring:  # slot count % S: its last block (count - S) is done in both warpgroups at out_bar
+                out_smem = v_smem.at[ring(count), pl.ds(wg * 64, 64)]
             else:
-                plgpu.barrier_wait(sched)  # the tensor cores are ours
+                out_smem = qo_smem if o_smem is None else o_smem.at[wg]
+            r0 = q0 + wg * 64  # first row of this warpgroup within the request
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    if prefetch_k:
-                        wait_next_k(i)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            if interp and prefetch_k:
-                wait_next_k(i)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
-
-        prefetch_k = cfg.options.prefetch_k
-
-        def wait_next_k(i):
-            @pl.when(i + 1 < count)
+            @pl.when(live)
             def _():
-                plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(S))])
+                row = q_base + loc * TILE_Q + wg * 64
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, 64), h], qo_smem, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
 
-        def overlapped_steps(a, b, carry):
-            """Unmasked steps [a, b) (a < b), the tensor-core work of consecutive blocks
-            overlapped in this warpgroup (``PrefillOptions.overlap_pv``):
+            scale = scale_ref[0]
+            xscale = scale if cfg.logit_cap > 0 else scale * _LOG2E
 
-            * prologue: ``S(a)``, its softmax;
-            * step i: issue ``S(i)`` and ``O += P(i-1) V(i-1)`` together, hand the
-              tensor cores over, take ``S(i)`` as soon as it lands (the P V may still
-              run) and run its softmax, then wait for the P V and rescale O;
-            * epilogue: ``O += P(b-1) V(b-1)``.
+            def cast(x, layout):
+                return cast_layout(x, layout, interpret=interp)
 
-            The ping-pong barrier sees the same arrive / wait sequence as :func:`step`
-            (two of each per block), so overlapped and plain steps mix freely."""
-            acc, m_i, l_i = carry
-            slot = lax.rem(a, jnp.int32(S))
-            plgpu.barrier_wait(k_bar.at[slot])
-            s = qk(slot)
-            plgpu.barrier_arrive(k_free.at[slot])
-            p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
-            acc = rescale(acc, alpha)
-            if not interp:
-                plgpu.barrier_arrive(sched)  # softmax done
+            def sched_sync():
+                """Ping-pong: each call lets the other warpgroup take the tensor cores."""
+                if not interp:
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(sched)
 
-            def body(i, carry):
-                acc, m_i, l_i, p_prev = carry
-                slot = lax.rem(i, jnp.int32(S))
-                pslot = lax.rem(i - 1, jnp.int32(S))
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[pslot])
+            def mask_of(blk):
+                cols = vec_iota(BK, 1, interpret=interp)
+                key = lax.broadcast_in_dim(cols + (blk * BK - dk), (64, BK), [1])
+                ok = (key >= 0) & (key < n_kv)
+                if cfg.is_causal or cfg.window_left >= 0:
+                    rows = vec_iota(64, 0, interpret=interp) + r0  # [64] row of each query
+                    qp = lax.broadcast_in_dim(off + rows, (64, BK), [0])  # its key position
+                    if cfg.is_causal:
+                        ok = ok & (key <= qp)
+                    if cfg.window_left >= 0:
+                        ok = ok & (key >= qp - cfg.window_left)
+                return ok
+
+            def qk(slot):
+                k_tile = k_smem.at[slot]
                 if interp:
-                    s = lax.dot_general(
-                        qo_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                    return lax.dot_general(
+                        qo_smem[...], k_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                     )
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    acc = acc + jnp.dot(p_prev, v_smem[pslot], preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(v_free.at[pslot])
-                    p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
-                    return rescale(acc, alpha), m_i, l_i, p16
-                plgpu.barrier_wait(sched)  # the tensor cores are ours
 
-                def scope(s_ref, o_ref):
-                    o_ref[...] = acc
-                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].T)
-                    plgpu.wgmma(o_ref, p_prev, v_smem.at[pslot])
+                def scope(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_tile.T)
                     sched_sync()
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S(i) in, P V in flight
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p16, alpha, m_new, l_new = softmax(s, m_i, l_i)
+                    return acc_ref[...]
+
+                return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32))
+
+            def zero_tail(slot, blk):
+                """Zero the V rows of keys outside [0, n_kv) (the first and last blocks)."""
+                vt = v_smem.at[slot]
+                k0 = blk * BK - dk
+
+                @pl.when((k0 < 0) | (k0 + BK > n_kv))
+                def _():
+                    vr = tile_iota((BK, DV), 0, interpret=interp)
+                    key = vr + k0
+                    vt[...] = jnp.where((key >= 0) & (key < n_kv), vt[...], jnp.zeros((BK, DV), vt.dtype))
+                    plgpu.commit_smem()
+
+            def load_cols(ref):
+                """A [BK] f32 vector from shared memory, in the score tile's column layout."""
+                return load_layout(ref, plgpu.Layout.WGMMA.reduce(0), interpret=interp)
+
+            def clean_edge_tile(slot, ok):
+                """An edge block's V tile made safe to multiply by P, and the poison of the
+                rows that see a non-finite V. A masked key (P = 0) must add exactly nothing,
+                but 0 * NaN is NaN: warpgroup 0 records which V rows hold a non-finite value
+                (``bad_smem``) and replaces those entries by 0 in shared memory; both
+                warpgroups then read the record (``cleaned`` orders it before their P @ V)
+                and a row whose mask ``ok`` admits a flagged key gets NaN in its softmax
+                denominator. Warpgroup 0 runs ahead of warpgroup 1 (ping-pong), so the
+                wait rarely stalls."""
+                v_tile = v_smem.at[slot]
+
+                @pl.when(wg == 0)
+                def _():
+                    v = v_tile[...]
+                    finite = v - v == 0
+                    one, zero = jnp.ones(v.shape, v.dtype), jnp.zeros(v.shape, v.dtype)
+                    bad_smem[slot] = jnp.where(finite, zero, one).max(axis=1).astype(jnp.float32)
+                    v_tile[...] = jnp.where(finite, v, zero)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(cleaned.at[slot])
+
+                plgpu.barrier_wait(cleaned.at[slot])
+                bad = lax.broadcast_in_dim(load_cols(bad_smem.at[slot]), (64, BK), [1])
+                hit = jnp.where(ok & (bad > 0), 1.0, 0.0).max(axis=1)
+                return jnp.where(hit > 0, jnp.nan, 0.0)
+
+            def softmax(s, m_i, l_i, ok=None):
+                """Online softmax of one block's scores (base 2): ``(P, alpha, m, l)``,
+                ``alpha`` the factor that rescales the accumulator to the new maximum."""
+                x = s * xscale
+                if cfg.logit_cap > 0:
+                    x = jnp.tanh(x * (1.0 / cfg.logit_cap)) * (cfg.logit_cap * _LOG2E)
+                if ok is not None:
+                    x = jnp.where(ok, x, -jnp.inf)
+                m_new = jnp.maximum(m_i, x.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
+                return p.astype(dtype), alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+            def rescale(acc, alpha):
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def step(i, carry, masked: bool, clean: bool = False):
+                acc, m_i, l_i = carry
+                slot = ring(i)
+                blk = lo + i
+                if not prefetch_k:
+                    plgpu.barrier_wait(k_bar.at[slot])
+                s = qk(slot)
+                plgpu.barrier_arrive(k_free.at[slot])
+                ok = mask_of(blk) if masked else None
+                p16, alpha, m_new, l_i = softmax(s, m_i, l_i, ok)
+                acc = rescale(acc, alpha)
+                if cfg.options.fence_softmax:
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                if not interp:
                     plgpu.barrier_arrive(sched)  # softmax done
-                    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                    plgpu.barrier_arrive(v_free.at[pslot])
-                    return rescale(o, alpha), m_new, l_new, p16
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked and clean:
+                    l_i = l_i + clean_edge_tile(slot, ok)
+                elif masked:
+                    zero_tail(slot, blk)
+                if interp:
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                else:
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours
 
-                return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32), plgpu.ACC((64, DV), jnp.float32))
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        if prefetch_k:
+                            wait_next_k(i)
 
-            acc, m_i, l_i, p16 = lax.fori_loop(a + 1, b, body, (acc, m_i, l_i, p16))
-            slot = lax.rem(b - 1, jnp.int32(S))
-            plgpu.barrier_wait(v_bar.at[slot])
-            if interp:
-                acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-            else:
-                plgpu.barrier_wait(sched)  # the tensor cores are ours
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if interp and prefetch_k:
+                    wait_next_k(i)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            prefetch_k = cfg.options.prefetch_k
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_i, l_i
+            def wait_next_k(i):
+                @pl.when(i + 1 < count)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[ring(i + 1)])
 
-        def middle_steps(a, b, carry):
-            """The unmasked steps [a, b)."""
-            if not cfg.options.overlap_pv:
-                return lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
-            return lax.cond(b > a, functools.partial(overlapped_steps, a, b), lambda c: c, carry)
+            def overlapped_steps(a, b, carry):
+                """Unmasked steps [a, b) (a < b), the tensor-core work of consecutive blocks
+                overlapped in this warpgroup (``PrefillOptions.overlap_pv``):
 
-        m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = cast(jnp.full((64, DV), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                * prologue: ``S(a)``, its softmax;
+                * step i: issue ``S(i)`` and ``O += P(i-1) V(i-1)`` together, hand the
+                  tensor cores over, take ``S(i)`` as soon as it lands (the P V may still
+                  run) and run its softmax, then wait for the P V and rescale O;
+                * epilogue: ``O += P(b-1) V(b-1)``.
 
-        # Blocks [full_lo, full_hi) need no mask for any query row of the tile: every
-        # key is >= 0 and < n_kv, <= the first row's position (causal), >= the last
-        # row's window start. The rest of [lo, hi) are edge blocks, the same ones in
-        # both warpgroups (they meet on each).
-        if cfg.clean_edges:  # the tile's rows: both warpgroups take the same edge blocks
-            first_pos = off + jnp.maximum(q0, 0)
-            last_pos = off + jnp.maximum(jnp.minimum(q0 + TILE_Q - 1, n_q - 1), 0)
-        else:  # this warpgroup's rows
-            first_pos = off + jnp.maximum(r0, 0)
-            last_pos = off + jnp.maximum(jnp.minimum(r0 + 63, n_q - 1), 0)
-        key_end = jnp.minimum(first_pos + 1, n_kv) if cfg.is_causal else n_kv
-        full_hi = jnp.clip(lax.div(jnp.maximum(key_end, 0) + dk, jnp.int32(BK)), lo, hi)
-        key_start = jnp.maximum(last_pos - cfg.window_left, 0) if cfg.window_left >= 0 else 0
-        full_lo = jnp.clip(lax.div(key_start + dk + BK - 1, jnp.int32(BK)), lo, full_hi)
+                The ping-pong barrier sees the same arrive / wait sequence as :func:`step`
+                (two of each per block), so overlapped and plain steps mix freely."""
+                acc, m_i, l_i = carry
+                slot = ring(a)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = qk(slot)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
+                acc = rescale(acc, alpha)
+                if not interp:
+                    plgpu.barrier_arrive(sched)  # softmax done
 
-        if prefetch_k:  # the first block's K; each step waits for the next one
+                def body(i, carry):
+                    acc, m_i, l_i, p_prev = carry
+                    slot = ring(i)
+                    pslot = ring(i - 1)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[pslot])
+                    if interp:
+                        s = lax.dot_general(
+                            qo_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                        )
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        acc = acc + jnp.dot(p_prev, v_smem[pslot], preferred_element_type=jnp.float32)
+                        plgpu.barrier_arrive(v_free.at[pslot])
+                        p16, alpha, m_i, l_i = softmax(s, m_i, l_i)
+                        return rescale(acc, alpha), m_i, l_i, p16
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours
 
-            @pl.when(count > 0)
+                    def scope(s_ref, o_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].T)
+                        plgpu.wgmma(o_ref, p_prev, v_smem.at[pslot])
+                        sched_sync()
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S(i) in, P V in flight
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        p16, alpha, m_new, l_new = softmax(s, m_i, l_i)
+                        plgpu.barrier_arrive(sched)  # softmax done
+                        o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                        plgpu.barrier_arrive(v_free.at[pslot])
+                        return rescale(o, alpha), m_new, l_new, p16
+
+                    return pl.run_scoped(scope, plgpu.ACC((64, BK), jnp.float32), plgpu.ACC((64, DV), jnp.float32))
+
+                acc, m_i, l_i, p16 = lax.fori_loop(a + 1, b, body, (acc, m_i, l_i, p16))
+                slot = ring(b - 1)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if interp:
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                else:
+                    plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_i, l_i
+
+            def middle_steps(a, b, carry):
+                """The unmasked steps [a, b)."""
+                if not cfg.options.overlap_pv:
+                    return lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+                return lax.cond(b > a, functools.partial(overlapped_steps, a, b), lambda c: c, carry)
+
+            m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = cast(jnp.full((64, DV), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            # Blocks [full_lo, full_hi) need no mask for any query row of the tile: every
+            # key is >= 0 and < n_kv, <= the first row's position (causal), >= the last
+            # row's window start. The rest of [lo, hi) are edge blocks, the same ones in
+            # both warpgroups (they meet on each).
+            if cfg.clean_edges:  # the tile's rows: both warpgroups take the same edge blocks
+                first_pos = off + jnp.maximum(q0, 0)
+                last_pos = off + jnp.maximum(jnp.minimum(q0 + TILE_Q - 1, n_q - 1), 0)
+            else:  # this warpgroup's rows
+                first_pos = off + jnp.maximum(r0, 0)
+                last_pos = off + jnp.maximum(jnp.minimum(r0 + 63, n_q - 1), 0)
+            key_end = jnp.minimum(first_pos + 1, n_kv) if cfg.is_causal else n_kv
+            full_hi = jnp.clip(lax.div(jnp.maximum(key_end, 0) + dk, jnp.int32(BK)), lo, hi)
+            key_start = jnp.maximum(last_pos - cfg.window_left, 0) if cfg.window_left >= 0 else 0
+            full_lo = jnp.clip(lax.div(key_start + dk + BK - 1, jnp.int32(BK)), lo, full_hi)
+
+            if prefetch_k:  # the first block's K; each step waits for the next one
+
+                @pl.when(count > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[ring(0)])
+
+            if not interp:
+                pl.when(wg == 1)(sched_sync)  # warpgroup 0 goes first
+            carry = (acc, m_i, l_i)
+            v_bad = scale_ref[1 + cfg.num_q_heads] > 0
+
+            def edge_steps(a, b, carry, in_request_masks: bool):
+                """Edge steps [a, b). Where a key inside the request is masked for some rows
+                (``in_request_masks``) and some V may be non-finite (``v_bad``, decided per
+                call outside the kernel), with the cleaning; else zeroing the V rows outside
+                the request, which is then exact (P = 0 times a finite V is 0)."""
+                if not (cfg.clean_edges and in_request_masks):
+                    return lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
+                mid = jnp.where(v_bad, b, a)  # the same in both warpgroups
+                carry = lax.fori_loop(a, mid, functools.partial(step, masked=True, clean=True), carry)
+                return lax.fori_loop(mid, b, functools.partial(step, masked=True), carry)
+
+            window = cfg.window_left >= 0
+            carry = edge_steps(0, full_lo - lo, carry, window)  # the window's first blocks, the request's first
+            carry = middle_steps(full_lo - lo, full_hi - lo, carry)
+            acc, m_i, l_i = edge_steps(full_hi - lo, count, carry, cfg.is_causal or window)  # diagonal, last
+            if not interp:
+                pl.when(wg == 0)(sched_sync)
+
+            empty = l_i == 0.0
+            m_use = jnp.where(empty, 0.0, m_i)
+            denom = l_i
+            if cfg.has_sinks:
+                sink2 = scale_ref[1 + h] * _LOG2E
+                denom = l_i + jnp.exp2(sink2 - m_use)
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, denom))
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, l_i))) * (1.0 / _LOG2E))
+
+            if cfg.out_in_ring:
+                plgpu.barrier_arrive(out_bar)
+                plgpu.barrier_wait(out_bar)
+
+            @pl.when(live)
             def _():
-                plgpu.barrier_wait(k_bar.at[0])
+                out_smem[...] = acc.astype(dtype)
+                lse_smem[wg] = lse
+                plgpu.commit_smem()
+                # A chunk of 64 rows wholly inside the request goes straight to its rows of
+                # the ragged output; one that straddles the request's first or last row
+                # (its other rows belong to the neighbours) goes to the request's side slot
+                # (2b: the first chunk, 2b + 1: the last), merged in after the kernel.
+                inside = (r0 >= 0) & (r0 + 64 <= n_q)
+                some = (r0 < n_q) & (r0 + 64 > 0)
+                row = q_base + loc * TILE_Q + wg * 64
 
-        if not interp:
-            pl.when(wg == 1)(sched_sync)  # warpgroup 0 goes first
-        carry = (acc, m_i, l_i)
-        v_bad = scale_ref[1 + cfg.num_q_heads] > 0
+                @pl.when(inside)
+                def _():
+                    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(row, 64), h])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(row, 64)])
 
-        def edge_steps(a, b, carry, in_request_masks: bool):
-            """Edge steps [a, b). Where a key inside the request is masked for some rows
-            (``in_request_masks``) and some V may be non-finite (``v_bad``, decided per
-            call outside the kernel), with the cleaning; else zeroing the V rows outside
-            the request, which is then exact (P = 0 times a finite V is 0)."""
-            if not (cfg.clean_edges and in_request_masks):
-                return lax.fori_loop(a, b, functools.partial(step, masked=True), carry)
-            mid = jnp.where(v_bad, b, a)  # the same in both warpgroups
-            carry = lax.fori_loop(a, mid, functools.partial(step, masked=True, clean=True), carry)
-            return lax.fori_loop(mid, b, functools.partial(step, masked=True), carry)
+                @pl.when(some & ~inside)
+                def _():
+                    side = 2 * b + jnp.where(r0 < 0, 0, 1)
+                    plgpu.copy_smem_to_gmem(out_smem, o_side_ref.at[side, :, h])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_side_ref.at[side, h])
 
-        window = cfg.window_left >= 0
-        carry = edge_steps(0, full_lo - lo, carry, window)  # the window's first blocks, the request's first
-        carry = middle_steps(full_lo - lo, full_hi - lo, carry)
-        acc, m_i, l_i = edge_steps(full_hi - lo, count, carry, cfg.is_causal or window)  # diagonal, last
-        if not interp:
-            pl.when(wg == 0)(sched_sync)
+                plgpu.wait_smem_to_gmem(0)
 
-        empty = l_i == 0.0
-        m_use = jnp.where(empty, 0.0, m_i)
-        denom = l_i
-        if cfg.has_sinks:
-            sink2 = scale_ref[1 + h] * _LOG2E
-            denom = l_i + jnp.exp2(sink2 - m_use)
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, denom))
-        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(jnp.where(empty, 1.0, l_i))) * (1.0 / _LOG2E))
+            return base + count
 
-        if cfg.out_in_ring:
-            plgpu.barrier_arrive(out_bar)
-            plgpu.barrier_wait(out_bar)
-
-        @pl.when(live)
-        def _():
-            out_smem[...] = acc.astype(dtype)
-            lse_smem[wg] = lse
-            plgpu.commit_smem()
-            # A chunk of 64 rows wholly inside the request goes straight to its rows of
-            # the ragged output; one that straddles the request's first or last row
-            # (its other rows belong to the neighbours) goes to the request's side slot
-            # (2b: the first chunk, 2b + 1: the last), merged in after the kernel.
-            inside = (r0 >= 0) & (r0 + 64 <= n_q)
-            some = (r0 < n_q) & (r0 + 64 > 0)
-            row = q_base + loc * TILE_Q + wg * 64
-
-            @pl.when(inside)
-            def _():
-                plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(row, 64), h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(row, 64)])
-
-            @pl.when(some & ~inside)
-            def _():
-                side = 2 * b + jnp.where(r0 < 0, 0, 1)
-                plgpu.copy_smem_to_gmem(out_smem, o_side_ref.at[side, :, h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_side_ref.at[side, h])
-
-            plgpu.wait_smem_to_gmem(0)
+        items(item)
 
 
 # Register budgets per thread (producer, consumers) by kv_fp8: 232 x 256 + 40 x 128 fills the
@@ -655,7 +706,7 @@ _PRODUCER_REGS = {False: 40, True: 56}
 _CONSUMER_REGS = {False: 232, True: 224}
 
 
-def run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
+def run(cfg: PrefillConfig, dtype, arrays):
     """Launch the kernel: ``(o, lse, o_side, lse_side)`` for ``arrays`` as ``mosaic_prefill`` builds them."""
     tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
     BK, S, D, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim, cfg.head_dim_v
@@ -712,8 +763,8 @@ def run(cfg: PrefillConfig, dtype, arrays, num_tiles: int):
     kernel = plgpu_kernel(
         entry,
         out_type,
-        grid=(hq, num_tiles),
-        grid_names=("heads", "tiles"),
+        grid=(cfg.launch_ctas,),
+        grid_names=("ctas",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -40,6 +40,7 @@ class Case:
     clean_edges: bool | None = None  # the kernel option (None: its default here)
     kv_fp8: bool = False  # K/V as FP8 e4m3 with the scales below (the oracle reads the same bytes)
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
+    ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
 
 
 _FP8_SCALES = (0.37, 1.9)  # k_scale, v_scale of the FP8 cases
@@ -97,7 +98,9 @@ def _opts(c: Case):
 
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
-    options = mp.PrefillOptions(overlap_pv=True) if c.overlap else None
+    options = None
+    if c.overlap or c.ctas:
+        options = mp.PrefillOptions(overlap_pv=c.overlap, persistent=c.ctas > 0, ctas=c.ctas)
     return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges, options=options)
 
 
@@ -208,6 +211,11 @@ CPU_CASES = [
     # tiles with none; non-causal with masked first and last blocks around a run of 4
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True),
     Case(q_lens=(97, 0, 1, 700), hq=2, hkv=1, causal=False, overlap=True),
+    # the persistent launch: 2-3 CTAs walk every tile (rounds forwards and backwards, dead
+    # items in the last round), the ring and barrier phases running on across tiles
+    Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40, ctas=3),
+    Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, ctas=2),
+    Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True, ctas=3),
     # 192/128 with 128-key blocks, the output tiles in a V ring slot: tiles of 0 to 3 blocks
     Case(q_lens=(300, 0, 1, 40), hq=2, hkv=2, d=192, dv=128, poison=130),
 ]
@@ -241,6 +249,21 @@ GPU_CASES = [
     Case(q_lens=(900, 33), hq=16, hkv=16, d=192, dv=128, poison=10, overlap=True),
     Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, d=128, overlap=True),
     Case(q_lens=(513, 64), prefix=(1000, 3000), page_size=64, hq=16, hkv=4, d=128, kv_fp8=True, overlap=True),
+    # the persistent launch: 7 CTAs (many rounds each), and one per SM
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128, poison=500, ctas=7),
+    Case(
+        q_lens=(300, 5, 129),
+        prefix=(2000, 0, 77),
+        page_size=16,
+        hq=32,
+        hkv=8,
+        d=128,
+        kv_fp8=True,
+        poison=2100,
+        ctas=132,
+    ),
+    Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, ctas=132),
+    Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, overlap=True, ctas=132),
 ]
 
 
@@ -379,6 +402,12 @@ def test_bench_option_sets_parse_and_refuse_unknown_names():
     for bad in ("overlap=1", "overlap_pv=x", "overlap_pv"):
         with pytest.raises(ValueError, match="NAME=INT"):
             parse_options(bad)
+
+
+def test_persistent_launch_is_refused_where_the_output_borrows_the_ring():
+    q, v = jnp.zeros((8, 1, 192), jnp.float16), jnp.zeros((8, 1, 128), jnp.float16)
+    with pytest.raises(ValueError, match="head_dim == head_dim_v"):
+        mp.mha_prefill(q, q, v, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=True))
 
 
 def test_prefetch_k_and_overlap_pv_are_refused_together():

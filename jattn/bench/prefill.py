@@ -188,7 +188,7 @@ def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
             name = name.strip()
             if name not in fields or not value.strip().isdigit():
                 raise ValueError(f"{item!r}: expected NAME=INT with NAME one of {', '.join(sorted(fields))}")
-            kw[name] = int(value) if name == "block_kv" else bool(int(value))
+            kw[name] = int(value) if name in ("block_kv", "ctas") else bool(int(value))
         out.append((spec, PrefillOptions(**kw)))
     return out
 
