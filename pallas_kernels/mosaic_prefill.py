@@ -168,7 +168,10 @@ def _attention(
         kv_fp8=kv_fp8,
         num_tiles=num_tiles,
     )
-    if options.persistent:
+    persistent = options.persistent
+    if persistent is None:
+        persistent = d == dv == 128 and not kv_fp8
+    if persistent:
         if cfg.out_in_ring:
             raise ValueError(
                 f"PrefillOptions(persistent=True): head dims {d}/{dv} stage the output in the K/V ring, "

@@ -16,13 +16,21 @@ prefix.
 Layout of the work (FlashAttention-3 style):
 
 * A **tile** is 128 consecutive query rows of one request and one query head: two
-  compute warpgroups own 64 rows each. The grid is ``(query heads, tiles)``; the
-  tiles of all requests are listed once (a request of ``n`` queries has
-  ``ceil(n / 128)`` of them, no padding between requests) and ordered longest
-  work first, so that the CTAs launched last are the short ones and the SMs
-  finish together (a longest-processing-time-first order; a persistent grid
-  would also need a device-side work queue, which this order makes unnecessary
-  for the lengths seen in serving).
+  compute warpgroups own 64 rows each. The tiles of all requests are listed once
+  (a request of ``n`` queries has ``ceil(n / 128)`` of them, no padding between
+  requests) and ordered longest work first; the work list is (tile, query head)
+  pairs, heads fastest. Two launches:
+  - **persistent** (the default at head_dim 128 with 2-byte K/V): one CTA per SM.
+    CTA ``c`` takes item ``c`` of each round of ``ctas`` items, counting forwards
+    in even rounds and backwards in odd ones, so that with the longest work first
+    every CTA's items add up to about the same work. The ring, its barrier phases
+    and the ping-pong run on from one tile to the next, so the producer streams
+    the next tile's first K/V blocks while the consumers finish a tile, and no CTA
+    is launched per tile. A static order rather than a device-side work queue:
+    the tiles' work is known when the list is built.
+  - **one CTA per tile** (the rest): the hardware places each CTA as an SM frees
+    up, in the same longest-first order, so the CTAs launched last are the short
+    ones and the SMs finish together.
 * A **producer** warpgroup streams K and V blocks of ``block_kv`` tokens of the
   query head's KV head by TMA into a ring of ``num_stages`` slots. Only the blocks
   the tile can see are fetched: with a causal mask the blocks past the tile's last
@@ -102,7 +110,7 @@ TILE_Q = plan.TILE_Q  # query rows per tile: two consumer warpgroups of 64
 
 @dataclasses.dataclass(frozen=True)
 class PrefillOptions:
-    """Scheduling choices of the consumer loop (static)."""
+    """Scheduling choices of the kernel (static)."""
 
     # Fence the softmax results (acc, l, m, P) before the warpgroup hands the tensor
     # cores over, so the compiler cannot sink softmax work past the hand-over.
@@ -121,8 +129,9 @@ class PrefillOptions:
     block_kv: int = 0
     # One CTA per SM, each walking its share of the tiles (see ``_kernel``'s ``tile``):
     # the next tile's K/V stream in while a tile ends, and no CTA launches per tile.
-    # Not where the output tiles borrow a ring slot (192/128).
-    persistent: bool = False
+    # Not where the output tiles borrow a ring slot (192/128). None: on where it was
+    # measured faster (head_dim 128 with 2-byte K/V), else one CTA per tile.
+    persistent: bool | None = None
     ctas: int = 0  # the persistent launch's CTA count (0: one per SM)
 
 
@@ -757,9 +766,10 @@ def run(cfg: PrefillConfig, dtype, arrays):
         )
 
     mode = f"paged{cfg.page_size}" if cfg.page_size else "ragged"
-    name = (
-        f"jattn_prefill_{mode}_d{D}x{DV}_bk{BK}_s{S}{'_fp8' if cfg.kv_fp8 else ''}{'_causal' if cfg.is_causal else ''}"
+    flags = "".join(
+        f"_{n}" for n, on in (("fp8", cfg.kv_fp8), ("causal", cfg.is_causal), ("persistent", cfg.ctas)) if on
     )
+    name = f"jattn_prefill_{mode}_d{D}x{DV}_bk{BK}_s{S}{flags}"
     kernel = plgpu_kernel(
         entry,
         out_type,
