@@ -518,21 +518,26 @@ def _kernel(
                     l_i = l_i + clean_edge_tile(slot, ok)
                 elif masked:
                     zero_tail(slot, blk)
-                if interp:
-                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-                else:
-                    plgpu.barrier_wait(sched)  # the tensor cores are ours
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        if prefetch_k:
-                            wait_next_k(i)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                if interp and prefetch_k:
-                    wait_next_k(i)
+                acc = pv(acc, p16, slot, functools.partial(wait_next_k, i) if prefetch_k else None)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
+
+            def pv(acc, p16, slot, then=None):
+                """``acc + P V`` on the tensor cores once they are this warpgroup's, with
+                ``then()`` run while the product is in flight."""
+                if interp:
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                    if then is not None:
+                        then()
+                    return acc
+                plgpu.barrier_wait(sched)  # the tensor cores are ours
+
+                def product(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if then is not None:
+                        then()
+
+                return pl.run_state(product)(plgpu.ACC.init(acc))
 
             prefetch_k = cfg.options.prefetch_k
 
@@ -598,15 +603,7 @@ def _kernel(
                 acc, m_i, l_i, p16 = lax.fori_loop(a + 1, b, body, (acc, m_i, l_i, p16))
                 slot = ring(b - 1)
                 plgpu.barrier_wait(v_bar.at[slot])
-                if interp:
-                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-                else:
-                    plgpu.barrier_wait(sched)  # the tensor cores are ours
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = pv(acc, p16, slot)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_i, l_i
 
