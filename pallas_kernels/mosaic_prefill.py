@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.combine import NUM_SMS
-from jattn.pallas_kernels.mosaic_prefill_kernel import TILE_Q, PrefillConfig, PrefillOptions, run
+from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions
+from jattn.pallas_kernels.mosaic_prefill_kernel import run
 
 __all__ = [
     "mha_prefill",

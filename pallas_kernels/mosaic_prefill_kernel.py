@@ -81,7 +81,6 @@ addressing, ring, barriers, masks, softmax) is the kernel that runs on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -91,7 +90,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
@@ -101,86 +99,11 @@ from jattn.pallas_kernels.mosaic_common import (
     tile_iota,
     vec_iota,
 )
+from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig
 
-__all__ = ["PrefillConfig", "PrefillOptions", "TILE_Q", "run"]
+__all__ = ["run"]
 
 _LOG2E = math.log2(math.e)
-TILE_Q = plan.TILE_Q  # query rows per tile: two consumer warpgroups of 64
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillOptions:
-    """Scheduling choices of the kernel (static)."""
-
-    # Fence the softmax results (acc, l, m, P) before the warpgroup hands the tensor
-    # cores over, so the compiler cannot sink softmax work past the hand-over.
-    fence_softmax: bool = False
-    # Wait for the next block's K while this block's P @ V runs, not before its Q K^T.
-    # Deadlocks under the Mosaic GPU interpreter together with the edge cleaning
-    # (docs/PERF.md), so it is off and refused there.
-    prefetch_k: bool = False
-    # Intra-warpgroup overlap on the unmasked blocks: each warpgroup issues
-    # ``S(i) = Q K(i)^T`` and ``O += P(i-1) V(i-1)`` together, and runs the softmax of
-    # block i while its own P V is still on the tensor cores (O is rescaled once that
-    # product lands). Not combined with ``prefetch_k``.
-    overlap_pv: bool = False
-    # Keys per K/V block (0: by head width, ``mosaic_prefill._choose_blocks``); the
-    # ring keeps two stages.
-    block_kv: int = 0
-    # One CTA per SM, each walking its share of the tiles (see ``_kernel``'s ``tile``):
-    # the next tile's K/V stream in while a tile ends, and no CTA launches per tile.
-    # Not where the output tiles borrow a ring slot (192/128). None: on where it was
-    # measured faster (head_dim 128 with 2-byte K/V), else one CTA per tile.
-    persistent: bool | None = None
-    ctas: int = 0  # the persistent launch's CTA count (0: one per SM)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    """Static configuration of one kernel build."""
-
-    head_dim: int  # q/k width
-    head_dim_v: int
-    num_q_heads: int
-    num_kv_heads: int
-    block_kv: int
-    num_stages: int
-    is_causal: bool
-    window_left: int
-    logit_cap: float
-    has_sinks: bool
-    page_size: int  # 0: contiguous (ragged) K/V
-    num_pages: int
-    max_pages: int
-    interpret: bool
-    clean_edges: bool  # non-finite V on edge blocks: flag and clean (else only zero keys outside)
-    options: PrefillOptions = PrefillOptions()
-    kv_fp8: bool = False  # FP8 e4m3 K/V: staged by TMA, upcast to f16 into the ring by the producer
-    num_tiles: int = 1  # query tiles per head (the launch's work list is Hq x num_tiles items)
-    ctas: int = 0  # CTAs launched (0: one per item)
-
-    @property
-    def items(self) -> int:
-        return self.num_q_heads * self.num_tiles
-
-    @property
-    def launch_ctas(self) -> int:
-        return min(self.ctas, self.items) if self.ctas else self.items
-
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def out_in_ring(self) -> bool:
-        """The output tiles borrow a V ring slot after the loop (where ``Dv != D``, so
-        Q's tiles cannot hold them, and a slot holds both warpgroups' 64 rows)."""
-        return self.head_dim_v != self.head_dim and self.block_kv >= TILE_Q and self.num_stages >= 2
-
-    @property
-    def pieces(self) -> int:
-        """TMA copies per K/V block: one, or one per page when pages are smaller."""
-        return 1 if self.page_size == 0 or self.page_size >= self.block_kv else self.block_kv // self.page_size
 
 
 # ---------------------------------------------------------------------------

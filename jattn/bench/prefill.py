@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.bench import common
-from jattn.pallas_kernels.mosaic_prefill_kernel import PrefillOptions
+from jattn.pallas_kernels.mosaic_prefill_config import PrefillOptions
 
 # 16 request lengths spread geometrically from 128 to 8192 tokens.
 RAGGED16 = tuple(int(round(128 * 64 ** (j / 15))) for j in range(16))
