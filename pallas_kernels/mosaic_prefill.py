@@ -49,6 +49,12 @@ def _interpreting() -> bool:
     return interpreting()
 
 
+def _num_sms() -> int:
+    """The default device's SM count (the persistent launch's CTAs), or the H200's
+    where JAX does not report it (CPU, the interpreter)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or NUM_SMS)
+
+
 def _choose_blocks(d: int, dv: int, kv_fp8: bool = False, block_kv: int = 0) -> tuple[int, int]:
     """(block_kv, num_stages) by head width: the ring and the two query tiles fit
     in shared memory, and the score tile plus the accumulator fit in registers.
@@ -130,6 +136,8 @@ def _attention(
     clean_edges,
     options,
 ):
+    if options.ctas < 0:
+        raise ValueError(f"PrefillOptions.ctas={options.ctas}: 0 (one CTA per SM) or a positive count")
     if options.block_kv not in (0, 64, 128):
         raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
@@ -178,7 +186,7 @@ def _attention(
                 f"PrefillOptions(persistent=True): head dims {d}/{dv} stage the output in the K/V ring, "
                 "which the next tile's blocks would overwrite; it needs head_dim == head_dim_v"
             )
-        cfg = dataclasses.replace(cfg, ctas=options.ctas or NUM_SMS)
+        cfg = dataclasses.replace(cfg, ctas=options.ctas or _num_sms())
     scale = (1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale) * k_scale
     # Only causal and windowed calls have keys inside a request that some rows do not
     # see (the kernel's edge_steps reads v_bad for those alone): no pass over V otherwise.

@@ -412,6 +412,12 @@ def test_persistent_launch_is_refused_where_the_output_borrows_the_ring():
         mp.mha_prefill(q, q, v, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=True))
 
 
+def test_negative_cta_count_is_refused():
+    q = jnp.zeros((8, 1, 64), jnp.float16)
+    with pytest.raises(ValueError, match="PrefillOptions.ctas=-1"):
+        mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=True, ctas=-1))
+
+
 def test_prefetch_k_and_overlap_pv_are_refused_together():
     q = jnp.zeros((8, 1, 64), jnp.float16)
     opts = mp.PrefillOptions(prefetch_k=True, overlap_pv=True)
