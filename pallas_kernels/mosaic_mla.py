@@ -6,35 +6,10 @@ per token; the score of query row ``q`` against token ``j`` is ``q . row_j`` ove
 query heads are the MMA rows: request ``b``'s ``q_len * H`` rows (row ``i * H + h``)
 are cut into tiles of 64.
 
-Layout of the work:
-
-* Grid ``(num_splits, batch, row tiles)``. One CTA takes 64 query rows of one
-  request and one contiguous range of its KV blocks (``block_n = 64`` tokens: one
-  TMA box of ``[64, W]``, or one per page for smaller pages).
-* A **producer** warpgroup streams the blocks by TMA into a two-slot ring.
-* Warpgroup 0 (**softmax**) computes ``S = Q K^T`` (``wgmma`` over the 576
-  columns), the online softmax in base 2, writes ``P`` (bf16/f16) and the row
-  rescale factor to shared memory, and accumulates ``P @ V[:, :256]``.
-  Warpgroup 1 accumulates ``P @ V[:, 256:]`` from the shared ``P``: the
-  ``64 x 512`` f32 accumulator is split across the two warpgroups (128 registers
-  each). Warpgroup 0's ``Q K^T`` of block ``i + 1`` overlaps warpgroup 1's
-  ``P @ V`` of block ``i``.
-* Masked keys contribute nothing, whatever they hold: on the blocks that hold a
-  request's last keys (``L - q_len + 1`` and later, the ones some row does not
-  see) warpgroup 0 replaces, after its ``Q K^T``, the V entries of keys past the
-  length and the non-finite V entries by 0 in shared memory, so ``P = 0`` times
-  them is 0. A row that does see a non-finite V entry still comes out NaN: the
-  value columns are score columns too, so its score is NaN. Every other block is
-  used as loaded.
-* Each split writes its normalised partial output and base-2 LSE;
-  ``combine.combine_splits`` merges them and applies ``kv_scale`` to the output.
-
-Register layouts: every register value derives its layout from an annotated source
-(the ``wgmma`` accumulator, a ``layout_cast``, or an iota built with a layout), and no
-two iotas of one shape and dimension are cast to different layouts: Mosaic GPU runs
-``canonicalize,cse`` before its layout inference, which merges identical ops, and a
-value cast to two layouts (or an iota whose uses fold away) leaves the search with
-no solution.
+The kernel (its layout of the work, the warpgroups' roles, the barriers) is in
+``mosaic_mla_kernel``; this module chooses the split count, prepares the operands and
+merges the splits (``combine.combine_splits``, which also applies ``kv_scale`` to the
+output).
 
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
@@ -44,33 +19,16 @@ shared-memory tiles; the rest is the kernel that runs on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
-from jattn.pallas_kernels.mosaic_common import (
-    cast_layout,
-    drain_free_barriers,
-    load_layout,
-    plgpu_kernel,
-    split_blocks,
-    swizzle_transforms,
-    tile_iota,
-    vec_iota,
-)
+from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, MLADecodeConfig, run
 
 __all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
 
-_LOG2E = math.log2(math.e)
-BLOCK_N = 64  # tokens per KV block
-NUM_STAGES = 2
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 
 
@@ -78,51 +36,6 @@ def _interpreting() -> bool:
     from jattn.pallas_kernels.interpret import interpreting
 
     return interpreting()
-
-
-@dataclasses.dataclass(frozen=True)
-class MLADecodeConfig:
-    """Static configuration of one kernel build."""
-
-    width: int  # R + r
-    rank: int  # R: the value columns
-    num_heads: int
-    q_len: int
-    is_causal: bool
-    page_size: int
-    num_pages: int
-    max_pages: int
-    num_splits: int
-    score_scale: float | None  # softmax_scale * kv_scale when known at trace time
-    interpret: bool
-
-    @property
-    def m_rows(self) -> int:
-        return self.q_len * self.num_heads
-
-    @property
-    def m_tiles(self) -> int:
-        return -(-self.m_rows // 64)
-
-    @property
-    def m_rows8(self) -> int:
-        """Query rows rounded up to 8 (a TMA box row of the tiled shared memory): the row
-        count of q as the kernel reads it and of its outputs."""
-        return -(-self.m_rows // 8) * 8
-
-    @property
-    def last_rows8(self) -> int:
-        """Rows of the last row tile that are read and written (a multiple of 8)."""
-        return self.m_rows8 - (self.m_tiles - 1) * 64
-
-    @property
-    def pieces(self) -> int:
-        """TMA copies per block: one, or one per page when pages are smaller."""
-        return 1 if self.page_size >= BLOCK_N else BLOCK_N // self.page_size
-
-    @property
-    def half(self) -> int:
-        return self.rank // 2
 
 
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
@@ -160,287 +73,6 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
-
-
-# ---------------------------------------------------------------------------
-# The kernel.
-def _kernel(
-    cfg: MLADecodeConfig,
-    dtype,
-    # inputs
-    page_table_ref,  # i32[bs, max_pages]
-    lens_ref,  # i32[bs]
-    scale_ref,  # f32[1]: score scale (softmax_scale * kv_scale); None when cfg.score_scale is
-    q_ref,  # [bs, m_rows8, W]
-    kv_ref,  # [num_pages, page_size, W]
-    # outputs
-    o_ref,  # [splits, bs, m_rows8, R] (normalised per split)
-    lse_ref,  # f32[splits, bs, m_rows8] (base 2)
-    # scratch
-    q_smem,  # [64, W] (the output tile reuses its first R columns)
-    kv_smem,  # [S, BN, W]
-    row_smem,  # f32[S + 1, 64]: each slot's rescale factor, then the final 1 / l
-    lse_smem,  # f32[64]
-    kv_bar,
-    kv_free,
-    q_bar,
-    p_ready,  # per slot: warpgroup 0 has written the block's P and rescale factor
-    fin,  # warpgroup 0 is done with Q (the output may overwrite it) and wrote 1 / l
-):
-    BN, S, H, HALF = BLOCK_N, NUM_STAGES, cfg.num_heads, cfg.half
-    split = lax.axis_index("split")
-    b = lax.axis_index("b")
-    mt = lax.axis_index("mt")
-    wg = lax.axis_index("wg")
-    interp = cfg.interpret
-    seq_len = lens_ref[b]
-    lo, count = split_blocks(seq_len, BN, cfg.num_splits, split)
-    # the first key that some query row of the request does not see (causal drafts)
-    first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal else seq_len
-
-    @pl.when(wg == 2)
-    def _producer():
-        if not interp:
-            plgpu.set_max_registers(40, action="decrease")
-
-        def fetch(slot, blk):
-            ps = cfg.page_size
-            if cfg.pieces == 1:
-                per_page = ps // BN
-                pidx = jnp.minimum(lax.div(blk, jnp.int32(per_page)), cfg.max_pages - 1)
-                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-                row = lax.rem(blk, jnp.int32(per_page)) * BN
-                plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(row, BN)], kv_smem.at[slot], kv_bar.at[slot])
-                return
-            for j in range(cfg.pieces):
-                pidx = jnp.minimum(blk * cfg.pieces + j, cfg.max_pages - 1)
-                page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
-                plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot, pl.ds(j * ps, ps)], kv_bar.at[slot])
-
-        @pl.loop(0, count)
-        def _fetch(i):
-            slot = lax.rem(i, jnp.int32(S))
-
-            @pl.when(i >= S)
-            def _():
-                plgpu.barrier_wait(kv_free.at[slot])
-
-            fetch(slot, lo + i)
-
-        if interp:
-            drain_free_barriers(count, S, kv_free)
-
-    def per_tile(fn):
-        """``fn(rows)`` with this tile's rows that are read and written: 64, or the last
-        tile's :attr:`MLADecodeConfig.last_rows8` (a static count under each branch)."""
-        if cfg.m_tiles == 1:
-            fn(cfg.last_rows8)
-        else:
-            pl.when(mt < cfg.m_tiles - 1)(functools.partial(fn, 64))
-            pl.when(mt == cfg.m_tiles - 1)(functools.partial(fn, cfg.last_rows8))
-
-    def cast(x, layout):
-        return cast_layout(x, layout, interpret=interp)
-
-    def load_rows(ref):
-        """A [64] f32 vector from shared memory in the accumulator's row layout."""
-        return load_layout(ref, plgpu.Layout.WGMMA.reduce(1), interpret=interp)
-
-    def p_tile(slot):
-        """Where a block's P lives: the slot's last 64 columns (the rope part of K, which
-        only Q K^T reads), one [64, 64] tile per slot, so P is double-buffered with the ring."""
-        return kv_smem.at[slot, :, pl.ds(cfg.rank, BN)]
-
-    def pv(acc, p, slot, col0):
-        """acc + P @ V[:, col0:col0 + HALF] of ring slot ``slot``."""
-        v = kv_smem.at[slot, :, pl.ds(col0, HALF)]
-        if interp:
-            p = p if isinstance(p, jax.Array) else p[...]
-            return acc + jnp.dot(p, v[...], preferred_element_type=jnp.float32)
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p, v)
-
-        return pl.run_state(body)(plgpu.ACC.init(acc))
-
-    def write_out(acc, inv, col0):
-        """This warpgroup's normalised half of the output through Q's shared memory (free
-        by now), to GMEM in [8, 64] boxes (a column slice of the tiled tile is not one
-        contiguous TMA source). Only the boxes holding a real row are written: with 16
-        heads and one query token a tile has 16 real rows of 64."""
-        q_smem.at[:, pl.ds(col0, HALF)][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-        plgpu.commit_smem()
-
-        def store(rows):
-            for r in range(0, rows, 8):
-                for c in range(col0, col0 + HALF, 64):
-                    plgpu.copy_smem_to_gmem(
-                        q_smem.at[pl.ds(r, 8), pl.ds(c, 64)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(c, 64)]
-                    )
-
-        per_tile(store)
-
-    @pl.when(wg == 0)
-    def _softmax_wg():
-        if not interp:
-            plgpu.set_max_registers(232, action="increase")
-
-        # Only the real query rows are loaded (q is padded to a multiple of 8 rows, not
-        # 64); the tile's other rows hold whatever the shared memory held. Rows are
-        # independent through Q K^T, the softmax and P @ V, and those rows are not written.
-        def load_q(rows):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * 64, rows)], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
-
-        per_tile(load_q)
-        plgpu.barrier_wait(q_bar.at[0])
-        xscale = (scale_ref[0] if cfg.score_scale is None else cfg.score_scale) * _LOG2E
-        if cfg.is_causal:
-            rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
-            row_q = lax.div(rows, jnp.int32(H))  # its query index i
-            # the last key each row sees (padding rows: the last key of the request)
-            limit = jnp.minimum(seq_len - cfg.q_len + row_q, seq_len - 1)
-        else:
-            # Every row sees every key. A scalar limit, not a row vector that folds to one:
-            # an iota left with no use that fixes its layout fails layout inference.
-            limit = seq_len - 1
-
-        def qk(slot):
-            k = kv_smem.at[slot]
-            if interp:
-                return lax.dot_general(
-                    q_smem[...], k[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-
-            def scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k.T)
-                return acc_ref[...]
-
-            return pl.run_scoped(scope, plgpu.ACC((64, BN), jnp.float32))
-
-        def clean(slot, k0):
-            """An edge block's V entries of keys past the length, and non-finite ones, become 0."""
-            keyrow = tile_iota((64, BN), 0, interpret=interp) + k0
-            inside = keyrow < seq_len
-            for c in range(0, cfg.rank, 64):
-                piece = kv_smem.at[slot, :, pl.ds(c, 64)]
-                v = piece[...]
-                piece[...] = jnp.where(inside & (v - v == 0), v, jnp.zeros(v.shape, v.dtype))
-
-        def step(i, carry, edge: bool):
-            """Block ``lo + i``. An ``edge`` block holds keys some row does not see (past
-            the length, or a later draft token): masked and cleaned; the others are
-            used as loaded."""
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(S))
-            blk = lo + i
-            k0 = blk * BN
-            plgpu.barrier_wait(kv_bar.at[slot])
-            x = qk(slot) * xscale
-            if edge:
-                # built as a tile, not a [64] vector broadcast: a [64] column iota is the same
-                # op as the row iota above, so CSE would merge them before layout inference,
-                # which then finds no layout for the one value cast to both
-                cols = tile_iota((64, BN), 1, interpret=interp) + k0
-                ok = cols <= (lax.broadcast_in_dim(limit, (64, BN), [0]) if cfg.is_causal else limit)
-                x = jnp.where(ok, x, -jnp.inf)
-            m_new = jnp.maximum(m_i, x.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(x - lax.broadcast_in_dim(m_use, x.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            if edge:
-                clean(slot, k0)  # made visible to warpgroup 1 by the commit below
-            p16 = p.astype(dtype)
-            p_tile(slot)[...] = p16
-            row_smem[slot] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_ready.at[slot])
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = pv(acc, p16, slot, 0)
-            plgpu.barrier_arrive(kv_free.at[slot])
-            return acc, m_new, l_i
-
-        m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = cast(jnp.full((64, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        # blocks wholly before the first key some row does not see, then the (at most two) edge blocks
-        n_full = jnp.clip(lax.div(first_partial, jnp.int32(BN)) - lo, 0, count)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
-
-        empty = l_i == 0.0
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-        row_smem[S] = inv
-        lse_smem[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(fin.at[0])
-        per_tile(
-            lambda rows: plgpu.copy_smem_to_gmem(
-                lse_smem.at[pl.ds(0, rows)], lse_ref.at[split, b, pl.ds(mt * 64, rows)]
-            )
-        )
-        write_out(acc, inv, 0)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 1)
-    def _value_wg():
-        if not interp:
-            plgpu.set_max_registers(232, action="increase")
-
-        def step(i, acc):
-            slot = lax.rem(i, jnp.int32(S))
-            plgpu.barrier_wait(kv_bar.at[slot])
-            plgpu.barrier_wait(p_ready.at[slot])
-            alpha = load_rows(row_smem.at[slot])
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = pv(acc, p_tile(slot), slot, HALF)
-            plgpu.barrier_arrive(kv_free.at[slot])
-            return acc
-
-        acc = cast(jnp.full((64, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(0, count, step, acc)
-        plgpu.barrier_wait(fin.at[0])
-        write_out(acc, load_rows(row_smem.at[S]), HALF)
-        plgpu.wait_smem_to_gmem(0)
-
-
-def _run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, q, kv):
-    bs, rows = q.shape[0], cfg.m_rows8
-    BN, S, W = BLOCK_N, NUM_STAGES, cfg.width
-    out_type = (
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, rows, cfg.rank), dtype),
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, rows), jnp.float32),
-    )
-    tr = swizzle_transforms(dtype, W)
-
-    def entry(*refs):
-        if scale is None:
-            refs = refs[:2] + (None,) + refs[2:]
-        pl.run_scoped(
-            lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
-            plgpu.SMEM((64, W), dtype, transforms=tr),
-            plgpu.SMEM((S, BN, W), dtype, transforms=tr),
-            plgpu.SMEM((S + 1, 64), jnp.float32),
-            plgpu.SMEM((64,), jnp.float32),
-            plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
-            plgpu.Barrier(num_arrivals=2, num_barriers=S),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.Barrier(num_arrivals=1, num_barriers=S),
-            plgpu.Barrier(num_arrivals=1, num_barriers=1),
-            collective_axes="wg",
-        )
-
-    kernel = plgpu_kernel(
-        entry,
-        out_type,
-        grid=(cfg.num_splits, bs, cfg.m_tiles),
-        grid_names=("split", "b", "mt"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name=f"jattn_mla_decode_p{cfg.page_size}_q{cfg.q_len}{'_causal' if cfg.is_causal else ''}",
-    )
-    return kernel(page_table, lens, *([] if scale is None else [scale]), q, kv)
 
 
 @functools.partial(
@@ -496,7 +128,7 @@ def _mla_decode(
     if score_scale is None:
         scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
-    o_part, lse_part = _run(cfg, q.dtype, page_table.astype(jnp.int32), lens, scale, q3, kv_cache)
+    o_part, lse_part = run(cfg, q.dtype, page_table.astype(jnp.int32), lens, scale, q3, kv_cache)
     v_scale = None if isinstance(kv_scale, (int, float)) and float(kv_scale) == 1.0 else kv_scale
     out, lse = combine_splits(
         o_part,
