@@ -49,9 +49,13 @@ def plgpu_kernel(body, out, **kwargs):
 
 def swizzle_transforms(dtype, row_elems: int):
     """Transforms of a shared-memory tile with ``row_elems``-element rows: 8-row
-    tiles, swizzled by the row's byte width up to 128 bytes."""
+    tiles, swizzled by the row's byte width up to 128 bytes, halved until it divides the
+    row (576 e4m3 columns: 64 bytes, as one tile row must not straddle two rows)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, row_elems * itemsize)
+    row_bytes = row_elems * itemsize
+    swizzle = min(128, row_bytes)
+    while row_bytes % swizzle:
+        swizzle //= 2
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 

@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
-from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, MLADecodeConfig, run
+from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
 
 __all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+FP8_MAX = 448.0
 
 
 def _interpreting() -> bool:
@@ -43,8 +44,8 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
     width = kv_cache.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q dtype {q.dtype} (bf16/f16 only)"
-    if kv_cache.dtype != q.dtype:
-        return f"kv_cache dtype {kv_cache.dtype} differs from q's {q.dtype} (FP8 latent cache: xla)"
+    if kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
+        return f"kv_cache dtype {kv_cache.dtype} (q's dtype {q.dtype}, or float8_e4m3fn)"
     if (width, kv_lora_rank) != (576, 512):
         return f"latent width {width} / rank {kv_lora_rank} (576 / 512 only)"
     if kv_cache.shape[1] not in SUPPORTED_PAGE_SIZES:
@@ -84,6 +85,7 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
         "return_lse",
         "num_splits",
         "score_scale",
+        "land_stages",
         "interpret",
     ),
 )
@@ -101,6 +103,7 @@ def _mla_decode(
     return_lse,
     num_splits,
     score_scale,
+    land_stages,
     interpret,
 ):
     num_pages, page_size, width = kv_cache.shape
@@ -118,6 +121,8 @@ def _mla_decode(
         num_splits=num_splits,
         score_scale=score_scale,
         interpret=interpret,
+        fp8=kv_cache.dtype == jnp.float8_e4m3fn,
+        land_stages=land_stages,
     )
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
     q3 = q.reshape(bs, cfg.m_rows, width)
@@ -128,7 +133,13 @@ def _mla_decode(
     if score_scale is None:
         scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
-    o_part, lse_part = run(cfg, q.dtype, page_table.astype(jnp.int32), lens, scale, q3, kv_cache)
+    qs = None
+    if cfg.fp8:
+        q3, qs = quantize_rows_e4m3(q3)
+        qs = jnp.pad(qs, ((0, 0), (0, cfg.m_tiles * 64 - cfg.m_rows8)), constant_values=1.0)
+    # FP8: P, the upcast V and the partial outputs in f16 (the GPU converts e4m3 to f16 only)
+    part_dtype = jnp.float16 if cfg.fp8 else q.dtype
+    o_part, lse_part = run(cfg, part_dtype, page_table.astype(jnp.int32), lens, scale, qs, q3, kv_cache)
     v_scale = None if isinstance(kv_scale, (int, float)) and float(kv_scale) == 1.0 else kv_scale
     out, lse = combine_splits(
         o_part,
@@ -141,6 +152,20 @@ def _mla_decode(
         use_kernel=True,
     )
     return (out, lse) if return_lse else out
+
+
+def quantize_rows_e4m3(q):
+    """``(q8, factor)``: ``q`` ``[..., W]`` in e4m3 with each row scaled by a power of two
+    ``s`` that brings its largest entry to at most 448 (the e4m3 maximum), and the row's
+    ``factor = 1 / s`` (f32), so ``q ~ q8 * factor``. A power of two is exact: a query
+    whose entries already are e4m3 values (the MLA backend's FP8 path quantises it so)
+    comes back exactly; any other loses what e4m3 cannot hold (3 mantissa bits)."""
+    x = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    s = jnp.where(ok, jnp.exp2(jnp.floor(jnp.log2(FP8_MAX / jnp.where(ok, amax, 1.0)))), 1.0)
+    q8 = jnp.clip(x * s[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q8, 1.0 / s
 
 
 def mla_decode(
@@ -204,6 +229,7 @@ def mla_decode(
         return_lse=return_lse,
         num_splits=int(num_splits),
         score_scale=_static_scale(softmax_scale, kv_scale),
+        land_stages=FP8_LAND_STAGES,
         interpret=_interpreting(),
     )
 

@@ -1,10 +1,11 @@
 """Probe (not a test): compile and run each Mosaic GPU decode kernel once at 64 x 4096
 (32/8 heads, d128, page 64), or with ``--prefill`` the prefill kernel at each head width with
-and without ``PrefillOptions(overlap_pv=True)``, so that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints
+and without ``PrefillOptions(overlap_pv=True)``, or with ``--mla`` the MLA decode kernel
+(16 heads, bf16 and FP8 latent cache), so that ``MOSAIC_GPU_DUMP_PTXAS=1`` prints
 ptxas's register and shared-memory use per kernel, and ``ncu --metrics launch__*`` can read
 the occupancy.
 
-    MOSAIC_GPU_DUMP_PTXAS=1 python scripts/probe_regs.py [--prefill] 2>&1 | grep -E "==|Used|spill"
+    MOSAIC_GPU_DUMP_PTXAS=1 python scripts/probe_regs.py [--prefill | --mla] 2>&1 | grep -E "==|Used|spill"
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def prefill() -> None:
             jax.block_until_ready(mp.mha_prefill(q, k, v, cu, is_causal=True, options=opts))
 
 
+def mla() -> None:
+    from jattn.pallas_kernels import mosaic_mla as mm
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((64, 16, 576)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((64 * 64, 64, 576)), jnp.bfloat16)
+    table = jnp.arange(64 * 64, dtype=jnp.int32).reshape(64, 64)
+    lens = jnp.full((64,), 4096, jnp.int32)
+    for dt in (jnp.bfloat16, jnp.float8_e4m3fn):
+        print(f"== mla decode {jnp.dtype(dt).name}", flush=True)
+        jax.block_until_ready(mm.mla_decode(q, kv.astype(dt), table, lens, kv_lora_rank=512, softmax_scale=0.07))
+
+
 def main() -> None:
     bs, length, hq, hkv, d, ps = 64, 4096, 32, 8, 128, 64
     rng = np.random.default_rng(0)
@@ -50,4 +64,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    prefill() if "--prefill" in sys.argv[1:] else main()
+    if "--mla" in sys.argv[1:]:
+        mla()
+    else:
+        prefill() if "--prefill" in sys.argv[1:] else main()

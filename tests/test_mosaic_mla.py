@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jattn import reference
+from jattn.mla_rope import quantize_query_fp8
 from jattn.pallas_kernels import mosaic_mla as mm
 from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
 
@@ -35,6 +36,8 @@ class Case:
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
     keys_as_rows: bool = False  # mosaic_mla_heads.mla_decode instead
+    fp8: bool = False  # an e4m3 latent cache with kv_scale 0.5; q e4m3-valued as the backend makes it
+    raw_q: bool = False  # FP8: q as drawn (the kernel's e4m3 rounding of it is the error)
 
 
 def _inputs(c: Case, seed: int):
@@ -67,10 +70,15 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     q, kv, table, lens = _inputs(c, seed)
     scale = 1.0 / np.sqrt(192.0)
     kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
-    r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
-    want_o, want_lse = (np.asarray(a) for a in reference.mla_decode(r(q), r(kv), table, lens, **kw))
+    kv_dtype = dtype
+    if c.fp8:
+        kv_dtype, kw["kv_scale"] = jnp.float8_e4m3fn, 0.5
+        if not c.raw_q:
+            q = np.asarray(quantize_query_fp8(q), np.float32)
+    r = lambda a, dt=dtype: jnp.asarray(jnp.asarray(a, dt), jnp.float32)  # noqa: E731
+    want_o, want_lse = (np.asarray(a) for a in reference.mla_decode(r(q), r(kv, kv_dtype), table, lens, **kw))
     bad = _poison(c, kv, table) if c.poison >= 0 else np.zeros(0, int)
-    args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(table), jnp.asarray(lens))
+    args = (jnp.asarray(q, dtype), jnp.asarray(kv, kv_dtype), jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows)
     o, lse = mm.mla_decode(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
@@ -103,6 +111,10 @@ CPU_CASES = [
     Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16),
     # two row tiles (80 rows): the last tile loads and writes only its 16 real rows
     Case(lens=(70,), heads=40, q_len=2, page_size=64),
+    # FP8 latent cache: lengths 0, 1, 97 over pages of 32 and two splits with poison (the
+    # feeder's V upcast and edge clean); causal verify in one row tile
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True),
+    Case(lens=(66, 200), heads=16, q_len=3, page_size=64, poison=1, fp8=True),
 ]
 
 
@@ -111,7 +123,7 @@ CPU_CASES = [
 def test_interpreted(c):
     # A second run checks determinism; interpreted, two cases do it (one per kernel).
     with gpu_interpret():
-        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3]))
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3], CPU_CASES[7]))
 
 
 GPU_CASES = [
@@ -126,6 +138,12 @@ GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, keys_as_rows=True),
     Case(lens=(3001, 97, 0, 1), heads=16, q_len=2, page_size=16, poison=1, keys_as_rows=True),
     Case(lens=(2049, 1, 777), heads=32, page_size=32, poison=0, keys_as_rows=True),
+    # FP8 latent cache (the e4m3 Q K^T, the feeder's V upcast)
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, fp8=True),
+    Case(lens=(3000, 65), heads=128, q_len=2, page_size=64, poison=1, fp8=True),
+    Case(lens=(513, 4000), heads=32, q_len=8, causal=False, page_size=16, fp8=True),
+    Case(lens=(1000, 5, 300), heads=64, q_len=4, page_size=32, fp8=True, raw_q=True),
+    Case(lens=(32768,), heads=16, page_size=128, fp8=True),
 ]
 
 
@@ -134,36 +152,41 @@ GPU_CASES = [
 def test_gpu(c):
     if not on_gpu():
         pytest.skip("needs a GPU")
-    _check(c, jnp.bfloat16, tol=3e-2)
+    _check(c, jnp.bfloat16, tol=5e-2 if c.raw_q else 3e-2)
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
 @pytest.mark.parametrize(
-    "heads, q_len, page_size", [(16, 1, 64), (128, 2, 16), (32, 4, 128), (16, 2, 16), (32, 1, 32), (8, 4, 128)]
+    "heads, q_len, page_size, fp8",
+    [(16, 1, 64, 0), (128, 2, 16, 0), (32, 4, 128, 0), (16, 2, 16, 0), (32, 1, 32, 0), (8, 4, 128, 0)]
+    + [(16, 1, 64, 1), (128, 2, 16, 1), (8, 4, 128, 1)],
 )
-def test_lowers_for_cuda(heads, q_len, page_size):
-    """Mosaic GPU's layout inference and TMA rules run at lowering: this catches on the
-    CPU programs the interpreter accepts and the GPU compiler rejects."""
+def test_lowers_for_cuda(heads, q_len, page_size, fp8):
+    """Mosaic GPU's layout inference and TMA rules (and the shared-memory limit) run at
+    lowering: this catches on the CPU programs the interpreter accepts and the GPU
+    compiler rejects."""
     bs = 3
     q = jnp.zeros((bs * q_len, heads, W), jnp.bfloat16)
-    kv = jnp.zeros((40, page_size, W), jnp.bfloat16)
+    kv = jnp.zeros((40, page_size, W), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
-    kw = dict(kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, num_splits=2)
-    for keys in (False, True) if q_len * heads <= 32 else (False,):
+    kw = dict(kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, num_splits=2, kv_scale=0.5 if fp8 else 1.0)
+    for keys in (False, True) if q_len * heads <= 32 and not fp8 else (False,):
 
         def fn(q, kv):
             return mm.mla_decode(q, kv, pt, lens, keys_as_rows=keys, **kw)  # noqa: B023
 
         text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
         assert ("jattn_mla_decode_heads" if keys else "jattn_mla_decode_p") in text
+        assert ("_fp8" in text) == bool(fp8)
 
 
 def test_unsupported_reasons():
     q = jnp.zeros((2, 16, W), jnp.bfloat16)
     kv = jnp.zeros((4, 64, W), jnp.bfloat16)
     assert mm.unsupported_reason(q, kv, kv_lora_rank=R) is None
-    assert "FP8" in mm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R)
+    assert mm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R) is None
+    assert "float8_e4m3fn" in mm.unsupported_reason(q, kv.astype(jnp.float8_e5m2), kv_lora_rank=R)
     assert "576 / 512" in mm.unsupported_reason(q[..., :320], kv[..., :320], kv_lora_rank=256)
     assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
     assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)
