@@ -66,7 +66,11 @@ _LOG2E = math.log2(math.e)
 BLOCK_N = 64  # tokens per KV block
 NUM_STAGES = 2  # bf16/f16: slots of the TMA ring
 FP8_LAND_STAGES = 3  # FP8: slots of the e4m3 landing ring
-FEEDER_REGISTERS = 48  # FP8: the producer warpgroup's registers (it also upcasts V)
+# Registers per thread of (warpgroup 0, warpgroup 1, producer) after ``set_max_registers``.
+# Their sum may not pass three times the launch's 168: an increase only takes what the
+# decreases gave back, and otherwise waits for ever. FP8: the producer also upcasts V.
+REGISTERS = (232, 232, 40)
+REGISTERS_FP8 = (232, 224, 48)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +167,7 @@ def _kernel(
 
     if cfg.fp8:
         qs_smem, v_smem, p_smem, v_ready, v_free = fp8_scratch
+    regs = REGISTERS_FP8 if cfg.fp8 else REGISTERS
 
     def p_tile(slot):
         """Where a block's P lives. bf16/f16: the ring slot's last 64 columns (the rope
@@ -234,7 +239,7 @@ def _kernel(
     @pl.when(wg == 2)
     def _producer():
         if not interp:
-            plgpu.set_max_registers(FEEDER_REGISTERS if cfg.fp8 else 40, action="decrease")
+            plgpu.set_max_registers(regs[2], action="decrease")
 
         def fetch(slot, blk):
             ps = cfg.page_size
@@ -319,7 +324,7 @@ def _kernel(
     @pl.when(wg == 0)
     def _softmax_wg():
         if not interp:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(regs[0], action="increase")
 
         # Only the real query rows are loaded (q is padded to a multiple of 8 rows, not
         # 64); the tile's other rows hold whatever the shared memory held. Rows are
@@ -430,7 +435,7 @@ def _kernel(
     @pl.when(wg == 1)
     def _value_wg():
         if not interp:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(regs[1], action="increase")
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(S))
