@@ -36,7 +36,7 @@ class Case:
     num_splits: int | None = None
     poison: int = -1  # >= 0: key of request 0 (counted from its end) whose V holds a NaN
     keys_as_rows: bool = False  # mosaic_mla_heads.mla_decode instead
-    fp8: bool = False  # an e4m3 latent cache with kv_scale 0.5; q e4m3-valued as the backend makes it
+    fp8: bool = False  # an e4m3 latent cache, kv_scale 0.5; q e4m3-valued as the MLA backend makes it
     raw_q: bool = False  # FP8: q as drawn (the kernel's e4m3 rounding of it is the error)
 
 
@@ -72,7 +72,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
     kv_dtype = dtype
     if c.fp8:
-        kv_dtype, kw["kv_scale"] = jnp.float8_e4m3fn, 0.5
+        # a traced kv_scale (a kernel operand) in the verify cases, a Python number otherwise
+        kv_dtype, kw["kv_scale"] = jnp.float8_e4m3fn, jnp.float32(0.5) if c.q_len > 1 else 0.5
         if not c.raw_q:
             q = np.asarray(quantize_query_fp8(q), np.float32)
     r = lambda a, dt=dtype: jnp.asarray(jnp.asarray(a, dt), jnp.float32)  # noqa: E731
