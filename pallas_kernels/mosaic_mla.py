@@ -9,7 +9,10 @@ are cut into tiles of 64.
 The kernel (its layout of the work, the warpgroups' roles, the barriers) is in
 ``mosaic_mla_kernel``; this module chooses the split count, prepares the operands and
 merges the splits (``combine.combine_splits``, which also applies ``kv_scale`` to the
-output).
+output). With an FP8 e4m3 latent cache the query is quantised to e4m3 here, one
+power-of-two scale per row (:func:`quantize_rows_e4m3`): exact for a query whose entries
+are e4m3 values already (the MLA backend's FP8 path makes it so, as SGLang's does), and
+otherwise the one rounding the kernel adds to the reference's math.
 
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
@@ -188,7 +191,9 @@ def mla_decode(
     Arguments as in ``jattn.ops.mla_decode_with_kvcache``; ``num_splits`` overrides the
     split count (None: :func:`choose_num_splits`). Returns the latent output
     ``[bs * max_seqlen_q, H, R]`` in q's dtype, and with ``return_lse`` the
-    natural-log LSE ``f32[bs * max_seqlen_q, H]``.
+    natural-log LSE ``f32[bs * max_seqlen_q, H]``. ``kv_cache`` is q's dtype or
+    float8_e4m3fn (``kv_scale`` its dequantisation scale); with FP8 the query is read
+    as e4m3 rows (:func:`quantize_rows_e4m3`).
 
     ``keys_as_rows``: run ``mosaic_mla_heads.mla_decode`` (the latent rows as
     the MMA rows, the query rows as its N; at most 32 query rows per request,

@@ -24,6 +24,20 @@ Layout of the work:
   used as loaded.
 * Each split writes its normalised partial output and base-2 LSE;
   ``combine.combine_splits`` merges them and applies ``kv_scale`` to the output.
+* **FP8 latent cache** (``cfg.fp8``). The query comes in e4m3 with one power-of-two
+  scale per row (the wrapper quantises it; the kernel multiplies each row's scores by
+  the score scale over that row's scale). The TMA lands e4m3 tiles in a ring of
+  ``land_stages`` slots (half a 2-byte tile each), and warpgroup 0's ``Q K^T`` is an
+  e4m3 ``wgmma`` on the landed tile itself. ``P V`` needs 16-bit V (e4m3 ``wgmma``
+  takes no MN-major B, and V as stored is one), so the producer warpgroup also
+  upcasts: block by block it writes the landed tile's 512 value columns into one f16
+  V slot, once both warpgroups' ``P V`` of the block before is done, and cleans an
+  edge block's V there. The GPU converts e4m3 to f16 only (not to bf16), so P, V and
+  the partial outputs are f16; the combine writes q's dtype. P has one tile of its
+  own, published by warpgroup 0 while its ``P V`` runs (the V slot holding the block
+  means warpgroup 1 is done with the last P); the output leaves through the V slot.
+  The three warpgroups' register counts sum to three times the launch's: a
+  ``set_max_registers`` increase only takes what the decreases gave back.
 
 Register layouts: every register value derives its layout from an annotated source
 (the ``wgmma`` accumulator, a ``layout_cast``, or an iota built with a layout), and no
