@@ -202,6 +202,24 @@ def test_decode_bench_set_parses_kernel_options():
             parse_options(bad)
 
 
+def test_prefill_bench_options_parse_ints_and_flags():
+    """``bench prefill --options``: integer fields stay integers, flags become bools."""
+    from jattn.bench.prefill import parse_options
+    from jattn.pallas_kernels.mosaic_prefill_config import PrefillOptions
+
+    got = parse_options("default;persistent=0;overlap_pv=1,block_kv=64;ctas=7")
+    assert got == [
+        ("", None),
+        ("persistent=0", PrefillOptions(persistent=False)),
+        ("overlap_pv=1,block_kv=64", PrefillOptions(overlap_pv=True, block_kv=64)),
+        ("ctas=7", PrefillOptions(ctas=7)),
+    ]
+    assert type(got[3][1].ctas) is int and got[1][1].persistent is False
+    for bad in ("nope=1", "ctas=x", "ctas"):
+        with pytest.raises(ValueError, match="NAME=INT"):
+            parse_options(bad)
+
+
 def test_stamp_kernel_join_reads_element_zero_of_every_input():
     """The stamp kernel's source without the timer (``STAMP=False``, the join of more
     than 8 buffers) under Triton's interpreter: the sum of element 0 of each input

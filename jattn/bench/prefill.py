@@ -176,6 +176,8 @@ def parse_launches(text: str) -> list[tuple[int, int, int, int] | None]:
 def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
     """``'default;overlap_pv=1,block_kv=64'`` -> ``[(label, PrefillOptions or None)]``."""
     fields = {f.name for f in dataclasses.fields(PrefillOptions)}
+    # integer fields by their defaults' type (the flags default to False or None)
+    ints = {f.name for f in dataclasses.fields(PrefillOptions) if type(f.default) is int}
     out = []
     for spec in (text or "default").split(";"):
         spec = spec.strip()
@@ -188,7 +190,7 @@ def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
             name = name.strip()
             if name not in fields or not value.strip().isdigit():
                 raise ValueError(f"{item!r}: expected NAME=INT with NAME one of {', '.join(sorted(fields))}")
-            kw[name] = int(value) if name in ("block_kv", "ctas") else bool(int(value))
+            kw[name] = int(value) if name in ints else bool(int(value))
         out.append((spec, PrefillOptions(**kw)))
     return out
 
