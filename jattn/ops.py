@@ -61,7 +61,7 @@ def _kernel_module(name: str):
 # call wins, else XLA. Hopper's order is measured (``python -m jattn bench decode /
 # prefill / mla`` on the H200, docs/PERF.md): the Mosaic kernels lead the Triton ones
 # for MHA decode (by 0-40%, except within 6% at 64 x 4096), prefill/extend (2x) and MLA
-# decode (1.1-2.2x; its FP8 latent cache goes to Triton, which Mosaic refuses). Other
+# decode (1.1-2.2x; with an FP8 latent cache 1.1-4.6x). Other
 # GPUs from Ampere on have the Triton kernels only. Ops missing here (the KV write, the
 # state merge) stay on XLA under auto, which measured as fast or faster.
 AUTO_ORDER = {

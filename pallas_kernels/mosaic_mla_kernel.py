@@ -212,8 +212,8 @@ def _kernel(
 
     def _feed_fp8(fetch):
         """FP8: this warpgroup also upcasts. It keeps the landing ring full and, block by
-        block, writes the landed tile's value columns into the V slot in q's dtype (exact:
-        every e4m3 value is a bf16/f16 value), edge blocks cleaned, once both warpgroups'
+        block, writes the landed tile's value columns into the V slot in f16 (exact: every
+        e4m3 value is an f16 value), edge blocks cleaned, once both warpgroups'
         P V of the block before is done. Warpgroup 0's Q K^T reads the e4m3 tile itself."""
         n_full = full_blocks()
         for j in range(S):
