@@ -33,7 +33,6 @@ from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLA
 __all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
-FP8_MAX = 448.0
 
 
 def _interpreting() -> bool:
@@ -162,13 +161,16 @@ def quantize_rows_e4m3(q):
     ``s`` that brings its largest entry to at most 448 (the e4m3 maximum), and the row's
     ``factor = 1 / s`` (f32), so ``q ~ q8 * factor``. A power of two is exact: a query
     whose entries already are e4m3 values (the MLA backend's FP8 path quantises it so)
-    comes back exactly; any other loses what e4m3 cannot hold (3 mantissa bits)."""
+    comes back exactly; any other loses what e4m3 cannot hold (3 mantissa bits), rounded
+    as the MLA backend rounds its query (``mla_rope.quantize_query_fp8``)."""
+    from jattn.mla_rope import quantize_query_fp8
+    from jattn.reference import FP8_E4M3_MAX
+
     x = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
     ok = (amax > 0) & jnp.isfinite(amax)
-    s = jnp.where(ok, jnp.exp2(jnp.floor(jnp.log2(FP8_MAX / jnp.where(ok, amax, 1.0)))), 1.0)
-    q8 = jnp.clip(x * s[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q8, 1.0 / s
+    s = jnp.where(ok, jnp.exp2(jnp.floor(jnp.log2(FP8_E4M3_MAX / jnp.where(ok, amax, 1.0)))), 1.0)
+    return quantize_query_fp8(x, s[..., None]), 1.0 / s
 
 
 def mla_decode(
