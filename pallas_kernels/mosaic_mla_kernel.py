@@ -39,6 +39,11 @@ Layout of the work:
   The three warpgroups' register counts sum to three times the launch's: a
   ``set_max_registers`` increase only takes what the decreases gave back.
 
+Named regions (``jax.named_scope``: ``feed_*``, ``wg0_*``, ``wg1_*``) mark each
+warpgroup's waits and work; they cost nothing unless the kernel is built with the Mosaic
+GPU profiler on (``CompilerParams(profile_space=..., profile_dir=...)``), which then
+records when each region starts and ends in every warpgroup.
+
 Register layouts: every register value derives its layout from an annotated source
 (the ``wgmma`` accumulator, a ``layout_cast``, or an iota built with a layout), and no
 two iotas of one shape and dimension are cast to different layouts: Mosaic GPU runs
@@ -225,25 +230,29 @@ def _kernel(
         @pl.loop(0, count)
         def _feed(i):
             slot = lax.rem(i, jnp.int32(S))
-            plgpu.barrier_wait(kv_bar.at[slot])
+            with jax.named_scope("feed_wait_landed"):
+                plgpu.barrier_wait(kv_bar.at[slot])
 
             @pl.when(i > 0)
             def _():
-                plgpu.barrier_wait(v_free.at[0])
+                with jax.named_scope("feed_wait_v_free"):
+                    plgpu.barrier_wait(v_free.at[0])
 
-            for c in range(0, R, 64):
-                v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)
+            with jax.named_scope("feed_upcast"):
+                for c in range(0, R, 64):
+                    v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)
 
-            @pl.when(i >= n_full)
-            def _():
-                clean(v_smem, (lo + i) * BN)
+                @pl.when(i >= n_full)
+                def _():
+                    clean(v_smem, (lo + i) * BN)
 
-            plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads of the slot are done
+                plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads of the slot are done
             plgpu.barrier_arrive(v_ready.at[0])
 
             @pl.when(i + S < count)
             def _():
-                plgpu.barrier_wait(kv_free.at[slot])
+                with jax.named_scope("feed_wait_slot"):
+                    plgpu.barrier_wait(kv_free.at[slot])
                 fetch(slot, lo + i + S)
 
         if interp:
@@ -385,9 +394,11 @@ def _kernel(
             slot = lax.rem(i, jnp.int32(S))
             blk = lo + i
             k0 = blk * BN
-            plgpu.barrier_wait(kv_bar.at[slot])
+            with jax.named_scope("wg0_wait_landed"):
+                plgpu.barrier_wait(kv_bar.at[slot])
             if cfg.fp8:
-                x = qk(slot) * xrows
+                with jax.named_scope("wg0_qk"):
+                    x = qk(slot) * xrows
                 plgpu.barrier_arrive(kv_free.at[slot])  # the upcast of its V is the feeder's
             else:
                 x = qk(slot) * xscale
@@ -415,8 +426,10 @@ def _kernel(
 
             if cfg.fp8:  # the one P tile is free once the V slot holds this block
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                plgpu.barrier_wait(v_ready.at[0])
-                acc = pv(acc, p16, v_tile(slot, 0), after_issue=publish)
+                with jax.named_scope("wg0_wait_v"):
+                    plgpu.barrier_wait(v_ready.at[0])
+                with jax.named_scope("wg0_pv"):
+                    acc = pv(acc, p16, v_tile(slot, 0), after_issue=publish)
                 plgpu.barrier_arrive(v_free.at[0])
                 return acc, m_new, l_i
             publish()
@@ -454,11 +467,14 @@ def _kernel(
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(S))
             ps = 0 if cfg.fp8 else slot
-            plgpu.barrier_wait(v_ready.at[0] if cfg.fp8 else kv_bar.at[slot])
-            plgpu.barrier_wait(p_ready.at[ps])
+            with jax.named_scope("wg1_wait_v"):
+                plgpu.barrier_wait(v_ready.at[0] if cfg.fp8 else kv_bar.at[slot])
+            with jax.named_scope("wg1_wait_p"):
+                plgpu.barrier_wait(p_ready.at[ps])
             alpha = load_rows(row_smem.at[ps])
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = pv(acc, p_tile(slot), v_tile(slot, HALF))
+            with jax.named_scope("wg1_pv"):
+                acc = pv(acc, p_tile(slot), v_tile(slot, HALF))
             plgpu.barrier_arrive(v_free.at[0] if cfg.fp8 else kv_free.at[slot])
             return acc
 

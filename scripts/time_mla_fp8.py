@@ -1,0 +1,188 @@
+"""Probe: where the FP8 MLA decode kernel's time goes, by ablation (GPU only).
+
+    python scripts/time_mla_fp8.py [VARIANT ...]
+
+Times the Mosaic MLA decode at 64 x 4096, 16 heads, q_len 1 (GPU time per call, the
+``bench mla`` harness) in bf16 and FP8, and FP8 builds of the kernel with one piece of
+work removed by patching the kernel's source in memory: ``noupcast`` (the producer
+does not write the V slot), ``nopv`` (no ``P V`` wgmma), ``noqk`` (no ``Q K^T``
+wgmma); and ``up8bit``, the upcast loading e4m3 in the 8-bit ``wgmma`` register layout
+(four to a thread and vector). Ablated builds compute wrong outputs; they only say what
+each piece costs.
+A variant ``land=N`` times the committed kernel with ``N`` landing slots; ``len=N``
+sets the request length of every row (default 4096), ``nobf16`` skips the bf16 build.
+
+``trace`` (alone, or with ``land=N``) runs the FP8 kernel once under the Mosaic GPU
+profiler and prints, per named region of the kernel (``jax.named_scope``), its count
+and mean and total cycles per warpgroup, and the mean cycles between the starts of
+warpgroup 0's successive ``Q K^T``: where each warpgroup's time goes block by block.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import jax
+import numpy as np
+
+PATCHES = {
+    "noupcast": (
+        "v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)",
+        "pass",
+    ),
+    "nopv": ("plgpu.wgmma(acc_ref, p, v)", "pass"),
+    "noqk": ("plgpu.wgmma(acc_ref, q_smem, k.T)", "pass"),
+    # the upcast loads e4m3 four to a thread and vector (32-bit loads), stores f16 so
+    "up8bit": (
+        "v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)",
+        "v_smem.at[:, pl.ds(c, 64)][...] = cast_layout(kv_smem.at[slot, :, pl.ds(c, 64)][...], "
+        "plgpu.Layout.WGMMA_8BIT, interpret=interp).astype(dtype)",
+    ),
+    # the producer does not wait for the P V before, warpgroup 0 not for the upcast
+    "nocycle": [("plgpu.barrier_wait(v_free.at[0])", "pass"), ("plgpu.barrier_wait(v_ready.at[0])", "pass")],
+}
+
+
+def patched_run(names, extra=()):
+    """The kernel module's ``run`` with the named pieces removed (and ``extra`` source
+    replacements made)."""
+    from jattn.pallas_kernels import mosaic_mla_kernel as mk
+
+    src = open(mk.__file__).read()
+    for name in [*names, None]:
+        pairs = list(extra) if name is None else PATCHES[name] if isinstance(PATCHES[name], list) else [PATCHES[name]]
+        for old, new in pairs:
+            if old not in src:
+                raise SystemExit(f"patch {name}: source line not found")
+            src = src.replace(old, new)
+    mod = types.ModuleType(f"mla_kernel_{'_'.join(names)}")
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, mk.__file__, "exec"), mod.__dict__)
+    return mod.run
+
+
+def trace(variants, length):
+    """The FP8 kernel once under the Mosaic GPU profiler; the regions' statistics."""
+    import glob
+    import json
+    import os
+    import tempfile
+
+    from jattn.bench import mla
+    from jattn.pallas_kernels import mosaic_mla
+
+    land = next((int(v[5:]) for v in variants if v.startswith("land=")), 2)
+    out_dir = tempfile.mkdtemp(prefix="mla_trace_")
+    space = length // 64 * 6 + 16
+    mosaic_mla.run = patched_run(
+        [],
+        extra=[
+            (
+                "plgpu.CompilerParams(approx_math=True)",
+                f"plgpu.CompilerParams(approx_math=True, profile_space={space}, profile_dir={out_dir!r})",
+            )
+        ],
+    )
+    rng = np.random.default_rng(0)
+    row = mla.Row(64, length, 16, fp8=True)
+    qs, kv, tables, lens, lens_np = mla._setup(row, rng, 2)
+    out = mosaic_mla._mla_decode(
+        qs[0],
+        kv,
+        tables[0],
+        lens,
+        mla.SCALE,
+        1.0,
+        kv_lora_rank=mla.R,
+        max_seqlen_q=1,
+        is_causal=True,
+        return_lse=False,
+        num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
+        score_scale=mla.SCALE,
+        land_stages=land,
+        interpret=False,
+    )
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    files = glob.glob(os.path.join(out_dir, "*.json"))
+    if not files:
+        raise SystemExit(f"no trace in {out_dir}")
+    events = json.load(open(files[0]))["traceEvents"]
+    stats, stacks, qk_starts = {}, {}, {}
+    for e in events:
+        key = e["tid"]
+        if e["ph"] == "B":
+            stacks.setdefault(key, []).append((e["name"], e["ts"]))
+            if e["name"] == "wg0_qk":
+                qk_starts.setdefault(key, []).append(e["ts"])
+        else:
+            name, t0 = stacks[key].pop()
+            st = stats.setdefault(name, [0, 0.0])
+            st[0] += 1
+            st[1] += (e["ts"] - t0) * 1e3  # the dump writes clock cycles as ns, then / 1e3
+    ctas = len({e["tid"] for e in events if e["name"] == "wg0_qk"})
+    print(f"trace: land={land}, {ctas} CTAs, {len(events)} events; cycles per occurrence, and per CTA")
+    for name in sorted(stats):
+        n, tot = stats[name]
+        print(f"  {name:18s} n/CTA {n / ctas:6.1f}  mean {tot / n:8.1f}  per CTA {tot / ctas:10.0f}")
+    gaps = [np.diff(v) * 1e3 for v in qk_starts.values() if len(v) > 1]
+    if gaps:
+        g = np.concatenate(gaps)
+        print(
+            f"  wg0 block period: mean {g.mean():.0f} cycles, median {np.median(g):.0f}, p90 {np.percentile(g, 90):.0f}"
+        )
+
+
+def main(variants):
+    from jattn.bench import mla
+    from jattn.pallas_kernels import mosaic_mla
+
+    rng = np.random.default_rng(0)
+    n_hi = 8
+    length = next((int(v[4:]) for v in variants if v.startswith("len=")), 4096)
+    variants = [v for v in variants if not v.startswith("len=")]
+    if "trace" in variants:
+        return trace(variants, length)
+    base_run = mosaic_mla.run
+    for fp8 in (False, True) if "nobf16" not in variants else (True,):
+        row = mla.Row(64, length, 16, fp8=fp8)
+        qs, kv, tables, lens, lens_np = mla._setup(row, rng, n_hi)
+        nbytes, _ = mla.row_bytes_flops(row, lens_np)
+        arrays = (qs, kv, tables, lens)
+        todo = ["base"] + ([v for v in variants if v != "nobf16"] if fp8 else [])
+        for v in todo:
+            land = mosaic_mla.FP8_LAND_STAGES
+            mosaic_mla.run = base_run
+            if v.startswith("land="):
+                land = int(v.split("=")[1])
+            elif v != "base":
+                mosaic_mla.run = patched_run(v.split("+"))
+            jax.clear_caches()
+
+            def call(q, kv, table, lens, land=land):
+                return mosaic_mla._mla_decode(
+                    q,
+                    kv,
+                    table,
+                    lens,
+                    mla.SCALE,
+                    1.0,
+                    kv_lora_rank=mla.R,
+                    max_seqlen_q=1,
+                    is_causal=True,
+                    return_lse=False,
+                    num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
+                    score_scale=mla.SCALE,
+                    land_stages=land,
+                    interpret=False,
+                )
+
+            s = mla.time_calls(f"{row.label} {v}", call, arrays, n_hi)
+            if s:
+                print(f"{row.label} {v}: {s * 1e6:.1f} us  {nbytes / s / 1e12:.2f} TB/s", flush=True)
+    mosaic_mla.run = base_run
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
