@@ -117,9 +117,13 @@ class MLABackend(_PlanningMixin):
 
     _scale = softmax_scale
 
-    def _decode(self, query, layer, kv_cache: MLAKVCache, metadata):
-        """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``)."""
+    def _decode(self, query, layer, kv_cache: MLAKVCache, metadata, rope=None):
+        """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``). A bf16
+        query that ``rope`` quantised for an FP8 cache goes to the op in e4m3 (exact: its
+        values are e4m3 values), so the kernel reads it with no quantisation step."""
         _check_plan(metadata, kv_cache)
+        if rope is not None and rope.fp8 and query.dtype == jnp.bfloat16:
+            query = query.astype(jnp.float8_e4m3fn)
         return ops.mla_decode_with_kvcache(
             query,
             kv_cache.layer(layer.layer_id),
@@ -164,7 +168,8 @@ class MLABackend(_PlanningMixin):
         (scale 1, +-448): :mod:`jattn.mla_rope`, docs/SEMANTICS.md."""
         rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
-        out = self._decode(self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope), layer, kv_cache, metadata)
+        query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
+        out = self._decode(query, layer, kv_cache, metadata, rope)
         return out.reshape(out.shape[0], -1), kv_cache
 
     @staticmethod
@@ -223,7 +228,7 @@ class MLABackend(_PlanningMixin):
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
-        out = self._decode(padded, layer, kv_cache, metadata)
+        out = self._decode(padded, layer, kv_cache, metadata, rope)
         out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
         return out.reshape(out.shape[0], -1), kv_cache
 

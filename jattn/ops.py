@@ -492,7 +492,10 @@ def mla_decode_with_kvcache(
 
     Args:
       q: [bs * max_seqlen_q, H, R + r] bf16/fp16/f32, request-major:
-        ``W_UK^T q_nope`` (R) then rope(q_pe) (r).
+        ``W_UK^T q_nope`` (R) then rope(q_pe) (r). With an e4m3 ``kv_cache`` also
+        float8_e4m3fn: a query already quantised (as the MLA backend's FP8 path makes
+        it), which the Mosaic kernel reads as it is, with no quantisation of its own;
+        the output is then bf16.
       kv_cache: [num_pages, page_size, R + r] bf16/fp16/f32/fp8 e4m3, latent rows ``[c_kv, k_pe]``.
       page_table: i32[bs, max_pages]; cache_seqlens: i32[bs], new tokens included.
       kv_lora_rank: R (512 for DeepSeek-V2/V3); the value is the first R columns.
@@ -502,7 +505,8 @@ def mla_decode_with_kvcache(
       return_lse, backend: as in :func:`mha_decode_with_kvcache`.
 
     Returns:
-      latent out [bs * max_seqlen_q, H, R] in q's dtype (and natural-log lse f32[.., H]).
+      latent out [bs * max_seqlen_q, H, R] in q's dtype, bf16 for an e4m3 q (and
+      natural-log lse f32[.., H]).
     """
     if softmax_scale is None:
         raise ValueError(
@@ -515,10 +519,14 @@ def mla_decode_with_kvcache(
     _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
     if page_table.shape[0] != cache_seqlens.shape[0]:
         raise ValueError(f"page_table has {page_table.shape[0]} rows but cache_seqlens has {cache_seqlens.shape[0]}")
-    _check_dtype(q, "q", _Q_DTYPES)
+    _check_dtype(q, "q", (*_Q_DTYPES, jnp.float8_e4m3fn))
     _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
     _check_int(page_table, "page_table")
     _check_int(cache_seqlens, "cache_seqlens")
+    q_e4m3 = jnp.dtype(q.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if q_e4m3 and jnp.dtype(kv_cache.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise TypeError(f"q.dtype=float8_e4m3fn needs a float8_e4m3fn kv_cache, got kv_cache.dtype={kv_cache.dtype}")
+    q_wide = q.astype(jnp.bfloat16) if q_e4m3 else q  # exact: e4m3 values are bf16 values
     if q.shape[2] != kv_cache.shape[2]:
         raise ValueError(f"q width={q.shape[2]} must equal kv_cache width={kv_cache.shape[2]}")
     if not 0 < kv_lora_rank < kv_cache.shape[2]:
@@ -538,18 +546,20 @@ def mla_decode_with_kvcache(
     )
     if 0 in (q.shape[0], q.shape[1], page_table.shape[1]):
         _check_backend(backend)  # nothing to compute: the kernel has no empty launch
-        return reference.mla_decode(q, kv_cache, page_table, cache_seqlens, **kw)
+        return reference.mla_decode(q_wide, kv_cache, page_table, cache_seqlens, **kw)
     impl = _pick(
         "mla_decode",
         backend,
         KERNELS["mosaic"]["mla_decode"],
         lambda mod, *a, **k: mod.unsupported_reason(*a, **k),
-        q,
+        q_wide,
         kv_cache,
         **kw,
     )
     impl = impl or reference.mla_decode
-    return impl(q, kv_cache, page_table, cache_seqlens, **kw)
+    # the Mosaic kernel reads an e4m3 query as it is; the others get it in bf16
+    takes_e4m3 = getattr(impl, "__module__", "").endswith(".mosaic_mla")
+    return impl(q if takes_e4m3 else q_wide, kv_cache, page_table, cache_seqlens, **kw)
 
 
 def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):

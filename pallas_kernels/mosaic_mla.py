@@ -44,9 +44,11 @@ def _interpreting() -> bool:
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
     """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason."""
     width = kv_cache.shape[-1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"q dtype {q.dtype} (bf16/f16 only)"
-    if kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
+    if kv_cache.dtype == jnp.float8_e4m3fn and q.dtype == jnp.float8_e4m3fn:
+        pass  # a query quantised by the caller: read as it is
+    elif q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {q.dtype} (bf16/f16, or e4m3 with an e4m3 cache)"
+    elif kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
         return f"kv_cache dtype {kv_cache.dtype} (q's dtype {q.dtype}, or float8_e4m3fn)"
     if (width, kv_lora_rank) != (576, 512):
         return f"latent width {width} / rank {kv_lora_rank} (576 / 512 only)"
@@ -111,6 +113,8 @@ def _mla_decode(
     num_pages, page_size, width = kv_cache.shape
     bs = page_table.shape[0]
     h = q.shape[1]
+    q_e4m3 = q.dtype == jnp.float8_e4m3fn
+    out_dtype = jnp.bfloat16 if q_e4m3 else q.dtype
     cfg = MLADecodeConfig(
         width=width,
         rank=kv_lora_rank,
@@ -124,6 +128,7 @@ def _mla_decode(
         score_scale=score_scale,
         interpret=interpret,
         fp8=kv_cache.dtype == jnp.float8_e4m3fn,
+        row_scales=kv_cache.dtype == jnp.float8_e4m3fn and not q_e4m3,
         land_stages=land_stages,
     )
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
@@ -136,11 +141,11 @@ def _mla_decode(
         scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
     qs = None
-    if cfg.fp8:
+    if cfg.row_scales:
         q3, qs = quantize_rows_e4m3(q3)
         qs = jnp.pad(qs, ((0, 0), (0, cfg.m_tiles * 64 - cfg.m_rows8)), constant_values=1.0)
     # FP8: P, the upcast V and the partial outputs in f16 (the GPU converts e4m3 to f16 only)
-    part_dtype = jnp.float16 if cfg.fp8 else q.dtype
+    part_dtype = jnp.float16 if cfg.fp8 else out_dtype
     o_part, lse_part = run(cfg, part_dtype, page_table.astype(jnp.int32), lens, scale, qs, q3, kv_cache)
     v_scale = None if isinstance(kv_scale, (int, float)) and float(kv_scale) == 1.0 else kv_scale
     out, lse = combine_splits(
@@ -150,7 +155,7 @@ def _mla_decode(
         num_q_heads=h,
         sinks=None,
         v_scale=v_scale,
-        out_dtype=q.dtype,
+        out_dtype=out_dtype,
         use_kernel=True,
     )
     return (out, lse) if return_lse else out
@@ -192,10 +197,12 @@ def mla_decode(
 
     Arguments as in ``jattn.ops.mla_decode_with_kvcache``; ``num_splits`` overrides the
     split count (None: :func:`choose_num_splits`). Returns the latent output
-    ``[bs * max_seqlen_q, H, R]`` in q's dtype, and with ``return_lse`` the
-    natural-log LSE ``f32[bs * max_seqlen_q, H]``. ``kv_cache`` is q's dtype or
-    float8_e4m3fn (``kv_scale`` its dequantisation scale); with FP8 the query is read
-    as e4m3 rows (:func:`quantize_rows_e4m3`).
+    ``[bs * max_seqlen_q, H, R]`` in q's dtype (bf16 for an e4m3 q), and with
+    ``return_lse`` the natural-log LSE ``f32[bs * max_seqlen_q, H]``. ``kv_cache`` is
+    q's dtype or float8_e4m3fn (``kv_scale`` its dequantisation scale); with FP8 a
+    bf16/f16 query is read as e4m3 rows (:func:`quantize_rows_e4m3`, four small XLA
+    kernels before the decode kernel), and an e4m3 query (with an e4m3 cache only) as
+    it is, with no quantisation step.
 
     ``keys_as_rows``: run ``mosaic_mla_heads.mla_decode`` (the latent rows as
     the MMA rows, the query rows as its N; at most 32 query rows per request,
@@ -204,6 +211,9 @@ def mla_decode(
     """
     if keys_as_rows:
         from jattn.pallas_kernels import mosaic_mla_heads
+
+        if q.dtype == jnp.float8_e4m3fn:
+            q = q.astype(jnp.bfloat16)  # exact; that kernel refuses an FP8 cache with its reason
 
         return mosaic_mla_heads.mla_decode(
             q,

@@ -24,9 +24,10 @@ Layout of the work:
   used as loaded.
 * Each split writes its normalised partial output and base-2 LSE;
   ``combine.combine_splits`` merges them and applies ``kv_scale`` to the output.
-* **FP8 latent cache** (``cfg.fp8``). The query comes in e4m3 with one power-of-two
-  scale per row (the wrapper quantises it; the kernel multiplies each row's scores by
-  the score scale over that row's scale). The TMA lands e4m3 tiles in a ring of
+* **FP8 latent cache** (``cfg.fp8``). The query comes in e4m3: quantised by the
+  wrapper with one power-of-two scale per row (``cfg.row_scales``: the kernel
+  multiplies each row's scores by the score scale over that row's scale), or by the
+  caller (no row scales). The TMA lands e4m3 tiles in a ring of
   ``land_stages`` slots (half a 2-byte tile each), and warpgroup 0's ``Q K^T`` is an
   e4m3 ``wgmma`` on the landed tile itself. ``P V`` needs 16-bit V (e4m3 ``wgmma``
   takes no MN-major B, and V as stored is one), so the producer warpgroup also
@@ -107,7 +108,8 @@ class MLADecodeConfig:
     num_splits: int
     score_scale: float | None  # softmax_scale * kv_scale when known at trace time
     interpret: bool
-    fp8: bool = False  # an e4m3 latent cache (and an e4m3 query with per-row scales)
+    fp8: bool = False  # an e4m3 latent cache (and an e4m3 query)
+    row_scales: bool = False  # FP8: the query rows come with factors (the wrapper quantised them)
     land_stages: int = FP8_LAND_STAGES  # FP8: slots of the ring the TMA lands e4m3 tiles in
 
     @property
@@ -151,7 +153,7 @@ def _kernel(
     page_table_ref,  # i32[bs, max_pages]
     lens_ref,  # i32[bs]
     scale_ref,  # f32[1]: score scale (softmax_scale * kv_scale); None when cfg.score_scale is
-    qs_ref,  # FP8: f32[bs, m_tiles * 64], each query row's factor (1 / its quantisation scale)
+    qs_ref,  # row_scales: f32[bs, m_tiles * 64], each query row's factor (1 / its scale); else None
     q_ref,  # [bs, m_rows8, W] (FP8: e4m3)
     kv_ref,  # [num_pages, page_size, W]
     # outputs
@@ -356,11 +358,12 @@ def _kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(mt * 64, rows)], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
 
         per_tile(load_q)
-        if cfg.fp8:  # all 64 (a copy of fewer than 128 bytes is refused)
+        if cfg.row_scales:  # all 64 (a copy of fewer than 128 bytes is refused)
             plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(mt * 64, 64)], qs_smem, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         xscale = (scale_ref[0] if cfg.score_scale is None else cfg.score_scale) * _LOG2E
-        if cfg.fp8:  # each row's score factor: the score scale over the row's quantisation scale
+        xrows = xscale  # FP8: each row's score factor, the score scale over the row's quantisation scale
+        if cfg.row_scales:
             xrows = lax.broadcast_in_dim(load_rows(qs_smem) * xscale, (64, BN), [0])
         if cfg.is_causal:
             rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
@@ -487,8 +490,8 @@ def _kernel(
 
 def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
     """The kernel's partial outputs ``([splits, bs, m_rows8, R] in dtype, f32[splits, bs,
-    m_rows8] base-2 LSE)``. ``scale``: f32[1] or None (``cfg.score_scale``); ``qs``: FP8
-    only, f32[bs, m_tiles * 64] row factors of the e4m3 ``q``."""
+    m_rows8] base-2 LSE)``. ``scale``: f32[1] or None (``cfg.score_scale``); ``qs``: with
+    ``cfg.row_scales`` only, f32[bs, m_tiles * 64] row factors of the e4m3 ``q``."""
     bs, rows = q.shape[0], cfg.m_rows8
     BN, S, W = BLOCK_N, cfg.stages, cfg.width
     out_type = (
@@ -503,7 +506,7 @@ def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
     barriers = [
         plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
         plgpu.Barrier(num_arrivals=1 if cfg.fp8 else 2, num_barriers=S),
-        plgpu.Barrier(num_arrivals=2 if cfg.fp8 else 1, num_barriers=1),
+        plgpu.Barrier(num_arrivals=2 if cfg.row_scales else 1, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     ]

@@ -564,3 +564,19 @@ def test_negative_max_seqlen_is_refused():
         jattn.mha_prefill(q, kc[0], vc[0], cu, cu, max_seqlen_q=1, max_seqlen_kv=-1)
     with pytest.raises(ValueError, match=r"max_seqlen_q=-1 must be an int >= 0"):
         _mla(max_seqlen_q=-1)
+
+
+def test_mla_decode_e4m3_query_needs_e4m3_cache_and_equals_bf16():
+    """An e4m3 query is accepted with an e4m3 latent cache only; elsewhere it is the same
+    call as its values in bf16 (the output is bf16)."""
+    rng = np.random.default_rng(3)
+    q8 = jnp.asarray(rng.standard_normal((2, 2, 24)), jnp.float8_e4m3fn)
+    kv = jnp.asarray(rng.standard_normal((4, 4, 24)), F32)
+    pt, lens = jnp.array([[0, 1], [2, 3]], jnp.int32), jnp.array([7, 3], jnp.int32)
+    kw = dict(kv_lora_rank=16, softmax_scale=0.2)
+    with pytest.raises(TypeError, match=r"q.dtype=float8_e4m3fn needs a float8_e4m3fn kv_cache"):
+        jattn.mla_decode_with_kvcache(q8, kv, pt, lens, **kw)
+    kv8 = kv.astype(jnp.float8_e4m3fn)
+    out = jattn.mla_decode_with_kvcache(q8, kv8, pt, lens, kv_scale=0.5, backend="xla", **kw)
+    want = jattn.mla_decode_with_kvcache(q8.astype(jnp.bfloat16), kv8, pt, lens, kv_scale=0.5, backend="xla", **kw)
+    assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out, F32), np.asarray(want, F32))

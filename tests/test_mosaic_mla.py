@@ -38,6 +38,7 @@ class Case:
     keys_as_rows: bool = False  # mosaic_mla_heads.mla_decode instead
     fp8: bool = False  # an e4m3 latent cache, kv_scale 0.5; q e4m3-valued as the MLA backend makes it
     raw_q: bool = False  # FP8: q as drawn (the kernel's e4m3 rounding of it is the error)
+    e4m3_q: bool = False  # FP8: q passed in e4m3 (read as it is: no row scales); the output is bf16
 
 
 def _inputs(c: Case, seed: int):
@@ -79,9 +80,11 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     r = lambda a, dt=dtype: jnp.asarray(jnp.asarray(a, dt), jnp.float32)  # noqa: E731
     want_o, want_lse = (np.asarray(a) for a in reference.mla_decode(r(q), r(kv, kv_dtype), table, lens, **kw))
     bad = _poison(c, kv, table) if c.poison >= 0 else np.zeros(0, int)
-    args = (jnp.asarray(q, dtype), jnp.asarray(kv, kv_dtype), jnp.asarray(table), jnp.asarray(lens))
+    q_dtype = jnp.float8_e4m3fn if c.e4m3_q else dtype
+    args = (jnp.asarray(q, q_dtype), jnp.asarray(kv, kv_dtype), jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows)
     o, lse = mm.mla_decode(*args, **kw)
+    assert o.dtype == (jnp.bfloat16 if c.e4m3_q else dtype)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == (len(c.lens) * c.q_len, c.heads, R) and lse.shape == o.shape[:2]
     rows = np.setdiff1d(np.arange(o.shape[0]), bad)
@@ -116,6 +119,8 @@ CPU_CASES = [
     # feeder's V upcast and edge clean); causal verify in one row tile
     Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True),
     Case(lens=(66, 200), heads=16, q_len=3, page_size=64, poison=1, fp8=True),
+    # an e4m3 query, read with no row scales (a traced kv_scale: the scale operand alone)
+    Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True),
 ]
 
 
@@ -145,6 +150,8 @@ GPU_CASES = [
     Case(lens=(513, 4000), heads=32, q_len=8, causal=False, page_size=16, fp8=True),
     Case(lens=(1000, 5, 300), heads=64, q_len=4, page_size=32, fp8=True, raw_q=True),
     Case(lens=(32768,), heads=16, page_size=128, fp8=True),
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, fp8=True, e4m3_q=True),
+    Case(lens=(3000, 65), heads=128, q_len=2, page_size=64, poison=1, fp8=True, e4m3_q=True),
 ]
 
 
@@ -160,14 +167,15 @@ def test_gpu(c):
 @pytest.mark.parametrize(
     "heads, q_len, page_size, fp8",
     [(16, 1, 64, 0), (128, 2, 16, 0), (32, 4, 128, 0), (16, 2, 16, 0), (32, 1, 32, 0), (8, 4, 128, 0)]
-    + [(16, 1, 64, 1), (128, 2, 16, 1), (8, 4, 128, 1)],
+    + [(16, 1, 64, 1), (128, 2, 16, 1), (8, 4, 128, 1)]
+    + [(16, 1, 64, 2), (128, 2, 16, 2)],  # 2: an e4m3 query (no row scales)
 )
 def test_lowers_for_cuda(heads, q_len, page_size, fp8):
     """Mosaic GPU's layout inference and TMA rules (and the shared-memory limit) run at
     lowering: this catches on the CPU programs the interpreter accepts and the GPU
     compiler rejects."""
     bs = 3
-    q = jnp.zeros((bs * q_len, heads, W), jnp.bfloat16)
+    q = jnp.zeros((bs * q_len, heads, W), jnp.float8_e4m3fn if fp8 == 2 else jnp.bfloat16)
     kv = jnp.zeros((40, page_size, W), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
@@ -188,6 +196,9 @@ def test_unsupported_reasons():
     assert mm.unsupported_reason(q, kv, kv_lora_rank=R) is None
     assert mm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R) is None
     assert "float8_e4m3fn" in mm.unsupported_reason(q, kv.astype(jnp.float8_e5m2), kv_lora_rank=R)
+    q8, kv8 = q.astype(jnp.float8_e4m3fn), kv.astype(jnp.float8_e4m3fn)
+    assert mm.unsupported_reason(q8, kv8, kv_lora_rank=R) is None
+    assert "e4m3 with an e4m3 cache" in mm.unsupported_reason(q8, kv, kv_lora_rank=R)
     assert "576 / 512" in mm.unsupported_reason(q[..., :320], kv[..., :320], kv_lora_rank=256)
     assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
     assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)

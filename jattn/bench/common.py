@@ -185,10 +185,15 @@ def rotated_program(
 
     def many(*a):
         if stamp is not None:
-            t0 = stamp(a[0])
+            x = a[0]
+            # a 1-byte float (e4m3) goes to the stamp and the add as its bits
+            as_bits = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+            xb = jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x
+            t0 = stamp(xb)
             # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
             # call waits for the first stamp.
-            a = (a[0] + (t0[0] == 0x5EED).astype(a[0].dtype),) + tuple(a[1:])
+            xb = xb + (t0[0] == 0x5EED).astype(xb.dtype)
+            a = (jax.lax.bitcast_convert_type(xb, x.dtype) if as_bits else xb,) + tuple(a[1:])
         outs = tuple(step(i, *a) for i in range(n))
         res = _joined(outs) if join else outs
         if stamp is None:

@@ -256,6 +256,15 @@ def main(argv: list[str] | None = None) -> None:
 
             return time_calls(f"{row.label}: mosaic s{splits}", call, arrays, n_hi)
 
+        def timed_q_e4m3():
+            """The query quantised by the caller (as the MLA backend's FP8 path does): no
+            quantisation step inside the timed call."""
+            from jattn.mla_rope import quantize_query_fp8
+
+            q8 = (quantize_query_fp8(qs), kv, tables, lens)
+            call = lambda q, kv, table, lens: jattn.mla_decode_with_kvcache(q, kv, table, lens, backend="mosaic", **kw)  # noqa: E731
+            return time_calls(f"{row.label}: mosaic q e4m3", call, q8, n_hi)
+
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
         if args.no_mosaic:
             why = "--no-mosaic"
@@ -267,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
             if mosaic_mla_heads.unsupported_reason(qs[0], kv, **kw) is None:
                 kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
+            if row.fp8:
+                kernels.append(("mosaic q e4m3", timed_q_e4m3()))
             if args.profile:
                 profiles.append(_profile(row, arrays, kw, nbytes))
                 print(profiles[-1], flush=True)
