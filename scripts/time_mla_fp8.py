@@ -62,6 +62,29 @@ def patched_run(names, extra=()):
     return mod.run
 
 
+def decode(row, land, q, kv, table, lens):
+    """The Mosaic MLA decode of ``row`` (q_len 1, the bench's scale) with ``land`` landing slots."""
+    from jattn.bench import mla
+    from jattn.pallas_kernels import mosaic_mla
+
+    return mosaic_mla._mla_decode(
+        q,
+        kv,
+        table,
+        lens,
+        mla.SCALE,
+        1.0,
+        kv_lora_rank=mla.R,
+        max_seqlen_q=1,
+        is_causal=True,
+        return_lse=False,
+        num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
+        score_scale=mla.SCALE,
+        land_stages=land,
+        interpret=False,
+    )
+
+
 def trace(variants, length):
     """The FP8 kernel once under the Mosaic GPU profiler; the regions' statistics."""
     import glob
@@ -87,22 +110,7 @@ def trace(variants, length):
     rng = np.random.default_rng(0)
     row = mla.Row(64, length, 16, fp8=True)
     qs, kv, tables, lens, lens_np = mla._setup(row, rng, 2)
-    out = mosaic_mla._mla_decode(
-        qs[0],
-        kv,
-        tables[0],
-        lens,
-        mla.SCALE,
-        1.0,
-        kv_lora_rank=mla.R,
-        max_seqlen_q=1,
-        is_causal=True,
-        return_lse=False,
-        num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
-        score_scale=mla.SCALE,
-        land_stages=land,
-        interpret=False,
-    )
+    out = decode(row, land, qs[0], kv, tables[0], lens)
     jax.block_until_ready(out)
     jax.effects_barrier()
     files = glob.glob(os.path.join(out_dir, "*.json"))
@@ -160,23 +168,8 @@ def main(variants):
                 mosaic_mla.run = patched_run(v.split("+"))
             jax.clear_caches()
 
-            def call(q, kv, table, lens, land=land):
-                return mosaic_mla._mla_decode(
-                    q,
-                    kv,
-                    table,
-                    lens,
-                    mla.SCALE,
-                    1.0,
-                    kv_lora_rank=mla.R,
-                    max_seqlen_q=1,
-                    is_causal=True,
-                    return_lse=False,
-                    num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
-                    score_scale=mla.SCALE,
-                    land_stages=land,
-                    interpret=False,
-                )
+            def call(q, kv, table, lens, land=land, row=row):
+                return decode(row, land, q, kv, table, lens)
 
             s = mla.time_calls(f"{row.label} {v}", call, arrays, n_hi)
             if s:
