@@ -9,10 +9,11 @@ are cut into tiles of 64.
 The kernel (its layout of the work, the warpgroups' roles, the barriers) is in
 ``mosaic_mla_kernel``; this module chooses the split count, prepares the operands and
 merges the splits (``combine.combine_splits``, which also applies ``kv_scale`` to the
-output). With an FP8 e4m3 latent cache the query is quantised to e4m3 here, one
+output). With an FP8 e4m3 latent cache a bf16/f16 query is quantised to e4m3 here, one
 power-of-two scale per row (:func:`quantize_rows_e4m3`): exact for a query whose entries
-are e4m3 values already (the MLA backend's FP8 path makes it so, as SGLang's does), and
-otherwise the one rounding the kernel adds to the reference's math.
+are e4m3 values already, and otherwise the one rounding the kernel adds to the reference's
+math. A query that comes in e4m3 (the MLA backend's FP8 path hands it over so, as SGLang's
+does) is read as it is, with no row scales and no quantisation step.
 
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
