@@ -166,6 +166,26 @@ def _profile(row: Row, arrays, kw, nbytes: float) -> str:
     return f"{row.label}: {nbytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n" + summ.table()
 
 
+def fp8_against_bf16(out: list[list[str]]) -> list[str]:
+    """Issue 15's FP8 figure from the table's rows: for each FP8 row whose bf16 twin (the
+    same label without `` fp8``) was timed, the fastest Mosaic column of each and the FP8
+    tokens/s over the bf16 tokens/s (the same tokens, so the time ratio)."""
+    best: dict[str, tuple[float, str]] = {}
+    for cells in out:
+        label, backend, us = cells[0], cells[1], cells[2]
+        if backend.startswith("mosaic") and us != "-":
+            t = float(us)
+            if label not in best or t < best[label][0]:
+                best[label] = (t, backend)
+    lines = []
+    for label, (t8, b8) in best.items():
+        twin = label[: -len(" fp8")] if label.endswith(" fp8") else None
+        if twin in best:
+            t16, b16 = best[twin]
+            lines.append(f"{label}: {t8:.1f} us ({b8}) against bf16 {t16:.1f} us ({b16}): {t16 / t8:.2f}x tokens/s")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench mla", description=__doc__)
     ap.add_argument(
@@ -305,6 +325,10 @@ def main(argv: list[str] | None = None) -> None:
             out.append(cells)
             print(" | ".join(cells), flush=True)
     print(common.fmt_table(header, out))
+    ratios = fp8_against_bf16(out)
+    if ratios:
+        print("FP8 cache against the bf16 cache (fastest Mosaic column of each):")
+        print("\n".join(ratios))
     if profiles:
         print("profiles of the mosaic call (8 calls, inputs rotated, a sync after each; medians per call):")
         print("\n".join(profiles))

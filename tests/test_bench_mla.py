@@ -1,0 +1,18 @@
+"""`bench mla`'s summary of the FP8 rows against their bf16 twins (no GPU needed)."""
+
+from jattn.bench.mla import fp8_against_bf16
+
+
+def test_fp8_against_bf16_takes_the_fastest_mosaic_column_of_each_twin():
+    dash = ["-"] * 6
+    out = [
+        ["64x4096 h16 q1", "mosaic", "84.8", *dash],
+        ["64x4096 h16 q1", "mosaic keys as rows", "104.1", *dash],
+        ["64x4096 h16 q1", "triton", "60.0", *dash],  # not a Mosaic column: ignored
+        ["64x4096 h16 q1 fp8", "mosaic", "86.3", *dash],
+        ["64x4096 h16 q1 fp8", "mosaic q e4m3", "76.4", *dash],
+        ["1x32768 h16 q1 fp8", "mosaic", "29.5", *dash],  # no bf16 twin timed: no line
+        ["128x4096 h16 q1 fp8", "mosaic", "-", *dash],  # failed: no line
+    ]
+    lines = fp8_against_bf16(out)
+    assert lines == ["64x4096 h16 q1 fp8: 76.4 us (mosaic q e4m3) against bf16 84.8 us (mosaic): 1.11x tokens/s"]
