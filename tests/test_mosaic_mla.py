@@ -247,3 +247,21 @@ def test_deepseek_engine_interpreted_matches_xla():
     want = run("xla")
     with gpu_interpret():
         assert run("mosaic") == want
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="traced under the CPU interpreter")
+def test_an_e4m3_query_reaches_the_kernel_unquantised():
+    """Through the op, an e4m3 query goes to the Mosaic kernel as it is: the call has no
+    per-row quantisation (its ``abs`` of the query), which a bf16 query's call has."""
+    import jattn
+
+    kv8 = jnp.zeros((8, 64, W), jnp.float8_e4m3fn)
+    pt, lens = jnp.zeros((2, 3), jnp.int32), jnp.array([100, 5], jnp.int32)
+
+    def call(q):
+        return jattn.mla_decode_with_kvcache(q, kv8, pt, lens, kv_lora_rank=R, softmax_scale=0.1, backend="mosaic")
+
+    with gpu_interpret():
+        jaxprs = {dt: str(jax.make_jaxpr(call)(jnp.zeros((2, 16, W), dt))) for dt in (jnp.float8_e4m3fn, jnp.bfloat16)}
+    assert "abs" not in jaxprs[jnp.float8_e4m3fn]
+    assert "abs" in jaxprs[jnp.bfloat16]
