@@ -45,11 +45,11 @@ def _interpreting() -> bool:
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
     """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason."""
     width = kv_cache.shape[-1]
-    if kv_cache.dtype == jnp.float8_e4m3fn and q.dtype == jnp.float8_e4m3fn:
-        pass  # a query quantised by the caller: read as it is
-    elif q.dtype not in (jnp.bfloat16, jnp.float16):
+    fp8 = kv_cache.dtype == jnp.float8_e4m3fn
+    # an e4m3 query (quantised by the caller) goes with an e4m3 cache only
+    if q.dtype not in (jnp.bfloat16, jnp.float16, *((jnp.float8_e4m3fn,) if fp8 else ())):
         return f"q dtype {q.dtype} (bf16/f16, or e4m3 with an e4m3 cache)"
-    elif kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
+    if kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
         return f"kv_cache dtype {kv_cache.dtype} (q's dtype {q.dtype}, or float8_e4m3fn)"
     if (width, kv_lora_rank) != (576, 512):
         return f"latent width {width} / rank {kv_lora_rank} (576 / 512 only)"
@@ -114,7 +114,7 @@ def _mla_decode(
     num_pages, page_size, width = kv_cache.shape
     bs = page_table.shape[0]
     h = q.shape[1]
-    q_e4m3 = q.dtype == jnp.float8_e4m3fn
+    fp8, q_e4m3 = kv_cache.dtype == jnp.float8_e4m3fn, q.dtype == jnp.float8_e4m3fn
     out_dtype = jnp.bfloat16 if q_e4m3 else q.dtype
     cfg = MLADecodeConfig(
         width=width,
@@ -128,8 +128,8 @@ def _mla_decode(
         num_splits=num_splits,
         score_scale=score_scale,
         interpret=interpret,
-        fp8=kv_cache.dtype == jnp.float8_e4m3fn,
-        row_scales=kv_cache.dtype == jnp.float8_e4m3fn and not q_e4m3,
+        fp8=fp8,
+        row_scales=fp8 and not q_e4m3,
         land_stages=land_stages,
     )
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
@@ -212,9 +212,6 @@ def mla_decode(
     """
     if keys_as_rows:
         from jattn.pallas_kernels import mosaic_mla_heads
-
-        if q.dtype == jnp.float8_e4m3fn:
-            q = q.astype(jnp.bfloat16)  # exact; that kernel refuses an FP8 cache with its reason
 
         return mosaic_mla_heads.mla_decode(
             q,

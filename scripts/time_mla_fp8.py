@@ -27,18 +27,17 @@ import jax
 import numpy as np
 
 PATCHES = {
-    "noupcast": (
-        "v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)",
-        "pass",
-    ),
-    "nopv": ("plgpu.wgmma(acc_ref, p, v)", "pass"),
-    "noqk": ("plgpu.wgmma(acc_ref, q_smem, k.T)", "pass"),
+    "noupcast": [("v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)", "pass")],
+    "nopv": [("plgpu.wgmma(acc_ref, p, v)", "pass")],
+    "noqk": [("plgpu.wgmma(acc_ref, q_smem, k.T)", "pass")],
     # the upcast loads e4m3 four to a thread and vector (32-bit loads), stores f16 so
-    "up8bit": (
-        "v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)",
-        "v_smem.at[:, pl.ds(c, 64)][...] = cast_layout(kv_smem.at[slot, :, pl.ds(c, 64)][...], "
-        "plgpu.Layout.WGMMA_8BIT, interpret=interp).astype(dtype)",
-    ),
+    "up8bit": [
+        (
+            "v_smem.at[:, pl.ds(c, 64)][...] = kv_smem.at[slot, :, pl.ds(c, 64)][...].astype(dtype)",
+            "v_smem.at[:, pl.ds(c, 64)][...] = cast_layout(kv_smem.at[slot, :, pl.ds(c, 64)][...], "
+            "plgpu.Layout.WGMMA_8BIT, interpret=interp).astype(dtype)",
+        )
+    ],
     # the producer does not wait for the P V before, warpgroup 0 not for the upcast
     "nocycle": [("plgpu.barrier_wait(v_free.at[0])", "pass"), ("plgpu.barrier_wait(v_ready.at[0])", "pass")],
 }
@@ -50,8 +49,7 @@ def patched_run(names, extra=()):
     from jattn.pallas_kernels import mosaic_mla_kernel as mk
 
     src = open(mk.__file__).read()
-    for name in [*names, None]:
-        pairs = list(extra) if name is None else PATCHES[name] if isinstance(PATCHES[name], list) else [PATCHES[name]]
+    for name, pairs in [*((n, PATCHES[n]) for n in names), ("extra", extra)]:
         for old, new in pairs:
             if old not in src:
                 raise SystemExit(f"patch {name}: source line not found")

@@ -252,11 +252,11 @@ def main(argv: list[str] | None = None) -> None:
 
         arrays = (qs, kv, tables, lens)
 
-        def timed(backend):
+        def timed(backend, arrs=arrays, column=None):
             def call(q, kv, table, lens):
                 return jattn.mla_decode_with_kvcache(q, kv, table, lens, backend=backend, **kw)
 
-            return time_calls(f"{row.label}: {backend}", call, arrays, n_hi)
+            return time_calls(f"{row.label}: {column or backend}", call, arrs, n_hi)
 
         def timed_tuning(tuning):
             def call(q, kv, table, lens):
@@ -281,9 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             quantisation step inside the timed call."""
             from jattn.mla_rope import quantize_query_fp8
 
-            q8 = (quantize_query_fp8(qs), kv, tables, lens)
-            call = lambda q, kv, table, lens: jattn.mla_decode_with_kvcache(q, kv, table, lens, backend="mosaic", **kw)  # noqa: E731
-            return time_calls(f"{row.label}: mosaic q e4m3", call, q8, n_hi)
+            return timed("mosaic", (quantize_query_fp8(qs), kv, tables, lens), "mosaic q e4m3")
 
         why = mosaic_mla.unsupported_reason(qs[0], kv, kv_lora_rank=R, max_seqlen_q=row.q_len)
         if args.no_mosaic:
