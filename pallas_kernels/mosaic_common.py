@@ -64,14 +64,16 @@ def cast_layout(x, layout, *, interpret: bool):
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
-def load_layout(ref, layout, *, interpret: bool):
+def load_layout(ref, layout, *, interpret: bool, optimized: bool = False):
     """The whole of ``ref`` (shared memory) as a register value in ``layout``, by the
-    unoptimised load path (any layout); ``ref[...]`` under the interpreter."""
+    unoptimised load path (any layout), or with ``optimized`` a transfer plan free of bank
+    conflicts (Mosaic GPU refuses the load where it finds none); ``ref[...]`` under the
+    interpreter."""
     if interpret:
         return ref[...]
     if _LOAD_TAKES_IDX:
-        return plgpu.load(ref, (), layout=layout, optimized=False)
-    return plgpu.load(ref, layout=layout, optimized=False)
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def vec_iota(size: int, dim: int, *, interpret: bool):

@@ -23,6 +23,7 @@ shared-memory tiles; the rest is the kernel that runs on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,6 +31,11 @@ import jax.numpy as jnp
 
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
+
+# FP8: V^T read from the landed e4m3 tile into registers (MLADecodeConfig.v_regs) instead of
+# the producer's upcast into an f16 V slot: True, False, or None for the measured choice (where
+# a row tile has at most 32 query rows, MLADecodeConfig.v_prefetch; docs/PERF.md)
+FP8_V_REGS = None
 
 __all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
 
@@ -91,6 +97,7 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
         "num_splits",
         "score_scale",
         "land_stages",
+        "options",
         "interpret",
     ),
 )
@@ -110,6 +117,7 @@ def _mla_decode(
     score_scale,
     land_stages,
     interpret,
+    options=(),
 ):
     num_pages, page_size, width = kv_cache.shape
     bs = page_table.shape[0]
@@ -132,6 +140,8 @@ def _mla_decode(
         row_scales=fp8 and not q_e4m3,
         land_stages=land_stages,
     )
+    cfg = dataclasses.replace(cfg, v_regs=cfg.fp8 and cfg.v_prefetch)
+    cfg = dataclasses.replace(cfg, **dict(options))  # (field, value) pairs: experiments and tests
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
     q3 = q.reshape(bs, cfg.m_rows, width)
     if cfg.m_rows8 != cfg.m_rows:
@@ -246,6 +256,7 @@ def mla_decode(
         score_scale=_static_scale(softmax_scale, kv_scale),
         land_stages=FP8_LAND_STAGES,
         interpret=_interpreting(),
+        options=() if FP8_V_REGS is None else (("v_regs", FP8_V_REGS),),
     )
 
 

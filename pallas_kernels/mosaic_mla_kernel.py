@@ -39,6 +39,17 @@ Layout of the work:
   means warpgroup 1 is done with the last P); the output leaves through the V slot.
   The three warpgroups' register counts sum to three times the launch's: a
   ``set_max_registers`` increase only takes what the decreases gave back.
+* **FP8 with V^T in registers** (``cfg.v_regs``; ``mosaic_mla`` takes it where a row
+  tile has at most 32 query rows). The landed e4m3 tile serves both MMAs and there is
+  no V slot: each warpgroup reads its value columns of the block through a transposed
+  view of the tile into registers (``[64, 64]`` chunks of ``V^T``), upcasts them there,
+  and accumulates ``O^T = V^T P^T`` with ``V^T`` as ``wgmma``'s register operand and
+  ``P^T`` a transposed view of one of two P slots, so the query rows are that MMA's N
+  (``n_cols``). Warpgroup 0 (``Q K^T``, the softmax) keeps the first ``v_cols0`` value
+  columns and warpgroup 1 the rest; up to 32 columns both read a block's ``V^T`` as soon
+  as it lands and hold it through the softmax or the wait for P, and the slot is free
+  once both have read it. An edge block's V is cleaned in registers. Each warpgroup's
+  ``O^T`` leaves through its own ``[64, 64]`` staging tile, transposed back on the way in.
 
 Named regions (``jax.named_scope``: ``feed_*``, ``wg0_*``, ``wg1_*``) mark each
 warpgroup's waits and work; they cost nothing unless the kernel is built with the Mosaic
@@ -111,6 +122,31 @@ class MLADecodeConfig:
     fp8: bool = False  # an e4m3 latent cache (and an e4m3 query)
     row_scales: bool = False  # FP8: the query rows come with factors (the wrapper quantised them)
     land_stages: int = FP8_LAND_STAGES  # FP8: slots of the ring the TMA lands e4m3 tiles in
+    v_regs: bool = False  # FP8: V^T read from the landed tile into registers, O^T accumulated
+
+    @property
+    def n_cols(self) -> int:
+        """``v_regs``: the columns of ``O^T`` (query rows of a tile, a multiple of 8)."""
+        return 64 if self.m_tiles > 1 else self.m_rows8
+
+    v_split: int | None = None  # v_regs: warpgroup 0's value columns (None: v_cols0)
+
+    @property
+    def v_prefetch(self) -> bool:
+        """``v_regs``: each warpgroup reads a block's ``V^T`` into registers as soon as the
+        block lands, and keeps it there through its softmax or its wait for P. Up to 32
+        columns of ``O^T``; at 64 the accumulators leave no room, and each ``wgmma`` group
+        reads its own chunks."""
+        return self.n_cols <= 32
+
+    @property
+    def v_cols0(self) -> int:
+        """``v_regs``: the value columns warpgroup 0 accumulates (the first ones; warpgroup
+        1 the rest). Warpgroup 0 also runs ``Q K^T`` and the softmax, so it keeps fewer
+        where the registers allow: 128 up to 32 columns of ``O^T``, else half."""
+        if self.v_split is not None:
+            return self.v_split
+        return 128 if self.v_prefetch else self.rank // 2
 
     @property
     def m_rows(self) -> int:
@@ -169,7 +205,8 @@ def _kernel(
     q_bar,
     p_ready,  # per P slot (FP8: one): warpgroup 0 has written the block's P and rescale factor
     fin,  # warpgroup 0 is done with Q (the output may overwrite it) and wrote 1 / l
-    fp8_scratch,  # FP8: (qs_smem f32[64], v_smem [BN, R], p_smem [64, BN], v_ready, v_free)
+    fp8_scratch,  # FP8: (qs_smem f32[64], v_smem [BN, R], p_smem [64, BN], v_ready, v_free);
+    # with v_regs: (qs_smem, stage_smem [2, 64, 64], p_smem [2, 64, BN], p_free)
 ):
     BN, S, H, HALF, R = BLOCK_N, cfg.stages, cfg.num_heads, cfg.half, cfg.rank
     split = lax.axis_index("split")
@@ -186,9 +223,13 @@ def _kernel(
         """Blocks wholly before it: used as loaded; the (at most two) later ones are edge blocks."""
         return jnp.clip(lax.div(first_partial, jnp.int32(BN)) - lo, 0, count)
 
-    if cfg.fp8:
+    v_regs = cfg.fp8 and cfg.v_regs
+    if v_regs:
+        qs_smem, stage_smem, p_smem, p_free = fp8_scratch
+        v_smem = v_ready = v_free = None
+    elif cfg.fp8:
         qs_smem, v_smem, p_smem, v_ready, v_free = fp8_scratch
-    regs = REGISTERS_FP8 if cfg.fp8 else REGISTERS
+    regs = REGISTERS_FP8 if cfg.fp8 and not v_regs else REGISTERS
 
     def p_tile(slot):
         """Where a block's P lives. bf16/f16: the ring slot's last 64 columns (the rope
@@ -280,7 +321,7 @@ def _kernel(
                 page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
                 plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot, pl.ds(j * ps, ps)], kv_bar.at[slot])
 
-        if cfg.fp8:
+        if cfg.fp8 and not v_regs:
             _feed_fp8(fetch)
             return
 
@@ -328,6 +369,85 @@ def _kernel(
 
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
+    N, C0 = cfg.n_cols, cfg.v_cols0
+
+    def load_cols(ref):
+        """An [N] f32 vector from shared memory in the accumulator's column layout (``v_regs``:
+        the query rows are the columns of ``O^T``)."""
+        return load_layout(ref, plgpu.Layout.WGMMA.reduce(0), interpret=interp)
+
+    def load_vt(slot, col0, k0, edge: bool):
+        """``v_regs``: ``V^T[col0:col0 + 64]`` of the block in ``slot`` (``[64, BN]``), read
+        from the landed e4m3 tile into registers through a transposed view and upcast
+        there; on an edge block keys past the length and non-finite entries become 0."""
+        tile = kv_smem.at[slot, :, pl.ds(col0, 64)]
+        if interp:
+            v = tile[...].astype(dtype).T
+        else:
+            v = load_layout(
+                plgpu.transpose_ref(tile, (1, 0)), plgpu.Layout.WGMMA_TRANSPOSED, interpret=False, optimized=True
+            )
+            v = plgpu.layout_cast(v.astype(dtype), plgpu.Layout.WGMMA)
+        if edge:
+            key = tile_iota((64, BN), 1, interpret=interp) + k0
+            v = jnp.where((key < seq_len) & (v - v == 0), v, jnp.zeros(v.shape, v.dtype))
+        return v
+
+    def pvt(accs, vs, ps, alpha):
+        """``v_regs``: the ``O^T`` chunks ``[64, N]`` times ``alpha`` (per column) plus
+        ``V^T P^T``, ``P^T`` being P slot ``ps`` through a transposed view. ``vs``: the
+        chunks' ``V^T`` in registers, or ``(slot, col0, k0, edge)`` to read them group by
+        group here (releasing the slot once all are read)."""
+        accs = [a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs]
+        p_ref = p_smem.at[ps, pl.ds(0, N)]
+        n = len(accs)
+        if isinstance(vs, tuple):
+            slot, col0, k0, edge = vs
+            vs = lambda c: load_vt(slot, col0 + 64 * c, k0, edge)  # noqa: E731
+            if interp:
+                vs = [vs(c) for c in range(n)]
+                plgpu.barrier_arrive(kv_free.at[slot])
+            group, release = 2, slot
+        else:
+            group, release = n, None
+        if interp:
+            p = p_ref[...]
+            return [a + jnp.dot(v, p.T, preferred_element_type=jnp.float32) for a, v in zip(accs, vs)]
+        out = []
+        for g0 in range(0, n, group):
+
+            def body(acc_refs, g0=g0):
+                for c, acc_ref in enumerate(acc_refs):
+                    plgpu.wgmma(acc_ref, vs(g0 + c) if callable(vs) else vs[g0 + c], p_ref.T)
+                if release is not None and g0 + group >= n:
+                    plgpu.barrier_arrive(kv_free.at[release])
+
+            out += list(pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs[g0 : g0 + group])))
+        return out
+
+    def write_out_t(accs, inv, col0, stage):
+        """``v_regs``: this warpgroup's ``O^T`` chunks, normalised per column, transposed
+        back into ``O`` through ``stage`` (``[64, 64]``, a transposed view of its first
+        N rows) and to GMEM in [8, 64] boxes of the real rows."""
+        for c, a in enumerate(accs):
+            o = (a * lax.broadcast_in_dim(inv, a.shape, [1])).astype(dtype)
+            if c:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if interp:
+                stage.at[pl.ds(0, N)][...] = o.T
+            else:
+                ot = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.transpose_ref(stage.at[pl.ds(0, N)], (1, 0))[...] = ot
+            plgpu.commit_smem()
+
+            def store(rows, c=c):
+                for r in range(0, rows, 8):
+                    plgpu.copy_smem_to_gmem(
+                        stage.at[pl.ds(r, 8)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(col0 + 64 * c, 64)]
+                    )
+
+            per_tile(store)
+
     def write_out(acc, inv, col0):
         """This warpgroup's normalised half of the output through the output tile (Q's
         shared memory, or FP8 the V slot: free by now), to GMEM in [8, 64] boxes (a
@@ -345,6 +465,13 @@ def _kernel(
                     )
 
         per_tile(store)
+
+    def acc_init(cols=HALF):
+        """A warpgroup's zero output: ``[64, HALF]``, or with ``v_regs`` the ``O^T`` chunks of
+        its ``cols`` value columns."""
+        if v_regs:
+            return [cast(jnp.full((64, N), 0.0, jnp.float32), plgpu.Layout.WGMMA) for _ in range(cols // 64)]
+        return cast(jnp.full((64, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
     @pl.when(wg == 0)
     def _softmax_wg():
@@ -402,7 +529,14 @@ def _kernel(
             if cfg.fp8:
                 with jax.named_scope("wg0_qk"):
                     x = qk(slot) * xrows
-                plgpu.barrier_arrive(kv_free.at[slot])  # the upcast of its V is the feeder's
+                if not v_regs:
+                    plgpu.barrier_arrive(kv_free.at[slot])  # the upcast of its V is the feeder's
+                elif cfg.v_prefetch:  # read before the softmax, in registers through it
+                    with jax.named_scope("wg0_load_v"):
+                        vs = [load_vt(slot, c, k0, edge) for c in range(0, C0, 64)]
+                    plgpu.barrier_arrive(kv_free.at[slot])
+                else:
+                    vs = (slot, 0, k0, edge)
             else:
                 x = qk(slot) * xscale
             if edge:
@@ -420,6 +554,21 @@ def _kernel(
             if edge and not cfg.fp8:
                 clean(kv_smem.at[slot], k0)  # made visible to warpgroup 1 by the commit below
             p16 = p.astype(dtype)
+            if v_regs:  # P slot i % 2 is free once warpgroup 1's P V of block i - 2 is done
+                ps = lax.rem(i, jnp.int32(2))
+
+                @pl.when(i >= 2)
+                def _():
+                    with jax.named_scope("wg0_wait_p_free"):
+                        plgpu.barrier_wait(p_free.at[ps])
+
+                p_smem.at[ps][...] = p16
+                row_smem[ps] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready.at[ps])
+                with jax.named_scope("wg0_pv"):
+                    acc = pvt(acc, vs, ps, load_cols(row_smem.at[ps, pl.ds(0, N)]))
+                return acc, m_new, l_i
 
             def publish():  # P and the rescale factor, for warpgroup 1
                 p_tile(slot)[...] = p16
@@ -443,10 +592,12 @@ def _kernel(
 
         m_i = cast(jnp.full((64,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = cast(jnp.full((64,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = cast(jnp.full((64, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = acc_init(C0)
         n_full = full_blocks()
         carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+        if v_regs and interp:
+            drain_free_barriers(count, 2, p_free)
 
         empty = l_i == 0.0
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
@@ -459,7 +610,10 @@ def _kernel(
                 lse_smem.at[pl.ds(0, rows)], lse_ref.at[split, b, pl.ds(mt * 64, rows)]
             )
         )
-        write_out(acc, inv, 0)
+        if v_regs:
+            write_out_t(acc, load_cols(row_smem.at[2, pl.ds(0, N)]), 0, stage_smem.at[0])
+        else:
+            write_out(acc, inv, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -481,8 +635,35 @@ def _kernel(
             plgpu.barrier_arrive(v_free.at[0] if cfg.fp8 else kv_free.at[slot])
             return acc
 
-        acc = cast(jnp.full((64, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(0, count, step, acc)
+        def step_t(i, acc, edge: bool):
+            """``v_regs``: block ``lo + i``'s ``O^T`` chunks of the value columns C0 on."""
+            slot = lax.rem(i, jnp.int32(S))
+            ps = lax.rem(i, jnp.int32(2))
+            k0 = (lo + i) * BN
+            with jax.named_scope("wg1_wait_v"):
+                plgpu.barrier_wait(kv_bar.at[slot])
+            vs = (slot, C0, k0, edge)
+            if cfg.v_prefetch:  # read while warpgroup 0 computes P
+                with jax.named_scope("wg1_load_v"):
+                    vs = [load_vt(slot, c, k0, edge) for c in range(C0, R, 64)]
+                plgpu.barrier_arrive(kv_free.at[slot])
+            with jax.named_scope("wg1_wait_p"):
+                plgpu.barrier_wait(p_ready.at[ps])
+            with jax.named_scope("wg1_pv"):
+                acc = pvt(acc, vs, ps, load_cols(row_smem.at[ps, pl.ds(0, N)]))
+            plgpu.barrier_arrive(p_free.at[ps])
+            return acc
+
+        if v_regs:
+            n_full = full_blocks()
+            acc = lax.fori_loop(0, n_full, functools.partial(step_t, edge=False), acc_init(R - C0))
+            acc = lax.fori_loop(n_full, count, functools.partial(step_t, edge=True), acc)
+            plgpu.barrier_wait(fin.at[0])
+            write_out_t(acc, load_cols(row_smem.at[2, pl.ds(0, N)]), C0, stage_smem.at[1])
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        acc = lax.fori_loop(0, count, step, acc_init())
         plgpu.barrier_wait(fin.at[0])
         write_out(acc, load_rows(row_smem.at[2]), HALF)
         plgpu.wait_smem_to_gmem(0)
@@ -505,12 +686,19 @@ def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
     rows_f32 = [plgpu.SMEM((3, 64), jnp.float32), plgpu.SMEM((64,), jnp.float32)]
     barriers = [
         plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
-        plgpu.Barrier(num_arrivals=1 if cfg.fp8 else 2, num_barriers=S),
+        plgpu.Barrier(num_arrivals=1 if cfg.fp8 and not cfg.v_regs else 2, num_barriers=S),
         plgpu.Barrier(num_arrivals=2 if cfg.row_scales else 1, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     ]
-    if cfg.fp8:  # the swizzled tiles first: fewer alignment gaps (the FP8 build is near the limit)
+    if cfg.fp8 and cfg.v_regs:  # output staging tiles (one per warpgroup), two P slots
+        tiles += [
+            plgpu.SMEM((2, 64, 64), dtype, transforms=swizzle_transforms(dtype, 64)),
+            plgpu.SMEM((2, 64, BN), dtype, transforms=swizzle_transforms(dtype, BN)),
+        ]
+        rows_f32.append(plgpu.SMEM((64,), jnp.float32))
+        barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    elif cfg.fp8:  # the swizzled tiles first: fewer alignment gaps (the FP8 build is near the limit)
         tiles += [
             plgpu.SMEM((BN, cfg.rank), dtype, transforms=swizzle_transforms(dtype, cfg.rank)),
             plgpu.SMEM((64, BN), dtype, transforms=swizzle_transforms(dtype, BN)),
@@ -530,12 +718,13 @@ def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
             v_smem, p_smem, *scratch = scratch if cfg.fp8 else (None, None, *scratch)
             row_smem, lse_smem, *scratch = scratch
             qs_smem, *bars = scratch if cfg.fp8 else (None, *scratch)
-            fp8_scratch = (qs_smem, v_smem, p_smem, *bars[5:]) if cfg.fp8 else None
+            fp8_scratch = (qs_smem, v_smem, p_smem, *bars[5:]) if cfg.fp8 else None  # v_smem: v_regs' staging
             _kernel(cfg, dtype, *refs, q_smem, kv_smem, row_smem, lse_smem, *bars[:5], fp8_scratch)
 
         pl.run_scoped(body, *tiles, *rows_f32, *barriers, collective_axes="wg")
 
     causal = "_causal" if cfg.is_causal else ""
+    fp8 = ("_fp8_vregs" if cfg.v_regs else "_fp8") if cfg.fp8 else ""
     kernel = plgpu_kernel(
         entry,
         out_type,
@@ -544,7 +733,7 @@ def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name=f"jattn_mla_decode_p{cfg.page_size}_q{cfg.q_len}{causal}{'_fp8' if cfg.fp8 else ''}",
+        kernel_name=f"jattn_mla_decode_p{cfg.page_size}_q{cfg.q_len}{causal}{fp8}",
     )
     operands = [page_table, lens] + ([] if scale is None else [scale]) + ([] if qs is None else [qs])
     return kernel(*operands, q, kv)

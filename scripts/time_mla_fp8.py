@@ -9,10 +9,13 @@ does not write the V slot), ``nopv`` (no ``P V`` wgmma), ``noqk`` (no ``Q K^T``
 wgmma); and ``up8bit``, the upcast loading e4m3 in the 8-bit ``wgmma`` register layout
 (four to a thread and vector). Ablated builds compute wrong outputs; they only say what
 each piece costs.
-A variant ``land=N`` times the committed kernel with ``N`` landing slots; ``len=N``
-sets the request length of every row (default 4096), ``nobf16`` skips the bf16 build.
+A variant joins tokens with ``+``: patch names, ``land=N`` (``N`` landing slots), ``vregs``
+(``MLADecodeConfig.v_regs``: V^T read into registers, no upcast slot), ``split=C``
+(with ``vregs``: warpgroup 0's value columns), ``q8`` (the query
+given in e4m3, as the MLA backend gives it: no row scales). ``len=N`` sets the request
+length of every row (default 4096), ``nobf16`` skips the bf16 build.
 
-``trace`` (alone, or with ``land=N``) runs the FP8 kernel once under the Mosaic GPU
+``trace`` (alone, or with ``land=N``, ``vregs``, ``q8``) runs the FP8 kernel once under the Mosaic GPU
 profiler and prints, per named region of the kernel (``jax.named_scope``), its count
 and mean and total cycles per warpgroup, and the mean cycles between the starts of
 warpgroup 0's successive ``Q K^T``: where each warpgroup's time goes block by block.
@@ -43,6 +46,16 @@ PATCHES = {
 }
 
 
+def kernel_options(tokens):
+    """``MLADecodeConfig`` overrides named by the tokens: ``vregs`` / ``novregs`` (``v_regs``),
+    ``split=C`` (``v_split``)."""
+    out = []
+    if "vregs" in tokens or "novregs" in tokens:
+        out.append(("v_regs", "vregs" in tokens))
+    out += [("v_split", int(t[6:])) for t in tokens if t.startswith("split=")]
+    return out
+
+
 def patched_run(names, extra=()):
     """The kernel module's ``run`` with the named pieces removed (and ``extra`` source
     replacements made)."""
@@ -60,8 +73,9 @@ def patched_run(names, extra=()):
     return mod.run
 
 
-def decode(row, land, q, kv, table, lens):
-    """The Mosaic MLA decode of ``row`` (q_len 1, the bench's scale) with ``land`` landing slots."""
+def decode(row, land, q, kv, table, lens, options=()):
+    """The Mosaic MLA decode of ``row`` (q_len 1, the bench's scale) with ``land`` landing slots
+    and ``options``, ``(field, value)`` pairs of ``MLADecodeConfig``."""
     from jattn.bench import mla
     from jattn.pallas_kernels import mosaic_mla
 
@@ -76,10 +90,11 @@ def decode(row, land, q, kv, table, lens):
         max_seqlen_q=1,
         is_causal=True,
         return_lse=False,
-        num_splits=mosaic_mla.choose_num_splits(row.bs, 1, row.length // 64),
+        num_splits=mosaic_mla.choose_num_splits(row.bs, -(-row.heads // 64), row.length // 64),
         score_scale=mla.SCALE,
         land_stages=land,
         interpret=False,
+        options=tuple(options),
     )
 
 
@@ -94,6 +109,7 @@ def trace(variants, length):
     from jattn.pallas_kernels import mosaic_mla
 
     land = next((int(v[5:]) for v in variants if v.startswith("land=")), 2)
+    options = kernel_options(variants)
     out_dir = tempfile.mkdtemp(prefix="mla_trace_")
     space = length // 64 * 6 + 16
     mosaic_mla.run = patched_run(
@@ -108,7 +124,11 @@ def trace(variants, length):
     rng = np.random.default_rng(0)
     row = mla.Row(64, length, 16, fp8=True)
     qs, kv, tables, lens, lens_np = mla._setup(row, rng, 2)
-    out = decode(row, land, qs[0], kv, tables[0], lens)
+    if "q8" in variants:
+        from jattn.mla_rope import quantize_query_fp8
+
+        qs = quantize_query_fp8(qs)
+    out = decode(row, land, qs[0], kv, tables[0], lens, options)
     jax.block_until_ready(out)
     jax.effects_barrier()
     files = glob.glob(os.path.join(out_dir, "*.json"))
@@ -128,7 +148,7 @@ def trace(variants, length):
             st[0] += 1
             st[1] += (e["ts"] - t0) * 1e3  # the dump writes clock cycles as ns, then / 1e3
     ctas = len({e["tid"] for e in events if e["name"] == "wg0_qk"})
-    print(f"trace: land={land}, {ctas} CTAs, {len(events)} events; cycles per occurrence, and per CTA")
+    print(f"trace: land={land} {options}, {ctas} CTAs, {len(events)} events; cycles per occurrence, and per CTA")
     for name in sorted(stats):
         n, tot = stats[name]
         print(f"  {name:18s} n/CTA {n / ctas:6.1f}  mean {tot / n:8.1f}  per CTA {tot / ctas:10.0f}")
@@ -147,31 +167,39 @@ def main(variants):
     rng = np.random.default_rng(0)
     n_hi = 8
     length = next((int(v[4:]) for v in variants if v.startswith("len=")), 4096)
-    variants = [v for v in variants if not v.startswith("len=")]
+    heads = next((int(v[6:]) for v in variants if v.startswith("heads=")), 16)
+    batch = next((int(v[6:]) for v in variants if v.startswith("batch=")), 64)
+    variants = [v for v in variants if not v.startswith(("len=", "heads=", "batch="))]
     if "trace" in variants:
         return trace(variants, length)
     base_run = mosaic_mla.run
     for fp8 in (False, True) if "nobf16" not in variants else (True,):
-        row = mla.Row(64, length, 16, fp8=fp8)
+        row = mla.Row(batch, length, heads, fp8=fp8)
         qs, kv, tables, lens, lens_np = mla._setup(row, rng, n_hi)
-        nbytes, _ = mla.row_bytes_flops(row, lens_np)
-        arrays = (qs, kv, tables, lens)
+        nbytes, flops = mla.row_bytes_flops(row, lens_np)
         todo = ["base"] + ([v for v in variants if v != "nobf16"] if fp8 else [])
         for v in todo:
-            land = mosaic_mla.FP8_LAND_STAGES
-            mosaic_mla.run = base_run
-            if v.startswith("land="):
-                land = int(v.split("=")[1])
-            elif v != "base":
-                mosaic_mla.run = patched_run(v.split("+"))
+            tokens = v.split("+")
+            land = next((int(t[5:]) for t in tokens if t.startswith("land=")), mosaic_mla.FP8_LAND_STAGES)
+            options = kernel_options(tokens)
+            patches = [t for t in tokens if t in PATCHES]
+            mosaic_mla.run = patched_run(patches) if patches else base_run
+            arrays = (qs, kv, tables, lens)
+            if "q8" in tokens:
+                from jattn.mla_rope import quantize_query_fp8
+
+                arrays = (quantize_query_fp8(qs), kv, tables, lens)
             jax.clear_caches()
 
-            def call(q, kv, table, lens, land=land, row=row):
-                return decode(row, land, q, kv, table, lens)
+            def call(q, kv, table, lens, land=land, row=row, options=options):
+                return decode(row, land, q, kv, table, lens, options)
 
             s = mla.time_calls(f"{row.label} {v}", call, arrays, n_hi)
             if s:
-                print(f"{row.label} {v}: {s * 1e6:.1f} us  {nbytes / s / 1e12:.2f} TB/s", flush=True)
+                print(
+                    f"{row.label} {v}: {s * 1e6:.1f} us  {nbytes / s / 1e12:.2f} TB/s  {flops / s / 1e12:.0f} TFLOP/s",
+                    flush=True,
+                )
     mosaic_mla.run = base_run
 
 

@@ -11,6 +11,7 @@ of one cached row (rows that see it must come out non-finite, every other row ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -39,6 +40,18 @@ class Case:
     fp8: bool = False  # an e4m3 latent cache, kv_scale 0.5; q e4m3-valued as the MLA backend makes it
     raw_q: bool = False  # FP8: q as drawn (the kernel's e4m3 rounding of it is the error)
     e4m3_q: bool = False  # FP8: q passed in e4m3 (read as it is: no row scales); the output is bf16
+    v_regs: bool | None = None  # FP8: V^T read into registers (MLADecodeConfig.v_regs); None: default
+
+
+@contextlib.contextmanager
+def _v_regs(on: bool | None):
+    """``mosaic_mla.FP8_V_REGS`` set to ``on`` for the block (None: the default choice, V^T in
+    registers where a row tile has at most 32 query rows)."""
+    old, mm.FP8_V_REGS = mm.FP8_V_REGS, on
+    try:
+        yield
+    finally:
+        mm.FP8_V_REGS = old
 
 
 def _inputs(c: Case, seed: int):
@@ -83,7 +96,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     q_dtype = jnp.float8_e4m3fn if c.e4m3_q else dtype
     args = (jnp.asarray(q, q_dtype), jnp.asarray(kv, kv_dtype), jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows)
-    o, lse = mm.mla_decode(*args, **kw)
+    with _v_regs(c.v_regs):
+        o, lse = mm.mla_decode(*args, **kw)
     assert o.dtype == (jnp.bfloat16 if c.e4m3_q else dtype)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == (len(c.lens) * c.q_len, c.heads, R) and lse.shape == o.shape[:2]
@@ -96,7 +110,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     empty = np.repeat(lens == 0, c.q_len)
     assert (o[empty] == 0).all() and np.isneginf(lse[empty]).all(), "a request with no keys: 0 / -inf"
     if deterministic:
-        o2 = np.asarray(mm.mla_decode(*args, **kw)[0], np.float32)
+        with _v_regs(c.v_regs):
+            o2 = np.asarray(mm.mla_decode(*args, **kw)[0], np.float32)
         assert np.array_equal(o2, o, equal_nan=True), "not deterministic"
 
 
@@ -121,6 +136,13 @@ CPU_CASES = [
     Case(lens=(66, 200), heads=16, q_len=3, page_size=64, poison=1, fp8=True),
     # an e4m3 query, read with no row scales (a traced kv_scale: the scale operand alone)
     Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True),
+    # The other FP8 path of each case above (by default V^T is read into registers up to 32
+    # query rows, so the first and last cases above run that and the second the upcast): the
+    # upcast with poison, lengths 0, 1, 97, two splits; V^T in registers at 48 rows (read per
+    # wgmma group, causal verify over two edge blocks); the upcast with an e4m3 query
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True, v_regs=False),
+    Case(lens=(66, 200), heads=16, q_len=3, page_size=64, poison=1, fp8=True, v_regs=True),
+    Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True, v_regs=False),
 ]
 
 
@@ -129,7 +151,7 @@ CPU_CASES = [
 def test_interpreted(c):
     # A second run checks determinism; interpreted, two cases do it (one per kernel).
     with gpu_interpret():
-        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3], CPU_CASES[7]))
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3], CPU_CASES[7], CPU_CASES[-2]))
 
 
 GPU_CASES = [
@@ -153,6 +175,8 @@ GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, fp8=True, e4m3_q=True),
     Case(lens=(3000, 65), heads=128, q_len=2, page_size=64, poison=1, fp8=True, e4m3_q=True),
 ]
+# each FP8 case also on the path it does not take by default
+GPU_CASES += [dataclasses.replace(c, v_regs=c.heads * c.q_len > 32) for c in GPU_CASES if c.fp8]
 
 
 @pytest.mark.gpu
@@ -168,14 +192,16 @@ def test_gpu(c):
     "heads, q_len, page_size, fp8",
     [(16, 1, 64, 0), (128, 2, 16, 0), (32, 4, 128, 0), (16, 2, 16, 0), (32, 1, 32, 0), (8, 4, 128, 0)]
     + [(16, 1, 64, 1), (128, 2, 16, 1), (8, 4, 128, 1)]
-    + [(16, 1, 64, 2), (128, 2, 16, 2)],  # 2: an e4m3 query (no row scales)
+    + [(16, 1, 64, 2), (128, 2, 16, 2)]  # 2: an e4m3 query (no row scales)
+    + [(16, 1, 64, 3), (128, 2, 16, 3), (8, 4, 128, 4), (4, 1, 32, 4)]  # 3, 4: V^T in registers (e4m3, bf16 q)
+    + [(16, 1, 64, 5), (16, 2, 16, 5)],  # 5: the upcast (an e4m3 query)
 )
 def test_lowers_for_cuda(heads, q_len, page_size, fp8):
     """Mosaic GPU's layout inference and TMA rules (and the shared-memory limit) run at
     lowering: this catches on the CPU programs the interpreter accepts and the GPU
     compiler rejects."""
     bs = 3
-    q = jnp.zeros((bs * q_len, heads, W), jnp.float8_e4m3fn if fp8 == 2 else jnp.bfloat16)
+    q = jnp.zeros((bs * q_len, heads, W), jnp.float8_e4m3fn if fp8 in (2, 3, 5) else jnp.bfloat16)
     kv = jnp.zeros((40, page_size, W), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
@@ -185,9 +211,11 @@ def test_lowers_for_cuda(heads, q_len, page_size, fp8):
         def fn(q, kv):
             return mm.mla_decode(q, kv, pt, lens, keys_as_rows=keys, **kw)  # noqa: B023
 
-        text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+        with _v_regs({3: True, 4: True, 5: False}.get(fp8)):
+            text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
         assert ("jattn_mla_decode_heads" if keys else "jattn_mla_decode_p") in text
         assert ("_fp8" in text) == bool(fp8)
+        assert ("_vregs" in text) == (fp8 in (3, 4) or fp8 in (1, 2) and heads * q_len <= 32)
 
 
 def test_unsupported_reasons():
