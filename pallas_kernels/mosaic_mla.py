@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
 
-# FP8: V^T read from the landed e4m3 tile into registers (MLADecodeConfig.v_regs) instead of
-# the producer's upcast into an f16 V slot: True, False, or None for the measured choice (where
-# a row tile has at most 32 query rows, MLADecodeConfig.v_prefetch; docs/PERF.md)
-FP8_V_REGS = None
+# FP8 with at most 32 query rows: V^T read from the landed e4m3 tile into registers
+# (MLADecodeConfig.v_regs, measured faster; docs/PERF.md) or (False) the producer's upcast
+FP8_V_REGS = True
 
 __all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
 
@@ -140,8 +139,8 @@ def _mla_decode(
         row_scales=fp8 and not q_e4m3,
         land_stages=land_stages,
     )
-    cfg = dataclasses.replace(cfg, v_regs=cfg.fp8 and cfg.v_prefetch)
-    cfg = dataclasses.replace(cfg, **dict(options))  # (field, value) pairs: experiments and tests
+    # options: (field, value) pairs over the defaults (experiments, tests)
+    cfg = dataclasses.replace(cfg, **{"v_regs": cfg.v_regs_ok, **dict(options)})
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
     q3 = q.reshape(bs, cfg.m_rows, width)
     if cfg.m_rows8 != cfg.m_rows:
@@ -256,7 +255,7 @@ def mla_decode(
         score_scale=_static_scale(softmax_scale, kv_scale),
         land_stages=FP8_LAND_STAGES,
         interpret=_interpreting(),
-        options=() if FP8_V_REGS is None else (("v_regs", FP8_V_REGS),),
+        options=() if FP8_V_REGS else (("v_regs", False),),
     )
 
 

@@ -39,17 +39,16 @@ Layout of the work:
   means warpgroup 1 is done with the last P); the output leaves through the V slot.
   The three warpgroups' register counts sum to three times the launch's: a
   ``set_max_registers`` increase only takes what the decreases gave back.
-* **FP8 with V^T in registers** (``cfg.v_regs``; ``mosaic_mla`` takes it where a row
-  tile has at most 32 query rows). The landed e4m3 tile serves both MMAs and there is
-  no V slot: each warpgroup reads its value columns of the block through a transposed
-  view of the tile into registers (``[64, 64]`` chunks of ``V^T``), upcasts them there,
-  and accumulates ``O^T = V^T P^T`` with ``V^T`` as ``wgmma``'s register operand and
-  ``P^T`` a transposed view of one of two P slots, so the query rows are that MMA's N
-  (``n_cols``). Warpgroup 0 (``Q K^T``, the softmax) keeps the first ``v_cols0`` value
-  columns and warpgroup 1 the rest; up to 32 columns both read a block's ``V^T`` as soon
-  as it lands and hold it through the softmax or the wait for P, and the slot is free
-  once both have read it. An edge block's V is cleaned in registers. Each warpgroup's
-  ``O^T`` leaves through its own ``[64, 64]`` staging tile, transposed back on the way in.
+* **FP8 with V^T in registers** (``cfg.v_regs``, which ``mosaic_mla`` takes where a row
+  tile has at most 32 query rows). The landed e4m3 tile serves both MMAs and there is no V
+  slot: each warpgroup reads its value columns of the block through a transposed view of
+  the tile into registers (``[64, 64]`` chunks of ``V^T``) as soon as the block lands,
+  upcasts them there, and after the softmax accumulates ``O^T = V^T P^T`` with ``V^T`` as
+  ``wgmma``'s register operand and ``P^T`` a transposed view of one of two P slots, so the
+  query rows are that MMA's N (``n_cols``). Warpgroup 0 (``Q K^T``, the softmax) keeps the
+  first ``v_split`` value columns and warpgroup 1 the rest; the slot is free once both
+  have read it. An edge block's V is cleaned in registers. Each warpgroup's ``O^T`` leaves
+  through its own ``[64, 64]`` staging tile, transposed back on the way in.
 
 Named regions (``jax.named_scope``: ``feed_*``, ``wg0_*``, ``wg1_*``) mark each
 warpgroup's waits and work; they cost nothing unless the kernel is built with the Mosaic
@@ -70,7 +69,6 @@ that runs on the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -90,96 +88,18 @@ from jattn.pallas_kernels.mosaic_common import (
     tile_iota,
     vec_iota,
 )
+from jattn.pallas_kernels.mosaic_mla_config import (
+    BLOCK_N,
+    FP8_LAND_STAGES,
+    NUM_STAGES,
+    REGISTERS,
+    REGISTERS_FP8,
+    MLADecodeConfig,
+)
 
-__all__ = ["BLOCK_N", "NUM_STAGES", "MLADecodeConfig", "run"]
+__all__ = ["BLOCK_N", "FP8_LAND_STAGES", "NUM_STAGES", "MLADecodeConfig", "run"]
 
 _LOG2E = math.log2(math.e)
-BLOCK_N = 64  # tokens per KV block
-NUM_STAGES = 2  # bf16/f16: slots of the TMA ring
-FP8_LAND_STAGES = 3  # FP8: slots of the e4m3 landing ring
-# Registers per thread of (warpgroup 0, warpgroup 1, producer) after ``set_max_registers``.
-# Their sum may not pass three times the launch's 168: an increase only takes what the
-# decreases gave back, and otherwise waits for ever. FP8: the producer also upcasts V.
-REGISTERS = (232, 232, 40)
-REGISTERS_FP8 = (232, 224, 48)
-
-
-@dataclasses.dataclass(frozen=True)
-class MLADecodeConfig:
-    """Static configuration of one kernel build."""
-
-    width: int  # R + r
-    rank: int  # R: the value columns
-    num_heads: int
-    q_len: int
-    is_causal: bool
-    page_size: int
-    num_pages: int
-    max_pages: int
-    num_splits: int
-    score_scale: float | None  # softmax_scale * kv_scale when known at trace time
-    interpret: bool
-    fp8: bool = False  # an e4m3 latent cache (and an e4m3 query)
-    row_scales: bool = False  # FP8: the query rows come with factors (the wrapper quantised them)
-    land_stages: int = FP8_LAND_STAGES  # FP8: slots of the ring the TMA lands e4m3 tiles in
-    v_regs: bool = False  # FP8: V^T read from the landed tile into registers, O^T accumulated
-
-    @property
-    def n_cols(self) -> int:
-        """``v_regs``: the columns of ``O^T`` (query rows of a tile, a multiple of 8)."""
-        return 64 if self.m_tiles > 1 else self.m_rows8
-
-    v_split: int | None = None  # v_regs: warpgroup 0's value columns (None: v_cols0)
-
-    @property
-    def v_prefetch(self) -> bool:
-        """``v_regs``: each warpgroup reads a block's ``V^T`` into registers as soon as the
-        block lands, and keeps it there through its softmax or its wait for P. Up to 32
-        columns of ``O^T``; at 64 the accumulators leave no room, and each ``wgmma`` group
-        reads its own chunks."""
-        return self.n_cols <= 32
-
-    @property
-    def v_cols0(self) -> int:
-        """``v_regs``: the value columns warpgroup 0 accumulates (the first ones; warpgroup
-        1 the rest). Warpgroup 0 also runs ``Q K^T`` and the softmax, so it keeps fewer
-        where the registers allow: 128 up to 32 columns of ``O^T``, else half."""
-        if self.v_split is not None:
-            return self.v_split
-        return 128 if self.v_prefetch else self.rank // 2
-
-    @property
-    def m_rows(self) -> int:
-        return self.q_len * self.num_heads
-
-    @property
-    def m_tiles(self) -> int:
-        return -(-self.m_rows // 64)
-
-    @property
-    def m_rows8(self) -> int:
-        """Query rows rounded up to 8 (a TMA box row of the tiled shared memory): the row
-        count of q as the kernel reads it and of its outputs."""
-        return -(-self.m_rows // 8) * 8
-
-    @property
-    def last_rows8(self) -> int:
-        """Rows of the last row tile that are read and written (a multiple of 8)."""
-        return self.m_rows8 - (self.m_tiles - 1) * 64
-
-    @property
-    def pieces(self) -> int:
-        """TMA copies per block: one, or one per page when pages are smaller."""
-        return 1 if self.page_size >= BLOCK_N else BLOCK_N // self.page_size
-
-    @property
-    def half(self) -> int:
-        return self.rank // 2
-
-    @property
-    def stages(self) -> int:
-        """Slots of the TMA ring."""
-        return self.land_stages if self.fp8 else NUM_STAGES
 
 
 def _kernel(
@@ -369,7 +289,7 @@ def _kernel(
 
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
-    N, C0 = cfg.n_cols, cfg.v_cols0
+    N, C0 = cfg.n_cols, cfg.v_split
 
     def load_cols(ref):
         """An [N] f32 vector from shared memory in the accumulator's column layout (``v_regs``:
@@ -384,9 +304,7 @@ def _kernel(
         if interp:
             v = tile[...].astype(dtype).T
         else:
-            v = load_layout(
-                plgpu.transpose_ref(tile, (1, 0)), plgpu.Layout.WGMMA_TRANSPOSED, interpret=False, optimized=True
-            )
+            v = load_layout(tile.T, plgpu.Layout.WGMMA_TRANSPOSED, interpret=False, optimized=True)
             v = plgpu.layout_cast(v.astype(dtype), plgpu.Layout.WGMMA)
         if edge:
             key = tile_iota((64, BN), 1, interpret=interp) + k0
@@ -395,35 +313,19 @@ def _kernel(
 
     def pvt(accs, vs, ps, alpha):
         """``v_regs``: the ``O^T`` chunks ``[64, N]`` times ``alpha`` (per column) plus
-        ``V^T P^T``, ``P^T`` being P slot ``ps`` through a transposed view. ``vs``: the
-        chunks' ``V^T`` in registers, or ``(slot, col0, k0, edge)`` to read them group by
-        group here (releasing the slot once all are read)."""
+        ``V^T P^T``, ``vs`` being the chunks' ``V^T`` in registers and ``P^T`` P slot ``ps``
+        through a transposed view."""
         accs = [a * lax.broadcast_in_dim(alpha, a.shape, [1]) for a in accs]
         p_ref = p_smem.at[ps, pl.ds(0, N)]
-        n = len(accs)
-        if isinstance(vs, tuple):
-            slot, col0, k0, edge = vs
-            vs = lambda c: load_vt(slot, col0 + 64 * c, k0, edge)  # noqa: E731
-            if interp:
-                vs = [vs(c) for c in range(n)]
-                plgpu.barrier_arrive(kv_free.at[slot])
-            group, release = 2, slot
-        else:
-            group, release = n, None
         if interp:
             p = p_ref[...]
             return [a + jnp.dot(v, p.T, preferred_element_type=jnp.float32) for a, v in zip(accs, vs)]
-        out = []
-        for g0 in range(0, n, group):
 
-            def body(acc_refs, g0=g0):
-                for c, acc_ref in enumerate(acc_refs):
-                    plgpu.wgmma(acc_ref, vs(g0 + c) if callable(vs) else vs[g0 + c], p_ref.T)
-                if release is not None and g0 + group >= n:
-                    plgpu.barrier_arrive(kv_free.at[release])
+        def body(acc_refs):
+            for acc_ref, v in zip(acc_refs, vs):
+                plgpu.wgmma(acc_ref, v, p_ref.T)
 
-            out += list(pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs[g0 : g0 + group])))
-        return out
+        return list(pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs)))
 
     def write_out_t(accs, inv, col0, stage):
         """``v_regs``: this warpgroup's ``O^T`` chunks, normalised per column, transposed
@@ -437,7 +339,7 @@ def _kernel(
                 stage.at[pl.ds(0, N)][...] = o.T
             else:
                 ot = plgpu.layout_cast(o, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.transpose_ref(stage.at[pl.ds(0, N)], (1, 0))[...] = ot
+                stage.at[pl.ds(0, N)].T[...] = ot
             plgpu.commit_smem()
 
             def store(rows, c=c):
@@ -531,12 +433,10 @@ def _kernel(
                     x = qk(slot) * xrows
                 if not v_regs:
                     plgpu.barrier_arrive(kv_free.at[slot])  # the upcast of its V is the feeder's
-                elif cfg.v_prefetch:  # read before the softmax, in registers through it
+                else:  # V^T read before the softmax, held in registers through it
                     with jax.named_scope("wg0_load_v"):
                         vs = [load_vt(slot, c, k0, edge) for c in range(0, C0, 64)]
                     plgpu.barrier_arrive(kv_free.at[slot])
-                else:
-                    vs = (slot, 0, k0, edge)
             else:
                 x = qk(slot) * xscale
             if edge:
@@ -642,11 +542,9 @@ def _kernel(
             k0 = (lo + i) * BN
             with jax.named_scope("wg1_wait_v"):
                 plgpu.barrier_wait(kv_bar.at[slot])
-            vs = (slot, C0, k0, edge)
-            if cfg.v_prefetch:  # read while warpgroup 0 computes P
-                with jax.named_scope("wg1_load_v"):
-                    vs = [load_vt(slot, c, k0, edge) for c in range(C0, R, 64)]
-                plgpu.barrier_arrive(kv_free.at[slot])
+            with jax.named_scope("wg1_load_v"):  # while warpgroup 0 computes P
+                vs = [load_vt(slot, c, k0, edge) for c in range(C0, R, 64)]
+            plgpu.barrier_arrive(kv_free.at[slot])
             with jax.named_scope("wg1_wait_p"):
                 plgpu.barrier_wait(p_ready.at[ps])
             with jax.named_scope("wg1_pv"):

@@ -33,7 +33,7 @@ def build(n, col0, mode):
             plgpu.copy_gmem_to_smem(v_ref, v_s, bar.at[0])
             plgpu.copy_gmem_to_smem(p_ref, p_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
-            vt = plgpu.transpose_ref(v_s.at[:, pl.ds(col0, HALF)], (1, 0))  # [HALF, T]
+            vt = v_s.at[:, pl.ds(col0, HALF)].T  # [HALF, T]
             if mode == "transposed":
                 a = plgpu.load(vt, (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=OPT)
                 a = plgpu.layout_cast(a.astype(jnp.float16), plgpu.Layout.WGMMA)
@@ -47,7 +47,7 @@ def build(n, col0, mode):
             acc = pl.run_scoped(scope, plgpu.ACC((HALF, n), jnp.float32))
             # O = (O^T)^T in 2-byte floats: a transposed-layout value into a transposed view
             ot = plgpu.layout_cast(acc.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(o_s, (1, 0))[...] = ot
+            o_s.T[...] = ot
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref)
             plgpu.wait_smem_to_gmem(0)
