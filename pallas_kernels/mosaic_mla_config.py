@@ -51,6 +51,11 @@ class MLADecodeConfig:
         return self.fp8 and self.m_rows8 <= 32
 
     @property
+    def upcast(self) -> bool:
+        """FP8 fed to ``P V`` by the producer's upcast into an f16 V slot (not ``v_regs``)."""
+        return self.fp8 and not self.v_regs
+
+    @property
     def n_cols(self) -> int:
         """``v_regs``: the columns of ``O^T`` (the query rows, a multiple of 8)."""
         return self.m_rows8

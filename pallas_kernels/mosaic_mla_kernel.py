@@ -118,14 +118,14 @@ def _kernel(
     # scratch
     q_smem,  # [64, W] (bf16/f16: the output tile reuses its first R columns)
     kv_smem,  # [S, BN, W]
-    row_smem,  # f32[3, 64]: the rescale factor of each P slot (FP8: one), then the final 1 / l
+    row_smem,  # f32[3, 64]: the rescale factor of each P slot (FP8 upcast: one), then the final 1 / l
     lse_smem,  # f32[64]
     kv_bar,
-    kv_free,  # per slot: the slot may be refilled (FP8: warpgroup 0's Q K^T has read it)
+    kv_free,  # per slot: the slot may be refilled (FP8 upcast: warpgroup 0's Q K^T has read it)
     q_bar,
-    p_ready,  # per P slot (FP8: one): warpgroup 0 has written the block's P and rescale factor
+    p_ready,  # per P slot (FP8 upcast: one): warpgroup 0 has written the block's P and rescale factor
     fin,  # warpgroup 0 is done with Q (the output may overwrite it) and wrote 1 / l
-    fp8_scratch,  # FP8: (qs_smem f32[64], v_smem [BN, R], p_smem [64, BN], v_ready, v_free);
+    fp8_scratch,  # FP8 upcast: (qs_smem f32[64], v_smem [BN, R], p_smem [64, BN], v_ready, v_free);
     # with v_regs: (qs_smem, stage_smem [2, 64, 64], p_smem [2, 64, BN], p_free)
 ):
     BN, S, H, HALF, R = BLOCK_N, cfg.stages, cfg.num_heads, cfg.half, cfg.rank
@@ -143,13 +143,13 @@ def _kernel(
         """Blocks wholly before it: used as loaded; the (at most two) later ones are edge blocks."""
         return jnp.clip(lax.div(first_partial, jnp.int32(BN)) - lo, 0, count)
 
-    v_regs = cfg.fp8 and cfg.v_regs
+    v_regs = cfg.v_regs
     if v_regs:
         qs_smem, stage_smem, p_smem, p_free = fp8_scratch
         v_smem = v_ready = v_free = None
     elif cfg.fp8:
         qs_smem, v_smem, p_smem, v_ready, v_free = fp8_scratch
-    regs = REGISTERS_FP8 if cfg.fp8 and not v_regs else REGISTERS
+    regs = REGISTERS_FP8 if cfg.upcast else REGISTERS
 
     def p_tile(slot):
         """Where a block's P lives. bf16/f16: the ring slot's last 64 columns (the rope
@@ -241,7 +241,7 @@ def _kernel(
                 page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
                 plgpu.copy_gmem_to_smem(kv_ref.at[page], kv_smem.at[slot, pl.ds(j * ps, ps)], kv_bar.at[slot])
 
-        if cfg.fp8 and not v_regs:
+        if cfg.upcast:
             _feed_fp8(fetch)
             return
 
@@ -584,19 +584,19 @@ def run(cfg: MLADecodeConfig, dtype, page_table, lens, scale, qs, q, kv):
     rows_f32 = [plgpu.SMEM((3, 64), jnp.float32), plgpu.SMEM((64,), jnp.float32)]
     barriers = [
         plgpu.Barrier(num_arrivals=cfg.pieces, num_barriers=S),
-        plgpu.Barrier(num_arrivals=1 if cfg.fp8 and not cfg.v_regs else 2, num_barriers=S),
+        plgpu.Barrier(num_arrivals=1 if cfg.upcast else 2, num_barriers=S),
         plgpu.Barrier(num_arrivals=2 if cfg.row_scales else 1, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     ]
-    if cfg.fp8 and cfg.v_regs:  # output staging tiles (one per warpgroup), two P slots
+    if cfg.v_regs:  # output staging tiles (one per warpgroup), two P slots
         tiles += [
             plgpu.SMEM((2, 64, 64), dtype, transforms=swizzle_transforms(dtype, 64)),
             plgpu.SMEM((2, 64, BN), dtype, transforms=swizzle_transforms(dtype, BN)),
         ]
         rows_f32.append(plgpu.SMEM((64,), jnp.float32))
         barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=2))
-    elif cfg.fp8:  # the swizzled tiles first: fewer alignment gaps (the FP8 build is near the limit)
+    elif cfg.upcast:  # the swizzled tiles first: fewer alignment gaps (the FP8 build is near the limit)
         tiles += [
             plgpu.SMEM((BN, cfg.rank), dtype, transforms=swizzle_transforms(dtype, cfg.rank)),
             plgpu.SMEM((64, BN), dtype, transforms=swizzle_transforms(dtype, BN)),
