@@ -56,6 +56,16 @@ def kernel_options(tokens):
     return out
 
 
+def variant_query(tokens, qs):
+    """The queries as a variant names them: in e4m3 with ``q8`` (as the MLA backend gives
+    them), else as drawn (bf16, quantised per row by the wrapper on an FP8 cache)."""
+    if "q8" not in tokens:
+        return qs
+    from jattn.mla_rope import quantize_query_fp8
+
+    return quantize_query_fp8(qs)
+
+
 def patched_run(names, extra=()):
     """The kernel module's ``run`` with the named pieces removed (and ``extra`` source
     replacements made)."""
@@ -124,10 +134,7 @@ def trace(variants, length):
     rng = np.random.default_rng(0)
     row = mla.Row(64, length, 16, fp8=True)
     qs, kv, tables, lens, lens_np = mla._setup(row, rng, 2)
-    if "q8" in variants:
-        from jattn.mla_rope import quantize_query_fp8
-
-        qs = quantize_query_fp8(qs)
+    qs = variant_query(variants, qs)
     out = decode(row, land, qs[0], kv, tables[0], lens, options)
     jax.block_until_ready(out)
     jax.effects_barrier()
@@ -184,11 +191,7 @@ def main(variants):
             options = kernel_options(tokens)
             patches = [t for t in tokens if t in PATCHES]
             mosaic_mla.run = patched_run(patches) if patches else base_run
-            arrays = (qs, kv, tables, lens)
-            if "q8" in tokens:
-                from jattn.mla_rope import quantize_query_fp8
-
-                arrays = (quantize_query_fp8(qs), kv, tables, lens)
+            arrays = (variant_query(tokens, qs), kv, tables, lens)
             jax.clear_caches()
 
             def call(q, kv, table, lens, land=land, row=row, options=options):
