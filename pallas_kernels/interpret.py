@@ -17,12 +17,52 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
+import warnings
 from typing import Iterator
 
 import jax
 
-__all__ = ["gpu_interpret", "on_gpu", "interpreter_available", "interpreting"]
+__all__ = ["gpu_interpret", "on_gpu", "interpreter_available", "interpreting", "widen_cpu_pool"]
+
+# Threads XLA:CPU's client pool needs for interpreted kernels: a kernel's warpgroups (up to
+# three) may each hold one blocked in a barrier wait while the one they wait for still needs
+# a thread to start; the rest is headroom for the TMA threads and nested callbacks.
+INTERPRETER_CPU_THREADS = 16
+
+
+def widen_cpu_pool() -> None:
+    """Size XLA:CPU's client thread pool for the Mosaic GPU interpreter.
+
+    The interpreter runs each warpgroup's program as an XLA:CPU execution whose barrier
+    waits block inside host callbacks, and XLA:CPU runs such executions on a client pool
+    with one thread per core by default. On a machine with few cores the blocked
+    warpgroups can hold every pool thread, so the warpgroup they wait for never starts
+    and the kernel hangs. This sets ``PJRT_NPROC`` (the pool's size, read once when JAX
+    creates its CPU client) to at least :data:`INTERPRETER_CPU_THREADS` unless it is set
+    already. Call it before JAX's first computation; tests/conftest.py does.
+    """
+    os.environ.setdefault("PJRT_NPROC", str(max(INTERPRETER_CPU_THREADS, os.cpu_count() or 1)))
+
+
+def _warn_if_pool_small() -> None:
+    try:
+        threads = int(os.environ.get("PJRT_NPROC", ""))
+    except ValueError:
+        threads = os.cpu_count() or 1
+    if threads < INTERPRETER_CPU_THREADS // 2 and not _warned:
+        _warned.append(True)
+        warnings.warn(
+            f"XLA:CPU's client pool has {threads} threads; interpreted Mosaic GPU kernels can "
+            "deadlock with fewer than a kernel's warpgroups plus one. Call "
+            "jattn.pallas_kernels.interpret.widen_cpu_pool() (or set PJRT_NPROC=16) before JAX starts.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_warned: list = []
 
 
 def on_gpu() -> bool:
@@ -104,6 +144,7 @@ def gpu_interpret(**params) -> Iterator[None]:
     (:func:`_run_jaxpr_compiled_once`).
     """
     params_cls, force = _private_api()
+    _warn_if_pool_small()
     _install_compile_cache()
     try:
         with force(params_cls(**params)):

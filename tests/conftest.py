@@ -7,6 +7,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jattn.pallas_kernels.interpret import widen_cpu_pool  # noqa: E402
+
+widen_cpu_pool()  # before JAX's CPU client exists: interpreted kernels must not starve its pool
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 

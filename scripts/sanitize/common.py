@@ -25,7 +25,9 @@ import naive  # noqa: E402  (tests/naive.py: the float64 restatement of the sema
 import numpy as np  # noqa: E402
 
 from jattn.pallas_kernels import mosaic_decode as md  # noqa: E402
-from jattn.pallas_kernels.interpret import gpu_interpret, on_gpu  # noqa: E402
+from jattn.pallas_kernels.interpret import gpu_interpret, on_gpu, widen_cpu_pool  # noqa: E402
+
+widen_cpu_pool()
 
 _T0 = time.time()
 
