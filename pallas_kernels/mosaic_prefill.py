@@ -142,8 +142,6 @@ def _attention(
         raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
         raise ValueError("PrefillOptions: prefetch_k and overlap_pv cannot be combined")
-    if options.prefetch_k and interpret and clean_edges:
-        raise NotImplementedError("PrefillOptions(prefetch_k=True) with clean_edges under the interpreter")
     t, hq, d = q.shape
     dv = v.shape[-1]
     hkv = k.shape[-2]

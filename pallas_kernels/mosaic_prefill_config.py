@@ -19,8 +19,7 @@ class PrefillOptions:
     # cores over, so the compiler cannot sink softmax work past the hand-over.
     fence_softmax: bool = False
     # Wait for the next block's K while this block's P @ V runs, not before its Q K^T.
-    # Deadlocks under the Mosaic GPU interpreter together with the edge cleaning
-    # (docs/PERF.md), so it is off and refused there.
+    # Off by default: measured within the noise of the default (docs/PERF.md).
     prefetch_k: bool = False
     # Intra-warpgroup overlap on the unmasked blocks: each warpgroup issues
     # ``S(i) = Q K(i)^T`` and ``O += P(i-1) V(i-1)`` together, and runs the softmax of

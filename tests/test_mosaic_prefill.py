@@ -41,6 +41,7 @@ class Case:
     kv_fp8: bool = False  # K/V as FP8 e4m3 with the scales below (the oracle reads the same bytes)
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
     ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
+    prefetch: bool = False  # PrefillOptions(prefetch_k=True): the next K awaited during P @ V
 
 
 _FP8_SCALES = (0.37, 1.9)  # k_scale, v_scale of the FP8 cases
@@ -99,8 +100,10 @@ def _opts(c: Case):
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
     options = None
-    if c.overlap or c.ctas:
-        options = mp.PrefillOptions(overlap_pv=c.overlap, persistent=c.ctas > 0 or None, ctas=c.ctas)
+    if c.overlap or c.ctas or c.prefetch:
+        options = mp.PrefillOptions(
+            overlap_pv=c.overlap, persistent=c.ctas > 0 or None, ctas=c.ctas, prefetch_k=c.prefetch
+        )
     return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges, options=options)
 
 
@@ -218,6 +221,10 @@ CPU_CASES = [
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True, ctas=3),
     # 192/128 with 128-key blocks, the output tiles in a V ring slot: tiles of 0 to 3 blocks
     Case(q_lens=(300, 0, 1, 40), hq=2, hkv=2, d=192, dv=128, poison=130),
+    # PrefillOptions(prefetch_k=True) with the edge cleaning (a poison case), and over an FP8
+    # paged prefix whose ring wraps
+    Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40, prefetch=True),
+    Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, prefetch=True),
 ]
 
 
@@ -264,6 +271,11 @@ GPU_CASES = [
     ),
     Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, ctas=132),
     Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, overlap=True, ctas=132),
+    # prefetch_k with the edge cleaning (poison), ragged and over an FP8 paged prefix
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128, poison=500, prefetch=True),
+    Case(
+        q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, kv_fp8=True, poison=2100, prefetch=True
+    ),
 ]
 
 
@@ -317,6 +329,15 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
         args = (q, k, v, cu)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_prefill" in text
+    if clean:  # the same with the next K awaited during P @ V (PrefillOptions.prefetch_k)
+        opts = mp.PrefillOptions(prefetch_k=True)
+        if mode.startswith("prefill"):
+            pf = lambda q, k, v, cu: mp.mha_prefill(q, k, v, cu, window_left=window, clean_edges=True, options=opts)  # noqa: E731
+        else:
+            pf = lambda q, k, v, cu: mp.mha_extend(
+                q, k, v, pt, lens, cu, window_left=window, clean_edges=True, options=opts
+            )  # noqa: E731
+        assert "jattn_prefill" in jax.jit(pf).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # the persistent launch is the default where it was measured faster: d128, 2-byte K/V
     assert ("_persistent" in text) == (d == dv == 128 and not mode.endswith("_fp8"))
 
