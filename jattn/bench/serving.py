@@ -5,7 +5,8 @@ weights; a Llama-3-8B-shaped random model) and batch size: ``bs`` requests of
 ``--prompt-len`` tokens each generate ``--gen-len`` tokens through :class:`Engine`
 (bf16, page 16, programs compiled beforehand by a warm-up). Reported:
 
-* decode tokens/s of the engine (steps that compiled excluded), overall tokens/s;
+* decode tokens/s of the engine (steps that compiled excluded), overall tokens/s (generated
+  tokens over the whole run, prefill included) and their ratio;
 * engine decode step time (host planning + dispatch + device + fetching the tokens);
 * device time of the same jitted decode step called back to back with no host sync in
   between (the GPU's busy time per step: kernels plus launch gaps, an upper bound on the
@@ -519,14 +520,15 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
     print(
-        "\n| model | batch | prompt | prefill tok/s | decode tok/s | overall tok/s | engine step ms "
-        "| device step ms | TTFT ms median / max |"
+        "\n| model | batch | prompt | gen | prefill tok/s | decode tok/s | overall tok/s | overall / decode "
+        "| engine step ms | device step ms | TTFT ms median / max |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.0f} | "
-            f"{r['overall_tok_s']:.0f} | {r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | "
+            f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['gen_len']} | {r['prefill_tok_s']:.0f} | "
+            f"{r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | {r['overall_tok_s'] / r['decode_tok_s']:.2f} | "
+            f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | "
             f"{r['ttft_ms_median']:.0f} / {r['ttft_ms_max']:.0f} |"
         )
     if len(backends) > 1:
