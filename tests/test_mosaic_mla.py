@@ -139,11 +139,12 @@ CPU_CASES = [
     # FP8 cases up to 32 query rows read V^T into registers (the first and last above); the
     # same on the upcast path: poison, lengths 0, 1, 97, two splits; an e4m3 query. And V^T in
     # registers for a causal verify of 2 x 16 rows, the poison seen by the last query only,
-    # over an edge block of a request's third block. (With several splits a request, this
-    # case hung the interpreter now and then: docs/TESTING.md.)
+    # over an edge block of a request's third block, in one split and in three.
+    # (test_interpreter_pool.py runs two requests of four splits each on one core.)
     Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True, v_regs=False),
     Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True, v_regs=False),
     Case(lens=(130, 5), heads=16, q_len=2, page_size=64, num_splits=1, poison=1, fp8=True),
+    Case(lens=(130, 5), heads=16, q_len=2, page_size=64, num_splits=3, poison=1, fp8=True),
 ]
 
 
