@@ -25,17 +25,80 @@ def _check_ndim(x, name, ndim, layout):
 
 
 def _check_int(x, name):
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"{name}.dtype={x.dtype} must be int32")
 
 
-def _check_options(window_left, logit_cap, sinks, num_q_heads):
-    if not isinstance(window_left, int) or window_left < -1:
+def _is_int(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _concrete(x):
+    """``x`` as a numpy array, or None while it is traced (checked by its builder instead)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
+    if not _is_int(window_left) or window_left < -1:
         raise ValueError(f"window_left={window_left!r} must be an int >= -1 (-1 disables it)")
-    if logit_cap < 0:
-        raise ValueError(f"logit_cap={logit_cap} must be >= 0 (0 disables it)")
+    if not isinstance(logit_cap, numbers.Real) or isinstance(logit_cap, bool) or not 0 <= logit_cap < float("inf"):
+        raise ValueError(f"logit_cap={logit_cap!r} must be a finite Python number >= 0 (0 disables it)")
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal={is_causal!r} must be a bool")
+
+
+def _check_scale(value, name: str, *, optional: bool = False) -> None:
+    """A scale is a Python number or a scalar array; where concrete, finite and > 0."""
+    if value is None and optional:
+        return
+    if value is None or isinstance(value, bool) or jnp.ndim(value) != 0:
+        raise ValueError(f"{name} must be a Python number or a scalar array, got {value!r:.80}")
+    v = _concrete(value)
+    if v is not None and not (np.isfinite(v) and v > 0):
+        raise ValueError(f"{name}={v.item()!r} must be finite and > 0")
+
+
+def _check_scales(**scales) -> None:
+    """:func:`_check_scale` for each keyword; ``softmax_scale`` may be None (the default)."""
+    for name, value in scales.items():
+        _check_scale(value, name, optional=name == "softmax_scale")
+
+
+def _check_cu_seqlens(cu, name: str, rows: int, rows_name: str, max_seqlen: int, max_name: str, lens=None) -> None:
+    """Concrete ``cu`` (traced values pass): starts at 0, non-decreasing, ends within
+    ``rows`` (the rows of ``rows_name``), each request at most ``max_seqlen`` long (the
+    static bound ``max_name``) and, with ``lens``, at most ``lens[b]`` (the cached length
+    that includes the request's new tokens)."""
+    c = _concrete(cu)
+    if c is None or c.size == 0:
+        return
+    if c[0] != 0:
+        raise ValueError(f"{name}[0]={int(c[0])} must be 0")
+    n = np.diff(c)
+    if (n < 0).any():
+        b = int(np.flatnonzero(n < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing: {name}[{b + 1}]={int(c[b + 1])} < {name}[{b}]={int(c[b])}")
+    if c[-1] > rows:
+        raise ValueError(f"{name}[-1]={int(c[-1])} exceeds the {rows} rows of {rows_name}")
+    if n.size and n.max() > max_seqlen:
+        b = int(np.argmax(n))
+        raise ValueError(f"{name}: request {b} has {int(n[b])} tokens > {max_name}={max_seqlen}")
+    if lens is not None:
+        ln = _concrete(lens)
+        if ln is not None and (n > ln).any():
+            b = int(np.flatnonzero(n > ln)[0])
+            raise ValueError(
+                f"{name}: request {b} has {int(n[b])} new tokens > cache_seqlens[{b}]={int(ln[b])} "
+                "(the cached length includes them)"
+            )
 
 
 def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
@@ -66,11 +129,8 @@ def _check_lengths(page_table, cache_seqlens, page_size: int, num_pages: int) ->
     """Values of concrete lengths and page tables (an eager call; traced values under
     ``jit`` pass, their metadata builders check on the host): every length in
     ``[0, max_pages * page_size]`` and every page a length uses in ``[0, num_pages)``."""
-    try:
-        lens, pt = np.asarray(cache_seqlens), np.asarray(page_table)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return
-    if lens.size == 0:
+    lens, pt = _concrete(cache_seqlens), _concrete(page_table)
+    if lens is None or pt is None or lens.size == 0:
         return
     cap = pt.shape[1] * page_size
     bad = np.flatnonzero((lens < 0) | (lens > cap))
@@ -104,5 +164,5 @@ def _check_backend(backend) -> None:
 
 
 def _check_max_seqlen(value, name: str) -> None:
-    if not isinstance(value, numbers.Integral) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0")

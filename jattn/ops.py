@@ -28,6 +28,7 @@ from jattn.checks import KV_DTYPES as _KV_DTYPES
 from jattn.checks import Q_DTYPES as _Q_DTYPES
 from jattn.checks import (
     _check_backend,
+    _check_cu_seqlens,
     _check_dtype,
     _check_int,
     _check_lengths,
@@ -35,6 +36,8 @@ from jattn.checks import (
     _check_ndim,
     _check_options,
     _check_paged,
+    _check_scales,
+    _is_int,
 )
 
 # ----------------------------------------------------------------------------- devices
@@ -250,7 +253,8 @@ def mha_decode_with_kvcache(
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     if q.shape[0] != bs * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
-    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -355,7 +359,12 @@ def mha_extend_with_kvcache(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must be batch + 1 = {page_table.shape[0] + 1}"
         )
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    # causal: the new tokens are the last of the cached length (non-causal calls, such as a
+    # cascade's pass over a shared prefix, may attend to keys that do not include them)
+    lens = cache_seqlens if is_causal else None
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q", lens)
+    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -426,7 +435,10 @@ def mha_prefill(
     _check_ndim(v, "v", 3, "[kv_tokens, num_kv_heads, head_dim_v]")
     _check_dtype(q, "q", _Q_DTYPES)
     _check_dtype(k, "k", _KV_DTYPES)
+    if v.dtype != k.dtype:
+        raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
     _check_int(cu_seqlens_q, "cu_seqlens_q")
+    _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
     if cu_seqlens_kv is not None:
         _check_int(cu_seqlens_kv, "cu_seqlens_kv")
         if max_seqlen_kv is None:
@@ -443,7 +455,13 @@ def mha_prefill(
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     if max_seqlen_kv is not None:
         _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
-    _check_options(window_left, logit_cap, sinks, q.shape[1])
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q")
+    if cu_seqlens_kv is None:  # the keys' offsets are the queries'
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", k.shape[0], "k", max_seqlen_q, "max_seqlen_q")
+    else:
+        _check_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], "k", max_seqlen_kv, "max_seqlen_kv")
+    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
@@ -529,8 +547,11 @@ def mla_decode_with_kvcache(
     q_wide = q.astype(jnp.bfloat16) if q_e4m3 else q  # exact: e4m3 values are bf16 values
     if q.shape[2] != kv_cache.shape[2]:
         raise ValueError(f"q width={q.shape[2]} must equal kv_cache width={kv_cache.shape[2]}")
-    if not 0 < kv_lora_rank < kv_cache.shape[2]:
-        raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, {kv_cache.shape[2]})")
+    if not _is_int(kv_lora_rank) or not 0 < kv_lora_rank < kv_cache.shape[2]:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in (0, {kv_cache.shape[2]})")
+    _check_scales(softmax_scale=softmax_scale, kv_scale=kv_scale)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal={is_causal!r} must be a bool")
     _check_lengths(page_table, cache_seqlens, kv_cache.shape[1], kv_cache.shape[0])
     bs = page_table.shape[0]
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
@@ -571,6 +592,12 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
     bandwidth, docs/PERF.md), or ``"triton"`` (one fused Triton kernel through
     jax-triton, the same source the torch bridge can launch; raises where it cannot run).
     """
+    for x, name, layout in ((o_a, "o_a", "[T, H, D]"), (o_b, "o_b", "[T, H, D]")):
+        _check_ndim(x, name, 3, layout)
+        _check_dtype(x, name, _Q_DTYPES)
+    for x, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
+        _check_ndim(x, name, 2, "[T, H]")
+        _check_dtype(x, name, (jnp.float32,))
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
         raise ValueError(
             f"shapes must be o [T, H, D] and lse [T, H], equal for both: got {o_a.shape}, "

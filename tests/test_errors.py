@@ -108,7 +108,7 @@ SHAPE_CASES = [
     ),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("window", dict(window_left=-2), ValueError, r"window_left=-2 must be an int >= -1"),
-    ("logit_cap", dict(logit_cap=-1.0), ValueError, r"logit_cap=-1.0 must be >= 0"),
+    ("logit_cap", dict(logit_cap=-1.0), ValueError, r"logit_cap=-1.0 must be a finite Python number >= 0"),
     ("unknown-backend", dict(backend="cuda"), ValueError, r"backend='cuda' must be one of"),
     (
         "triton-decode",
@@ -131,7 +131,8 @@ def _extend(**kw):
         q=q, k_cache=kc, v_cache=vc, page_table=pt, cache_seqlens=sl, cu_seqlens_q=jnp.array([0, 1, 2], jnp.int32)
     )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
-    return jattn.mha_extend_with_kvcache(*args.values(), max_seqlen_q=1, **kw)
+    kw.setdefault("max_seqlen_q", 1)
+    return jattn.mha_extend_with_kvcache(*args.values(), **kw)
 
 
 def _prefill(**kw):
@@ -143,7 +144,8 @@ def _prefill(**kw):
         cu_seqlens_q=jnp.array([0, 2, 5], jnp.int32),
     )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
-    return jattn.mha_prefill(*args.values(), max_seqlen_q=3, **kw)
+    kw.setdefault("max_seqlen_q", 3)
+    return jattn.mha_prefill(*args.values(), **kw)
 
 
 def _mla(**kw):
@@ -155,7 +157,8 @@ def _mla(**kw):
     )
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
     kw.setdefault("kv_lora_rank", 16)
-    return jattn.mla_decode_with_kvcache(*args.values(), softmax_scale=0.1, **kw)
+    kw.setdefault("softmax_scale", 0.1)
+    return jattn.mla_decode_with_kvcache(*args.values(), **kw)
 
 
 @pytest.mark.parametrize("op", [_extend, _prefill, _mla], ids=["extend", "prefill", "mla_decode"])
@@ -236,7 +239,7 @@ OTHER_CASES = [
     ("prefill-k-dtype", _prefill, dict(k=jnp.ones((5, 2, 8), jnp.int32)), TypeError, r"k\.dtype=int32"),
     ("prefill-sinks", _prefill, dict(sinks=jnp.ones((3,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("mla-width", _mla, dict(q=jnp.ones((2, 4, 20), F32)), ValueError, r"q width=20 must equal kv_cache width=24"),
-    ("mla-rank", _mla, dict(kv_lora_rank=24), ValueError, r"kv_lora_rank=24 must be in \(0, 24\)"),
+    ("mla-rank", _mla, dict(kv_lora_rank=24), ValueError, r"kv_lora_rank=24 must be an int in \(0, 24\)"),
     ("mla-rows", _mla, dict(max_seqlen_q=2), ValueError, r"q has 2 rows; it must be batch \(2\) \* max_seqlen_q \(2\)"),
     (
         "mla-kv-4d",
@@ -261,6 +264,84 @@ OTHER_CASES = [
         r"cache_seqlens must be \[batch\]",
     ),
     ("mla-backend", _mla, dict(backend="tpu"), ValueError, r"backend='tpu' must be one of"),
+    # the values of concrete offsets, the static bounds they must keep, and the scales
+    (
+        "prefill-cu-start",
+        _prefill,
+        dict(cu_seqlens_q=jnp.array([1, 3, 5], jnp.int32)),
+        ValueError,
+        r"\[0\]=1 must be 0",
+    ),
+    (
+        "prefill-cu-decreasing",
+        _prefill,
+        dict(cu_seqlens_q=jnp.array([0, 3, 2], jnp.int32)),
+        ValueError,
+        r"cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\]=2 < cu_seqlens_q\[1\]=3",
+    ),
+    (
+        "prefill-cu-past-q",
+        _prefill,
+        dict(cu_seqlens_q=jnp.array([0, 2, 9], jnp.int32), max_seqlen_q=7),
+        ValueError,
+        r"cu_seqlens_q\[-1\]=9 exceeds the 5 rows of q",
+    ),
+    (
+        "prefill-max-seqlen-q",
+        _prefill,
+        dict(cu_seqlens_q=jnp.array([0, 1, 5], jnp.int32)),
+        ValueError,
+        r"cu_seqlens_q: request 1 has 4 tokens > max_seqlen_q=3",
+    ),
+    (
+        "prefill-cu-kv-past-k",
+        _prefill,
+        dict(cu_seqlens_kv=jnp.array([0, 3, 9], jnp.int32), max_seqlen_kv=6),
+        ValueError,
+        r"cu_seqlens_kv\[-1\]=9 exceeds the 5 rows of k",
+    ),
+    (
+        "prefill-max-seqlen-kv",
+        _prefill,
+        dict(cu_seqlens_kv=jnp.array([0, 1, 5], jnp.int32), max_seqlen_kv=2),
+        ValueError,
+        r"cu_seqlens_kv: request 1 has 4 tokens > max_seqlen_kv=2",
+    ),
+    (
+        "prefill-v-dtype",
+        _prefill,
+        dict(v=jnp.ones((5, 2, 8), jnp.bfloat16)),
+        TypeError,
+        r"v\.dtype=bfloat16 must equal",
+    ),
+    ("prefill-cu-list", _prefill, dict(cu_seqlens_q=[0, 2, 5]), TypeError, r"cu_seqlens_q must be an int32 array"),
+    ("prefill-cu-2d", _prefill, dict(cu_seqlens_q=jnp.zeros((1, 3), jnp.int32)), ValueError, r"cu_seqlens_q must be"),
+    ("prefill-scale-nan", _prefill, dict(softmax_scale=float("nan")), ValueError, r"softmax_scale=nan must be finite"),
+    ("prefill-k-scale-0", _prefill, dict(k_scale=0.0), ValueError, r"k_scale=0\.0 must be finite and > 0"),
+    ("prefill-v-scale-neg", _prefill, dict(v_scale=jnp.float32(-2)), ValueError, r"v_scale=-2\.0 must be finite"),
+    ("prefill-k-scale-vec", _prefill, dict(k_scale=jnp.ones(2)), ValueError, r"k_scale must be a Python number or a"),
+    ("prefill-cap-inf", _prefill, dict(logit_cap=float("inf")), ValueError, r"logit_cap=inf must be a finite"),
+    ("prefill-cap-nan", _prefill, dict(logit_cap=float("nan")), ValueError, r"logit_cap=nan must be a finite"),
+    ("prefill-causal-none", _prefill, dict(is_causal=None), TypeError, r"is_causal=None must be a bool"),
+    (
+        "extend-max-seqlen-q",
+        _extend,
+        dict(cu_seqlens_q=jnp.array([0, 2, 2], jnp.int32)),
+        ValueError,
+        r"cu_seqlens_q: request 0 has 2 tokens > max_seqlen_q=1",
+    ),
+    (
+        "extend-new-past-cached",
+        _extend,
+        dict(cu_seqlens_q=jnp.array([0, 2, 2], jnp.int32), cache_seqlens=jnp.array([1, 3], jnp.int32), max_seqlen_q=2),
+        ValueError,
+        r"request 0 has 2 new tokens > cache_seqlens\[0\]=1",
+    ),
+    ("extend-window-bool", _extend, dict(window_left=True), ValueError, r"window_left=True must be an int"),
+    ("mla-kv-scale", _mla, dict(kv_scale=-1.0), ValueError, r"kv_scale=-1\.0 must be finite and > 0"),
+    ("mla-scale-inf", _mla, dict(softmax_scale=float("inf")), ValueError, r"softmax_scale=inf must be finite"),
+    ("mla-rank-bool", _mla, dict(kv_lora_rank=True), ValueError, r"kv_lora_rank=True must be an int"),
+    ("mla-causal-none", _mla, dict(is_causal=None), TypeError, r"is_causal=None must be a bool"),
 ]
 
 
@@ -270,8 +351,24 @@ def test_other_ops_bad_inputs(op, over, exc, msg):
         op(**over)
 
 
+def test_numpy_integers_are_ints_and_bools_are_not():
+    """window_left / max_seqlen_q take numpy integers like Python ones; a bool is refused."""
+    _decode(window_left=np.int64(3))
+    _extend(max_seqlen_q=np.int32(1))
+    with pytest.raises(ValueError, match=r"max_seqlen_q=True must be an int >= 0"):
+        _decode(max_seqlen_q=True)
+
+
 def test_merge_and_set_buffer_bad_inputs():
     o, lse = jnp.ones((3, 2, 4), F32), jnp.zeros((3, 2), F32)
+    with pytest.raises(ValueError, match=r"o_b must be \[T, H, D\]"):
+        jattn.attn_merge_state(o, lse, o[0], lse)
+    with pytest.raises(TypeError, match=r"o_a\.dtype=int32 must be one of"):
+        jattn.attn_merge_state(o.astype(jnp.int32), lse, o, lse)
+    with pytest.raises(TypeError, match=r"lse_b\.dtype=bfloat16 must be one of float32"):
+        jattn.attn_merge_state(o, lse, o, lse.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"lse_a must be \[T, H\]"):
+        jattn.attn_merge_state(o, lse[0], o, lse)
     with pytest.raises(ValueError, match=r"shapes must be o \[T, H, D\] and lse \[T, H\]"):
         jattn.attn_merge_state(o, lse, jnp.ones((3, 2, 5), F32), lse)
     with pytest.raises(ValueError, match=r"shapes must be o \[T, H, D\] and lse \[T, H\]"):
