@@ -4,11 +4,15 @@
 #   bash scripts/gpu.sh "python3 -m pytest -q -m gpu tests/test_mosaic_decode.py" \
 #                       "python3 -m jattn bench decode"
 #
-# Sets up the machine (carried jax-triton wheel from .whl into /tmp/site, editable
-# install of jattn), then runs each argument as a shell command. Full logs go to
-# $OUT/stepN.log; the end of each step and a summary are printed last, because
-# only the last 12,000 characters of output come back from the device tool.
-# Device call: run(command='bash scripts/gpu.sh "..." "..."', carry=[".whl"]).
+# Sets up the machine, then runs each argument as a shell command. Setup: the wheels in
+# .whl/ (jax-triton; fetched there with `pip download` when missing and a package index is
+# reachable) are installed into /tmp/site, which goes on PYTHONPATH, and jattn is installed
+# editable without its dependencies. The machine needs python3 with pip, setuptools and a
+# CUDA build of jax already installed; one without a package index needs .whl/ copied into
+# the checkout beforehand (without jax-triton the triton backend is unavailable).
+# Full logs go to $OUT/stepN.log ($OUT defaults to /tmp/jattn_gpu_out); the last
+# GPU_SH_TAIL lines (default 60) of each step and a summary are printed at the end, so
+# that the end of the output alone shows every step's result.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -7,8 +7,9 @@
 #   TOOLS="memcheck racecheck synccheck" LIMIT=150 JOBS=4 bash scripts/sanitize/run_all.sh
 #   SANITIZER=none bash scripts/sanitize/run_all.sh       # no sanitizer: the scripts' logic
 #                                                         # only (on a CPU: interpreted)
-# On the GPU machine, through the device tool:
-#   run(command='bash scripts/gpu.sh "bash scripts/sanitize/run_all.sh"', carry=[".whl"])
+# On a GPU machine, through scripts/gpu.sh (which first installs the wheels in .whl/ and
+# jattn):
+#   bash scripts/gpu.sh "bash scripts/sanitize/run_all.sh"
 #
 # Environment: SANITIZER (default /usr/local/cuda/bin/compute-sanitizer, or "none"), TOOLS
 # (default "memcheck racecheck"), LIMIT (seconds per run, default 150), JOBS (runs at
