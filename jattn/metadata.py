@@ -219,10 +219,29 @@ def bucket(n: int, buckets: Sequence[int] | None = None, *, name: str = "size") 
         while b < n:
             b *= 2
         return b
+    if len(buckets) == 0:
+        raise ValueError(f"the {name} buckets are empty: give at least one, or None for powers of two")
     for b in sorted(buckets):
         if b >= n:
             return int(b)
     raise ValueError(f"{name}={n} exceeds the largest bucket {max(buckets)}")
+
+
+_I32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _positive_int(value, name: str) -> int:
+    """``value`` as an int, which must be a Python or numpy integer (not a bool) >= 1."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
+def _check_i32(a: np.ndarray, name: str, what: str) -> None:
+    """Refuses values past int32 (the device arrays' type), which would wrap silently."""
+    if a.size and int(a.max()) > _I32_MAX:
+        i = int(np.argmax(a))
+        raise ValueError(f"{name}[{i}]={int(a.flat[i])} ({what}) overflows int32")
 
 
 def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
@@ -264,12 +283,13 @@ def _check_num_pages(num_pages) -> int | None:
     return int(num_pages)
 
 
-def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None):
+def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None, lens_name="seq_lens"):
+    _check_i32(seq_lens, lens_name, "a length")
     need = -(-seq_lens // page_size)
     if need.size and need.max() > pt.shape[1]:
         b = int(np.argmax(need))
         raise ValueError(
-            f"seq_lens[{b}]={seq_lens[b]} needs {need[b]} pages of page_size={page_size} but "
+            f"{lens_name}[{b}]={seq_lens[b]} needs {need[b]} pages of page_size={page_size} but "
             f"page_table has only {pt.shape[1]} columns"
         )
     used = np.arange(pt.shape[1])[None, :] < need[:, None]
@@ -314,7 +334,7 @@ def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
 
 
 def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
-    return pt[rows, pos // page_size] * page_size + pos % page_size
+    return pt[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
 
 
 def _width(seq_lens, page_size, max_pages):
@@ -373,10 +393,10 @@ def plan_decode(
       >>> md.page_table.shape, md.max_seqlen_q
       ((2, 2), 1)
     """
-    if page_size <= 0:
-        raise ValueError(f"page_size={page_size} must be positive")
-    if q_len < 1:
-        raise ValueError(f"q_len={q_len} must be >= 1")
+    page_size = _positive_int(page_size, "page_size")
+    q_len = _positive_int(q_len, "q_len")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal={is_causal!r} must be a bool")
     mode = _decode_mode(forward_mode, q_len, is_causal)
     sl = _as_int_array(seq_lens, "seq_lens", 1)
     bs = sl.shape[0]
@@ -407,6 +427,7 @@ def plan_decode(
     empty = lens[:, None] == 0  # padding rows (given with length 0, or added for the bucket)
     pos = np.where(empty, 0, pos)
     loc = np.where(empty, DUMMY_PAGE * page_size, _slots(table, rows, pos, page_size))
+    _check_i32(loc.reshape(-1), "out_cache_loc", "a slot: page * page_size + offset")
     _check_unique_slots(loc[~empty[:, 0]].reshape(-1), page_size)
     pp = _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size, q_len, is_causal)
     return DecodeMetadata(
@@ -433,6 +454,8 @@ def _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size
         if prefix_pages is not None:
             raise ValueError("prefix_pages needs group_size > 1")
         return None
+    if prefix_pages is None:
+        raise ValueError(f"a cascade plan (group_size={group_size}) needs prefix_pages: the shared pages per group")
     if not is_causal:
         raise ValueError("a cascade plan (group_size > 1) must be causal")
     if bs_pad % group_size:
@@ -504,8 +527,9 @@ def plan_extend(
       forward_mode: ``EXTEND`` (prefill / extend) or ``DRAFT_EXTEND``.
       Other arguments as in :func:`plan_decode`.
     """
-    if page_size <= 0:
-        raise ValueError(f"page_size={page_size} must be positive")
+    page_size = _positive_int(page_size, "page_size")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal={is_causal!r} must be a bool")
     forward_mode = ForwardMode.parse(forward_mode)
     if not forward_mode.is_extend():
         raise ValueError(f"plan_extend plans extend modes, not {forward_mode}; use plan_decode")
@@ -531,7 +555,8 @@ def plan_extend(
     width = _width(sl, page_size, max_pages)
     table = _pad_table(pt, sl, page_size, bs_pad, width)
     total = int(ext.sum())
-    t_pad = bucket(max(total, 16), token_buckets, name="num tokens")
+    # at least 16 rows when the buckets are the default powers of two
+    t_pad = bucket(max(total, 16 if token_buckets is None else 1), token_buckets, name="num tokens")
     max_q = bucket(max(int(ext.max(initial=0)), 1), max_seqlen_q_buckets, name="max_seqlen_q")
     cu = np.zeros(bs_pad + 1, np.int64)
     cu[1 : bs + 1] = np.cumsum(ext)
@@ -541,6 +566,7 @@ def plan_extend(
     loc = np.full(t_pad, DUMMY_PAGE * page_size, np.int64)
     pos = np.zeros(t_pad, np.int64)
     loc[:total] = _slots(table, rows, pos_real, page_size)
+    _check_i32(loc, "out_cache_loc", "a slot: page * page_size + offset")
     _check_unique_slots(loc[:total], page_size)
     pos[:total] = pos_real
     lens = np.zeros(bs_pad, np.int32)
@@ -601,15 +627,15 @@ def plan_prefix_chunks(
     """
     pre = _as_int_array(prefix_lens, "prefix_lens", 1)
     pt = _as_int_array(page_table, "page_table", 2)
-    if page_size <= 0:
-        raise ValueError(f"page_size={page_size} must be positive")
+    page_size = _positive_int(page_size, "page_size")
     if (pre < 0).any():
         b = int(np.argmax(pre < 0))
         raise ValueError(f"prefix_lens[{b}]={pre[b]} is negative")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size} must be positive")
-    _check_pages(pt[: pre.shape[0]], pre, page_size, _check_num_pages(num_pages))
-    bs = pre.shape[0] if batch_size is None else batch_size
+    chunk_size = _positive_int(chunk_size, "chunk_size")
+    if pt.shape[0] < pre.shape[0]:
+        raise ValueError(f"page_table has {pt.shape[0]} rows but prefix_lens has {pre.shape[0]} requests")
+    _check_pages(pt[: pre.shape[0]], pre, page_size, _check_num_pages(num_pages), "prefix_lens")
+    bs = pre.shape[0] if batch_size is None else _positive_int(batch_size, "batch_size")
     if bs < pre.shape[0]:
         raise ValueError(f"batch_size={bs} is smaller than the {pre.shape[0]} requests")
     chunks = []
@@ -624,6 +650,7 @@ def plan_prefix_chunks(
         rows = np.repeat(np.arange(pre.shape[0]), n)
         pos = lo + np.arange(int(cu[-1])) - cu[rows]
         slots[: int(cu[-1])] = _slots(pt, rows, pos, page_size)
+        _check_i32(slots, "slots", "a slot: page * page_size + offset")
         chunks.append(
             PrefixChunk(cu.astype(np.int32), slots.astype(np.int32), max_seqlen_kv=bucket(max(int(n.max()), 1)))
         )

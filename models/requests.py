@@ -36,7 +36,7 @@ class EngineConfig:
     max_running: int = 128  # requests holding pages at once (also capped by the largest batch bucket)
     max_prefill_tokens: int = 4096  # new tokens per extend step (capped by the largest token bucket)
     batch_buckets: tuple = DEFAULT_BATCH_BUCKETS
-    token_buckets: tuple | None = None  # None: powers of two >= 16
+    token_buckets: tuple | None = None  # None: powers of two >= 16; else taken as given
     kv_cache_dtype: str | None = None  # None: the model's dtype
     kernel_backend: str | None = None  # None: auto
     # XLA command buffers (CUDA graphs) for the step, GPU only: True = the engine's choice
@@ -96,11 +96,6 @@ class EngineConfig:
             )
         if self.cascade not in (None, True, False):
             raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
-        if self.token_buckets and max(self.token_buckets) < 16:
-            raise ValueError(
-                f"EngineConfig.token_buckets={self.token_buckets!r}: the largest must be >= 16 "
-                "(an extend step's tokens are padded to at least 16)"
-            )
 
     @property
     def max_batch(self) -> int:

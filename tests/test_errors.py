@@ -467,13 +467,13 @@ PLAN_CASES = [
         "page-size",
         lambda: jattn.plan_decode([1, 1], page_size=0, page_table=PT),
         ValueError,
-        r"page_size=0 must be positive",
+        r"page_size=0 must be a positive int",
     ),
     (
         "q-len",
         lambda: jattn.plan_decode([1, 1], page_size=8, page_table=PT, q_len=0),
         ValueError,
-        r"q_len=0 must be >= 1",
+        r"q_len=0 must be a positive int",
     ),
     (
         "max-pages",
@@ -515,7 +515,7 @@ PLAN_CASES = [
         "extend-token-bucket",
         lambda: jattn.plan_extend([10, 5], [10, 5], page_size=8, page_table=PT, token_buckets=(8,)),
         ValueError,
-        r"num tokens=16 exceeds the largest bucket 8",
+        r"num tokens=15 exceeds the largest bucket 8",
     ),
 ]
 
@@ -604,7 +604,7 @@ def test_planners_refuse_duplicate_write_slots_but_allow_shared_prefix_pages():
 def test_planner_and_backend_input_bounds():
     with pytest.raises(ValueError, match=r"prefix_lens\[1\]=-2 is negative"):
         jattn.plan_prefix_chunks([3, -2], [[1, 2], [3, 4]], page_size=4, chunk_size=4)
-    with pytest.raises(ValueError, match=r"page_size=0 must be positive"):
+    with pytest.raises(ValueError, match=r"page_size=0 must be a positive int"):
         jattn.plan_prefix_chunks([3, 2], [[1, 2], [3, 4]], page_size=0, chunk_size=4)
     be = MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4, context_len=16, num_pages=8))
     r2p = np.array([[1, 2, 3, 4], [5, 6, 7, 0]])
@@ -614,6 +614,45 @@ def test_planner_and_backend_input_bounds():
         be.init_forward_metadata(3, [0, 1], [3, 4], r2p)
     with pytest.raises(ValueError, match=r"entries of extend_seq_lens"):
         be.init_forward_metadata(2, [0, 1], [3, 4], r2p, ForwardMode.EXTEND, extend_seq_lens=[1])
+
+
+def test_planner_types_buckets_and_int32_range():
+    """Planner arguments of the wrong type, empty buckets, explicit token buckets below 16,
+    and slots past int32 (which would wrap onto other pages) get errors naming them."""
+    pt = [[1, 2], [3, 4]]
+    for bad in (4.0, None, True):
+        with pytest.raises(ValueError, match=r"page_size=.* must be a positive int"):
+            jattn.plan_decode([5, 3], page_size=bad, page_table=pt)
+    with pytest.raises(ValueError, match=r"q_len=True must be a positive int"):
+        jattn.plan_decode([5, 3], page_size=4, page_table=pt, q_len=True)
+    with pytest.raises(TypeError, match=r"is_causal=None must be a bool"):
+        jattn.plan_decode([5, 3], page_size=4, page_table=pt, is_causal=None)
+    with pytest.raises(ValueError, match=r"the batch size buckets are empty"):
+        jattn.plan_decode([5, 3], page_size=4, page_table=pt, batch_buckets=())
+    with pytest.raises(ValueError, match=r"group_size=2\) needs prefix_pages"):
+        jattn.plan_decode([5, 3], page_size=4, page_table=pt, group_size=2)
+    # explicit token buckets are taken as given (the 16-row floor is for the default ones)
+    md = jattn.plan_extend([5, 3], [3, 2], page_size=4, page_table=pt, token_buckets=(8,))
+    assert md.out_cache_loc.shape == (8,)
+    with pytest.raises(ValueError, match=r"num tokens=9 exceeds the largest bucket 8"):
+        jattn.plan_extend([5, 6], [3, 6], page_size=4, page_table=pt, token_buckets=(8,))
+    assert jattn.plan_extend([5, 3], [3, 2], page_size=4, page_table=pt).out_cache_loc.shape == (16,)
+    with pytest.raises(
+        ValueError, match=r"out_cache_loc\[\d+\]=\d+ \(a slot: page \* page_size \+ offset\) overflows int32"
+    ):
+        jattn.plan_decode([5, 3], page_size=64, page_table=[[2**26, 2], [4, 5]])
+    with pytest.raises(ValueError, match=r"out_cache_loc\[\d+\]=\d+ .* overflows int32"):
+        jattn.plan_extend([5, 3], [1, 1], page_size=64, page_table=[[2**26, 2], [4, 5]])
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=2147483653 \(a length\) overflows int32"):
+        jattn.plan_decode([2**31 + 5, 3], page_size=2**30, page_table=[[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=r"slots\[\d+\]=\d+ .* overflows int32"):
+        jattn.plan_prefix_chunks([3, 2], [[2**26, 2], [3, 4]], page_size=64, chunk_size=4)
+    with pytest.raises(ValueError, match=r"page_table has 2 rows but prefix_lens has 3 requests"):
+        jattn.plan_prefix_chunks([3, 2, 1], pt, page_size=4, chunk_size=4)
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\]=9 needs 3 pages"):
+        jattn.plan_prefix_chunks([9, 2], pt, page_size=4, chunk_size=4)
+    with pytest.raises(ValueError, match=r"chunk_size=2.5 must be a positive int"):
+        jattn.plan_prefix_chunks([3, 2], pt, page_size=4, chunk_size=2.5)
 
 
 def test_unused_page_entries_and_traced_lengths_pass_the_value_check():

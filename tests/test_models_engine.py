@@ -180,6 +180,13 @@ def test_prompts_beyond_the_token_budget_are_chunked(arch, request):
     infos = _drain(eng)
     assert [i.mode for i in infos[:2]] == ["extend", "extend"] and eng.metrics.prefill_steps == 2
     assert eng.requests[rid].output_tokens == solo.generate([long], sp)[0].output_tokens
+    # token buckets below 16 are taken as given: chunks of 8 tokens
+    eng = _engine(model, token_buckets=(4, 8))
+    rid = eng.add_request(long, sp)
+    infos = _drain(eng)
+    assert (
+        eng.metrics.prefill_steps == 5 and eng.requests[rid].output_tokens == solo.generate([long], sp)[0].output_tokens
+    )
 
 
 def test_more_requests_than_the_largest_batch_bucket(llama):
@@ -439,7 +446,7 @@ def test_new_weights_through_engine_state(llama):
         (dict(page_size=0), "page_size"),
         (dict(num_pages=1), "num_pages"),
         (dict(max_prefill_tokens=0), "max_prefill_tokens"),
-        (dict(token_buckets=(8,)), "token_buckets"),
+        (dict(token_buckets=(0, 8)), "token_buckets"),
         (dict(batch_buckets=(0, 4)), "batch_buckets"),
         (dict(cascade="yes"), "cascade"),
         (dict(overlap=None), "overlap"),
