@@ -36,7 +36,9 @@ __all__ = ["BridgeError", "SUPPORTED_DTYPES", "to_jax", "to_torch", "alignment",
 
 
 class BridgeError(ValueError):
-    """A tensor cannot be shared zero-copy between torch and JAX."""
+    """Bad input to the torch bridge: a tensor that cannot be shared zero-copy between
+    torch and JAX, or an input, pool, layer or plan the bridge's backends refuse (the
+    message names the argument and the rule it broke)."""
 
 
 #: torch dtype -> JAX dtype of everything the bridge shares.

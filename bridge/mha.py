@@ -16,7 +16,7 @@ import torch
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
-from .call import _BridgeBase
+from .call import _BridgeBase, _check_shape
 from .native import run_layer
 from .state import _Plan, _ref, _View
 
@@ -67,6 +67,7 @@ class TorchMHABackend(_BridgeBase):
     def _pool_views(self, pool, st, spec: LayerSpec) -> list[_View]:
         """The K and V views of the layer's pool buffers (checked when first seen)."""
         i, hkv = spec.layer_id, spec.num_kv_heads
+        self._check_layer_id(pool, i)
         kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
         for b in (kb, vb):
             if b.dtype != self.kv_cache_dtype:
@@ -86,9 +87,28 @@ class TorchMHABackend(_BridgeBase):
             ),
         ]
 
+    @staticmethod
+    def _check_inputs(q, k, v, spec: LayerSpec) -> None:
+        """q/k/v shapes against the layer (slow path: the hot-path plans are keyed on them)."""
+        if (k is None) != (v is None):
+            raise ValueError("k and v must both be given or both be None")
+        hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+        n = q.shape[0]
+        _check_shape(q, "q", n, ((hq * d,), (hq, d)), "[tokens, tp_q_head_num * head_dim]")
+        if k is not None:
+            _check_shape(k, "k", n, ((hkv * d,), (hkv, d)), "[tokens, tp_k_head_num * head_dim] (q's tokens)")
+            _check_shape(v, "v", n, ((hkv * dv,), (hkv, dv)), "[tokens, tp_v_head_num * v_head_dim] (q's tokens)")
+
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
+        decode = kind == "decode"
+        if self._plan_decode is not decode:
+            serves = "DECODE, TARGET_VERIFY and DRAFT_BLOCK plans" if decode else "EXTEND and DRAFT_EXTEND plans"
+            self._check_mode(f"forward_{kind}", False, serves, "forward_extend" if decode else "forward_decode")
+        self._check_tokens("q", q.shape[0])
         if self._native is not None:
             spec = self._spec(layer)
+            self._check_inputs(q, k, v, spec)
+            self._check_layer_id(pool, spec.layer_id)
             kb, vb = pool.get_key_buffer(spec.layer_id), pool.get_value_buffer(spec.layer_id)
             if kb.dtype != self.kv_cache_dtype or vb.dtype != self.kv_cache_dtype:
                 raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
@@ -104,7 +124,7 @@ class TorchMHABackend(_BridgeBase):
                 page_size=self.page_size,
                 save_kv_cache=save_kv_cache,
                 sinks=sinks,
-                decode=kind == "decode",
+                decode=decode,
                 batch_invariant=self.config.batch_invariant,
             )
         st = self._pool_state(pool)
@@ -134,17 +154,16 @@ class TorchMHABackend(_BridgeBase):
         md = self._md_call
         if md is None:
             raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
+        self._check_inputs(q, k, v, spec)
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
-        n = q.shape[0] if q.dim() == 2 else q.reshape(-1, hq * d).shape[0]
+        n = q.shape[0]
         rows = md.num_tokens
         has_kv = k is not None
-        if (k is None) != (v is None):
-            raise ValueError("k and v must both be given or both be None")
         views = self._pool_views(pool, st, spec)
         jax_writes = save_kv_cache and has_kv and self.kv_writer == "jax"
         torch_writes = save_kv_cache and has_kv and self.kv_writer == "torch"
         if torch_writes:
-            loc = (self._loc_t if out_cache_loc is None else out_cache_loc)[:n]
+            loc = self._out_loc(out_cache_loc, n, views[0].torch.shape[0] * self.page_size, self._loc_t)
             pool.set_kv_buffer(layer, loc, k.reshape(n, hkv, d), v.reshape(n, hkv, dv), spec.k_scale, spec.v_scale)
         # Staged: q, and the new K/V where the core may read them (a JAX-side write; an
         # extend, which runs as a ragged prefill on them when no request has a prefix).
@@ -212,6 +231,7 @@ class TorchMHABackend(_BridgeBase):
             return None
         stage_n, stage_j = ent[0][:n], ent[1]
         i, ks, vs = spec.layer_id, spec.k_scale, spec.v_scale
+        slots, out_loc = views[0].torch.shape[0] * self.page_size, self._out_loc
         checks = (
             (lambda pool: pool.get_key_buffer(i), views[0].torch.data_ptr()),
             (lambda pool: pool.get_value_buffer(i), views[1].torch.data_ptr()),
@@ -220,7 +240,7 @@ class TorchMHABackend(_BridgeBase):
 
         def prep(pool, layer, q, k, v, loc):
             if torch_writes:
-                loc = (self._loc_t if loc is None else loc)[:n]
+                loc = out_loc(loc, n, slots, self._loc_t)
                 pool.set_kv_buffer(layer, loc, k.view(n, hkv, d), v.view(n, hkv, dv), ks, vs)
             if with_kv:
                 cat((q, k, v), dim=1, out=stage_n)
@@ -257,13 +277,16 @@ class TorchMHABackend(_BridgeBase):
         """Paged decode (also multi-token: target verify, DFLASH draft block).
 
         Args:
-          q: [bs * q_len, tp_q_head_num * head_dim] (or [.., heads, head_dim]).
+          q: [bs * q_len, tp_q_head_num * head_dim] (or [.., heads, head_dim]): one row per
+            new token of the installed plan (``bs`` of ``init_forward_metadata``), or the
+            rows of its bucket, padding included; other counts are refused.
           k, v: the new tokens' K/V [bs * q_len, tp_k_head_num * head_dim], or None
             (then they must be in the pool already).
           layer: see :class:`jattn.bridge.TorchAttentionLayer`.
-          out_cache_loc: slots of the new tokens (used by ``kv_writer="torch"``; the
-            JAX writer uses the plan's slots, which are the same for a consistent
-            ``req_to_page``). token_to_kv_pool: the torch pool. bs: requests.
+          out_cache_loc: slots of the new tokens, 1-D integer (used by
+            ``kv_writer="torch"``; the JAX writer uses the plan's slots, which are the same
+            for a consistent ``req_to_page``); values are range-checked as
+            :attr:`check_slot_values` says. token_to_kv_pool: the torch pool. bs: requests.
           save_kv_cache: write k/v into the pool first (in place).
           kwargs: ``sinks`` f32[tp_q_head_num] (gpt-oss).
 
@@ -288,7 +311,8 @@ class TorchMHABackend(_BridgeBase):
     ) -> torch.Tensor:
         """Extend (ragged new tokens over a paged prefix; prefill when no prefix).
 
-        q/k/v are token-major [num_tokens, heads * head_dim]; returns
+        q/k/v are token-major [num_tokens, heads * head_dim], num_tokens the plan's
+        ``sum(extend_seq_lens)`` (or its bucket's rows); returns
         [num_tokens, tp_q_head_num * v_head_dim]. Over a cached prefix the new K/V are
         read from the pool: ``save_kv_cache=True`` writes them first; with
         ``save_kv_cache=False`` the engine must have written them.

@@ -18,16 +18,19 @@ import torch
 
 from jattn.backends import MLABackend, MLAConfig
 from jattn.kv_cache import MLAKVCache
-from jattn.metadata import bucket
+from jattn.metadata import ForwardMode, bucket
 from jattn.mla_backend import check_draft_extend_shapes
 from jattn.mla_rope import MLARope
 
-from .call import _BridgeBase
-from .convert import to_jax
+from .call import _BridgeBase, _check_shape, _rows
+from .convert import BridgeError, to_jax
 from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host
 
 __all__ = ["TorchMLABackend"]
+
+_DECODE_SERVES = "decode-kind plans (DECODE, TARGET_VERIFY, DRAFT_BLOCK)"
+_EXTEND_SERVES = "every mode but DECODE (TARGET_VERIFY, DRAFT_EXTEND, EXTEND)"
 
 
 def _llama_4_scaled(x, llama_4_scaling):
@@ -90,7 +93,8 @@ class TorchMLABackend(_BridgeBase):
             raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
         pool = self._pool(kwargs)
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
-        n = q.reshape(-1, H * (R if q_rope is not None else R + r)).shape[0]
+        n = q.shape[0]
+        self._check_layer_id(pool, spec.layer_id)
         buf = pool.get_key_buffer(spec.layer_id)
         if buf.dtype != self.kv_cache_dtype:
             raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
@@ -99,8 +103,8 @@ class TorchMLABackend(_BridgeBase):
         if save_kv_cache:
             if k is None or k_rope is None:
                 raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
-            loc = kwargs.get("out_cache_loc")
-            loc = (self._native_plan.tensors["out_cache_loc"] if loc is None else loc)[:n].long()
+            plan_loc = self._native_plan.tensors["out_cache_loc"]
+            loc = self._out_loc(kwargs.get("out_cache_loc"), n, buf.numel() // (R + r), plan_loc).long()
             pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
         if q_rope is not None:
             query = torch.cat([q.reshape(n, H, R), q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
@@ -127,6 +131,7 @@ class TorchMLABackend(_BridgeBase):
     def _pool_view(self, pool, i: int):
         """The view of layer ``i``'s latent buffer (checked when first seen: width
         ``kv_lora_rank + qk_rope_head_dim``, pages)."""
+        self._check_layer_id(pool, i)
         buf = pool.get_key_buffer(i)
         if buf.dtype != self.kv_cache_dtype:
             raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
@@ -161,7 +166,7 @@ class TorchMLABackend(_BridgeBase):
             raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
         pool = self._pool(kwargs)
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
-        n = q.reshape(-1, H * (R if q_rope is not None else R + r)).shape[0]
+        n = q.shape[0]
         view = self._pool_view(pool, spec.layer_id)
         jax_writes = save_kv_cache and self.kv_writer == "jax"
         if save_kv_cache and (k is None or k_rope is None):
@@ -169,8 +174,7 @@ class TorchMLABackend(_BridgeBase):
         cs = None if rope is None else self._param(rope[0], "cos_sin_cache")
         is_neox = rope is not None and bool(rope[1])
         if save_kv_cache and not jax_writes:
-            loc = kwargs.get("out_cache_loc")
-            loc = (self._loc_t if loc is None else loc)[:n]
+            loc = self._out_loc(kwargs.get("out_cache_loc"), n, view.torch.shape[0] * self.page_size, self._loc_t)
             if cs is None:
                 pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
             else:  # the rotated k_pe (f32), quantised by the pool's writer
@@ -265,14 +269,56 @@ class TorchMLABackend(_BridgeBase):
             positions (``is_neox`` picks the pairing); on an FP8 pool the query is also
             quantised to e4m3 (scale 1), as SGLang's fused ``mla_rope_quantize_fp8``.
         Returns: [T, H * kv_lora_rank] in q's dtype.
+
+        ``T`` is the installed plan's new tokens (or its bucket's rows, padding
+        included); a plan of another kind (``EXTEND``, ``DRAFT_EXTEND``) is refused.
         """
+        self._check_mode("forward_decode", bool(self._plan_decode), _DECODE_SERVES, "forward_extend")
         return self._absorbed_call(
             q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, llama_4_scaling, kwargs
         )
 
+    def _check_absorbed(self, q, k, q_rope, k_rope, layer) -> None:
+        """The absorbed modes' input shapes, and q's rows against the plan."""
+        R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, self._spec(layer).num_q_heads
+        n = _rows(q, "q")
+        self._check_tokens("q", n)
+        if q_rope is None:
+            full = "[tokens, H * (kv_lora_rank + qk_rope_head_dim)] (q_rope=None)"
+            _check_shape(q, "q", n, ((H * (R + r),), (H, R + r)), full)
+        else:
+            _check_shape(q, "q", n, ((H * R,), (H, R)), "[tokens, H * kv_lora_rank] (with q_rope)")
+            _check_shape(q_rope, "q_rope", n, ((H * r,), (H, r)), "[tokens, H * qk_rope_head_dim] (q's tokens)")
+        if k is not None:
+            _check_shape(k, "k", n, ((R,), (1, R)), "c_kv [tokens, kv_lora_rank] (q's tokens)")
+        if k_rope is not None:
+            _check_shape(k_rope, "k_rope", n, ((r,), (1, r)), "[tokens, qk_rope_head_dim] (q's tokens)")
+
+    def _check_prefill(self, q, k, v, q_rope, k_rope, layer, chunk: bool) -> None:
+        """The ragged prefill's input shapes (``chunk``: k/v are a prefix chunk's rows,
+        not the new tokens'), and q's rows against the plan."""
+        cfg = self.config
+        P, r, V, H = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, self._spec(layer).num_q_heads
+        n = _rows(q, "q")
+        self._check_tokens("q", n)
+        if q_rope is None:
+            _check_shape(q, "q", n, ((H * (P + r),), (H, P + r)), "[tokens, H * (qk_nope_head_dim + qk_rope_head_dim)]")
+        else:
+            _check_shape(q, "q", n, ((H * P,), (H, P)), "[tokens, H * qk_nope_head_dim] (with q_rope)")
+            _check_shape(q_rope, "q_rope", n, ((H * r,), (H, r)), "[tokens, H * qk_rope_head_dim] (q's tokens)")
+        m, kv_rows = (_rows(v, "v"), "the chunk's tokens") if chunk else (n, "q's tokens")
+        if k_rope is None:
+            what = f"[tokens, H * (qk_nope_head_dim + qk_rope_head_dim)] ({kv_rows})"
+            _check_shape(k, "k", m, ((H * (P + r),), (H, P + r)), what)
+        else:
+            _check_shape(k, "k", m, ((H * P,), (H, P)), f"[tokens, H * qk_nope_head_dim] (with k_rope; {kv_rows})")
+            _check_shape(k_rope, "k_rope", m, ((r,), (1, r)), f"[tokens, qk_rope_head_dim] ({kv_rows})")
+        _check_shape(v, "v", m, ((H * V,), (H, V)), f"[tokens, H * v_head_dim] ({kv_rows})")
+
     def _absorbed_call(
         self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, l4, kwargs
     ):
+        self._check_absorbed(q, k, q_rope, k_rope, layer)
         if cos_sin_cache is None:  # rotated inputs: llama_4_scaling on the torch side, as before
             q, q_rope = _llama_4_scaled(q, l4), _llama_4_scaled(q_rope, l4)
             if self._native is not None:
@@ -310,7 +356,12 @@ class TorchMLABackend(_BridgeBase):
         v [T, H * 128]; returns [T, H * 128] (and f32 LSE [T, H] with ``return_lse``).
         Prefill writes no cache (the latent is not among its inputs): pass
         ``save_kv_cache=False`` and write it with the pool's ``set_mla_kv_buffer``.
+        ``T`` is the plan's new tokens (or its bucket's rows); a ``DECODE`` plan is
+        refused (SGLang runs it through :meth:`forward_decode`).
         """
+        self._check_mode(
+            "forward_extend", self.forward_mode is not ForwardMode.DECODE, _EXTEND_SERVES, "forward_decode"
+        )
         if self._jbackend.is_absorbed(self.forward_mode):
             return self._absorbed_call(
                 q,
@@ -330,13 +381,15 @@ class TorchMLABackend(_BridgeBase):
                 "cos_sin_cache (fused rope) on the ragged MLA prefill (EXTEND) is not supported by the bridge: "
                 "apply the rope to q_rope/k_rope (jattn.MLABackend.forward_extend takes it)"
             )
+        chunk = forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False)
+        self._check_prefill(q, k, v, q_rope, k_rope, layer, chunk)
         q, q_rope = _llama_4_scaled(q, llama_4_scaling), _llama_4_scaled(q_rope, llama_4_scaling)
         if save_kv_cache:
             raise ValueError(
                 "ragged MLA prefill cannot write the latent cache from per-head k/v: pass "
                 "save_kv_cache=False and write c_kv/k_pe with set_mla_kv_buffer"
             )
-        if forward_batch is not None and getattr(forward_batch, "attn_attend_prefix_cache", False):
+        if chunk:
             return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
         if self._native is not None:
             return self._prefill_native(q, k, v, layer, q_rope, k_rope, return_lse)
@@ -438,8 +491,32 @@ class TorchMLABackend(_BridgeBase):
 
     def merge_state(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
         """``attn_merge_state`` on torch tensors: o [T, H, D] (or [T, H * D] with lse [T, H]),
-        natural-log LSE. Returns ``(o, lse)`` as torch tensors."""
+        natural-log LSE (float, read as f32); both o of one shape and float dtype, both lse
+        of one shape. Returns ``(o, lse)`` as torch tensors."""
+        for x, name in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b")):
+            if not isinstance(x, torch.Tensor):
+                raise BridgeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        for x, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
+            if x.dim() != 2:
+                raise BridgeError(f"{name} must be [T, H] (natural-log LSE), got shape {tuple(x.shape)}")
+            if not x.dtype.is_floating_point:
+                raise BridgeError(f"{name} must be a float tensor (natural-log LSE), got dtype {x.dtype}")
+        if lse_b.shape != lse_a.shape:
+            raise BridgeError(f"lse_b has shape {tuple(lse_b.shape)}, lse_a {tuple(lse_a.shape)}: they must be equal")
         t, h = lse_a.shape
+        for x, name in ((o_a, "o_a"), (o_b, "o_b")):
+            per_head = x.shape[1] == h if x.dim() == 3 else x.dim() == 2 and h > 0 and x.shape[1] % h == 0
+            if x.dim() not in (2, 3) or x.shape[0] != t or not per_head:
+                raise BridgeError(
+                    f"{name} must be [T, H, D] or [T, H * D] with T, H = {t}, {h} (lse_a's), got shape {tuple(x.shape)}"
+                )
+            if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise BridgeError(f"{name}.dtype must be bfloat16, float16 or float32, got {x.dtype}")
+        if o_b.shape != o_a.shape or o_b.dtype != o_a.dtype:
+            raise BridgeError(
+                f"o_b ({tuple(o_b.shape)}, {o_b.dtype}) must match o_a ({tuple(o_a.shape)}, {o_a.dtype}) "
+                "in shape and dtype"
+            )
         o, lse = self._jbackend.merge_state(
             to_jax(o_a.reshape(t, h, -1).contiguous()),
             to_jax(lse_a.float().contiguous()),

@@ -12,11 +12,14 @@ Slot range ``[0, page_size)`` is the reserved dummy page
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from jattn.backends import LayerSpec
+
+from .convert import BridgeError
 
 __all__ = ["AttentionLayer", "TorchAttentionLayer", "TorchKVPool", "TorchMLAKVPool", "layer_spec", "FP8_MAX"]
 
@@ -37,8 +40,9 @@ class TorchAttentionLayer(Protocol):
         ``window_left + 1`` keys including itself).
       logit_cap: soft-cap ``c`` (``0`` off).
       k_scale, v_scale: FP8 scales: None, a float or a one-element tensor
-        (``k_scale_float`` / ``v_scale_float`` are preferred when present).
-      scaling: softmax scale (None: ``1/sqrt(qk_head_dim)``).
+        (``k_scale_float`` / ``v_scale_float`` are preferred when present); finite
+        and positive.
+      scaling: softmax scale (None: ``1/sqrt(qk_head_dim)``); finite and positive.
     Optional: ``non_causal`` (DFLASH draft), ``is_cross_attention`` (unsupported).
     """
 
@@ -83,16 +87,34 @@ class AttentionLayer:
         return self.qk_head_dim
 
 
+def check_scale(s, name: str) -> float:
+    """``s`` (a number or a one-element tensor) as a float, refused unless finite and
+    positive: a scale of 0, a negative, NaN or inf would quantise or scale every value
+    wrongly (an FP8 write with scale 0 saturates everything to +-448). Reads a tensor's
+    value (a device sync for a CUDA tensor): call it once per layer, not per step."""
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1:
+            raise BridgeError(
+                f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(s.shape)}"
+            )
+        s = s.item()
+    try:
+        f = float(s)
+    except (TypeError, ValueError):
+        raise BridgeError(f"{name} must be a number or a one-element tensor, got {type(s).__name__}") from None
+    if not (math.isfinite(f) and f > 0):
+        raise BridgeError(f"{name}={f} must be finite and positive")
+    return f
+
+
 def _scale(layer, name: str) -> float:
     f = getattr(layer, f"{name}_float", None)
     if f is not None:
-        return float(f)
+        return check_scale(f, f"layer.{name}_float")
     s = getattr(layer, name, None)
     if s is None:
         return 1.0
-    if isinstance(s, torch.Tensor):
-        return float(s.reshape(-1)[0].item())  # read once per layer (layer_spec is cached)
-    return float(s)
+    return check_scale(s, f"layer.{name}")  # read once per layer (layer_spec is cached)
 
 
 def layer_spec(layer) -> LayerSpec:
@@ -102,11 +124,15 @@ def layer_spec(layer) -> LayerSpec:
         raise TypeError(f"layer object {type(layer).__name__} lacks {missing} (see TorchAttentionLayer)")
     if getattr(layer, "is_cross_attention", False):
         raise NotImplementedError("cross attention is not supported by the torch bridge")
+    layer_id = int(layer.layer_id)
+    if layer_id < 0:
+        raise BridgeError(f"layer.layer_id={layer_id} must be >= 0 (an index into the KV pool's layers)")
     window = getattr(layer, "sliding_window_size", -1)
     window = -1 if window is None else int(window)
     v_dim = getattr(layer, "v_head_dim", None)
+    scaling = getattr(layer, "scaling", None)
     return LayerSpec(
-        layer_id=int(layer.layer_id),
+        layer_id=layer_id,
         num_q_heads=int(layer.tp_q_head_num),
         num_kv_heads=int(layer.tp_k_head_num),
         head_dim=int(layer.qk_head_dim),
@@ -115,7 +141,7 @@ def layer_spec(layer) -> LayerSpec:
         logit_cap=float(getattr(layer, "logit_cap", 0.0) or 0.0),
         k_scale=_scale(layer, "k_scale"),
         v_scale=_scale(layer, "v_scale"),
-        scaling=None if getattr(layer, "scaling", None) is None else float(layer.scaling),
+        scaling=None if scaling is None else check_scale(scaling, "layer.scaling"),
         non_causal=bool(getattr(layer, "non_causal", False)),
     )
 
@@ -125,14 +151,60 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def _store(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale) -> None:
-    x = x.reshape(x.shape[0], *buf.shape[1:])
-    if buf.dtype == torch.float8_e4m3fn and x.dtype != buf.dtype:
-        x = quantize_fp8(x, 1.0 if scale is None else float(scale))
-    x = x.to(buf.dtype)
+def _check_loc(loc: torch.Tensor, n: int, slots: int, x_name: str) -> None:
+    """``loc``: a 1-D integer tensor of ``n`` slots (one per row of ``x_name``), its values
+    in ``[0, slots)`` checked on the CPU only (a CUDA tensor's would cost a device sync;
+    the torch backends check them where they can)."""
+    if not isinstance(loc, torch.Tensor):
+        raise BridgeError(f"loc must be a torch.Tensor of slots, got {type(loc).__name__}")
+    if loc.dim() != 1 or loc.shape[0] != n:
+        raise BridgeError(f"loc must be [{n}] (one slot per row of {x_name}), got shape {tuple(loc.shape)}")
+    if n and (loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool):
+        raise BridgeError(f"loc must hold integer slots, got dtype {loc.dtype}")  # (torch.tensor([]) is float)
+    if loc.device.type == "cpu" and n:
+        lo, hi = map(int, torch.aminmax(loc))
+        if lo < 0 or hi >= slots:
+            bad = lo if lo < 0 else hi
+            raise BridgeError(f"loc holds slot {bad}, outside the pool's slots [0, {slots})")
+
+
+def _prepare(buf: torch.Tensor, n: int, x: torch.Tensor, scale, names: tuple) -> torch.Tensor:
+    """Rows ``x`` ([n, ...]) checked and cast (FP8: quantised with ``scale``) for ``buf``;
+    ``names``: the argument names of ``x`` and ``scale`` in messages. Every check of a
+    call runs before its first write (:func:`_commit`), so a refused call writes nothing."""
+    x_name, scale_name = names
+    row = buf.shape[1:]
+    if x.dim() == 0 or x.shape[0] != n or x.numel() != n * math.prod(row):
+        raise BridgeError(
+            f"{x_name} must be [{n}, {math.prod(row)}] (or [{n}, {', '.join(map(str, row))}]) to fill the "
+            f"pool's rows, got {tuple(x.shape)}"
+        )
+    fp8 = buf.dtype == torch.float8_e4m3fn
+    if scale is not None:
+        if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+            raise BridgeError(f"{scale_name} must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
+        if fp8 or not isinstance(scale, torch.Tensor):  # a tensor's value only where it is read anyway
+            scale = check_scale(scale, scale_name)
+    x = x.reshape(n, *row)
+    if fp8 and x.dtype != buf.dtype:
+        x = quantize_fp8(x, 1.0 if scale is None else scale)
+    return x.to(buf.dtype)
+
+
+def _commit(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
     if buf.element_size() == 1:  # FP8: index kernels lack the dtype, move the bytes
         buf, x = buf.view(torch.uint8), x.view(torch.uint8)
     buf.index_copy_(0, loc.to(device=buf.device, dtype=torch.long), x)
+
+
+def _layer_index(pool, layer_id) -> int:
+    """``layer_id`` checked against the pool's ``layer_num`` layers (negative ids would
+    silently index from the end)."""
+    if not 0 <= layer_id < pool.layer_num:
+        raise BridgeError(
+            f"layer_id={layer_id} is out of range: {type(pool).__name__} holds layers 0 <= layer_id < {pool.layer_num}"
+        )
+    return layer_id
 
 
 class TorchKVPool:
@@ -163,25 +235,32 @@ class TorchKVPool:
         self.dtype = dtype
         dv = head_dim if head_dim_v is None else head_dim_v
         mk = lambda d: torch.zeros(self.size, num_kv_heads, d, dtype=dtype, device=device)  # noqa: E731
+        self.layer_num = num_layers  # SGLang's name for the pool's layer count
         self.k_buffer = [mk(head_dim) for _ in range(num_layers)]
         self.v_buffer = [mk(dv) for _ in range(num_layers)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
+        return self.k_buffer[_layer_index(self, layer_id)]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
+        return self.v_buffer[_layer_index(self, layer_id)]
 
     def get_kv_buffer(self, layer_id: int):
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+        i = _layer_index(self, layer_id)
+        return self.k_buffer[i], self.v_buffer[i]
 
     def set_kv_buffer(
         self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None, v_scale=None
     ) -> None:
-        """Writes new tokens' K/V at slots ``loc`` (FP8 pools quantise with the scales)."""
-        i = layer.layer_id
-        _store(self.k_buffer[i], loc, cache_k, k_scale)
-        _store(self.v_buffer[i], loc, cache_v, v_scale)
+        """Writes new tokens' K/V at slots ``loc`` (FP8 pools quantise with the scales:
+        None, or finite positive numbers or one-element tensors)."""
+        i = _layer_index(self, layer.layer_id)
+        kb, vb, n = self.k_buffer[i], self.v_buffer[i], cache_k.shape[0]
+        _check_loc(loc, n, kb.shape[0], "cache_k")
+        k = _prepare(kb, n, cache_k, k_scale, ("cache_k", "k_scale"))
+        v = _prepare(vb, n, cache_v, v_scale, ("cache_v", "v_scale"))
+        _commit(kb, loc, k)
+        _commit(vb, loc, v)
 
 
 class TorchMLAKVPool:
@@ -204,16 +283,17 @@ class TorchMLAKVPool:
         self.size = num_pages * page_size
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.dtype = dtype
+        self.layer_num = num_layers  # SGLang's name for the pool's layer count
         self.kv_buffer = [
             torch.zeros(self.size, 1, kv_lora_rank + qk_rope_head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id]
+        return self.kv_buffer[_layer_index(self, layer_id)]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id][..., : self.kv_lora_rank]
+        return self.kv_buffer[_layer_index(self, layer_id)][..., : self.kv_lora_rank]
 
     def get_kv_buffer(self, layer_id: int):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -222,7 +302,14 @@ class TorchMLAKVPool:
         self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
     ) -> None:
         """Writes latent rows ``[c_kv, k_pe]`` at slots ``loc`` (FP8: ``layer.k_scale``)."""
-        t = cache_k_nope.shape[0]
-        row = torch.cat([cache_k_nope.reshape(t, -1), cache_k_rope.reshape(t, -1)], dim=-1)
+        i = _layer_index(self, layer.layer_id)
+        t = cache_k_nope.shape[0] if cache_k_nope.dim() else 0
+        R, r = self.kv_lora_rank, self.qk_rope_head_dim
+        for x, name, w in ((cache_k_nope, "cache_k_nope", R), (cache_k_rope, "cache_k_rope", r)):
+            if x.dim() == 0 or x.shape[0] != t or x.numel() != t * w:
+                raise BridgeError(f"{name} must be [{t}, {w}] (or [{t}, 1, {w}]), got {tuple(x.shape)}")
+        row = torch.cat([cache_k_nope.reshape(t, R), cache_k_rope.reshape(t, r)], dim=-1)
         scale = _scale(layer, "k_scale") if self.dtype == torch.float8_e4m3fn else None
-        _store(self.kv_buffer[layer.layer_id], loc, row, scale)
+        buf = self.kv_buffer[i]
+        _check_loc(loc, t, buf.shape[0], "cache_k_nope")
+        _commit(buf, loc, _prepare(buf, t, row, scale, ("[cache_k_nope, cache_k_rope]", "layer.k_scale")))

@@ -1302,7 +1302,7 @@ def test_mha_layer_that_does_not_match_the_pool_is_refused():
         ),
     ]
     for layer, msg in cases:
-        q = torch.zeros(2, layer.tp_q_head_num * 32, dtype=torch.bfloat16, device=DEV)
+        q = torch.zeros(2, layer.tp_q_head_num * layer.qk_head_dim, dtype=torch.bfloat16, device=DEV)
         with pytest.raises(BridgeError, match=msg):
             be.forward_decode(q, None, None, layer, None, pool, 2)
 
@@ -1328,3 +1328,292 @@ def test_mla_pool_with_fewer_pages_or_another_width_is_refused(save_kv_cache):
         r"qk_rope_head_dim = 16 \+ 8 = 24",
     ):
         be.forward_decode(q, c, None, layer, token_to_kv_pool=wide, **kw)
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def _mha_kv(n, g):
+    return [torch.randn(n, w, generator=g).to(torch.bfloat16).to(DEV) for w in (128, 64, 64)]
+
+
+def test_rows_that_differ_from_the_plan_are_refused():
+    """q/k/v rows other than the plan's new tokens (or its bucket's rows) would leave a
+    request silently uncomputed; refused on the slow path, the hot path, MLA, extend and
+    capture plans alike."""
+    cfg, pool = mha_setup(batch_buckets=(4,))
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 4, 2, 32)
+    g = torch.Generator().manual_seed(0)
+    r2p = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    be.init_forward_metadata(3, 0, torch.tensor([0, 1, 2]), torch.tensor([9, 5, 3]), r2p, ForwardMode.DECODE)
+    q, k, v = _mha_kv(3, g)
+    for _ in range(2):  # the second call runs the hot-path plan of this signature
+        be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True)
+    assert be._plans
+    # same bucket (4 rows), 2 requests: the hot-path plan's key matches 3 rows, still refused
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([10, 6]), r2p, ForwardMode.DECODE)
+    msg = r"q has 3 rows; the installed plan has 2 new tokens \(bs \* q_len = 2 \* 1\); its bucket has 4 rows"
+    with pytest.raises(BridgeError, match=msg):
+        be.forward_decode(q, k, v, layer, None, pool, 2, save_kv_cache=True)
+    with pytest.raises(BridgeError, match=r"q has 1 rows; the installed plan has 2 new tokens"):
+        be.forward_decode(q[:1], k[:1], v[:1], layer, None, pool, 2, save_kv_cache=True)
+    assert be.forward_decode(q[:2], k[:2], v[:2], layer, None, pool, 2, save_kv_cache=True).shape == (2, 128)
+    q4, k4, v4 = _mha_kv(4, g)  # the bucket's rows, padding included
+    assert be.forward_decode(q4, k4, v4, layer, None, pool, 2, save_kv_cache=True).shape == (4, 128)
+    # extend: sum(extend_seq_lens)
+    be.init_forward_metadata(
+        2, 2, torch.tensor([0, 1]), torch.tensor([3, 2]), r2p, ForwardMode.EXTEND, extend_seq_lens=torch.tensor([3, 2])
+    )
+    q, k, v = _mha_kv(4, g)
+    with pytest.raises(BridgeError, match=r"q has 4 rows; the installed plan has 5 new tokens \(sum\(extend_seq_lens"):
+        be.forward_extend(q, k, v, layer, None, pool, 2, save_kv_cache=True)
+    # a capture plan: its bucket's rows only
+    be.init_forward_metadata_capture_cuda_graph(4)
+    q, k, v = _mha_kv(3, g)
+    with pytest.raises(
+        BridgeError, match=r"q has 3 rows; the installed plan is an all-padding capture plan of bucket 4"
+    ):
+        be.forward_decode(q, k, v, layer, None, pool, 4, save_kv_cache=True)
+    # MLA (decode plan of 2 requests)
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    qm, c, kr = torch.randn(1, H * (R + r)).to(DEV), torch.randn(1, R).to(DEV), torch.randn(1, r).to(DEV)
+    with pytest.raises(BridgeError, match=r"q has 1 rows; the installed plan has 2 new tokens"):
+        mla.forward_decode(qm, c, None, mlayer, save_kv_cache=True, k_rope=kr, token_to_kv_pool=mpool)
+
+
+def test_input_shapes_are_checked():
+    """A q/k/v (MLA: q, q_rope, c_kv, k_rope, prefill v) of the wrong width or rows: a
+    message naming the input and its layout, not torch's reshape error."""
+    be, pool, (layer,), q, g = _decode_fixture(9)
+    _, k, v = _mha_kv(2, g)
+    cases = [
+        (
+            (q[:, :48], k, v),
+            r"q must be \[tokens, tp_q_head_num \* head_dim\] = \[2, 128\] or \[2, 4, 32\], got \(2, 48\)",
+        ),
+        ((q, k[:, :32], v), r"k must be \[tokens, tp_k_head_num \* head_dim\] \(q's tokens\) = \[2, 64\]"),
+        ((q, k, torch.cat([v, v])), r"v must be .* = \[2, 64\] or \[2, 2, 32\], got \(4, 64\)"),
+        ((q.view(2, 4, 32), k.view(2, 2, 32), v.view(2, 4, 16)), r"v must be .*got \(2, 4, 16\)"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(BridgeError, match=msg):
+            be.forward_decode(*args, layer, None, pool, 2, save_kv_cache=True)
+    assert be.forward_decode(q.view(2, 4, 32), k.view(2, 2, 32), v, layer, None, pool, 2).shape == (2, 128)
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    q, qr, c, kr = (torch.randn(2, w).to(DEV) for w in (H * R, H * r, R, r))
+    kw = dict(save_kv_cache=True, token_to_kv_pool=mpool)
+    cases = [
+        (dict(q=q[:, :20], k=c, q_rope=qr, k_rope=kr), r"q must be \[tokens, H \* kv_lora_rank\] \(with q_rope\)"),
+        (
+            dict(q=q, k=c, q_rope=None, k_rope=kr),
+            r"q must be .*\(q_rope=None\) = \[2, 48\] or \[2, 2, 24\], got \(2, 32\)",
+        ),
+        (dict(q=q, k=c, q_rope=qr[:, :8], k_rope=kr), r"q_rope must be \[tokens, H \* qk_rope_head_dim\]"),
+        (dict(q=q, k=c[:, :8], q_rope=qr, k_rope=kr), r"k must be c_kv \[tokens, kv_lora_rank\] .* = \[2, 16\]"),
+        (dict(q=q, k=c, q_rope=qr, k_rope=kr[:1]), r"k_rope must be .* = \[2, 8\] or \[2, 1, 8\], got \(1, 8\)"),
+    ]
+    for a, msg in cases:
+        with pytest.raises(BridgeError, match=msg):
+            mla.forward_decode(a["q"], a["k"], None, mlayer, q_rope=a["q_rope"], k_rope=a["k_rope"], **kw)
+    # the ragged prefill
+    H, P, rr, Vd = 2, 32, 16, 32
+    _, pbe, player = _small_mla(H, P, rr, Vd)
+    pbe.init_forward_metadata(
+        1,
+        1,
+        torch.tensor([0]),
+        torch.tensor([3]),
+        torch.tensor([[1, 2]], dtype=torch.int32),
+        ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor([3]),
+    )
+    qn, qr, kn, kr, v = rand(3, H * P), rand(3, H * rr), rand(3, H * P), rand(3, rr), rand(3, H * Vd)
+    with pytest.raises(BridgeError, match=r"v must be \[tokens, H \* v_head_dim\] \(q's tokens\) = \[3, 64\]"):
+        pbe.forward_extend(qn, kn, v[:, :40], player, save_kv_cache=False, q_rope=qr, k_rope=kr)
+    with pytest.raises(BridgeError, match=r"k must be \[tokens, H \* \(qk_nope_head_dim \+ qk_rope_head_dim\)\]"):
+        pbe.forward_extend(qn, kn, v, player, save_kv_cache=False, q_rope=qr)
+
+
+def test_a_forward_that_does_not_serve_the_installed_plan_is_refused():
+    """MHA: decode-kind plans run through forward_decode, extend plans through
+    forward_extend (else an AttributeError from the core). MLA: forward_extend after a
+    DECODE plan ran an absorbed decode, forward_decode after an EXTEND plan an absorbed
+    draft extend over the ragged prefill's plan, both silently."""
+    be, pool, (layer,), q, g = _decode_fixture(10)
+    _, k, v = _mha_kv(2, g)
+    with pytest.raises(
+        BridgeError,
+        match=r"forward_extend does not serve the installed plan's forward_mode=DECODE: .*call forward_decode",
+    ):
+        be.forward_extend(q, k, v, layer, None, pool, 2, save_kv_cache=True)
+    be.init_forward_metadata(
+        2, 2, torch.tensor([0, 1]), torch.tensor([1, 1]), _R2P, ForwardMode.EXTEND, extend_seq_lens=torch.tensor([1, 1])
+    )
+    with pytest.raises(
+        BridgeError,
+        match=r"forward_decode does not serve the installed plan's forward_mode=EXTEND: .*call forward_extend",
+    ):
+        be.forward_decode(q, k, v, layer, None, pool, 2, save_kv_cache=True)
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    qm, c, kr = torch.randn(2, H * (R + r)).to(DEV), torch.randn(2, R).to(DEV), torch.randn(2, r).to(DEV)
+    kw = dict(save_kv_cache=True, k_rope=kr, token_to_kv_pool=mpool)
+    with pytest.raises(BridgeError, match=r"forward_extend does not serve the installed plan's forward_mode=DECODE"):
+        mla.forward_extend(qm, c, None, mlayer, **kw)
+    r2p = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32)
+    mla.init_forward_metadata(
+        2, 2, torch.tensor([0, 1]), torch.tensor([1, 1]), r2p, ForwardMode.EXTEND, extend_seq_lens=torch.tensor([1, 1])
+    )
+    with pytest.raises(
+        BridgeError,
+        match=r"forward_decode does not serve the installed plan's forward_mode=EXTEND: .*call forward_extend",
+    ):
+        mla.forward_decode(qm, c, None, mlayer, **kw)
+    assert torch.all(mpool.kv_buffer[0] == 0)  # nothing written by the refused calls
+    fresh = TorchMHABackend(mha_setup()[0])
+    with pytest.raises(RuntimeError, match="call init_forward_metadata"):
+        fresh.forward_decode(q, None, None, layer, None, pool, 2)
+
+
+def test_layer_id_out_of_the_pool_is_refused():
+    """layer_id=-1 read the last layer's buffers (Python's negative index); past the pool,
+    an IndexError 'list index out of range'."""
+    be, pool, _, q, _ = _decode_fixture(11, layers=2)
+    with pytest.raises(BridgeError, match=r"layer.layer_id=-1 must be >= 0"):
+        be.forward_decode(q, None, None, AttentionLayer(-1, 4, 2, 32), None, pool, 2)
+    with pytest.raises(
+        BridgeError, match=r"layer.layer_id=2 is out of range: the KV pool TorchKVPool holds layers 0 <="
+    ):
+        be.forward_decode(q, None, None, AttentionLayer(2, 4, 2, 32), None, pool, 2)
+
+    class EnginePool:  # an engine's pool (SGLang's attributes) that indexes blindly
+        layer_num, start_layer, page_size = 2, 4, 4
+        k_buffer, v_buffer = pool.k_buffer, pool.v_buffer
+
+        def get_key_buffer(self, i):
+            return self.k_buffer[i - self.start_layer]
+
+        def get_value_buffer(self, i):
+            return self.v_buffer[i - self.start_layer]
+
+    with pytest.raises(
+        BridgeError, match=r"layer.layer_id=1 is out of range: .*EnginePool holds layers 4 <= layer_id < 6"
+    ):
+        be.forward_decode(q, None, None, AttentionLayer(1, 4, 2, 32), None, EnginePool(), 2)
+    assert be.forward_decode(q, None, None, AttentionLayer(5, 4, 2, 32), None, EnginePool(), 2).shape == (2, 128)
+    for call in (lambda: pool.get_key_buffer(-1), lambda: pool.get_value_buffer(2), lambda: pool.get_kv_buffer(-2)):
+        with pytest.raises(
+            BridgeError, match=r"layer_id=-?\d is out of range: TorchKVPool holds layers 0 <= layer_id < 2"
+        ):
+            call()
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    qm = torch.randn(2, H * (R + r)).to(DEV)
+    with pytest.raises(BridgeError, match=r"layer.layer_id=3 is out of range: the KV pool TorchMLAKVPool"):
+        mla.forward_decode(qm, None, None, AttentionLayer(3, H, 1, R + r, v_head_dim=R), token_to_kv_pool=mpool)
+    with pytest.raises(BridgeError, match=r"layer_id=-1 is out of range: TorchMLAKVPool"):
+        mpool.get_key_buffer(-1)
+
+
+def test_scales_that_are_not_one_finite_positive_value_are_refused():
+    """A several-element k_scale used its first element; 0, negative, NaN or inf scales
+    were accepted (an FP8 write with scale 0 saturates every value to +-448)."""
+    for kw, msg in [
+        (dict(k_scale=torch.tensor([0.5, 2.0])), r"layer.k_scale must be a number or a one-element tensor, got a"),
+        (dict(k_scale=0.0), r"layer.k_scale=0.0 must be finite and positive"),
+        (dict(v_scale=torch.tensor([-1.0])), r"layer.v_scale=-1.0 must be finite and positive"),
+        (dict(scaling=float("nan")), r"layer.scaling=nan must be finite and positive"),
+        (dict(scaling=float("inf")), r"layer.scaling=inf must be finite and positive"),
+        (dict(scaling=0.0), r"layer.scaling=0.0 must be finite and positive"),
+    ]:
+        with pytest.raises(BridgeError, match=msg):
+            layer_spec(AttentionLayer(0, 4, 2, 32, **kw))
+    layer = AttentionLayer(0, 4, 2, 32)
+    layer.k_scale_float = float("inf")
+    with pytest.raises(BridgeError, match=r"layer.k_scale_float=inf must be finite and positive"):
+        layer_spec(layer)
+    assert layer_spec(AttentionLayer(0, 4, 2, 32, k_scale=torch.tensor([0.5]), scaling=0.2)).k_scale == 0.5
+    # the backend refuses the layer before any work
+    be, pool, _, q, _ = _decode_fixture(12)
+    with pytest.raises(BridgeError, match=r"layer.scaling=-0.5 must be finite and positive"):
+        be.forward_decode(q, None, None, AttentionLayer(0, 4, 2, 32, scaling=-0.5), None, pool, 2)
+    # the pool's writer: scales of the FP8 quantisation
+    _, fp8 = mha_setup(torch.float8_e4m3fn)
+    k = rand(2, 2, 32)
+    loc = torch.tensor([4, 5], device=DEV)
+    for kw, msg in [
+        (dict(k_scale=0.0), r"k_scale=0.0 must be finite and positive"),
+        (dict(v_scale=float("nan")), r"v_scale=nan must be finite and positive"),
+        (dict(k_scale=torch.tensor([1.0, 2.0])), r"k_scale must be a number or a one-element tensor, got shape \(2,\)"),
+    ]:
+        with pytest.raises(BridgeError, match=msg):
+            fp8.set_kv_buffer(layer, loc, k, k, **kw)
+    assert torch.all(fp8.k_buffer[0].float() == 0)  # nothing written (both scales are checked first)
+    fp8.set_kv_buffer(layer, loc, k, k, k_scale=torch.tensor(0.5), v_scale=2.0)
+    assert fp8.k_buffer[0][4].float().abs().max() > 0
+
+
+def test_bad_out_cache_loc_is_refused():
+    """The torch writer's out_cache_loc: too short, out of the pool, negative or float
+    gave torch's index_copy_ errors (or wrote where it should not), not naming it."""
+    be, pool, (layer,), q, g = _decode_fixture(13)
+    if ON_GPU:  # the torch writer reads out_cache_loc; "host" (default) checks only CPU tensors' values
+        be = TorchMHABackend(be.config, kv_writer="torch")
+        be.check_slot_values = "always"
+        be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([9, 5]), _R2P, ForwardMode.DECODE)
+    _, k, v = _mha_kv(2, g)
+    good = torch.tensor([8 * 4 + 0, 6 * 4 + 0], device=DEV)  # any slots in the pool
+    for _ in range(2):  # the hot-path plan checks them too
+        be.forward_decode(q, k, v, layer, good, pool, 2, save_kv_cache=True)
+    before = pool.k_buffer[0].clone()
+    for loc, msg in [
+        (good[:1], r"out_cache_loc must be 1-D with a slot for each of the 2 new tokens, got shape \(1,\)"),
+        (good.view(2, 1), r"out_cache_loc must be 1-D .* got shape \(2, 1\)"),
+        (torch.tensor([4, 64], device=DEV), r"out_cache_loc holds slot 64, outside the KV pool's slots \[0, 64\)"),
+        (torch.tensor([-1, 4], device=DEV), r"out_cache_loc holds slot -1, outside the KV pool's slots \[0, 64\)"),
+        (good.float(), r"out_cache_loc must hold integer slots, got dtype torch.float32"),
+    ]:
+        with pytest.raises(BridgeError, match=msg):
+            be.forward_decode(q, k, v, layer, loc, pool, 2, save_kv_cache=True)
+    assert torch.equal(pool.k_buffer[0], before)  # nothing written by the refused calls
+    be.check_slot_values = "sometimes"
+    with pytest.raises(ValueError, match=r"check_slot_values='sometimes' must be 'host', 'always' or 'never'"):
+        be.forward_decode(q, k, v, layer, good, pool, 2, save_kv_cache=True)
+    # MLA's torch writer
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    if ON_GPU:
+        mla = TorchMLABackend(mla.config, kv_writer="torch")
+        r2p = torch.tensor([[1, 2, 0, 0], [3, 0, 0, 0]], dtype=torch.int32)
+        mla.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([6, 3]), r2p, ForwardMode.DECODE)
+    mla.check_slot_values = "always"
+    qm, c, kr = torch.randn(2, H * (R + r)).to(DEV), torch.randn(2, R).to(DEV), torch.randn(2, r).to(DEV)
+    kw = dict(save_kv_cache=True, k_rope=kr, token_to_kv_pool=mpool)
+    with pytest.raises(BridgeError, match=r"out_cache_loc holds slot 32, outside the KV pool's slots \[0, 32\)"):
+        mla.forward_decode(qm, c, None, mlayer, out_cache_loc=torch.tensor([4, 32], device=DEV), **kw)
+    # the pool's own writer names loc
+    with pytest.raises(BridgeError, match=r"loc must be \[2\] \(one slot per row of cache_k\), got shape \(1,\)"):
+        pool.set_kv_buffer(layer, good[:1], k, v)
+    if not ON_GPU:
+        with pytest.raises(BridgeError, match=r"loc holds slot 64, outside the pool's slots \[0, 64\)"):
+            pool.set_kv_buffer(layer, torch.tensor([4, 64]), k, v)
+
+
+def test_merge_state_checks_ranks_shapes_and_dtypes():
+    """A 1-D LSE gave 'not enough values to unpack (expected 2, got 1)'."""
+    _, be, _ = _small_mla(2, 32, 16, 32)
+    o, lse = rand(5, 2, 32), torch.randn(5, 2, device=DEV)
+    cases = [
+        ((o, lse[:, 0], o, lse), r"lse_a must be \[T, H\] \(natural-log LSE\), got shape \(5,\)"),
+        ((o, lse, o, lse[:4]), r"lse_b has shape \(4, 2\), lse_a \(5, 2\): they must be equal"),
+        ((o, lse.int(), o, lse), r"lse_a must be a float tensor \(natural-log LSE\), got dtype torch.int32"),
+        ((o[:4], lse, o, lse), r"o_a must be \[T, H, D\] or \[T, H \* D\] with T, H = 5, 2 \(lse_a's\), got shape"),
+        ((o, lse, o.view(5, 64)[:, :63], lse), r"o_b must be .* got shape \(5, 63\)"),
+        ((o, lse, o.view(5, 64), lse), r"o_b \(\(5, 64\), torch.bfloat16\) must match o_a \(\(5, 2, 32\)"),
+        ((o, lse, o.float(), lse), r"o_b .* must match o_a .* in shape and dtype"),
+        ((o.int(), lse, o.int(), lse), r"o_a.dtype must be bfloat16, float16 or float32, got torch.int32"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(BridgeError, match=msg):
+            be.merge_state(*args)
+    m, mlse = be.merge_state(o.view(5, 64), lse, o.view(5, 64), lse)
+    assert m.shape == (5, 64) and mlse.shape == (5, 2)
+    torch.testing.assert_close(mlse, lse + math.log(2), atol=1e-5, rtol=1e-5)
