@@ -289,7 +289,9 @@ class _BridgeBase:
         device once.
 
         Args follow tokenspeed's ``MHAAttnBackend.init_forward_metadata``:
-        ``req_pool_indices`` int[>= bs], ``seq_lens`` int[>= bs] (new tokens included),
+        ``req_pool_indices`` int[>= bs], ``seq_lens`` int[>= bs] (new tokens included, in
+        every mode: SGLang's target-verify ``seq_lens`` leave the draft tokens out, so an
+        SGLang engine passes ``seq_lens + num_draft_tokens``),
         ``req_to_page`` int[pool, max_pages] page ids (or ``req_to_token_pages``),
         ``forward_mode`` (:class:`jattn.ForwardMode`, its value, or another engine's
         enum member of the same name), and for ``EXTEND`` / ``DRAFT_EXTEND``

@@ -278,6 +278,17 @@ class TorchMLABackend(_BridgeBase):
             q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, llama_4_scaling, kwargs
         )
 
+    def _absorbed_inputs(self, q, q_rope, layer) -> bool:
+        """Whether an ``EXTEND`` call brings absorbed inputs (q of ``kv_lora_rank`` columns a
+        head, with ``q_rope``, or ``kv_lora_rank + rope`` without) rather than the ragged
+        prefill's: SGLang's absorbed extend over the paged prefix (its fallback with the
+        chunked prefix cache off). Widths that fit both read as the prefill's."""
+        cfg, H = self.config, self._spec(layer).num_q_heads
+        R, P, r = self.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        width = q.shape[-1] if q.dim() == 3 else q.shape[-1] // max(H, 1)
+        absorbed, prefill = (R, P) if q_rope is not None else (R + r, P + r)
+        return width == absorbed != prefill
+
     def _check_absorbed(self, q, k, q_rope, k_rope, layer) -> None:
         """The absorbed modes' input shapes, and q's rows against the plan."""
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, self._spec(layer).num_q_heads
@@ -351,9 +362,13 @@ class TorchMLABackend(_BridgeBase):
         **kwargs,
     ):
         """Target verify / draft extend (absorbed, as :meth:`forward_decode`) or ragged
-        prefill (``EXTEND``): q [T, H * 192] (or q_nope [T, H * 128] with q_rope
+        prefill (``EXTEND``). An ``EXTEND`` call with absorbed inputs (q of
+        ``kv_lora_rank`` columns a head, as :meth:`forward_decode` takes) runs absorbed over
+        the paged prefix, causal among the new tokens, as SGLang does with its chunked
+        prefix cache off. Prefill: q [T, H * 192] (or q_nope [T, H * 128] with q_rope
         [T, H * 64]), k [T, H * 192] (or k_nope [T, H * 128] with k_rope [T, 64]),
-        v [T, H * 128]; returns [T, H * 128] (and f32 LSE [T, H] with ``return_lse``).
+        v [T, H * 128]; returns [T, H * 128] (and f32 LSE [T, H] with ``return_lse`` or
+        ``forward_batch.mha_return_lse``).
         Prefill writes no cache (the latent is not among its inputs): pass
         ``save_kv_cache=False`` and write it with the pool's ``set_mla_kv_buffer``.
         ``T`` is the plan's new tokens (or its bucket's rows); a ``DECODE`` plan is
@@ -362,7 +377,13 @@ class TorchMLABackend(_BridgeBase):
         self._check_mode(
             "forward_extend", self.forward_mode is not ForwardMode.DECODE, _EXTEND_SERVES, "forward_decode"
         )
-        if self._jbackend.is_absorbed(self.forward_mode):
+        absorbed_extend = not self._jbackend.is_absorbed(self.forward_mode) and self._absorbed_inputs(q, q_rope, layer)
+        if absorbed_extend and self._native is not None:
+            raise NotImplementedError(
+                "an EXTEND call with absorbed inputs runs on kernels='jax' (the native Triton path serves the "
+                "ragged prefill only)"
+            )
+        if absorbed_extend or self._jbackend.is_absorbed(self.forward_mode):
             return self._absorbed_call(
                 q,
                 k,
@@ -391,6 +412,8 @@ class TorchMLABackend(_BridgeBase):
             )
         if chunk:
             return self._prefix_chunk(q, k, v, layer, q_rope, k_rope, forward_batch)
+        # SGLang's caller asks for the LSE through the batch (``mha_return_lse``)
+        return_lse = bool(return_lse or getattr(forward_batch, "mha_return_lse", False))
         if self._native is not None:
             return self._prefill_native(q, k, v, layer, q_rope, k_rope, return_lse)
         return self._prefill(q, k, v, layer, q_rope, k_rope, return_lse)

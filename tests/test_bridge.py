@@ -9,6 +9,7 @@ import contextlib
 import functools
 import math
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -453,6 +454,7 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
         (ForwardMode.DECODE, [1, 1]),
         (ForwardMode.TARGET_VERIFY, [2, 2]),
         (DRAFT_EXTEND, [3, 1]),
+        (ForwardMode.EXTEND, [5, 2]),  # absorbed inputs: the absorbed extend over the prefix
     ]
     # first fill some history with the pool's own writer (an engine's prefill)
     for rr, L in enumerate((6, 11)):
@@ -614,6 +616,12 @@ def test_mla_ragged_prefill_with_lse():
         row += n
     with pytest.raises(ValueError, match="save_kv_cache"):
         be.forward_extend(qn, kn, v, layer, save_kv_cache=True, q_rope=qr, k_rope=kr)
+    # SGLang asks for the LSE through the batch: the same pair
+    fb = types.SimpleNamespace(mha_return_lse=True, attn_attend_prefix_cache=False)
+    out2, lse2 = be.forward_extend(qn, kn, v, layer, fb, save_kv_cache=False, q_rope=qr, k_rope=kr)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    fb.mha_return_lse = False
+    assert torch.equal(be.forward_extend(qn, kn, v, layer, fb, save_kv_cache=False, q_rope=qr, k_rope=kr), out)
 
 
 # ----------------------------------------------------------------------------- GPU
