@@ -455,7 +455,7 @@ class Engine:
                 self.running.append(r)
                 entries.append((r, i))
         reqs = [r for r, _ in batch]
-        return InFlight("extend", nxt, entries, reqs, t0, compiled, len(entries))
+        return InFlight("extend", nxt, entries, reqs, t0, compiled)
 
     def _decode_step(self, reqs: list[Request]) -> InFlight:
         grouping = None
@@ -497,7 +497,7 @@ class Engine:
             for i, r in enumerate(rows, start=d * bs_pad):
                 r.seq_len += 1
                 entries.append((r, i))
-        return InFlight("decode", nxt, entries, list(reqs), t0, compiled, len(reqs))
+        return InFlight("decode", nxt, entries, list(reqs), t0, compiled)
 
     def _resolve(self, f: InFlight) -> StepInfo:
         """Waits for step ``f``'s sampled tokens and accepts them (stop and length checks).
@@ -512,7 +512,9 @@ class Engine:
         now = time.perf_counter()
         dt = now - max(f.t0, self._last_resolve)  # overlapped: the time since the last step's tokens
         self._last_resolve = now
-        self.metrics.record_step(f.mode, dt, compiled=f.compiled, tokens=f.timed)
+        # the tokens this step adds: a request that finished after the launch drops its own
+        kept = sum(1 for r, _ in f.entries if not r.done)
+        self.metrics.record_step(f.mode, dt, compiled=f.compiled, tokens=kept)
         for r, i in f.entries:
             if r.done:
                 continue
@@ -614,14 +616,29 @@ class Engine:
         """Runs ``prompts`` to completion together; returns their requests (in order)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"generate: {len(params)} SamplingParams for {len(prompts)} prompts (give one, or one each)"
+            )
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run()
         return [self.requests[i] for i in rids]
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), prompt_len: int = 16) -> None:
-        """Compiles the extend and decode programs of the given batch sizes (placeholder
-        requests, outputs discarded), so a timed run never compiles."""
-        for bs in batch_sizes:
-            for _ in range(bs):
-                self.add_request([0] * prompt_len, SamplingParams(max_new_tokens=2))
-            self.run()
+        """Compiles the extend and decode programs of the given batch sizes, greedy and
+        sampled (placeholder requests of ``prompt_len`` tokens), so that a run of those
+        shapes compiles nothing more. Cascade plans (parallel samples) are not among them.
+        The placeholders are dropped from :attr:`requests` and the metrics keep only the
+        compilations. A placeholder the engine cannot serve (its prompt past
+        ``max_context`` or the pool) raises ``ValueError``."""
+        greedy, sampled = SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=2, temperature=0.8, seed=0)
+        for params in (greedy, sampled):
+            for bs in batch_sizes:
+                rids = [self.add_request([0] * prompt_len, params) for _ in range(bs)]
+                self.run()
+                bad = [self.requests[i].error for i in rids if self.requests[i].status == "error"]
+                for i in rids:
+                    self.requests.pop(i, None)
+                if bad:
+                    raise ValueError(f"warmup(batch_sizes={tuple(batch_sizes)}, prompt_len={prompt_len}): {bad[0]}")
+        self.metrics = EngineMetrics(compilations=self.metrics.compilations)

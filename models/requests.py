@@ -51,7 +51,9 @@ class EngineConfig:
     mesh_axis: str = "tp"
     # Cascade decode for parallel samples that share prompt pages: None = when the shared
     # pages are at least a quarter of the batch's KV reads, True = whenever they share,
-    # False = never (a plain decode over the same pages gives the same tokens).
+    # False = never (a plain decode over the same pages gives the same tokens). A cascade
+    # needs the padded batch (its bucket) to be a multiple of the group size, so with the
+    # default power-of-two buckets groups of n = 3, 5, ... samples decode plainly.
     cascade: bool | None = None
     # Overlap scheduling: each step is launched before the previous step's sampled tokens
     # are read back (the tokens it feeds are taken on the device), so the host's work for
@@ -169,7 +171,7 @@ class EngineMetrics:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # tokens prefilled: prompts, and tokens recomputed after preemption
     generated_tokens: int = 0
     decode_tokens: int = 0
     compilations: int = 0

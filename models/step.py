@@ -37,7 +37,6 @@ class InFlight:
     reqs: list
     t0: float
     compiled: bool
-    timed: int  # tokens it generates (for the metrics)
     rows: dict = dataclasses.field(init=False)
 
     def __post_init__(self):

@@ -627,6 +627,39 @@ def test_overlap_scheduling_gives_the_same_tokens(llama, num_pages):
         assert eng.metrics.preemptions > 0
 
 
+def test_overlap_metrics_count_the_tokens_kept(llama):
+    """Requests that stop on a stop token drop the row the overlapped step computed for
+    them: the throughput counters count the tokens kept, as the plain loop's do."""
+    prompts = _prompts(21, lens=(5, 7, 8, 3))  # the shapes of the warm-up: nothing compiles
+    params = [
+        SamplingParams(max_new_tokens=6, stop_token_ids=(_solo(llama, p, SamplingParams(max_new_tokens=2))[1],))
+        for p in prompts
+    ]
+    for overlap in (False, True):
+        eng = _engine(llama, overlap=overlap)
+        eng.warmup(batch_sizes=(1, 2, 4), prompt_len=8)
+        reqs = eng.generate(prompts, params)
+        m = eng.metrics
+        assert m.compile_steps == 0 and all(len(r.output_tokens) <= 2 for r in reqs)
+        assert m.timed_tokens == m.generated_tokens == sum(len(r.output_tokens) for r in reqs), overlap
+
+
+def test_warmup_compiles_greedy_and_sampled_and_leaves_no_requests(llama):
+    eng = _engine(llama)
+    eng.warmup(batch_sizes=(1,), prompt_len=8)
+    assert not eng.requests and eng.metrics.generated_tokens == 0
+    n = eng.metrics.compilations
+    eng.generate(_prompts(3, lens=(6,)), SamplingParams(max_new_tokens=3, temperature=0.7, seed=2))
+    assert eng.metrics.compilations == n
+    with pytest.raises(ValueError, match=r"warmup\(batch_sizes=\(1,\), prompt_len=60\): "):
+        eng.warmup(prompt_len=60)  # past max_context=40
+
+
+def test_generate_needs_one_params_or_one_each(llama):
+    with pytest.raises(ValueError, match=r"generate: 2 SamplingParams for 3 prompts"):
+        _engine(llama).generate(_prompts(4, lens=(3, 4, 5)), [SamplingParams(max_new_tokens=2)] * 2)
+
+
 def test_overlap_steady_state_never_recompiles(llama):
     eng = _engine(llama, overlap=True)
     eng.warmup(batch_sizes=(1, 2, 4), prompt_len=8)
