@@ -21,6 +21,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import reference
 from jattn.checks import BACKENDS as BACKENDS  # re-exported: the public backend names
@@ -550,7 +551,7 @@ def mla_decode_with_kvcache(
     if not _is_int(kv_lora_rank) or not 0 < kv_lora_rank < kv_cache.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in (0, {kv_cache.shape[2]})")
     _check_scales(softmax_scale=softmax_scale, kv_scale=kv_scale)
-    if not isinstance(is_causal, bool):
+    if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal={is_causal!r} must be a bool")
     _check_lengths(page_table, cache_seqlens, kv_cache.shape[1], kv_cache.shape[0])
     bs = page_table.shape[0]
