@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -127,6 +128,13 @@ class Engine:
 
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), backend=None):
         self.config = c = config
+        trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(trained, int) and c.max_context > trained:
+            warnings.warn(
+                f"EngineConfig.max_context={c.max_context} exceeds the model's max_position_embeddings={trained}: "
+                "positions past it are outside what the model was trained on",
+                stacklevel=2,
+            )
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
         self.model, self.backend, self.fused_projections = serving_model(model, c, backend)

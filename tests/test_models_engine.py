@@ -655,6 +655,11 @@ def test_warmup_compiles_greedy_and_sampled_and_leaves_no_requests(llama):
         eng.warmup(prompt_len=60)  # past max_context=40
 
 
+def test_context_past_the_models_positions_warns(llama):
+    with pytest.warns(UserWarning, match=r"max_context=1024 exceeds the model's max_position_embeddings=512"):
+        _engine(llama, max_context=1024)
+
+
 def test_generate_needs_one_params_or_one_each(llama):
     with pytest.raises(ValueError, match=r"generate: 2 SamplingParams for 3 prompts"):
         _engine(llama).generate(_prompts(4, lens=(3, 4, 5)), [SamplingParams(max_new_tokens=2)] * 2)
