@@ -1240,7 +1240,6 @@ def _run_mosaic_prefill(c):
 
 
 @needs_interp
-@pytest.mark.slow  # about half a minute an example interpreted: `-m slow` runs it
 @settings(SLOW, max_examples=max(2, EXAMPLES // 2))
 @given(prefill_kernel_cases())
 def test_mosaic_prefill_interpreted(c):

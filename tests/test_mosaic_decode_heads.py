@@ -37,6 +37,7 @@ class Case:
     fp8: bool = False  # FP8 e4m3 K/V with scales
     persistent: bool = False
     num_ctas: int | None = None  # CTAs of the persistent launch (None: the SM slots)
+    softmax_scale: float | None = None  # None: 1/sqrt(d)
 
 
 def _inputs(c: Case, seed: int):
@@ -70,7 +71,7 @@ def _poison(c: Case, v, table):
 def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     q, k, v, table, lens = _inputs(c, seed)
     bad = _poison(c, v, table) if c.poison >= 0 else []
-    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
+    kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True, softmax_scale=c.softmax_scale)
     if c.fp8:  # the cache holds x / scale in e4m3; both sides read the same rounded values
         kw.update(k_scale=0.37, v_scale=0.61)
         kc = jnp.asarray(k / kw["k_scale"], jnp.float8_e4m3fn)
@@ -110,7 +111,7 @@ CPU_CASES = [
     # two queries see
     Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
     # non-causal draft block, 4 queries x 4 heads, two requests
-    Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False),
+    Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False, softmax_scale=0.31),
     # FP8 e4m3 K/V with scales, causal verify over a page tail, poison
     Case(lens=(75, 0), hq=4, hkv=2, q_len=2, fp8=True, poison=0, persistent=True, num_ctas=3),
     # pages of 16: four boxes per 64-token block, the last block past the last page; a

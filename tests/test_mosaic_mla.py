@@ -260,12 +260,11 @@ def test_choose_num_splits():
     assert mm.choose_num_splits(4, 1, 1) == 1  # a block or two: no split
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_deepseek_engine_interpreted_matches_xla():
     """The serving engine on a DeepSeek model with the kernel's shapes (latent 512 + rope
     64, 16 heads, f16): the Mosaic MLA decode and prefill kernels, interpreted, give the
-    xla reference's greedy tokens. About 6 minutes here, so `slow`."""
+    xla reference's greedy tokens."""
     from flax import nnx
 
     from jattn.models.config import DeepseekConfig

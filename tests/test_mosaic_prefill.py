@@ -42,6 +42,7 @@ class Case:
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
     ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
     prefetch: bool = False  # PrefillOptions(prefetch_k=True): the next K awaited during P @ V
+    softmax_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
 
 
 _FP8_SCALES = (0.37, 1.9)  # k_scale, v_scale of the FP8 cases
@@ -94,7 +95,7 @@ def _inputs(c: Case, seed: int, dtype):
 
 
 def _opts(c: Case):
-    return dict(is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
+    return dict(is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap, softmax_scale=c.softmax_scale)
 
 
 def _kernel_opts(c: Case):
@@ -205,11 +206,16 @@ CPU_CASES = [
     # more KV blocks than ring stages (the ring wraps around), the GPU's default edge path
     Case(q_lens=(2, 40), prefix=(300, 0), page_size=32, hq=1, hkv=1, clean_edges=False),
     # FP8 KV: the producer's upcast into the f16 ring, pages smaller than a block, poison
-    Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92),
-    Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False),
+    Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, softmax_scale=0.2),
+    Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False, softmax_scale=0.11),
     Case(q_lens=(130, 5)),
     Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True),
     Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1),
+    # a NaN below every query's window (prefix key 10; windows start at 20 and later) but in
+    # the window's first block, so only the edge cleaning keeps the rows finite; the same
+    # for a non-causal window over a ragged prefill
+    Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, hq=2, hkv=1, window_left=20, poison=10),
+    Case(q_lens=(40, 3), hq=2, hkv=1, causal=False, window_left=8, poison=5),
     # the intra-warpgroup overlap: runs of 4 unmasked blocks (the ring wraps), of 1, and
     # tiles with none; non-causal with masked first and last blocks around a run of 4
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True),

@@ -37,6 +37,7 @@ class Case:
     logit_cap: float = 0.0
     num_splits: int | None = None
     poison: bool = False  # NaN in V of request 0's last token (seen only by its last query)
+    hidden_nan: tuple[int, ...] = ()  # keys of request 0 with a NaN V that the window hides from every query
     dtype: str = "float32"
     v_scale: float = 1.0  # the bridge's native path (the split partials carry no v_scale)
     sinks: bool = False  # likewise
@@ -49,6 +50,10 @@ CASES = {
         lens=(130, 5), hq=4, hkv=4, d=128, window_left=20, logit_cap=5.0, dtype="float16", sinks=True, v_scale=0.7
     ),
     "draft_block_noncausal": Case(lens=(50,), hq=2, hkv=2, q_len=4, causal=False, num_splits=3),
+    # NaN V just outside the window (keys 100 and 108; the window starts at 109): no row
+    # sees them, so none may come out non-finite (the window's edge block is cleaned)
+    "window_hides_nan": Case(lens=(130, 5), hq=4, hkv=4, window_left=20, hidden_nan=(100, 108), num_splits=2),
+    "window_hides_nan_q3": Case(lens=(130,), hq=4, hkv=2, q_len=3, window_left=20, hidden_nan=(100, 106)),
 }
 
 
@@ -73,12 +78,13 @@ def _inputs(name):
 
 
 def _poisoned(c, v, table):
-    """NaN in V of request 0's last token; the rows (of request 0) that see it."""
-    j = c.lens[0] - 1
+    """NaN in V of request 0's last token (with ``c.poison``) and of its ``c.hidden_nan``
+    keys; the rows (of request 0) that see one (only the last token's can be seen)."""
     v = v.copy()
-    v[table[0, j // c.page_size], j % c.page_size, :, 3] = np.nan
+    for j in ((c.lens[0] - 1,) if c.poison else ()) + c.hidden_nan:
+        v[table[0, j // c.page_size], j % c.page_size, :, 3] = np.nan
     sees = np.arange(c.q_len) == c.q_len - 1 if c.causal else np.ones(c.q_len, bool)
-    return v, np.flatnonzero(sees)
+    return v, np.flatnonzero(sees) if c.poison else np.zeros(0, int)
 
 
 def run_interpreted(name: str, path: str) -> None:
@@ -88,7 +94,7 @@ def run_interpreted(name: str, path: str) -> None:
     from jattn.bridge import triton_native
 
     c, q, k, v, table, lens = _inputs(name)
-    if c.poison:
+    if c.poison or c.hidden_nan:
         v, _ = _poisoned(c, v, table)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     runs = []
@@ -142,7 +148,7 @@ def _expect(name):
     kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
     want, want_lse = decode_f64(q, k, v, table, lens, **kw)  # on clean data
     bad = np.zeros(0, int)
-    if c.poison:
+    if c.poison or c.hidden_nan:
         _, bad = _poisoned(c, v, table)
     return c, want, want_lse, bad
 
@@ -180,7 +186,7 @@ def test_bridge_native_path_equals_the_jax_path(name, interpreted):
 
     res = interpreted[name]
     c, q, k, v, table, lens = _inputs(name)
-    if c.poison:
+    if c.poison or c.hidden_nan:
         v, bad = _poisoned(c, v, table)
     kw = dict(max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap)
     sk = jnp.asarray(_sinks(name)) if c.sinks else None
@@ -199,8 +205,8 @@ def test_bridge_native_path_equals_the_jax_path(name, interpreted):
     )
     want, want_lse = np.asarray(want), np.asarray(want_lse)
     out, lse = res["out"], res["lse_n"]
-    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison else [])
-    if c.poison:
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison or c.hidden_nan else [])
+    if c.poison or c.hidden_nan:
         assert not np.isfinite(out[bad]).all(axis=(1, 2)).any()
     tol = 2e-2 if c.dtype == "float16" else 2e-4
     np.testing.assert_allclose(out[rows], want[rows], atol=tol, rtol=tol)
@@ -261,7 +267,7 @@ def test_gpu_matches_reference(name, fp8):
     if not on_gpu() or not triton_glue.available():
         pytest.skip("needs a GPU with jax-triton")
     c, q, k, v, table, lens = _inputs(name)
-    if c.poison:
+    if c.poison or c.hidden_nan:
         v, bad = _poisoned(c, v, table)
     kw = dict(
         max_seqlen_q=c.q_len, is_causal=c.causal, window_left=c.window_left, logit_cap=c.logit_cap, return_lse=True
@@ -272,7 +278,7 @@ def test_gpu_matches_reference(name, fp8):
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     want, want_lse = reference.mha_decode(f32(args[0]), f32(args[1]), f32(args[2]), args[3], args[4], **kw)
     out, want = np.asarray(out, np.float32), np.asarray(want)
-    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison else [])
+    rows = np.setdiff1d(np.arange(out.shape[0]), bad if c.poison or c.hidden_nan else [])
     np.testing.assert_allclose(out[rows], want[rows], atol=4e-2, rtol=4e-2)
     np.testing.assert_allclose(np.asarray(lse)[rows], np.asarray(want_lse)[rows], atol=4e-2, rtol=4e-2)
 

@@ -66,6 +66,11 @@ CASES = {
     "prefill_noncausal_window_cap_sinks": Case(
         "prefill", (33, 5), causal=False, window_left=9, logit_cap=4.0, sinks=True, block_m=16, block_n=16
     ),
+    # a NaN V (key 5) that the non-causal window hides from every query of request 0 but
+    # that sits in a block some of them visit: the edge cleaning keeps their rows finite
+    "prefill_noncausal_window_poison_hidden": Case(
+        "prefill", (40, 3), causal=False, window_left=8, poison=5, block_m=16, block_n=16
+    ),
     "extend_permuted_pages_lens_0_1_97": Case("extend", (30, 1, 0, 40), kv_lens=(97, 1, 0, 40), hq=8, hkv=2),
     "extend_fp16_window_cap_sinks_scales_poison": Case(
         "extend",
