@@ -260,7 +260,8 @@ def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_s
     num_splits, batch, _, head_dim = o_part.shape
     m = q_len * num_q_heads
     out_shape = (batch * q_len, num_q_heads, head_dim)
-    if num_splits > 1 and use_kernel and _kernel_runs_here(head_dim):
+    # (no rows: XLA's ops give the empty outputs; the kernel has no empty launch)
+    if num_splits > 1 and use_kernel and batch * m > 0 and _kernel_runs_here(head_dim):
         o, lse = _combine_triton(
             o_part, lse_part, sinks, v_scale, m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype)
         )

@@ -41,6 +41,7 @@ class Case:
     raw_q: bool = False  # FP8: q as drawn (the kernel's e4m3 rounding of it is the error)
     e4m3_q: bool = False  # FP8: q passed in e4m3 (read as it is: no row scales); the output is bf16
     v_regs: bool = True  # FP8: V^T read into registers where it can be (MLADecodeConfig.v_regs)
+    softmax_scale: float | None = None  # None: 1/sqrt(192)
 
 
 @contextlib.contextmanager
@@ -82,7 +83,7 @@ def _poison(c: Case, kv, table):
 
 def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     q, kv, table, lens = _inputs(c, seed)
-    scale = 1.0 / np.sqrt(192.0)
+    scale = 1.0 / np.sqrt(192.0) if c.softmax_scale is None else c.softmax_scale
     kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
     kv_dtype = dtype
     if c.fp8:
@@ -118,9 +119,9 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
 # Interpreted: slow (the 576-wide tiles), so the default run keeps two cases.
 CPU_CASES = [
     # lengths 0, 1, 97 and a page tail; pages smaller than a block; two splits; poison
-    # (both kernels)
-    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3),
-    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, keys_as_rows=True),
+    # (both kernels); a softmax scale other than 1/sqrt(192)
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, softmax_scale=0.1),
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, keys_as_rows=True, softmax_scale=0.1),
     # keys as rows: causal verify, 3 queries x 8 heads (N = 32), pages of 16, a NaN only
     # the last two queries see
     Case(lens=(75, 2), heads=8, q_len=3, page_size=16, num_splits=2, poison=1, keys_as_rows=True),
@@ -131,8 +132,8 @@ CPU_CASES = [
     # two row tiles (80 rows): the last tile loads and writes only its 16 real rows
     Case(lens=(70,), heads=40, q_len=2, page_size=64),
     # FP8 latent cache: lengths 0, 1, 97 over pages of 32 and two splits with poison (the
-    # feeder's V upcast and edge clean); causal verify in one row tile
-    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True),
+    # feeder's V upcast and edge clean; a softmax scale of 0.1); causal verify in one row tile
+    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, fp8=True, softmax_scale=0.1),
     Case(lens=(66, 200), heads=16, q_len=3, page_size=64, poison=1, fp8=True),
     # an e4m3 query, read with no row scales (a traced kv_scale: the scale operand alone)
     Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True),
