@@ -23,14 +23,7 @@ than a jitted call, docs/PERF.md):
   CPU client does not alias donated DLPack-imported buffers (it copies them), so
   ``kv_writer="jax"`` is refused on the CPU.
 * **Streams**: one fence each way per call, see :mod:`jattn.bridge.streams`.
-* **Input checks** cost no device sync: every call checks its method against the
-  installed plan's mode and its token rows against the plan's new tokens (or the
-  bucket's rows, padding included). Input shapes and layer ids are checked on the
-  slow path (MHA's hot-path plans are keyed on the shapes and the layer, so a plan
-  only ever runs a checked signature), a layer's scales once (its spec is cached).
-  A caller's ``out_cache_loc`` is checked for shape and dtype on every call and for
-  its values (slots inside the pool) where that needs no sync: see
-  :attr:`_BridgeBase.check_slot_values`.
+* **Input checks** cost no device sync (:mod:`jattn.bridge.checks`).
 * **Per-layer plans**: after a first (slow-path) call has verified every alias, a
   closure per (layer, pool, call signature, plan structure) re-derives nothing.
 * **Parameters** (``sinks``): an f32 copy imported once per tensor and reused while
@@ -69,6 +62,7 @@ from jattn.backends import ForwardMode, LayerSpec, MHABackend, MLABackend
 from jattn.kv_cache import cache_dtype
 from jattn.planning import check_capture_bucket
 
+from .checks import _InputChecks
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
 from .native import NativePlans
 from .pool import layer_spec
@@ -76,26 +70,7 @@ from .state import _Bounded, _host, _LayerEntry, _Param, _PoolState, _ref, _slim
 from .streams import StreamSync
 
 
-def _check_shape(x, name: str, n: int, forms: tuple, what: str) -> None:
-    """Raises unless ``x`` is a tensor of ``n`` rows whose trailing dims are one of
-    ``forms`` (e.g. ``((64,), (4, 16))``); ``what`` names the layout, e.g.
-    ``"[tokens, tp_q_head_num * head_dim]"``. Attribute reads only."""
-    if not isinstance(x, torch.Tensor):
-        raise BridgeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[0] != n or tuple(x.shape[1:]) not in forms:
-        alts = " or ".join("[" + ", ".join(map(str, (n,) + tuple(f))) + "]" for f in forms)
-        raise BridgeError(f"{name} must be {what} = {alts}, got {tuple(x.shape)}")
-
-
-def _rows(x, name: str) -> int:
-    """The rows (first dim) of input ``x``, which must be a tensor of rank >= 1."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        what = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise BridgeError(f"{name} must be a torch.Tensor of [tokens, ...], got {what}")
-    return x.shape[0]
-
-
-class _BridgeBase:
+class _BridgeBase(_InputChecks):
     """Staging, views, jit cache, metadata and fences shared by both backends."""
 
     _jbackend: MHABackend | MLABackend
@@ -118,14 +93,6 @@ class _BridgeBase:
         "params": 256,
         "md_sigs": 256,
     }
-
-    #: Range checks of the values of a caller's ``out_cache_loc`` (the slots the torch
-    #: writer writes): ``"host"`` (default) checks a CPU tensor's values on every call
-    #: and a CUDA tensor's shape and dtype only (its values would cost a device sync
-    #: per layer call; an out-of-range slot there is torch's device-side index error);
-    #: ``"always"`` checks CUDA tensors' values too (one sync per call: debugging);
-    #: ``"never"`` checks shape and dtype only.
-    check_slot_values = "host"
 
     def __init__(self, config, *, device=None, kv_writer: str = "auto", sync: str = "auto", kernels: str = "jax"):
         if kernels not in ("jax", "triton_native"):
@@ -173,12 +140,6 @@ class _BridgeBase:
         self.forward_mode = None
         self._loc_t = None  # torch out_cache_loc of the real tokens (torch-writer path)
         self._num_real_tokens = 0
-        # what the layer calls are checked against: the installed plan's token rows (its
-        # bucket, padding included), whether it is a decode-kind plan, and how its new
-        # tokens were counted (for messages); None until a plan is installed
-        self._plan_rows = None
-        self._plan_decode = None
-        self._tokens_rule = ""
         self.cuda_graph_metadata = _Bounded(64)  # bucket -> its all-padding device plan
         self._fill_fn = None  # jitted fill_block_decode_seq_lens
         # kernels="triton_native": the installed plan as device tensors (jattn.bridge.native)
@@ -190,10 +151,7 @@ class _BridgeBase:
     def _install(self, md, num_real_tokens: int, tokens_rule: str | None = None):
         """Installs plan ``md`` of ``num_real_tokens`` new tokens (``tokens_rule``: how
         they were counted, for messages; None keeps the last)."""
-        self._plan_rows = int(np.shape(md.out_cache_loc)[0])
-        self._plan_decode = ForwardMode.parse(md.forward_mode).is_decode()
-        if tokens_rule is not None:
-            self._tokens_rule = tokens_rule
+        self._note_plan(md, tokens_rule)
         if self._native is not None:
             # host arrays: the native layer calls read the plan from NativePlans' device
             # tensors, and what still runs on JAX (MLA's prefix chunks) takes numpy as it is
@@ -344,79 +302,6 @@ class _BridgeBase:
     def get_verify_buffers_to_fill_after_draft(self) -> list:
         """Buffers to fill after the draft step: none (``[None, None]``, the core's)."""
         return self._jbackend.get_verify_buffers_to_fill_after_draft()
-
-    # ---------------------------------------------------------------- checks
-
-    def _check_mode(self, method: str, ok: bool, serves: str, other: str) -> None:
-        """Raises unless a plan is installed and ``ok`` (``method`` serves its mode)."""
-        if self._plan_decode is None:
-            raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
-        if not ok:
-            mode = ForwardMode.parse(self.forward_mode).name
-            kind = "a decode" if self._plan_decode else "an extend"
-            raise BridgeError(
-                f"{method} does not serve the installed plan's forward_mode={mode}: the installed plan is {kind} "
-                f"plan: call {other} ({method} serves {serves})"
-            )
-
-    def _check_tokens(self, name: str, n: int) -> None:
-        """Raises unless ``n`` (the rows of input ``name``) is the installed plan's new-token
-        count or its bucket's rows (padding included): other counts would silently leave
-        requests uncomputed or mix stale rows in. Two int compares (hot path)."""
-        if n != self._num_real_tokens and n != self._plan_rows:
-            real, rows = self._num_real_tokens, self._plan_rows
-            if self._tokens_rule.startswith("an all-padding"):
-                what = f"is {self._tokens_rule}: {rows} rows"
-            else:
-                what = f"has {real} new tokens ({self._tokens_rule})"
-                if rows != real:
-                    what += f"; its bucket has {rows} rows, padding included"
-            raise BridgeError(f"{name} has {n} rows; the installed plan {what}")
-
-    @staticmethod
-    def _check_layer_id(pool, i: int) -> None:
-        """Raises if the pool states its layers (``layer_num``, SGLang's ``start_layer``)
-        and ``i`` is not one of them (``layer_spec`` refuses negative ids)."""
-        num = getattr(pool, "layer_num", None)
-        if isinstance(num, int):
-            start = getattr(pool, "start_layer", 0)
-            start = start if isinstance(start, int) else 0
-            if not start <= i < start + num:
-                raise BridgeError(
-                    f"layer.layer_id={i} is out of range: the KV pool {type(pool).__name__} holds layers "
-                    f"{start} <= layer_id < {start + num}"
-                )
-
-    def _out_loc(self, loc, n: int, slots: int, default):
-        """``out_cache_loc[:n]`` (``default[:n]``, the plan's slots, when None), checked:
-        a 1-D integer tensor of at least ``n`` slots; its values in ``[0, slots)`` where
-        :attr:`check_slot_values` says (never a device sync by default)."""
-        if loc is None:
-            return default[:n]
-        if not isinstance(loc, torch.Tensor):
-            raise BridgeError(f"out_cache_loc must be a torch.Tensor of slots, got {type(loc).__name__}")
-        if loc.dim() != 1 or loc.shape[0] < n:
-            raise BridgeError(
-                f"out_cache_loc must be 1-D with a slot for each of the {n} new tokens, got shape {tuple(loc.shape)}"
-            )
-        if n and (loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool):
-            raise BridgeError(f"out_cache_loc must hold integer slots, got dtype {loc.dtype}")
-        loc = loc[:n]
-        mode = self.check_slot_values
-        if mode == "host":
-            check = loc.device.type == "cpu"
-        elif mode in ("always", "never"):
-            check = mode == "always"
-        else:
-            raise ValueError(f"check_slot_values={mode!r} must be 'host', 'always' or 'never'")
-        if check and n:
-            lo, hi = map(int, torch.aminmax(loc))  # (python ints: cheaper than tensor compares)
-            if lo < 0 or hi >= slots:
-                bad = lo if lo < 0 else hi
-                raise BridgeError(
-                    f"out_cache_loc holds slot {bad}, outside the KV pool's slots [0, {slots}) (pages * page_size)"
-                )
-        return loc
 
     # ---------------------------------------------------------------- buffers
 

@@ -16,7 +16,8 @@ import torch
 from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
-from .call import _BridgeBase, _check_shape
+from .call import _BridgeBase
+from .checks import _check_shape
 from .native import run_layer
 from .state import _Plan, _ref, _View
 

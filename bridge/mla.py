@@ -22,7 +22,8 @@ from jattn.metadata import ForwardMode, bucket
 from jattn.mla_backend import check_draft_extend_shapes
 from jattn.mla_rope import MLARope
 
-from .call import _BridgeBase, _check_shape, _rows
+from .call import _BridgeBase
+from .checks import _check_shape, _rows
 from .convert import BridgeError, to_jax
 from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host

@@ -31,6 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.checks import first_page_outside
+from jattn.plan_inputs import (
+    _as_int_array,
+    _check_i32,
+    _check_num_pages,
+    _check_unique_slots,
+    _positive_int,
+    _resolve_page_table,
+)
 
 DUMMY_PAGE = 0
 """Page reserved for padded rows' writes; ``PageAllocator`` never hands it out."""
@@ -227,62 +235,6 @@ def bucket(n: int, buckets: Sequence[int] | None = None, *, name: str = "size") 
     raise ValueError(f"{name}={n} exceeds the largest bucket {max(buckets)}")
 
 
-_I32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _positive_int(value, name: str) -> int:
-    """``value`` as an int, which must be a Python or numpy integer (not a bool) >= 1."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
-
-
-def _check_i32(a: np.ndarray, name: str, what: str) -> None:
-    """Refuses values past int32 (the device arrays' type), which would wrap silently."""
-    if a.size and int(a.max()) > _I32_MAX:
-        i = int(np.argmax(a))
-        raise ValueError(f"{name}[{i}]={int(a.flat[i])} ({what}) overflows int32")
-
-
-def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-    return a.astype(np.int64)
-
-
-def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> np.ndarray:
-    if page_table is not None:
-        if req_to_page is not None or req_pool_indices is not None:
-            raise ValueError("pass either page_table or (req_to_page, req_pool_indices), not both")
-        pt = _as_int_array(page_table, "page_table", 2)
-    else:
-        if req_to_page is None or req_pool_indices is None:
-            raise ValueError("page_table or both req_to_page and req_pool_indices are required")
-        r2p = _as_int_array(req_to_page, "req_to_page", 2)
-        idx = _as_int_array(req_pool_indices, "req_pool_indices", 1)
-        if idx.shape[0] != bs:
-            raise ValueError(f"req_pool_indices has {idx.shape[0]} entries but seq_lens has {bs}")
-        bad = (idx < 0) | (idx >= r2p.shape[0])
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page")
-        pt = r2p[idx]
-    if pt.shape[0] != bs:
-        raise ValueError(f"page_table has {pt.shape[0]} rows but seq_lens has {bs} requests")
-    return pt
-
-
-def _check_num_pages(num_pages) -> int | None:
-    if num_pages is None:
-        return None
-    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-        raise ValueError(f"num_pages={num_pages!r} must be a positive int (the pool's page count) or None")
-    return int(num_pages)
-
-
 def _check_pages(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None, lens_name="seq_lens"):
     _check_i32(seq_lens, lens_name, "a length")
     need = -(-seq_lens // page_size)
@@ -314,23 +266,6 @@ def _pad_table(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, bs_pad: int
     n = min(width, pt.shape[1])
     out[: pt.shape[0], :n] = np.where(np.arange(n)[None, :] < need[:, None], pt[:, :n], DUMMY_PAGE)
     return out
-
-
-def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
-    """Refuses a plan in which two real tokens write one KV slot (one would silently
-    overwrite the other's K/V). Pages shared read-only (a radix cache's prefix) are fine."""
-    if loc.size < 2:
-        return
-    order = np.argsort(loc, kind="stable")
-    dup = np.flatnonzero(loc[order][1:] == loc[order][:-1])
-    if dup.size:
-        i, j = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
-        slot = int(loc[i])
-        raise ValueError(
-            f"out_cache_loc: new tokens {i} and {j} would both write slot {slot} (page {slot // page_size}, "
-            f"offset {slot % page_size}); requests may share pages only read-only (their prefix), never a "
-            "page they write"
-        )
 
 
 def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.backends import MLABackend, MLAConfig
-from jattn.metadata import DecodeMetadata, ForwardMode, _check_unique_slots, _slots
+from jattn.metadata import DecodeMetadata, ForwardMode, _slots
+from jattn.plan_inputs import _check_unique_slots
 from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]

@@ -37,6 +37,7 @@ from jattn.checks import (
     _check_ndim,
     _check_options,
     _check_paged,
+    _check_prefill,
     _check_scales,
     _is_int,
 )
@@ -431,37 +432,9 @@ def mha_prefill(
       out [num_tokens, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)`` with the
       natural-log lse f32[num_tokens, num_q_heads].
     """
-    _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim_qk]")
-    _check_ndim(k, "k", 3, "[kv_tokens, num_kv_heads, head_dim_qk]")
-    _check_ndim(v, "v", 3, "[kv_tokens, num_kv_heads, head_dim_v]")
-    _check_dtype(q, "q", _Q_DTYPES)
-    _check_dtype(k, "k", _KV_DTYPES)
-    if v.dtype != k.dtype:
-        raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
-    _check_int(cu_seqlens_q, "cu_seqlens_q")
-    _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
-    if cu_seqlens_kv is not None:
-        _check_int(cu_seqlens_kv, "cu_seqlens_kv")
-        if max_seqlen_kv is None:
-            # Defaulting to max_seqlen_q would silently drop keys past it.
-            raise ValueError("max_seqlen_kv is required when cu_seqlens_kv is given")
-        if cu_seqlens_kv.shape != cu_seqlens_q.shape:
-            raise ValueError(f"cu_seqlens_kv {cu_seqlens_kv.shape} must match cu_seqlens_q {cu_seqlens_q.shape}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k {k.shape} and v {v.shape} differ in tokens/heads")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q head_dim_qk={q.shape[2]} must equal k head_dim_qk={k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_q_heads={q.shape[1]} must be divisible by num_kv_heads={k.shape[1]}")
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    if max_seqlen_kv is not None:
-        _check_max_seqlen(max_seqlen_kv, "max_seqlen_kv")
-    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q")
-    if cu_seqlens_kv is None:  # the keys' offsets are the queries'
-        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", k.shape[0], "k", max_seqlen_q, "max_seqlen_q")
-    else:
-        _check_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], "k", max_seqlen_kv, "max_seqlen_kv")
-    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal
+    )
     _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
     kw = dict(
         max_seqlen_q=max_seqlen_q,

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from typing import Sequence
 
 import jax
@@ -60,7 +59,7 @@ from jattn.models.requests import (
     _validated_prompt,
 )
 from jattn.models.sampling import SamplingParams, sample_tokens, sampling_arrays, wrap_seed
-from jattn.models.setup import new_kv_cache, serving_model
+from jattn.models.setup import check_context, new_kv_cache, serving_model
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
     InFlight,
@@ -128,13 +127,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), backend=None):
         self.config = c = config
-        trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if isinstance(trained, int) and c.max_context > trained:
-            warnings.warn(
-                f"EngineConfig.max_context={c.max_context} exceeds the model's max_position_embeddings={trained}: "
-                "positions past it are outside what the model was trained on",
-                stacklevel=2,
-            )
+        check_context(model, c)
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
         self.model, self.backend, self.fused_projections = serving_model(model, c, backend)

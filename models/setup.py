@@ -4,11 +4,25 @@ attention backend, and a fresh KV cache."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 
 from jattn.models.requests import EngineConfig
 
-__all__ = ["serving_model", "new_kv_cache"]
+__all__ = ["check_context", "serving_model", "new_kv_cache"]
+
+
+def check_context(model, c: EngineConfig) -> None:
+    """Warns when ``c.max_context`` exceeds the model's ``max_position_embeddings``:
+    positions past it are outside what the model was trained on."""
+    trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(trained, int) and c.max_context > trained:
+        warnings.warn(
+            f"EngineConfig.max_context={c.max_context} exceeds the model's max_position_embeddings={trained}: "
+            "positions past it are outside what the model was trained on",
+            stacklevel=3,
+        )
 
 
 def serving_model(model, c: EngineConfig, backend=None):
