@@ -39,6 +39,25 @@ def _rows(x, name: str) -> int:
     return x.shape[0]
 
 
+def check_slots(loc, name: str, n: int, layout: str, slots: int, where: str, *, values: bool, at_least=False):
+    """``loc[:n]``, refused unless ``loc`` (argument ``name``) is a 1-D integer tensor of ``n``
+    slots (at least ``n`` with ``at_least``; ``layout`` says so in the message) and, with
+    ``values`` (a device sync for a CUDA tensor), every one of them in ``[0, slots)``
+    (``where`` names that range in the message)."""
+    if not isinstance(loc, torch.Tensor):
+        raise BridgeError(f"{name} must be a torch.Tensor of slots, got {type(loc).__name__}")
+    if loc.dim() != 1 or (loc.shape[0] < n if at_least else loc.shape[0] != n):
+        raise BridgeError(f"{name} must be {layout}, got shape {tuple(loc.shape)}")
+    if n and (loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool):
+        raise BridgeError(f"{name} must hold integer slots, got dtype {loc.dtype}")  # (torch.tensor([]) is float)
+    loc = loc[:n]
+    if values and n:
+        lo, hi = map(int, torch.aminmax(loc))  # (python ints: cheaper than tensor compares)
+        if lo < 0 or hi >= slots:
+            raise BridgeError(f"{name} holds slot {lo if lo < 0 else hi}, outside {where}")
+    return loc
+
+
 class _InputChecks:
     """The checks that read a torch backend's installed plan (``_plan_decode``,
     ``_num_real_tokens``, ``_plan_rows``, ``_tokens_rule``, ``forward_mode``) and its
@@ -113,27 +132,10 @@ class _InputChecks:
         :attr:`check_slot_values` says (never a device sync by default)."""
         if loc is None:
             return default[:n]
-        if not isinstance(loc, torch.Tensor):
-            raise BridgeError(f"out_cache_loc must be a torch.Tensor of slots, got {type(loc).__name__}")
-        if loc.dim() != 1 or loc.shape[0] < n:
-            raise BridgeError(
-                f"out_cache_loc must be 1-D with a slot for each of the {n} new tokens, got shape {tuple(loc.shape)}"
-            )
-        if n and (loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool):
-            raise BridgeError(f"out_cache_loc must hold integer slots, got dtype {loc.dtype}")
-        loc = loc[:n]
         mode = self.check_slot_values
-        if mode == "host":
-            check = loc.device.type == "cpu"
-        elif mode in ("always", "never"):
-            check = mode == "always"
-        else:
+        if mode not in ("host", "always", "never"):
             raise ValueError(f"check_slot_values={mode!r} must be 'host', 'always' or 'never'")
-        if check and n:
-            lo, hi = map(int, torch.aminmax(loc))  # (python ints: cheaper than tensor compares)
-            if lo < 0 or hi >= slots:
-                bad = lo if lo < 0 else hi
-                raise BridgeError(
-                    f"out_cache_loc holds slot {bad}, outside the KV pool's slots [0, {slots}) (pages * page_size)"
-                )
-        return loc
+        values = mode == "always" or (mode == "host" and isinstance(loc, torch.Tensor) and loc.device.type == "cpu")
+        layout = f"1-D with a slot for each of the {n} new tokens"
+        where = f"the KV pool's slots [0, {slots}) (pages * page_size)"
+        return check_slots(loc, "out_cache_loc", n, layout, slots, where, values=values, at_least=True)

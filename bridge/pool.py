@@ -19,6 +19,7 @@ import torch
 
 from jattn.backends import LayerSpec
 
+from .checks import check_slots
 from .convert import BridgeError
 
 __all__ = ["AttentionLayer", "TorchAttentionLayer", "TorchKVPool", "TorchMLAKVPool", "layer_spec", "FP8_MAX"]
@@ -155,17 +156,10 @@ def _check_loc(loc: torch.Tensor, n: int, slots: int, x_name: str) -> None:
     """``loc``: a 1-D integer tensor of ``n`` slots (one per row of ``x_name``), its values
     in ``[0, slots)`` checked on the CPU only (a CUDA tensor's would cost a device sync;
     the torch backends check them where they can)."""
-    if not isinstance(loc, torch.Tensor):
-        raise BridgeError(f"loc must be a torch.Tensor of slots, got {type(loc).__name__}")
-    if loc.dim() != 1 or loc.shape[0] != n:
-        raise BridgeError(f"loc must be [{n}] (one slot per row of {x_name}), got shape {tuple(loc.shape)}")
-    if n and (loc.dtype.is_floating_point or loc.dtype.is_complex or loc.dtype == torch.bool):
-        raise BridgeError(f"loc must hold integer slots, got dtype {loc.dtype}")  # (torch.tensor([]) is float)
-    if loc.device.type == "cpu" and n:
-        lo, hi = map(int, torch.aminmax(loc))
-        if lo < 0 or hi >= slots:
-            bad = lo if lo < 0 else hi
-            raise BridgeError(f"loc holds slot {bad}, outside the pool's slots [0, {slots})")
+    values = isinstance(loc, torch.Tensor) and loc.device.type == "cpu"
+    check_slots(
+        loc, "loc", n, f"[{n}] (one slot per row of {x_name})", slots, f"the pool's slots [0, {slots})", values=values
+    )
 
 
 def _prepare(buf: torch.Tensor, n: int, x: torch.Tensor, scale, names: tuple) -> torch.Tensor:
