@@ -51,6 +51,10 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
         raise ValueError(f"logit_cap={logit_cap!r} must be a finite Python number >= 0 (0 disables it)")
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
+    _check_causal(is_causal)
+
+
+def _check_causal(is_causal) -> None:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal={is_causal!r} must be a bool")
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import first_page_outside
+from jattn.checks import _check_causal, first_page_outside
 from jattn.plan_inputs import (
     _as_int_array,
     _check_i32,
@@ -330,8 +330,7 @@ def plan_decode(
     """
     page_size = _positive_int(page_size, "page_size")
     q_len = _positive_int(q_len, "q_len")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal={is_causal!r} must be a bool")
+    _check_causal(is_causal)
     mode = _decode_mode(forward_mode, q_len, is_causal)
     sl = _as_int_array(seq_lens, "seq_lens", 1)
     bs = sl.shape[0]
@@ -463,8 +462,7 @@ def plan_extend(
       Other arguments as in :func:`plan_decode`.
     """
     page_size = _positive_int(page_size, "page_size")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal={is_causal!r} must be a bool")
+    _check_causal(is_causal)
     forward_mode = ForwardMode.parse(forward_mode)
     if not forward_mode.is_extend():
         raise ValueError(f"plan_extend plans extend modes, not {forward_mode}; use plan_decode")

@@ -21,7 +21,6 @@ import importlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import reference
 from jattn.checks import BACKENDS as BACKENDS  # re-exported: the public backend names
@@ -29,6 +28,7 @@ from jattn.checks import KV_DTYPES as _KV_DTYPES
 from jattn.checks import Q_DTYPES as _Q_DTYPES
 from jattn.checks import (
     _check_backend,
+    _check_causal,
     _check_cu_seqlens,
     _check_dtype,
     _check_int,
@@ -524,8 +524,7 @@ def mla_decode_with_kvcache(
     if not _is_int(kv_lora_rank) or not 0 < kv_lora_rank < kv_cache.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in (0, {kv_cache.shape[2]})")
     _check_scales(softmax_scale=softmax_scale, kv_scale=kv_scale)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal={is_causal!r} must be a bool")
+    _check_causal(is_causal)
     _check_lengths(page_table, cache_seqlens, kv_cache.shape[1], kv_cache.shape[0])
     bs = page_table.shape[0]
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
