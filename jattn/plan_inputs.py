@@ -10,10 +10,11 @@ import numpy as np
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 
-def _positive_int(value, name: str) -> int:
-    """``value`` as an int, which must be a Python or numpy integer (not a bool) >= 1."""
+def _positive_int(value, name: str, rule: str = "a positive int") -> int:
+    """``value`` as an int, which must be a Python or numpy integer (not a bool) >= 1
+    (``rule`` says so in the message)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+        raise ValueError(f"{name}={value!r} must be {rule}")
     return int(value)
 
 
@@ -58,9 +59,7 @@ def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> n
 def _check_num_pages(num_pages) -> int | None:
     if num_pages is None:
         return None
-    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-        raise ValueError(f"num_pages={num_pages!r} must be a positive int (the pool's page count) or None")
-    return int(num_pages)
+    return _positive_int(num_pages, "num_pages", "a positive int (the pool's page count) or None")
 
 
 def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
