@@ -185,6 +185,9 @@ class Engine:
             return rid
         n = len(req.prompt)
         usable = self.allocator.num_pages - 1
+        # Tokens the cache must hold before the request can make progress: the prompt, and
+        # the first generated token unless it is the last (the last one is never fed back).
+        first = n + (req.params.max_new_tokens > 1)
         if n == 0:
             self._fail(req, "empty prompt: at least one token is needed")
         elif n >= self.config.max_context:
@@ -193,12 +196,9 @@ class Engine:
                 f"prompt of {n} tokens does not fit the context of "
                 f"{self.config.max_context} tokens (prompt + at least one generated token)",
             )
-        elif self._pages_for(n + 1) > usable:
-            self._fail(
-                req,
-                f"page pool exhausted: the prompt and its first generated token need "
-                f"{self._pages_for(n + 1)} pages, the pool has {usable}",
-            )
+        elif self._pages_for(first) > usable:
+            what = "the prompt and its first generated token need" if first > n else "the prompt needs"
+            self._fail(req, f"page pool exhausted: {what} {self._pages_for(first)} pages, the pool has {usable}")
         else:
             self.waiting.append(req)
             if req.params.n > 1:

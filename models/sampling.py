@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingParams", "sample_tokens", "wrap_seed"]
+__all__ = ["MAX_SAMPLES", "SamplingParams", "sample_tokens", "wrap_seed"]
 
 _INT32 = 2**31
+MAX_SAMPLES = 1024  # the largest SamplingParams.n: each sample is a request of its own
 
 
 def _is_int(x) -> bool:
@@ -32,8 +33,8 @@ class SamplingParams:
     with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
     taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
     token is kept in the output); a single int is one stop token, None none. ``n``:
-    parallel samples of the prompt (sample ``i`` is seeded ``seed + i``); the engine
-    prefills the prompt once and the samples share its pages.
+    parallel samples of the prompt, at most :data:`MAX_SAMPLES` (sample ``i`` is seeded
+    ``seed + i``); the engine prefills the prompt once and the samples share its pages.
     """
 
     max_new_tokens: int = 32
@@ -72,8 +73,8 @@ class SamplingParams:
         if bad:
             raise TypeError(f"stop_token_ids must hold integers, got {bad[0]!r}")
         k = self.n
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"n={k!r} must be an integer >= 1 (parallel samples)")
+        if not _is_int(k) or not 1 <= k <= MAX_SAMPLES:
+            raise ValueError(f"n={k!r} must be an integer in [1, {MAX_SAMPLES}] (parallel samples)")
         return SamplingParams(int(n), float(t), float(p), wrap_seed(s), tuple(int(x) for x in stop), int(k))
 
 

@@ -133,6 +133,24 @@ def test_twenty_requests_on_sixteen_pages(llama):
     assert eng.metrics.preemptions > 0
 
 
+def test_prompt_filling_the_pool_with_one_new_token(llama):
+    """The last generated token is never fed back: with ``max_new_tokens=1`` a prompt of
+    exactly the pool's 3 usable pages (12 tokens) is served, with 2 it needs a fourth."""
+    prompt = _prompts(13, lens=(12,))[0]
+    eng = _engine(llama, num_pages=4)
+    one = eng.add_request(prompt, SamplingParams(max_new_tokens=1))
+    two = eng.add_request(prompt, SamplingParams(max_new_tokens=2))
+    _drain(eng)
+    assert eng.requests[one].status == "finished", eng.requests[one].error
+    assert eng.requests[one].output_tokens == _solo(llama, prompt, SamplingParams(max_new_tokens=1))
+    assert eng.requests[two].error == (
+        "page pool exhausted: the prompt and its first generated token need 4 pages, the pool has 3"
+    )
+    big = eng.add_request(prompt + [1], SamplingParams(max_new_tokens=1))
+    assert eng.requests[big].error == "page pool exhausted: the prompt needs 4 pages, the pool has 3"
+    assert eng.allocator.num_free == 3
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_request_that_cannot_grow_alone_fails_cleanly(llama, overlap):
     # 3 usable pages = 12 tokens; the prompt fits, 20 new tokens do not. With overlap
@@ -508,7 +526,11 @@ def test_parallel_samples_under_preemption_and_greedy(llama):
         assert [r.output_tokens for r in eng.samples(rid)] == [want] * 4
     assert eng.allocator.num_free == 13
     bad = eng.add_request([1, 2], SamplingParams(n=0))
-    assert "n=0 must be an integer >= 1" in eng.requests[bad].error
+    assert "n=0 must be an integer in [1, 1024]" in eng.requests[bad].error
+    before = len(eng.requests)
+    bad = eng.add_request([1, 2], SamplingParams(n=10**9))  # refused before any sample is queued
+    assert "n=1000000000 must be an integer in [1, 1024]" in eng.requests[bad].error
+    assert len(eng.requests) == before + 1 and not eng.has_work()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mla"])
