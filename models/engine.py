@@ -20,8 +20,8 @@ preemption when the page pool runs out) is described on :class:`Engine`. A bad r
 finishes with ``status="error"`` and a message; the others go on. With
 ``EngineConfig(overlap=True)`` each step is launched before the previous one's tokens are
 read back, so the host's planning overlaps the device's work (same tokens); it is the
-default (``overlap=False`` reads each step back before planning the next). On a GPU the
-engine fuses the model's q/k/v and gate/up projections in place
+default (``overlap=False`` reads each step back first; so does a step short of pages).
+On a GPU the engine fuses the model's q/k/v and gate/up projections in place
 (``EngineConfig.fuse_projections``; same outputs up to rounding).
 
 Example::
@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from jattn.metadata import plan_decode, plan_extend
-from jattn.models.pages import PagePool, cascade_grouping, check_invariants, place
+from jattn.models.pages import PagePool, cascade_grouping, check_invariants, page_table, place, short_of_pages
 from jattn.models.requests import (
     REQUEST_STATES,
     EngineConfig,
@@ -378,6 +378,11 @@ class Engine:
                 preempted.append(victim.rid)
         return preempted
 
+    def _short_of_pages(self) -> bool:
+        """Whether some device's pool lacks the pages its decode rows need now."""
+        rows = [r for r in self.running if not self._sits_out(r)]
+        return short_of_pages(self.pools, rows, self.page_size)
+
     def _fail_exhausted(self, r: Request):
         need = self._pages_for(r.seq_len + 1)
         self._fail(
@@ -385,12 +390,6 @@ class Engine:
             f"page pool exhausted: {r.seq_len + 1} tokens need {need} pages, the pool has "
             f"{self.pools[r.device].num_pages - 1} (while decoding token {len(r.output_tokens) + 1})",
         )
-
-    def _page_table(self, reqs: list[Request]) -> np.ndarray:
-        pt = np.zeros((len(reqs), self.max_pages), np.int32)
-        for i, r in enumerate(reqs):
-            pt[i, : len(r.pages)] = r.pages
-        return pt
 
     def _by_device(self, items, req=lambda x: x):
         """``items`` split into one list per device (order kept)."""
@@ -425,7 +424,7 @@ class Engine:
                 np.array([r.seq_len + n for r, n in items], np.int64),
                 ext,
                 page_size=self.page_size,
-                page_table=self._page_table([r for r, _ in items]),
+                page_table=page_table([r for r, _ in items], self.max_pages),
                 batch_buckets=batch_buckets,
                 token_buckets=token_buckets,
                 max_pages=self.max_pages,
@@ -473,7 +472,7 @@ class Engine:
             return plan_decode(
                 np.array([r.seq_len + 1 for r in rows], np.int64),
                 page_size=self.page_size,
-                page_table=self._page_table(rows),
+                page_table=page_table(rows, self.max_pages),
                 batch_buckets=batch_buckets,
                 max_pages=self.max_pages,
                 num_pages=self.config.num_pages,
@@ -574,16 +573,21 @@ class Engine:
         self.step_count += 1
         self.metrics.steps += 1
         live = [r for r in self.requests.values() if not r.done]
-        prev = self._inflight
+        prev, prev_info = self._inflight, None
+        if prev is not None and self._short_of_pages():
+            # Overlap with a pool too small for every decode row: read the step in flight
+            # back first (this step runs as the plain loop's would), so that requests it
+            # ends free their pages before any request is preempted or admission waits.
+            prev_info, prev = self._resolve(prev), None
         batch = self._schedule_extend() if (self.waiting or self.prefilling) else []
-        preempted: list = []
+        preempted, reqs = [], []
         if batch:
             mode, reqs = "extend", [r for r, _ in batch]
         elif self.running:
             preempted = self._grow_for_decode()
             mode, reqs = "decode", [r for r in self.running if not self._sits_out(r)]
-        else:
-            mode, reqs = "idle", []
+        if not reqs:
+            mode = "idle"
         launched = failed = None
         if reqs:
             try:
@@ -591,7 +595,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
                 failed = self._step_failed(mode, reqs, e)
         # Read back the previous step (overlap: launched by the last call).
-        prev_info = self._resolve(prev) if prev is not None else None
+        if prev is not None:
+            prev_info = self._resolve(prev)
         if launched is not None:
             self._inflight = launched
             if self.config.overlap:

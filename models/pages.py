@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from jattn.kv_cache import PageAllocator
 from jattn.metadata import bucket
 from jattn.models.requests import REQUEST_STATES
 
-__all__ = ["PagePool", "cascade_grouping", "check_invariants", "place"]
+__all__ = ["PagePool", "cascade_grouping", "check_invariants", "page_table", "place", "short_of_pages"]
 
 
 class PagePool:
@@ -75,6 +77,23 @@ def place(pools: Sequence[PagePool], held: Sequence[int], room: Sequence[bool]) 
         if ok and (best is None or (pool.num_free, -held[d]) > (pools[best].num_free, -held[best])):
             best = d
     return best
+
+
+def page_table(reqs, max_pages: int) -> np.ndarray:
+    """i32[len(reqs), max_pages]: each request's pages, zero-padded."""
+    pt = np.zeros((len(reqs), max_pages), np.int32)
+    for i, r in enumerate(reqs):
+        pt[i, : len(r.pages)] = r.pages
+    return pt
+
+
+def short_of_pages(pools: Sequence[PagePool], rows, page_size: int) -> bool:
+    """Whether some pool lacks the pages that decode ``rows`` (requests on the devices of
+    ``pools``) need to feed one more token each."""
+    need = [0] * len(pools)
+    for r in rows:
+        need[r.device] += max(-(-(r.seq_len + 1) // page_size) - len(r.pages), 0)
+    return any(n > pool.num_free for n, pool in zip(need, pools))
 
 
 def cascade_grouping(reqs, page_size: int, batch_buckets, *, always: bool | None = None):
