@@ -58,6 +58,22 @@ def check_slots(loc, name: str, n: int, layout: str, slots: int, where: str, *, 
     return loc
 
 
+def check_layer_id(pool, i: int, name: str = "layer_id") -> int:
+    """``i`` checked against the layers the KV pool states it holds (``layer_num`` from
+    ``start_layer``, SGLang's pipeline stages; 0 when absent); a pool that states no
+    ``layer_num`` is not checked. Negative ids are refused (they would index from the end)."""
+    num = getattr(pool, "layer_num", None)
+    if isinstance(num, int):
+        start = getattr(pool, "start_layer", 0)
+        start = start if isinstance(start, int) else 0
+        if not start <= i < start + num:
+            raise BridgeError(
+                f"{name}={i} is out of range: the KV pool {type(pool).__name__} holds layers "
+                f"{start} <= layer_id < {start + num}"
+            )
+    return i
+
+
 class _InputChecks:
     """The checks that read a torch backend's installed plan (``_plan_decode``,
     ``_num_real_tokens``, ``_plan_rows``, ``_tokens_rule``, ``forward_mode``) and its
@@ -111,20 +127,6 @@ class _InputChecks:
                 if rows != real:
                     what += f"; its bucket has {rows} rows, padding included"
             raise BridgeError(f"{name} has {n} rows; the installed plan {what}")
-
-    @staticmethod
-    def _check_layer_id(pool, i: int) -> None:
-        """Raises if the pool states its layers (``layer_num``, SGLang's ``start_layer``)
-        and ``i`` is not one of them (``layer_spec`` refuses negative ids)."""
-        num = getattr(pool, "layer_num", None)
-        if isinstance(num, int):
-            start = getattr(pool, "start_layer", 0)
-            start = start if isinstance(start, int) else 0
-            if not start <= i < start + num:
-                raise BridgeError(
-                    f"layer.layer_id={i} is out of range: the KV pool {type(pool).__name__} holds layers "
-                    f"{start} <= layer_id < {start + num}"
-                )
 
     def _out_loc(self, loc, n: int, slots: int, default):
         """``out_cache_loc[:n]`` (``default[:n]``, the plan's slots, when None), checked:

@@ -17,7 +17,7 @@ from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
 from .call import _BridgeBase
-from .checks import _check_shape
+from .checks import _check_shape, check_layer_id
 from .native import run_layer
 from .state import _Plan, _ref, _View
 
@@ -68,7 +68,7 @@ class TorchMHABackend(_BridgeBase):
     def _pool_views(self, pool, st, spec: LayerSpec) -> list[_View]:
         """The K and V views of the layer's pool buffers (checked when first seen)."""
         i, hkv = spec.layer_id, spec.num_kv_heads
-        self._check_layer_id(pool, i)
+        check_layer_id(pool, i, "layer.layer_id")
         kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
         for b in (kb, vb):
             if b.dtype != self.kv_cache_dtype:
@@ -109,7 +109,7 @@ class TorchMHABackend(_BridgeBase):
         if self._native is not None:
             spec = self._spec(layer)
             self._check_inputs(q, k, v, spec)
-            self._check_layer_id(pool, spec.layer_id)
+            check_layer_id(pool, spec.layer_id, "layer.layer_id")
             kb, vb = pool.get_key_buffer(spec.layer_id), pool.get_value_buffer(spec.layer_id)
             if kb.dtype != self.kv_cache_dtype or vb.dtype != self.kv_cache_dtype:
                 raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")

@@ -23,7 +23,7 @@ from jattn.mla_backend import check_draft_extend_shapes
 from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
-from .checks import _check_shape, _rows
+from .checks import _check_shape, _rows, check_layer_id
 from .convert import BridgeError, to_jax
 from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host
@@ -95,7 +95,7 @@ class TorchMLABackend(_BridgeBase):
         pool = self._pool(kwargs)
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
         n = q.shape[0]
-        self._check_layer_id(pool, spec.layer_id)
+        check_layer_id(pool, spec.layer_id, "layer.layer_id")
         buf = pool.get_key_buffer(spec.layer_id)
         if buf.dtype != self.kv_cache_dtype:
             raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
@@ -132,7 +132,7 @@ class TorchMLABackend(_BridgeBase):
     def _pool_view(self, pool, i: int):
         """The view of layer ``i``'s latent buffer (checked when first seen: width
         ``kv_lora_rank + qk_rope_head_dim``, pages)."""
-        self._check_layer_id(pool, i)
+        check_layer_id(pool, i, "layer.layer_id")
         buf = pool.get_key_buffer(i)
         if buf.dtype != self.kv_cache_dtype:
             raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")

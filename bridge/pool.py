@@ -19,7 +19,7 @@ import torch
 
 from jattn.backends import LayerSpec
 
-from .checks import check_slots
+from .checks import check_layer_id, check_slots
 from .convert import BridgeError
 
 __all__ = ["AttentionLayer", "TorchAttentionLayer", "TorchKVPool", "TorchMLAKVPool", "layer_spec", "FP8_MAX"]
@@ -191,16 +191,6 @@ def _commit(buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
     buf.index_copy_(0, loc.to(device=buf.device, dtype=torch.long), x)
 
 
-def _layer_index(pool, layer_id) -> int:
-    """``layer_id`` checked against the pool's ``layer_num`` layers (negative ids would
-    silently index from the end)."""
-    if not 0 <= layer_id < pool.layer_num:
-        raise BridgeError(
-            f"layer_id={layer_id} is out of range: {type(pool).__name__} holds layers 0 <= layer_id < {pool.layer_num}"
-        )
-    return layer_id
-
-
 class TorchKVPool:
     """MHA/GQA KV pool as tokenspeed keeps it: per layer K and V ``[num_slots, num_kv_heads, head_dim]``.
 
@@ -234,13 +224,13 @@ class TorchKVPool:
         self.v_buffer = [mk(dv) for _ in range(num_layers)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[_layer_index(self, layer_id)]
+        return self.k_buffer[check_layer_id(self, layer_id)]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[_layer_index(self, layer_id)]
+        return self.v_buffer[check_layer_id(self, layer_id)]
 
     def get_kv_buffer(self, layer_id: int):
-        i = _layer_index(self, layer_id)
+        i = check_layer_id(self, layer_id)
         return self.k_buffer[i], self.v_buffer[i]
 
     def set_kv_buffer(
@@ -248,7 +238,7 @@ class TorchKVPool:
     ) -> None:
         """Writes new tokens' K/V at slots ``loc`` (FP8 pools quantise with the scales:
         None, or finite positive numbers or one-element tensors)."""
-        i = _layer_index(self, layer.layer_id)
+        i = check_layer_id(self, layer.layer_id)
         kb, vb, n = self.k_buffer[i], self.v_buffer[i], cache_k.shape[0]
         _check_loc(loc, n, kb.shape[0], "cache_k")
         k = _prepare(kb, n, cache_k, k_scale, ("cache_k", "k_scale"))
@@ -284,10 +274,10 @@ class TorchMLAKVPool:
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[_layer_index(self, layer_id)]
+        return self.kv_buffer[check_layer_id(self, layer_id)]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[_layer_index(self, layer_id)][..., : self.kv_lora_rank]
+        return self.kv_buffer[check_layer_id(self, layer_id)][..., : self.kv_lora_rank]
 
     def get_kv_buffer(self, layer_id: int):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -296,7 +286,7 @@ class TorchMLAKVPool:
         self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor
     ) -> None:
         """Writes latent rows ``[c_kv, k_pe]`` at slots ``loc`` (FP8: ``layer.k_scale``)."""
-        i = _layer_index(self, layer.layer_id)
+        i = check_layer_id(self, layer.layer_id)
         t = cache_k_nope.shape[0] if cache_k_nope.dim() else 0
         R, r = self.kv_lora_rank, self.qk_rope_head_dim
         for x, name, w in ((cache_k_nope, "cache_k_nope", R), (cache_k_rope, "cache_k_rope", r)):

@@ -1511,14 +1511,14 @@ def test_layer_id_out_of_the_pool_is_refused():
     assert be.forward_decode(q, None, None, AttentionLayer(5, 4, 2, 32), None, EnginePool(), 2).shape == (2, 128)
     for call in (lambda: pool.get_key_buffer(-1), lambda: pool.get_value_buffer(2), lambda: pool.get_kv_buffer(-2)):
         with pytest.raises(
-            BridgeError, match=r"layer_id=-?\d is out of range: TorchKVPool holds layers 0 <= layer_id < 2"
+            BridgeError, match=r"layer_id=-?\d is out of range: the KV pool TorchKVPool holds layers 0 <= layer_id < 2"
         ):
             call()
     mla, mpool, mlayer, H, R, r = _tiny_mla()
     qm = torch.randn(2, H * (R + r)).to(DEV)
     with pytest.raises(BridgeError, match=r"layer.layer_id=3 is out of range: the KV pool TorchMLAKVPool"):
         mla.forward_decode(qm, None, None, AttentionLayer(3, H, 1, R + r, v_head_dim=R), token_to_kv_pool=mpool)
-    with pytest.raises(BridgeError, match=r"layer_id=-1 is out of range: TorchMLAKVPool"):
+    with pytest.raises(BridgeError, match=r"layer_id=-1 is out of range: the KV pool TorchMLAKVPool"):
         mpool.get_key_buffer(-1)
 
 
