@@ -102,6 +102,9 @@ class KernelOptions:
       several (split, request, KV head) items (``mha_decode_heads(persistent=...)``); off
       (the default: the hardware's own CTA scheduling balanced better on the H200,
       docs/PERF.md), one CTA per item.
+    heads_row_tile: the per-KV-head kernel takes a KV head's query rows in tiles of this
+      many (16 or 32), one item per tile beside its split's other tiles
+      (``mha_decode_heads(row_tile=...)``); 0 (the default), all rows in one item.
     """
 
     overlap_qk: bool = True
@@ -109,6 +112,7 @@ class KernelOptions:
     fp8_converter: bool = True
     heads_kernel: bool = True
     heads_persistent: bool = False
+    heads_row_tile: int = 0
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

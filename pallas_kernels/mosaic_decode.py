@@ -168,6 +168,7 @@ def mha_decode(
                 is_causal=is_causal,
                 return_lse=return_lse,
                 persistent=options.heads_persistent,
+                row_tile=options.heads_row_tile,
             )
     # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
     # A Python k_scale is folded into a constant score scale (no kernel computes it).

@@ -38,7 +38,9 @@ Launch. A CTA walks the items ``cta, cta + ctas, ...`` (an item: one split of on
 KV head, splits fastest), keeping one ring and its barrier phases across them, loading the
 next item's Q as soon as the current item's last ``S^T`` has read Q, and reusing the
 staging tiles once the last item's stores have read them. By default ``ctas`` is the item
-count (one item per CTA); ``persistent=True`` launches one CTA per SM slot.
+count (one item per CTA); ``persistent=True`` launches one CTA per SM slot. With
+``row_tile`` a KV head's query rows go in tiles of 16 or 32, each tile an item of its own,
+the tiles of one split adjacent in the item order (they read the same K/V blocks).
 
 MLA (``HeadsConfig.latent``; entry point ``mosaic_mla_heads.mla_decode``): the latent
 cache ``[pages, page_size, W]`` is one KV head of width ``W`` (576) whose first ``latent``
@@ -116,6 +118,12 @@ class HeadsConfig:
     fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
     interpret: bool
     latent: int = 0  # MLA: one latent KV head, V its first `latent` columns (0: MHA, V its own pool)
+    row_tile: int = 0  # query rows per item (16 or 32, fewer than the rows); 0: all rows in one item
+
+    @property
+    def tiles(self) -> int:
+        """Row tiles of a KV head's query rows: items that read the same K/V blocks."""
+        return row_tiles(self.rows, self.row_tile)
 
     @property
     def v_dim(self) -> int:
@@ -129,8 +137,8 @@ class HeadsConfig:
 
     @property
     def items(self) -> int:
-        """Work items, one per (split, request, KV head)."""
-        return self.num_splits * self.batch * self.kv_heads
+        """Work items, one per (split, request, KV head, row tile)."""
+        return self.num_splits * self.batch * self.kv_heads * self.tiles
 
     @property
     def piece_rows(self) -> int:
@@ -139,8 +147,9 @@ class HeadsConfig:
 
     @property
     def n(self) -> int:
-        """The MMA's N: the rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a swizzle)."""
-        return max(16, 1 << (self.rows - 1).bit_length())
+        """The MMA's N: an item's rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a
+        swizzle): the row tile, or all rows."""
+        return self.row_tile or max(16, 1 << (self.rows - 1).bit_length())
 
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
@@ -193,11 +202,18 @@ def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None,
     return None
 
 
-def choose_num_splits(batch: int, kv_heads: int, width_tokens: int) -> int:
+def row_tiles(rows: int, row_tile: int) -> int:
+    """Items per (split, request, KV head) for ``rows`` query rows in tiles of ``row_tile``
+    (one where ``row_tile`` is 0 or covers the rows)."""
+    return -(-rows // row_tile) if 0 < row_tile < rows else 1
+
+
+def choose_num_splits(batch: int, kv_heads: int, width_tokens: int, tiles: int = 1) -> int:
     """Splits that give about two CTAs per SM (one wave where two fit an SM, two waves where
-    one does), at most one per block of a page table ``width_tokens`` wide (columns * page size)."""
+    one does), at most one per block of a page table ``width_tokens`` wide (columns * page
+    size); ``tiles`` row tiles per KV head."""
     max_blocks = -(-width_tokens // BLOCK)
-    programs = max(1, batch * kv_heads)
+    programs = max(1, batch * kv_heads * tiles)
     return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
 
 
@@ -225,11 +241,15 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
     my_items = lax.div(cfg.items - cta + P - 1, jnp.int32(P))
 
     def item_of(k):
-        """The ``k``-th item of this CTA: ``(split, request, KV head)``, splits fastest."""
+        """The ``k``-th item of this CTA: ``(split, request, KV head, row tile)``, row tiles
+        fastest (the tiles of one split run side by side and share its K/V reads in L2),
+        then splits."""
         item = cta + k * P
+        tile = lax.rem(item, jnp.int32(cfg.tiles))
+        item = lax.div(item, jnp.int32(cfg.tiles))
         split = lax.rem(item, jnp.int32(cfg.num_splits))
         rest = lax.div(item, jnp.int32(cfg.num_splits))
-        return split, lax.rem(rest, jnp.int32(cfg.batch)), lax.div(rest, jnp.int32(cfg.batch))
+        return split, lax.rem(rest, jnp.int32(cfg.batch)), lax.div(rest, jnp.int32(cfg.batch)), tile
 
     def blocks_of(split, b):
         return split_blocks(lens_ref[b], BLOCK, cfg.num_splits, split)
@@ -242,7 +262,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
         def item_loads(k, n):
             """Item ``k``'s K/V blocks into the ring; ``n`` blocks went before it."""
-            split, b, h = item_of(k)
+            split, b, h, _ = item_of(k)
             lo, count = blocks_of(split, b)
             cols = pl.ds(h * D, D)
 
@@ -277,21 +297,21 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         xscale = cfg.scale * _LOG2E
 
         def load_q(k):
-            _, b, h = item_of(k)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, q_bar.at[0])
+            _, b, h, t = item_of(k)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(t * N, N)], q_s, q_bar.at[0])
 
         load_q(0)  # every CTA has at least one item
 
         def item_body(k, n):
             """Item ``k``: its blocks ``n ..`` of the ring, then ``O^T`` and the LSE out."""
-            split, b, h = item_of(k)
+            split, b, h, t = item_of(k)
             seq_len = lens_ref[b]
             lo, count = blocks_of(split, b)
             # the first key some query does not see (a later draft token of a causal block)
             first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
             plgpu.barrier_wait(q_bar.at[0])
 
-            cols = tile_iota((BLOCK, N), 1, interpret=interp)
+            cols = tile_iota((BLOCK, N), 1, interpret=interp) + t * N  # the KV head's query rows
             # the last key each column sees (padding columns: the request's last key)
             q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
             limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
@@ -419,8 +439,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last half has been read
                 o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, pl.ds(half * 64, 64)])
-            plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h])  # committed with the first half
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, b, h, t, pl.ds(half * 64, 64)])
+            plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h, t])  # committed with the first half
             return n + count
 
         lax.fori_loop(0, my_items, item_body, jnp.int32(0))
@@ -438,8 +458,8 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     ring_k, ring_v = (swizzle_transforms(kv_dt, D),) * 2 if cfg.fp8 else (tr, tr_pv)
     upcast = [plgpu.SMEM((BLOCK, D), dtype, transforms=tr), plgpu.SMEM((BLOCK, D), dtype, transforms=tr_pv)]
     out_type = (
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.v_dim, N), jnp.float32),
-        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, N), jnp.float32),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.tiles, cfg.v_dim, N), jnp.float32),
+        jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.tiles, N), jnp.float32),
     )
 
     def entry(*refs):
@@ -467,7 +487,7 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
-        f"{'_causal' if cfg.is_causal else ''}",
+        f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}",
     )
     return kernel(page_table, lens, q_arr, k2d, v2d)
 
@@ -476,16 +496,17 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret",
+        "latent", "interpret", "row_tile",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
-            is_causal, return_lse, num_splits, num_ctas, latent, interpret):  # fmt: skip
+            is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
     value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
-    read); 0 for MHA."""
+    read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
+    not split the rows)."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -505,13 +526,14 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
         interpret=interpret,
         latent=latent,
+        row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
-    n, g = cfg.n, cfg.group
-    # q [bs * q_len, hq, d] -> [bs, hkv, N, d], row i * g + j of KV head h: query i, head h * g + j
+    n, g, tiles = cfg.n, cfg.group, cfg.tiles
+    # q [bs * q_len, hq, d] -> [bs, hkv, tiles * N, d], row i * g + j of KV head h: query i, head h * g + j
     q5 = q.reshape(bs, max_seqlen_q, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, cfg.rows, d)
-    q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, n - cfg.rows), (0, 0)))
+    q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, tiles * n - cfg.rows), (0, 0)))
     k2d = k_cache.reshape(num_pages * ps, hkv * d)
     v2d = k2d if latent else v_cache.reshape(num_pages * ps, hkv * d)
     # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
@@ -519,8 +541,10 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     o_t, lse = _run(
         cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr.astype(cdtype), k2d, v2d
     )
-    # [S, bs, hkv, dv, N] -> [S, bs, q_len * hq, dv] in combine's row order (i * hq + h * g + j)
+    # [S, bs, hkv, tiles, dv, N] -> [S, bs, q_len * hq, dv] in combine's row order (i * hq + h * g + j)
     s = num_splits
+    o_t = o_t.transpose(0, 1, 2, 4, 3, 5).reshape(s, bs, hkv, dv, tiles * n)
+    lse = lse.reshape(s, bs, hkv, tiles * n)
     o = o_t[..., : cfg.rows].reshape(s, bs, hkv, dv, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
     o = o.reshape(s, bs, max_seqlen_q * hq, dv)
     lse = lse[..., : cfg.rows].reshape(s, bs, hkv, max_seqlen_q, g).transpose(0, 1, 3, 2, 4)
@@ -554,6 +578,7 @@ def mha_decode_heads(
     num_splits: int | None = None,
     persistent: bool = False,
     num_ctas: int | None = None,
+    row_tile: int = 0,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -565,16 +590,25 @@ def mha_decode_heads(
     several (split, request, KV head) items in a fixed round-robin order, so one item's
     epilogue and the next item's Q load overlap the K/V stream the producer has already
     started for it; off (the default), one CTA per item, placed by the hardware as SM
-    slots free up. ``num_ctas`` sets the CTA count of the persistent launch (tests)."""
+    slots free up. ``num_ctas`` sets the CTA count of the persistent launch (tests).
+
+    ``row_tile`` (16 or 32; 0, the default, for none): a KV head's query rows go in tiles
+    of that many, each tile an item of its own (a narrower MMA and softmax tile per
+    chain) beside the other tiles of its split, which read the same K/V blocks at about
+    the same time (the second read from L2). It applies where the rows are more than
+    ``row_tile``."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
     if reason:
         raise ValueError(f"mha_decode_heads: {reason}")
+    if row_tile not in (0, 16, 32):
+        raise ValueError(f"mha_decode_heads: row_tile={row_tile!r} must be 0 (no tiles), 16 or 32")
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:
-        num_splits = choose_num_splits(bs, hkv, max_pages * ps)
+        tiles = row_tiles(max_seqlen_q * (q.shape[1] // hkv), row_tile)
+        num_splits = choose_num_splits(bs, hkv, max_pages * ps, tiles)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     return decode(
         q,
@@ -592,4 +626,5 @@ def mha_decode_heads(
         num_ctas=(None if num_ctas is None else int(num_ctas)) if persistent else -1,
         latent=0,
         interpret=interpreting(),
+        row_tile=int(row_tile),
     )

@@ -38,6 +38,7 @@ class Case:
     persistent: bool = False
     num_ctas: int | None = None  # CTAs of the persistent launch (None: the SM slots)
     softmax_scale: float | None = None  # None: 1/sqrt(d)
+    row_tile: int = 0  # query rows per item (mha_decode_heads(row_tile=...))
 
 
 def _inputs(c: Case, seed: int):
@@ -85,7 +86,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
         want_o, want_lse = reference.mha_decode(r(q), r(k), r(v), table, lens, **kw)
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
-    kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas)
+    kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas, row_tile=c.row_tile)
     o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -122,6 +123,12 @@ CPU_CASES = [
     Case(lens=(70, 1), hq=4, hkv=1, page_size=32, fp8=True),
     # d128, 8 causal queries x 4 heads (N = 32): the two-slot ring of two CTAs per SM
     Case(lens=(150,), hq=8, hkv=2, d=128, q_len=8, poison=2, num_splits=3, persistent=True, num_ctas=4),
+    # the same rows in two 16-row tiles (each tile an item; the NaN is seen by queries of
+    # the second tile only), two requests, two splits
+    Case(lens=(150, 7), hq=8, hkv=2, q_len=8, poison=2, num_splits=2, row_tile=16),
+    # 3 queries x 8 heads = 24 rows in tiles of 16 (the second half padding), FP8, on
+    # 3 persistent CTAs; a NaN every query sees
+    Case(lens=(97, 0), hq=16, hkv=2, q_len=3, fp8=True, poison=5, row_tile=16, persistent=True, num_ctas=3),
 ]
 
 
@@ -130,7 +137,7 @@ CPU_CASES = [
 def test_interpreted(c):
     with gpu_interpret():
         # a second run of a plain and of a persistent launch (5 CTAs) checks determinism
-        _check(c, jnp.float16, deterministic=c in (CPU_CASES[0], CPU_CASES[2]))
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[0], CPU_CASES[2], CPU_CASES[7]))
 
 
 def _spy(monkeypatch):
@@ -195,6 +202,9 @@ GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, persistent=True, num_ctas=7, poison=0),
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, persistent=True),
     Case(lens=(1500, 3, 64), hq=32, hkv=8, d=128, q_len=4, fp8=True, persistent=True, num_ctas=5),
+    # 8-token verify in 16-row tiles (two items per split and KV head)
+    Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=8, poison=2, row_tile=16),
+    Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, page_size=16, q_len=8, causal=False, row_tile=16),
 ]
 
 
@@ -232,7 +242,8 @@ LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
 @pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
+@pytest.mark.parametrize("row_tile", [0, 16])
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
@@ -241,7 +252,8 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8):
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
     def fn(q, k, v):
-        return mh.mha_decode_heads(q, k, v, pt, lens, max_seqlen_q=q_len, is_causal=causal, num_splits=2)
+        kw = dict(max_seqlen_q=q_len, is_causal=causal, num_splits=2, row_tile=row_tile)
+        return mh.mha_decode_heads(q, k, v, pt, lens, **kw)
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "jattn_decode_heads" in text
@@ -328,3 +340,15 @@ def test_interpreter_compiles_each_warpgroup_program_once(monkeypatch):
             want = reference.mha_decode(*r, table, lens, max_seqlen_q=2, is_causal=False)
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
             assert len(interpret._compiled) - before == (1 if seed == 1 else 0), len(interpret._compiled)
+
+
+def test_row_tiles():
+    """Row tiles split a KV head's rows only where the tile is smaller than the rows; a
+    tile size the kernel has no MMA shape for is refused by name."""
+    assert [mh.row_tiles(rows, 16) for rows in (8, 16, 17, 24, 32, 64)] == [1, 1, 2, 2, 2, 4]
+    assert mh.row_tiles(64, 0) == 1 and mh.row_tiles(32, 32) == 1
+    q = jnp.zeros((2 * 8, 8, 64), jnp.bfloat16)
+    pool = jnp.zeros((4, 64, 2, 64), jnp.bfloat16)
+    pt, lens = jnp.zeros((2, 2), jnp.int32), jnp.array([5, 0], jnp.int32)
+    with pytest.raises(ValueError, match=r"row_tile=8 must be 0 \(no tiles\), 16 or 32"):
+        mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, row_tile=8)

@@ -123,27 +123,31 @@ def _device_timing(t):
 
 
 def parse_options(spec: str):
-    """``"overlap_qk=0,kernel_combine=1"`` -> the kernel's ``KernelOptions`` (unnamed
-    fields keep their defaults)."""
+    """``"overlap_qk=0,heads_row_tile=16"`` -> the kernel's ``KernelOptions`` (flags 0 or
+    1, integer fields a non-negative integer; unnamed fields keep their defaults)."""
     from jattn.pallas_kernels.decode_tuning import KernelOptions
 
-    fields = {f.name for f in dataclasses.fields(KernelOptions)}
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions)}
     values = {}
     for item in filter(None, spec.split(",")):
-        name, _, val = item.partition("=")
-        name = name.strip()
-        if name not in fields or val.strip() not in ("0", "1"):
-            raise SystemExit(f"--set {item!r}: expected NAME=0 or NAME=1 with NAME one of {', '.join(sorted(fields))}")
-        values[name] = val.strip() == "1"
+        name, _, val = (x.strip() for x in item.partition("="))
+        kind = kinds.get(name)
+        if kind is bool and val in ("0", "1"):
+            values[name] = val == "1"
+        elif kind is int and val.isdigit():
+            values[name] = int(val)
+        else:
+            names = ", ".join(f"{n}={'0|1' if k is bool else 'N'}" for n, k in sorted(kinds.items()))
+            raise SystemExit(f"--set {item!r}: expected one of {names}")
     return KernelOptions(**values)
 
 
-def _heads_splits(bs: int, length: int, page_size: int) -> int:
+def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int) -> int:
     """The per-KV-head kernel's split count for a row (its own chooser)."""
     from jattn.pallas_kernels import mosaic_decode_heads as mh
 
     max_pages = -(-length // page_size)
-    return mh.choose_num_splits(bs, HKV, max_pages * page_size)
+    return mh.choose_num_splits(bs, HKV, max_pages * page_size, mh.row_tiles(q_len * (HQ // HKV), row_tile))
 
 
 def verify_ratios(header, rows) -> list[str]:
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
             tbs = kv_bytes / t.seconds / 1e12
             cells = [
-                f"h{_heads_splits(bs, L, ps)}" if heads else bsz.num_splits,
+                f"h{_heads_splits(bs, L, ps, q_len, opts.heads_row_tile)}" if heads else bsz.num_splits,
                 f"{t.seconds * 1e6:.1f}",
                 f"{tbs:.2f}",
                 f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%",
