@@ -8,6 +8,7 @@ Several prompts run concurrently through the continuous-batching :class:`Engine`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -161,6 +162,26 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
     return ap
 
 
+def _checked_options(ap: argparse.ArgumentParser, args) -> None:
+    """Exits through ``ap.error`` (status 2, before any model is loaded) when an option is
+    out of range, naming the option and its rule."""
+    rules = [
+        ("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
+        (
+            "--temperature",
+            math.isfinite(args.temperature) and args.temperature >= 0,
+            "a finite number >= 0 (0 is greedy)",
+        ),
+        ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+        ("--page-size", args.page_size >= 1, "an integer >= 1"),
+        ("--max-context", args.max_context >= 2, "an integer >= 2 (prompt + output tokens)"),
+    ]
+    for flag, ok, rule in rules:
+        if not ok:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            ap.error(f"{flag} {value}: must be {rule}")
+
+
 def _run(args, prompts) -> int:
     from jattn.demo import MHA_OPS, MLA_OPS, choose_backend
     from jattn.models.deepseek import Deepseek
@@ -217,13 +238,17 @@ def _run(args, prompts) -> int:
 
 def main(argv=None) -> int:
     """``python -m jattn demo [--prompt TEXT ...] [--model auto|smollm2|tiny] ...``"""
-    args = _parser("python -m jattn demo", need_prompt=False).parse_args(argv)
+    ap = _parser("python -m jattn demo", need_prompt=False)
+    args = ap.parse_args(argv)
+    _checked_options(ap, args)
     return _run(args, args.prompt or list(DEMO_PROMPTS))
 
 
 def generate_main(argv=None) -> int:
     """``python -m jattn generate --prompt TEXT [--prompt TEXT ...] ...``"""
-    args = _parser("python -m jattn generate", need_prompt=True).parse_args(argv)
+    ap = _parser("python -m jattn generate", need_prompt=True)
+    args = ap.parse_args(argv)
+    _checked_options(ap, args)
     return _run(args, args.prompt)
 
 

@@ -119,6 +119,29 @@ def test_cli_refuses_an_unknown_backend_and_bench(capsys):
     assert "{decode,prefill,mla,cascade,bridge,serving}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be an integer >= 1"),
+        (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0 (0 is greedy)"),
+        (["--temperature", "nan"], "--temperature nan: must be a finite number >= 0"),
+        (["--top-p", "2"], "--top-p 2.0: must be a number in (0, 1]"),
+        (["--page-size", "0"], "--page-size 0: must be an integer >= 1"),
+        (["--max-context", "1"], "--max-context 1: must be an integer >= 2"),
+    ],
+)
+@pytest.mark.parametrize("cmd", ["demo", "generate"])
+def test_generate_refuses_bad_options_before_loading(cmd, option, message, monkeypatch, capsys):
+    """Out-of-range options stop with the option's name and rule (status 2) before any
+    model loads; a ZeroDivisionError or a later per-request error with status 0 before."""
+    import jattn.models.demo as models_demo
+
+    monkeypatch.setattr(models_demo, "load_model", lambda args: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--prompt", "hi", *option])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):
     assert main(["demo", "--synthetic", "--backend", "mosaic", "--requests", "2"]) == 0
     cap = capsys.readouterr()
