@@ -267,7 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
     ap.add_argument("--window", type=int, default=-1, help="sliding window, window_left (-1: off)")
     ap.add_argument(
-        "--dtype", default="bfloat16", help="KV cache dtype: bfloat16 (default), float16, float32 or float8_e4m3fn"
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32", "float8_e4m3fn"],
+        help="KV cache dtype (default bfloat16)",
     )
     ap.add_argument(
         "--backend",
@@ -277,6 +280,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0, help="random seed of the requests")
     a = ap.parse_args(argv)
+    if a.requests < 1:
+        ap.error(f"--requests {a.requests}: must be an integer >= 1 (a check over no requests checks nothing)")
+    if a.window < -1:
+        ap.error(f"--window {a.window}: must be an integer >= -1 (-1: no window)")
     backend, notice = choose_backend(a.backend, MHA_OPS)
     if notice:
         print(notice, file=sys.stderr)

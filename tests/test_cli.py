@@ -142,6 +142,22 @@ def test_generate_refuses_bad_options_before_loading(cmd, option, message, monke
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--requests", "0"], "--requests 0: must be an integer >= 1"),
+        (["--requests", "-2"], "--requests -2: must be an integer >= 1"),
+        (["--window", "-5"], "--window -5: must be an integer >= -1"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    ],
+)
+def test_synthetic_demo_refuses_bad_options(option, message, monkeypatch, capsys):
+    monkeypatch.setattr(jattn.demo, "run", lambda **kw: pytest.fail("the loop must not run"))
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--synthetic", *option])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_synthetic_demo_with_mosaic_on_cpu(capsys):
     assert main(["demo", "--synthetic", "--backend", "mosaic", "--requests", "2"]) == 0
     cap = capsys.readouterr()
