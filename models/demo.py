@@ -138,8 +138,11 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
         default="auto",
         help="auto (default): SmolLM2-135M when installed, else a tiny random Llama",
     )
-    ap.add_argument("--gguf", help="path of a llama-architecture GGUF file")
-    ap.add_argument("--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--gguf", help="path of a llama-architecture GGUF file (instead of --model)")
+    source.add_argument(
+        "--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json; instead of --model)"
+    )
     ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt text")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -180,13 +183,19 @@ def _checked_options(ap: argparse.ArgumentParser, args) -> None:
         if not ok:
             value = getattr(args, flag[2:].replace("-", "_"))
             ap.error(f"{flag} {value}: must be {rule}")
+    if args.model != "auto" and (args.gguf or args.hf):
+        ap.error(f"--model {args.model} and --{'gguf' if args.gguf else 'hf'}: give one of them")
 
 
 def _run(args, prompts) -> int:
     from jattn.demo import MHA_OPS, MLA_OPS, choose_backend
     from jattn.models.deepseek import Deepseek
 
-    model, tok, desc = load_model(args)
+    try:
+        model, tok, desc = load_model(args)
+    except (OSError, ValueError, KeyError) as e:  # a missing or unreadable file, a format the loader refuses
+        source = f"--gguf {args.gguf}" if args.gguf else f"--hf {args.hf}" if args.hf else "the installed SmolLM2"
+        raise SystemExit(f"error: could not load the model ({source}): {type(e).__name__}: {e}") from None
     ops = MLA_OPS if isinstance(model, Deepseek) else MHA_OPS
     backend, notice = choose_backend(args.backend, ops)
     if notice:

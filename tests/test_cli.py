@@ -142,6 +142,26 @@ def test_generate_refuses_bad_options_before_loading(cmd, option, message, monke
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_generate_names_the_model_source_it_cannot_load(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    for args, source in (
+        (["--gguf", str(bad)], f"--gguf {bad}"),
+        (["--gguf", str(tmp_path / "missing.gguf")], f"--gguf {tmp_path / 'missing.gguf'}"),
+        (["--hf", str(tmp_path)], f"--hf {tmp_path}"),  # no config.json
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "hi", *args])
+        assert str(e.value.code).startswith(f"error: could not load the model ({source}): ")
+    for args, message in (
+        (["--gguf", str(bad), "--hf", str(tmp_path)], "argument --hf: not allowed with argument --gguf"),
+        (["--model", "tiny", "--gguf", str(bad)], "--model tiny and --gguf: give one of them"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--prompt", "hi", *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "option, message",
     [
