@@ -193,7 +193,12 @@ def _run(args, prompts) -> int:
 
     try:
         model, tok, desc = load_model(args)
-    except (OSError, ValueError, KeyError) as e:  # a missing or unreadable file, a format the loader refuses
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        NotImplementedError,
+    ) as e:  # a missing or unreadable file, a format the loader refuses
         source = f"--gguf {args.gguf}" if args.gguf else f"--hf {args.hf}" if args.hf else "the installed SmolLM2"
         raise SystemExit(f"error: could not load the model ({source}): {type(e).__name__}: {e}") from None
     ops = MLA_OPS if isinstance(model, Deepseek) else MHA_OPS
