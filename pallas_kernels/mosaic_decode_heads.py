@@ -73,7 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
+from jattn.pallas_kernels.combine import combine_splits
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
@@ -83,148 +83,20 @@ from jattn.pallas_kernels.mosaic_common import (
     tile_iota,
     vec_iota,
 )
+from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re-exported
+    _PAIR_REGS,
+    _SOLO_REGS,
+    BLOCK,
+    HeadsConfig,
+    choose_num_splits,
+    launch_ctas,
+    row_tiles,
+    unsupported_reason,
+)
 
 __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
 
 _LOG2E = math.log2(math.e)
-BLOCK = 64  # tokens per block
-STAGES = 3  # ring slots, fewer where two CTAs would not fit an SM otherwise
-# Two CTAs share an SM (two softmax chains in flight) when each takes at most half of the
-# SM's registers and shared memory. ptxas launches a kernel with setmaxnreg at its
-# largest count, so the compute warpgroup's count decides: 128 x 256 threads is half the
-# register file.
-_SMEM_PER_SM = 228 * 1024
-_SMEM_RESERVED = 1024  # per CTA
-_SMEM_HALF = _SMEM_PER_SM // 2 - _SMEM_RESERVED  # what each of two CTAs may take
-_SMEM_SOLO = 227 * 1024 - _SMEM_RESERVED  # one CTA per SM
-_PAIR_REGS = 128
-_SOLO_REGS = 232
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    head_dim: int
-    group: int  # query heads per KV head
-    kv_heads: int
-    q_len: int
-    is_causal: bool
-    page_size: int
-    num_pages: int
-    max_pages: int
-    num_splits: int
-    batch: int
-    ctas: int  # CTAs launched; each walks the items cta, cta + ctas, ... (see `items`)
-    scale: float  # softmax scale times k_scale, built into the kernel
-    fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
-    interpret: bool
-    latent: int = 0  # MLA: one latent KV head, V its first `latent` columns (0: MHA, V its own pool)
-    row_tile: int = 0  # query rows per item (16 or 32, fewer than the rows); 0: all rows in one item
-
-    @property
-    def tiles(self) -> int:
-        """Row tiles of a KV head's query rows: items that read the same K/V blocks."""
-        return row_tiles(self.rows, self.row_tile)
-
-    @property
-    def v_dim(self) -> int:
-        """Columns of V (and of the output)."""
-        return self.latent or self.head_dim
-
-    @property
-    def rows(self) -> int:
-        """Real query rows of a KV head."""
-        return self.q_len * self.group
-
-    @property
-    def items(self) -> int:
-        """Work items, one per (split, request, KV head, row tile)."""
-        return self.num_splits * self.batch * self.kv_heads * self.tiles
-
-    @property
-    def piece_rows(self) -> int:
-        """Tokens of one TMA box: the block's 64, or a whole page of 16 or 32."""
-        return min(BLOCK, self.page_size)
-
-    @property
-    def n(self) -> int:
-        """The MMA's N: an item's rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a
-        swizzle): the row tile, or all rows."""
-        return self.row_tile or max(16, 1 << (self.rows - 1).bit_length())
-
-    def smem_bytes(self, stages: int) -> int:
-        """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
-        P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the two upcast tiles
-        (1 KB alignment each), plus 4 KB for the barriers and the cross-warp reduction's
-        scratch."""
-        kv = 1 if self.fp8 else 2
-        tiles = 1 if self.latent else 2
-        parts = [tiles * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
-        parts += [64 * self.n * 4, self.n * 4] + ([BLOCK * self.head_dim * 2] * 2 if self.fp8 else [])
-        return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
-
-    @property
-    def paired(self) -> bool:
-        """Two CTAs per SM: 2-byte K/V (the FP8 upcast needs the larger register budget),
-        N <= 32 (a [64, N] accumulator pair, the sum tile and the scores fit 128 registers)
-        and a ring of at least two slots within half the SM's shared memory."""
-        return not self.fp8 and self.n <= 32 and self.smem_bytes(2) <= _SMEM_HALF
-
-    @property
-    def stages(self) -> int:
-        """Ring slots: the most (up to ``STAGES``) that fit the CTA's share of the SM."""
-        limit = _SMEM_HALF if self.paired else _SMEM_SOLO
-        return max([s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= limit], default=2)
-
-
-def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):
-    """None when this kernel can serve the call, else a one-line reason."""
-    kv_ok = (q.dtype, jnp.dtype(jnp.float8_e4m3fn))
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype not in kv_ok or v_cache.dtype != k_cache.dtype:
-        return f"dtypes q {q.dtype} / k {k_cache.dtype} / v {v_cache.dtype} (bf16 or f16 q; K/V q's dtype or FP8 e4m3)"
-    _, ps, hkv, d = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        return "v_cache must have k_cache's shape"
-    if q.ndim != 3 or q.shape[2] != d:
-        return f"q {q.shape} must be [tokens, Hq, head_dim={d}]"
-    if ps not in (16, 32, 64, 128):
-        return f"page_size={ps} (16, 32, 64 or 128)"
-    if d not in (64, 128):
-        return f"head_dim={d} (64 or 128)"
-    hq = q.shape[1]
-    if hq % hkv:
-        return f"{hq} query heads are not a multiple of {hkv} KV heads"
-    if not 1 <= max_seqlen_q <= 8 or max_seqlen_q * (hq // hkv) > 64:
-        return f"max_seqlen_q={max_seqlen_q} x group {hq // hkv} (at most 64 rows per KV head)"
-    if kw.get("window_left", -1) != -1 or kw.get("logit_cap", 0.0) != 0.0 or kw.get("sinks") is not None:
-        return "window_left, logit_cap and sinks are not supported"
-    if q.shape[0] % max_seqlen_q:
-        return f"q rows {q.shape[0]} not a multiple of max_seqlen_q={max_seqlen_q}"
-    return None
-
-
-def row_tiles(rows: int, row_tile: int) -> int:
-    """Items per (split, request, KV head) for ``rows`` query rows in tiles of ``row_tile``
-    (one where ``row_tile`` is 0 or covers the rows)."""
-    return -(-rows // row_tile) if 0 < row_tile < rows else 1
-
-
-def choose_num_splits(batch: int, kv_heads: int, width_tokens: int, tiles: int = 1) -> int:
-    """Splits that give about two CTAs per SM (one wave where two fit an SM, two waves where
-    one does), at most one per block of a page table ``width_tokens`` wide (columns * page
-    size); ``tiles`` row tiles per KV head."""
-    max_blocks = -(-width_tokens // BLOCK)
-    programs = max(1, batch * kv_heads * tiles)
-    return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
-
-
-def launch_ctas(cfg: HeadsConfig, num_ctas: int | None) -> int:
-    """CTAs to launch for ``cfg``'s items: ``num_ctas`` when given (at most one per item),
-    -1 for one per item, None for the SM slots (two CTAs per SM where ``cfg.paired``)."""
-    if num_ctas == -1:
-        return cfg.items
-    if num_ctas is None:
-        num_ctas = (2 if cfg.paired else 1) * NUM_SMS
-    return max(1, min(num_ctas, cfg.items))
 
 
 def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
