@@ -152,8 +152,9 @@ def mha_decode(
     _check_plan(q, page_table, cache_seqlens, max_seqlen_q)
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
-            q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale
-        )
+            q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
+            fp8_heads=options.fp8_heads,
+        )  # fmt: skip
         if heads is not None:
             return heads(
                 q,
@@ -204,9 +205,13 @@ def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
         raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
 
 
-def heads_kernel_for(q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale):
+def heads_kernel_for(
+    q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale, fp8_heads=False
+):
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
-    and it serves the call (Python-number scales, no window, cap or sinks), else None."""
+    and it serves the call (Python-number scales, no window, cap or sinks), else None.
+    ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls of any ``q_len`` go to it too,
+    with the e4m3 query and 128-token blocks."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -217,7 +222,12 @@ def heads_kernel_for(q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, 
     reason = mosaic_decode_heads.unsupported_reason(
         q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, logit_cap=logit_cap, sinks=sinks
     )
-    if reason is not None or not prefer_heads_kernel(max_seqlen_q, q.shape[1], jnp.dtype(k_cache.dtype).itemsize):
+    if reason is not None:
+        return None
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
+    if fp8_heads and itemsize == 1:
+        return functools.partial(mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=128)
+    if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
         return None
     return mosaic_decode_heads.mha_decode_heads
 

@@ -57,8 +57,12 @@ them into the row order of ``combine.combine_splits`` (a transpose of a few KB p
 Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
 query is cast to f16 too) by the compute warpgroup as it takes them, into one K and one V
 tile: the MMA work per block is small here, so the upcast is the largest part of the chain.
-``k_scale`` is in the score scale; the combine applies ``v_scale``. Page sizes 16 to 128,
-head_dim 64 or 128, no window, logit cap or sinks.
+With ``fp8_qk`` the query goes to e4m3 instead (one power-of-two scale per item, its factor
+read by the consumer with the item) and ``S^T = K Q^T`` is an e4m3 ``wgmma`` on the landed
+K tile, which frees the slot; only V is upcast, while that MMA runs, so the chain keeps one
+upcast and two CTAs fit an SM. ``block=128`` doubles the tokens per block (fewer per-block
+waits and cross-warp reductions per key). ``k_scale`` is in the score scale; the combine
+applies ``v_scale``. Page sizes 16 to 128, head_dim 64 or 128, no window, logit cap or sinks.
 """
 
 from __future__ import annotations
@@ -93,20 +97,25 @@ from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re
     row_tiles,
     unsupported_reason,
 )
+from jattn.pallas_kernels.mosaic_mla import quantize_rows_e4m3
 
 __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
 
 _LOG2E = math.log2(math.e)
 
 
-def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch):
+def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
+    # fp8_qk: each item's query factor (1 / its e4m3 scale), f32[bs, kv_heads, tiles]
+    qf_ref, refs = (refs[0], refs[1:]) if cfg.fp8_qk else (None, refs)
+    q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch = refs
     if cfg.latent:  # one latent tile per slot: V is its first `latent` columns
         q_s, k_s, p_s, o_s, l_s, kv_bar, kv_free, q_bar = scratch
         v_s, upcast = None, []
     else:
         q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
-    kc_s, vc_s = upcast if cfg.fp8 else (None, None)  # FP8: the tiles the MMAs read
-    D, N, S, G = cfg.head_dim, cfg.n, cfg.stages, cfg.group
+    # FP8: the tiles the MMAs read (fp8_qk: V only; S^T reads the landed e4m3 K tile)
+    kc_s, vc_s = ((None, *upcast) if cfg.fp8_qk else upcast) if cfg.fp8 else (None, None)
+    D, N, S, G, B = cfg.head_dim, cfg.n, cfg.stages, cfg.group, cfg.block
     wg = lax.axis_index("wg")
     interp = cfg.interpret
     cta, P = lax.axis_index("cta"), cfg.ctas
@@ -124,7 +133,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         return split, lax.rem(rest, jnp.int32(cfg.batch)), lax.div(rest, jnp.int32(cfg.batch)), tile
 
     def blocks_of(split, b):
-        return split_blocks(lens_ref[b], BLOCK, cfg.num_splits, split)
+        return split_blocks(lens_ref[b], B, cfg.num_splits, split)
 
     @pl.when(wg == 1)
     def _producer():
@@ -146,8 +155,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 def _():
                     plgpu.barrier_wait(kv_free.at[slot])
 
-                for j in range(BLOCK // rows):  # the block's pieces: one per page, or one piece of a page
-                    tok = (lo + i) * BLOCK + j * rows
+                for j in range(B // rows):  # the block's pieces: one per page, or one piece of a page
+                    tok = (lo + i) * B + j * rows
                     pidx = jnp.minimum(lax.div(tok, jnp.int32(cfg.page_size)), cfg.max_pages - 1)
                     page = jnp.clip(page_table_ref[b, pidx], 0, cfg.num_pages - 1)
                     row = page * cfg.page_size + lax.rem(tok, jnp.int32(cfg.page_size))
@@ -179,26 +188,40 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
             split, b, h, t = item_of(k)
             seq_len = lens_ref[b]
             lo, count = blocks_of(split, b)
+            # fp8_qk: the scores of the e4m3 query carry its factor
+            xs = xscale * qf_ref[b, h, t] if cfg.fp8_qk else xscale
             # the first key some query does not see (a later draft token of a causal block)
             first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal and cfg.q_len > 1 else seq_len
             plgpu.barrier_wait(q_bar.at[0])
 
-            cols = tile_iota((BLOCK, N), 1, interpret=interp) + t * N  # the KV head's query rows
+            cols = tile_iota((B, N), 1, interpret=interp) + t * N  # the KV head's query rows
             # the last key each column sees (padding columns: the request's last key)
             q_of = jnp.minimum(lax.div(cols, jnp.int32(G)), cfg.q_len - 1)
             limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
 
-            def s_t(k_tile):
+            def s_t(k_tile, during=lambda: None):
+                """``S^T = K Q^T`` (e4m3 operands with ``fp8_qk``); ``during()`` runs while
+                the MMA is in flight."""
                 if interp:
-                    return lax.dot_general(
-                        k_tile[...], q_s[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                    )
+                    during()
+                    kt, qt = (k_tile[...], q_s[...])
+                    if cfg.fp8_qk:  # the GPU's e4m3 products are exact; f32 here
+                        kt, qt = kt.astype(jnp.float32), qt.astype(jnp.float32)
+                    return lax.dot_general(kt, qt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
                 def scope(acc):
                     plgpu.wgmma(acc, k_tile, q_s.T)
+                    during()
                     return acc[...]
 
-                return pl.run_scoped(scope, plgpu.ACC((BLOCK, N), jnp.float32))
+                return pl.run_scoped(scope, plgpu.ACC((B, N), jnp.float32))
+
+            def upcast_v(slot):
+                """The landed e4m3 V tile into the f16 tile ``O^T`` reads, 64 rows at a time
+                (the registers of one 64-row piece). ``softmax_pv``'s fence publishes it."""
+                for r in range(B // 64):
+                    rows = pl.ds(r * 64, 64)
+                    vc_s.at[rows][...] = v_s.at[slot, rows][...].astype(dtype)
 
             def o_t(acc, v_tile):
                 """``acc[h] + V[:, h]^T @ P^T`` for each 64-row half ``h`` of ``O^T``: the halves'
@@ -231,10 +254,10 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                     keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
                     chunk[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
                 if cfg.is_causal and cfg.q_len > 1 and not cfg.latent:
-                    row = vec_iota(BLOCK, 0, interpret=interp) + t0
+                    row = vec_iota(B, 0, interpret=interp) + t0
                     partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
                     bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
-                    bad = lax.broadcast_in_dim(bad_row, (BLOCK, N), [0])
+                    bad = lax.broadcast_in_dim(bad_row, (B, N), [0])
                     flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
                 return flag
 
@@ -244,10 +267,10 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 with the outputs), summed over its rows once after the loop: one cross-warp
                 reduction per block (the max) instead of two."""
                 acc, m_i, l_t, flag = carry
-                t0 = (lo + i) * BLOCK
-                x = x * xscale
+                t0 = (lo + i) * B
+                x = x * xs
                 if edge:
-                    seen = tile_iota((BLOCK, N), 0, interpret=interp) + t0 <= limit
+                    seen = tile_iota((B, N), 0, interpret=interp) + t0 <= limit
                     x = jnp.where(seen, x, -jnp.inf)
                     flag = clean(v_tile, t0, seen, flag)
                 m_new = jnp.maximum(m_i, x.max(axis=0))
@@ -258,13 +281,18 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
                 l_t = l_t * alpha_t + p
                 p_s[...] = p.astype(dtype)
                 plgpu.commit_smem()
-                acc = o_t(tuple(a * alpha_t for a in acc), v_tile)
+                alpha_o = alpha_t if B == 64 else lax.broadcast_in_dim(alpha, (64, N), [1])  # O^T's halves
+                acc = o_t(tuple(a * alpha_o for a in acc), v_tile)
                 return acc, m_new, l_t, flag
 
             def step(i, carry, edge: bool):
                 """One block in order: wait K/V, ``S^T = K Q^T``, softmax, ``O^T += V^T P^T``."""
                 slot = lax.rem(n + i, jnp.int32(S))
                 plgpu.barrier_wait(kv_bar.at[slot])
+                if cfg.fp8_qk:  # S^T on the landed e4m3 K, V upcast meanwhile; then the slot is free
+                    x = s_t(k_s.at[slot], during=lambda: upcast_v(slot))
+                    plgpu.barrier_arrive(kv_free.at[slot])
+                    return softmax_pv(i, x, carry, vc_s, edge)
                 if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
                     kc_s[...] = k_s[slot].astype(dtype)
                     vc_s[...] = v_s[slot].astype(dtype)
@@ -281,13 +309,13 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
 
             vec = plgpu.Layout.WGMMA.reduce(0)
             m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
-            l_t = cast_layout(jnp.zeros((BLOCK, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
+            l_t = cast_layout(jnp.zeros((B, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
             flag = cast_layout(jnp.zeros((N,), jnp.float32), vec, interpret=interp)
             acc = tuple(
                 cast_layout(jnp.zeros((64, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
                 for _ in range(cfg.v_dim // 64)
             )
-            n_full = jnp.clip(lax.div(first_partial, jnp.int32(BLOCK)) - lo, 0, count)
+            n_full = jnp.clip(lax.div(first_partial, jnp.int32(B)) - lo, 0, count)
             carry = (acc, m_i, l_t, flag)
             carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), carry)
             acc, m_i, l_t, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
@@ -319,16 +347,19 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, q_ref, k_ref, v_r
         plgpu.wait_smem_to_gmem(0)
 
 
-def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
+def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
     bs = q_arr.shape[0]
-    D, N, S = cfg.head_dim, cfg.n, cfg.stages
+    D, N, S, B = cfg.head_dim, cfg.n, cfg.stages, cfg.block
     tr_pv = swizzle_transforms(dtype, N)  # V and P^T share one swizzle (2N bytes)
     # MLA: the latent tile is both operands' K and V, so Q, the tile and P^T share one swizzle
     tr = tr_pv if cfg.latent else swizzle_transforms(dtype, D)
     kv_dt = k2d.dtype
     # FP8: the TMA ring holds e4m3 tiles; the MMAs read one upcast K and one upcast V tile
     ring_k, ring_v = (swizzle_transforms(kv_dt, D),) * 2 if cfg.fp8 else (tr, tr_pv)
-    upcast = [plgpu.SMEM((BLOCK, D), dtype, transforms=tr), plgpu.SMEM((BLOCK, D), dtype, transforms=tr_pv)]
+    upcast = [plgpu.SMEM((B, D), dtype, transforms=tr), plgpu.SMEM((B, D), dtype, transforms=tr_pv)]
+    upcast = upcast[1:] if cfg.fp8_qk else upcast if cfg.fp8 else []
+    # fp8_qk: Q in e4m3 beside the landed e4m3 K tile (one swizzle)
+    q_smem = plgpu.SMEM((N, D), q_arr.dtype, transforms=ring_k if cfg.fp8_qk else tr)
     out_type = (
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.tiles, cfg.v_dim, N), jnp.float32),
         jax.ShapeDtypeStruct((cfg.num_splits, bs, cfg.kv_heads, cfg.tiles, N), jnp.float32),
@@ -337,14 +368,14 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
     def entry(*refs):
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *refs, *scratch),
-            plgpu.SMEM((N, D), dtype, transforms=tr),
-            plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_k),
-            *([] if cfg.latent else [plgpu.SMEM((S, BLOCK, D), kv_dt, transforms=ring_v)]),
-            plgpu.SMEM((BLOCK, N), dtype, transforms=tr_pv),
+            q_smem,
+            plgpu.SMEM((S, B, D), kv_dt, transforms=ring_k),
+            *([] if cfg.latent else [plgpu.SMEM((S, B, D), kv_dt, transforms=ring_v)]),
+            plgpu.SMEM((B, N), dtype, transforms=tr_pv),
             plgpu.SMEM((64, N), jnp.float32),
             plgpu.SMEM((N,), jnp.float32),
-            *(upcast if cfg.fp8 else []),
-            plgpu.Barrier(num_arrivals=(1 if cfg.latent else 2) * (BLOCK // cfg.piece_rows), num_barriers=S),
+            *upcast,
+            plgpu.Barrier(num_arrivals=(1 if cfg.latent else 2) * (B // cfg.piece_rows), num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=S),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
             collective_axes="wg",
@@ -359,26 +390,28 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
-        f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}",
+        f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}"
+        f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}",
     )
-    return kernel(page_table, lens, q_arr, k2d, v2d)
+    return kernel(page_table, lens, *([qf] if cfg.fp8_qk else []), q_arr, k2d, v2d)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret", "row_tile",
+        "latent", "interpret", "row_tile", "block", "fp8_qk",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
-            is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0):  # fmt: skip
+            is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
+            fp8_qk=False):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
     value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
-    not split the rows)."""
+    not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -399,20 +432,19 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         interpret=interpret,
         latent=latent,
         row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
+        block=block,
+        fp8_qk=fp8_qk,
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
     n, g, tiles = cfg.n, cfg.group, cfg.tiles
-    # q [bs * q_len, hq, d] -> [bs, hkv, tiles * N, d], row i * g + j of KV head h: query i, head h * g + j
-    q5 = q.reshape(bs, max_seqlen_q, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, cfg.rows, d)
-    q_arr = jnp.pad(q5, ((0, 0), (0, 0), (0, tiles * n - cfg.rows), (0, 0)))
+    q_arr = _query_rows(q, hkv, max_seqlen_q, tiles * n)
     k2d = k_cache.reshape(num_pages * ps, hkv * d)
     v2d = k2d if latent else v_cache.reshape(num_pages * ps, hkv * d)
     # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
     cdtype = jnp.float16 if cfg.fp8 else q.dtype
-    o_t, lse = _run(
-        cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr.astype(cdtype), k2d, v2d
-    )
+    q_arr, qf = query_tiles_e4m3(q_arr, tiles) if fp8_qk else (q_arr.astype(cdtype), None)
+    o_t, lse = _run(cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d, qf)
     # [S, bs, hkv, tiles, dv, N] -> [S, bs, q_len * hq, dv] in combine's row order (i * hq + h * g + j)
     s = num_splits
     o_t = o_t.transpose(0, 1, 2, 4, 3, 5).reshape(s, bs, hkv, dv, tiles * n)
@@ -434,6 +466,40 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     return (out, lse) if return_lse else out
 
 
+def _query_rows(q, hkv: int, q_len: int, padded: int):
+    """q ``[bs * q_len, hq, d]`` -> ``[bs, hkv, padded, d]``: row ``i * g + j`` of KV head
+    ``h`` is query ``i``, head ``h * g + j`` (``g = hq / hkv``), zero rows after them."""
+    rows, hq, d = q.shape
+    bs, g = rows // q_len, hq // hkv
+    q5 = q.reshape(bs, q_len, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, q_len * g, d)
+    return jnp.pad(q5, ((0, 0), (0, 0), (0, padded - q_len * g), (0, 0)))
+
+
+def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0):
+    """The query that :func:`mha_decode_heads` with ``fp8_qk=True`` (and these rows and
+    tiles) attends with: ``q`` rounded to e4m3 at its tiles' scales, f32, in ``q``'s
+    layout. Attention over it in f32 is what the kernel computes, up to the f16 ``P V``."""
+    rows, hq, d = q.shape
+    g = hq // num_kv_heads
+    tiles = row_tiles(max_seqlen_q * g, row_tile)
+    n = row_tile if tiles > 1 else max(16, 1 << (max_seqlen_q * g - 1).bit_length())
+    q_arr = _query_rows(q, num_kv_heads, max_seqlen_q, tiles * n)
+    q8, factor = query_tiles_e4m3(q_arr, tiles)
+    x = q8.astype(jnp.float32).reshape(*factor.shape, -1) * factor[..., None]
+    x = x.reshape(q_arr.shape)[:, :, : max_seqlen_q * g]
+    x = x.reshape(-1, num_kv_heads, max_seqlen_q, g, d).transpose(0, 2, 1, 3, 4)
+    return x.reshape(rows, hq, d)
+
+
+def query_tiles_e4m3(q_arr, tiles: int):
+    """``(q8, factor)``: the query tiles ``q_arr [bs, hkv, tiles * N, d]`` in e4m3, each
+    tile of ``N`` rows scaled by one power of two (:func:`mosaic_mla.quantize_rows_e4m3`
+    over the tile), and ``factor f32[bs, hkv, tiles]`` with ``q ~ q8 * factor``."""
+    bs, hkv, rows, d = q_arr.shape
+    q8, factor = quantize_rows_e4m3(q_arr.reshape(bs, hkv, tiles, rows // tiles * d))
+    return q8.reshape(q_arr.shape), factor
+
+
 def mha_decode_heads(
     q,
     k_cache,
@@ -451,6 +517,8 @@ def mha_decode_heads(
     persistent: bool = False,
     num_ctas: int | None = None,
     row_tile: int = 0,
+    block: int = BLOCK,
+    fp8_qk: bool = False,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -468,7 +536,14 @@ def mha_decode_heads(
     of that many, each tile an item of its own (a narrower MMA and softmax tile per
     chain) beside the other tiles of its split, which read the same K/V blocks at about
     the same time (the second read from L2). It applies where the rows are more than
-    ``row_tile``."""
+    ``row_tile``.
+
+    ``block``: tokens per ring block, 64 (the default) or 128. ``fp8_qk`` (FP8 K/V only):
+    the query goes to e4m3, each KV head's rows (of a row tile) with one power-of-two
+    scale, and ``S^T = K Q^T`` runs as an e4m3 ``wgmma`` on the landed K tile, so only V
+    is upcast (while that MMA runs) and two CTAs share an SM where they fit. The query's
+    rounding to e4m3 (3 mantissa bits) is the price: :func:`fp8_qk_query` gives the query
+    the kernel then attends with."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -476,11 +551,15 @@ def mha_decode_heads(
         raise ValueError(f"mha_decode_heads: {reason}")
     if row_tile not in (0, 16, 32):
         raise ValueError(f"mha_decode_heads: row_tile={row_tile!r} must be 0 (no tiles), 16 or 32")
+    if block not in (64, 128):
+        raise ValueError(f"mha_decode_heads: block={block!r} must be 64 or 128 tokens")
+    if fp8_qk and jnp.dtype(k_cache.dtype).itemsize != 1:
+        raise ValueError(f"mha_decode_heads: fp8_qk needs an FP8 e4m3 cache, got {k_cache.dtype}")
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:
         tiles = row_tiles(max_seqlen_q * (q.shape[1] // hkv), row_tile)
-        num_splits = choose_num_splits(bs, hkv, max_pages * ps, tiles)
+        num_splits = choose_num_splits(bs, hkv, max_pages * ps, tiles, block)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     return decode(
         q,
@@ -499,4 +578,6 @@ def mha_decode_heads(
         latent=0,
         interpret=interpreting(),
         row_tile=int(row_tile),
+        block=int(block),
+        fp8_qk=bool(fp8_qk),
     )

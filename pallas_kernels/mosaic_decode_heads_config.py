@@ -47,10 +47,14 @@ class HeadsConfig:
     batch: int
     ctas: int  # CTAs launched; each walks the items cta, cta + ctas, ... (see `items`)
     scale: float  # softmax scale times k_scale, built into the kernel
-    fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup
+    fp8: bool  # FP8 e4m3 K/V, upcast by the compute warpgroup (V only with fp8_qk)
     interpret: bool
     latent: int = 0  # MLA: one latent KV head, V its first `latent` columns (0: MHA, V its own pool)
     row_tile: int = 0  # query rows per item (16 or 32, fewer than the rows); 0: all rows in one item
+    block: int = BLOCK  # tokens per ring block: 64, or 128
+    # FP8 only: the query in e4m3 (one power-of-two scale per item) and S^T = K Q^T by an
+    # e4m3 wgmma on the landed K tile; only V is upcast
+    fp8_qk: bool = False
 
     @property
     def tiles(self) -> int:
@@ -74,8 +78,8 @@ class HeadsConfig:
 
     @property
     def piece_rows(self) -> int:
-        """Tokens of one TMA box: the block's 64, or a whole page of 16 or 32."""
-        return min(BLOCK, self.page_size)
+        """Tokens of one TMA box: the whole block, or a whole page smaller than it."""
+        return min(self.block, self.page_size)
 
     @property
     def n(self) -> int:
@@ -85,21 +89,24 @@ class HeadsConfig:
 
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
-        P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the two upcast tiles
-        (1 KB alignment each), plus 4 KB for the barriers and the cross-warp reduction's
-        scratch."""
+        P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the upcast tiles (K and
+        V, or V alone with ``fp8_qk``), each at 1 KB alignment, plus 4 KB for the barriers
+        and the cross-warp reduction's scratch."""
         kv = 1 if self.fp8 else 2
         tiles = 1 if self.latent else 2
-        parts = [tiles * stages * BLOCK * self.head_dim * kv, self.n * self.head_dim * 2, BLOCK * self.n * 2]
-        parts += [64 * self.n * 4, self.n * 4] + ([BLOCK * self.head_dim * 2] * 2 if self.fp8 else [])
+        upcast = (1 if self.fp8_qk else 2) if self.fp8 else 0
+        B, D = self.block, self.head_dim
+        parts = [tiles * stages * B * D * kv, self.n * D * (1 if self.fp8_qk else 2), B * self.n * 2]
+        parts += [64 * self.n * 4, self.n * 4] + [B * D * 2] * upcast
         return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
 
     @property
     def paired(self) -> bool:
-        """Two CTAs per SM: 2-byte K/V (the FP8 upcast needs the larger register budget),
-        N <= 32 (a [64, N] accumulator pair, the sum tile and the scores fit 128 registers)
-        and a ring of at least two slots within half the SM's shared memory."""
-        return not self.fp8 and self.n <= 32 and self.smem_bytes(2) <= _SMEM_HALF
+        """Two CTAs per SM: 2-byte K/V or FP8 with ``fp8_qk`` (the K and V upcast needs the
+        larger register budget), N <= 32 (a [64, N] accumulator pair, the sum tile and the
+        scores fit 128 registers) and a ring of at least two slots within half the SM's
+        shared memory."""
+        return (not self.fp8 or self.fp8_qk) and self.n <= 32 and self.smem_bytes(2) <= _SMEM_HALF
 
     @property
     def stages(self) -> int:
@@ -140,11 +147,11 @@ def row_tiles(rows: int, row_tile: int) -> int:
     return -(-rows // row_tile) if 0 < row_tile < rows else 1
 
 
-def choose_num_splits(batch: int, kv_heads: int, width_tokens: int, tiles: int = 1) -> int:
+def choose_num_splits(batch: int, kv_heads: int, width_tokens: int, tiles: int = 1, block: int = BLOCK) -> int:
     """Splits that give about two CTAs per SM (one wave where two fit an SM, two waves where
-    one does), at most one per block of a page table ``width_tokens`` wide (columns * page
-    size); ``tiles`` row tiles per KV head."""
-    max_blocks = -(-width_tokens // BLOCK)
+    one does), at most one per block of ``block`` tokens of a page table ``width_tokens``
+    wide (columns * page size); ``tiles`` row tiles per KV head."""
+    max_blocks = -(-width_tokens // block)
     programs = max(1, batch * kv_heads * tiles)
     return max(1, min(max_blocks, -(-2 * NUM_SMS // programs)))
 

@@ -39,6 +39,8 @@ class Case:
     num_ctas: int | None = None  # CTAs of the persistent launch (None: the SM slots)
     softmax_scale: float | None = None  # None: 1/sqrt(d)
     row_tile: int = 0  # query rows per item (mha_decode_heads(row_tile=...))
+    block: int = 64  # tokens per ring block
+    fp8_qk: bool = False  # FP8: e4m3 query, S^T on the landed e4m3 K tile
 
 
 def _inputs(c: Case, seed: int):
@@ -77,9 +79,11 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
         kw.update(k_scale=0.37, v_scale=0.61)
         kc = jnp.asarray(k / kw["k_scale"], jnp.float8_e4m3fn)
         vc = jnp.asarray(v / kw["v_scale"], jnp.float8_e4m3fn)
-        want_o, want_lse = reference.mha_decode(
-            jnp.asarray(jnp.asarray(q, dtype), jnp.float32), kc, vc, table, lens, **kw
-        )
+        q_ref = jnp.asarray(jnp.asarray(q, dtype), jnp.float32)
+        if c.fp8_qk:  # the kernel attends with the query rounded to e4m3 (at its tiles' scales)
+            q_ref = mh.fp8_qk_query(jnp.asarray(q, dtype), c.hkv, c.q_len, c.row_tile)
+            assert not np.array_equal(np.asarray(q_ref), np.asarray(jnp.asarray(q, dtype), np.float32))
+        want_o, want_lse = reference.mha_decode(q_ref, kc, vc, table, lens, **kw)
     else:
         r = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # noqa: E731
         kc, vc = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
@@ -87,6 +91,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas, row_tile=c.row_tile)
+    kw.update(block=c.block, fp8_qk=c.fp8_qk)
     o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -129,6 +134,14 @@ CPU_CASES = [
     # 3 queries x 8 heads = 24 rows in tiles of 16 (the second half padding), FP8, on
     # 3 persistent CTAs; a NaN every query sees
     Case(lens=(97, 0), hq=16, hkv=2, q_len=3, fp8=True, poison=5, row_tile=16, persistent=True, num_ctas=3),
+    # FP8 with an e4m3 query (S^T on the landed K tile, V upcast alone), two splits, a NaN
+    # every query sees
+    Case(lens=(97, 1, 0), fp8=True, fp8_qk=True, poison=5, num_splits=2),
+    # the same at 128-token blocks over pages of 64 (two boxes a block), a causal verify
+    # of 3 tokens x 4 heads with a NaN the last two see
+    Case(lens=(200, 70), hq=8, hkv=2, q_len=3, fp8=True, fp8_qk=True, block=128, poison=1),
+    # 128-token blocks of 2-byte K/V over pages of 16 (eight boxes a block), a draft block
+    Case(lens=(150, 7, 0), hq=4, hkv=1, page_size=16, q_len=2, causal=False, block=128),
 ]
 
 
@@ -188,6 +201,57 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
     assert md.heads_kernel_for(q4, args[1], args[2], 4, -1, 0.0, None, None, 1.0, 1.0) is not None
 
 
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
+    """``KernelOptions(fp8_heads=True)`` sends an FP8 single-token decode through
+    ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query and
+    128-token blocks (matching the reference over that query); without it the call stays
+    on the all-heads kernel (stubbed here: its own tests run it)."""
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    c = Case(lens=(140, 0, 1), hq=8, hkv=2, fp8=True)
+    q, k, v, table, lens = _inputs(c, 4)
+    kc, vc = jnp.asarray(k / 0.5, jnp.float8_e4m3fn), jnp.asarray(v / 0.5, jnp.float8_e4m3fn)
+    qh = jnp.asarray(q, jnp.float16)
+    calls, real = [], mh.mha_decode_heads
+    monkeypatch.setattr(
+        mh, "mha_decode_heads", lambda *a, **k: calls.append((k["fp8_qk"], k["block"])) or real(*a, **k)
+    )
+    all_heads = []
+    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(1) or jnp.zeros_like(q))
+    args = (qh, kc, vc, jnp.asarray(table), jnp.asarray(lens))
+    with gpu_interpret():
+        got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(fp8_heads=True))
+        assert calls == [(True, 128)] and all_heads == []
+        md.mha_decode(*args, k_scale=0.5, v_scale=0.5)
+        assert calls == [(True, 128)] and all_heads == [1], "without the option FP8 stays on the all-heads kernel"
+    want = reference.mha_decode(mh.fp8_qk_query(qh, 2), kc, vc, table, lens, k_scale=0.5, v_scale=0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_fp8_qk_error_is_the_size_of_the_cache_rounding():
+    """Against the exact query, the e4m3 query's extra error stays within 1.5x of what the
+    FP8 cache's own rounding costs (the reference over the rounded cache against the exact
+    K/V), on the output and the LSE (the rounding's size is in docs/PERF.md)."""
+    c = Case(lens=(300, 97), hq=8, hkv=2, d=128, q_len=2, fp8=True)
+    q, k, v, table, lens = _inputs(c, 1)
+    kc, vc = jnp.asarray(k / 0.37, jnp.float8_e4m3fn), jnp.asarray(v / 0.61, jnp.float8_e4m3fn)
+    kw = dict(max_seqlen_q=2, return_lse=True)
+    qh = jnp.asarray(q, jnp.float16)
+    q32 = jnp.asarray(qh, jnp.float32)
+    rounded = reference.mha_decode(q32, kc, vc, table, lens, k_scale=0.37, v_scale=0.61, **kw)
+    exact = reference.mha_decode(q32, jnp.asarray(k), jnp.asarray(v), table, lens, **kw)
+    with gpu_interpret():
+        got = mh.mha_decode_heads(
+            qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.37, v_scale=0.61, fp8_qk=True, **kw
+        )
+    for i, what in enumerate(("out", "lse")):
+        err_qk = np.abs(np.asarray(got[i], np.float32) - np.asarray(rounded[i])).max()
+        err_cache = np.abs(np.asarray(rounded[i]) - np.asarray(exact[i])).max()
+        assert 0 < err_qk <= 1.5 * err_cache, (what, err_qk, err_cache)
+
+
 GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, poison=0),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, poison=1),
@@ -205,6 +269,11 @@ GPU_CASES = [
     # 8-token verify in 16-row tiles (two items per split and KV head)
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=8, poison=2, row_tile=16),
     Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, page_size=16, q_len=8, causal=False, row_tile=16),
+    # FP8 with an e4m3 query: 128-token blocks (the fast path's shape) and 64
+    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, fp8=True, fp8_qk=True, block=128, poison=3),
+    Case(lens=(3000, 65), hq=32, hkv=8, d=128, page_size=16, q_len=4, fp8=True, fp8_qk=True, block=128, poison=1),
+    Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, page_size=128, q_len=2, fp8=True, fp8_qk=True),
+    Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, block=128),
 ]
 
 
@@ -242,17 +311,19 @@ LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
 @pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
-@pytest.mark.parametrize("row_tile", [0, 16])
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile):
+@pytest.mark.parametrize("row_tile, block, fp8_qk", [(0, 64, False), (16, 64, False), (0, 128, False), (0, 128, True)])
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
+    if fp8_qk and not fp8:
+        pytest.skip("fp8_qk is for FP8 caches")
     q = jnp.zeros((bs * q_len, hq, d), jnp.bfloat16)
     pool = jnp.zeros((40, page_size, hkv, d), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
 
     def fn(q, k, v):
-        kw = dict(max_seqlen_q=q_len, is_causal=causal, num_splits=2, row_tile=row_tile)
+        kw = dict(max_seqlen_q=q_len, is_causal=causal, num_splits=2, row_tile=row_tile, block=block, fp8_qk=fp8_qk)
         return mh.mha_decode_heads(q, k, v, pt, lens, **kw)
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
@@ -352,3 +423,7 @@ def test_row_tiles():
     pt, lens = jnp.zeros((2, 2), jnp.int32), jnp.array([5, 0], jnp.int32)
     with pytest.raises(ValueError, match=r"row_tile=8 must be 0 \(no tiles\), 16 or 32"):
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, row_tile=8)
+    with pytest.raises(ValueError, match=r"block=96 must be 64 or 128 tokens"):
+        mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, block=96)
+    with pytest.raises(ValueError, match=r"fp8_qk needs an FP8 e4m3 cache, got bfloat16"):
+        mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, fp8_qk=True)

@@ -142,12 +142,13 @@ def parse_options(spec: str):
     return KernelOptions(**values)
 
 
-def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int) -> int:
+def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int, block: int) -> int:
     """The per-KV-head kernel's split count for a row (its own chooser)."""
     from jattn.pallas_kernels import mosaic_decode_heads as mh
 
     max_pages = -(-length // page_size)
-    return mh.choose_num_splits(bs, HKV, max_pages * page_size, mh.row_tiles(q_len * (HQ // HKV), row_tile))
+    tiles = mh.row_tiles(q_len * (HQ // HKV), row_tile)
+    return mh.choose_num_splits(bs, HKV, max_pages * page_size, tiles, block)
 
 
 def verify_ratios(header, rows) -> list[str]:
@@ -319,9 +320,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # the call runs the per-KV-head kernel where mosaic_decode routes it (splits column: "h" + its count)
         heads = (
-            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale) is not None
+            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, opts.fp8_heads) is not None
             and opts.heads_kernel
         )
+        heads_block = 128 if opts.fp8_heads and kvname == "fp8" else 64
         noheads = dataclasses.replace(opts, heads_kernel=False)
         bsz = md.choose_block_sizes(
             batch=bs,
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
             tbs = kv_bytes / t.seconds / 1e12
             cells = [
-                f"h{_heads_splits(bs, L, ps, q_len, opts.heads_row_tile)}" if heads else bsz.num_splits,
+                f"h{_heads_splits(bs, L, ps, q_len, opts.heads_row_tile, heads_block)}" if heads else bsz.num_splits,
                 f"{t.seconds * 1e6:.1f}",
                 f"{tbs:.2f}",
                 f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%",
