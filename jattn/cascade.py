@@ -34,7 +34,10 @@ the prefix followed by its suffix, and the result equals
 (rows whose first pages are shared) on the device; :func:`check_shared_prefix`
 checks a grouping on the host.
 
-A suffix of 0 tokens is allowed (the request is only its prefix) when
+The prefix pass gives every query the whole prefix, so a request of a group with
+a prefix needs ``suffix_lens[b] >= max_seqlen_q - 1`` (its first query at the
+prefix's last position or later; refused where the lengths are concrete): a
+suffix of 0 tokens is allowed (the request is only its prefix) when
 ``max_seqlen_q == 1``; a prefix of 0 tokens gives a plain decode. Window
 attention is not supported (the window's start may fall inside the prefix).
 """
@@ -42,8 +45,11 @@ attention is not supported (the window's start may fall inside the prefix).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import ops
+from jattn.checks import _check_int, _check_lengths, _check_max_seqlen, _check_ndim, _check_options, _concrete, _is_int
+from jattn.plan_inputs import _as_int_array, _positive_int
 
 __all__ = [
     "cascade_decode",
@@ -143,6 +149,63 @@ def _extend_prefix(q, k_cache, v_cache, prefix_page_table, prefix_lens, group_si
     return o, jnp.where(empty[..., None], -jnp.inf, lse)
 
 
+def _check_group_size(group_size) -> None:
+    if not _is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1")
+
+
+def _check_part(table, lens, table_name: str, lens_name: str, k_cache) -> None:
+    """The eager ops' check of concrete lengths and the page ids they use
+    (``checks._check_lengths``) on one part's table, its message naming this part's
+    arguments (the ops would name ``page_table`` / ``cache_seqlens``, at the rows of a
+    repeated table)."""
+    try:
+        _check_lengths(table, lens, k_cache.shape[1], k_cache.shape[0])
+    except ValueError as e:
+        raise ValueError(str(e).replace("cache_seqlens", lens_name).replace("page_table", table_name)) from None
+
+
+def _check_inputs(
+    q, k_cache, prefix_page_table, prefix_lens, suffix_page_table, suffix_lens, group_size, n, cap, sinks
+):
+    """Shapes, dtypes and (where concrete) values of :func:`cascade_decode`'s arguments."""
+    _check_group_size(group_size)
+    _check_max_seqlen(n, "max_seqlen_q")
+    _check_ndim(q, "q", 3, "[batch * max_seqlen_q, num_q_heads, head_dim]")
+    _check_ndim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    for x, name, ndim, layout in (
+        (prefix_page_table, "prefix_page_table", 2, "[groups, max_prefix_pages]"),
+        (prefix_lens, "prefix_lens", 1, "[groups]"),
+        (suffix_page_table, "suffix_page_table", 2, "[batch, max_suffix_pages]"),
+        (suffix_lens, "suffix_lens", 1, "[batch]"),
+    ):
+        _check_int(x, name)
+        _check_ndim(x, name, ndim, layout)
+    groups, bs = prefix_page_table.shape[0], suffix_page_table.shape[0]
+    if prefix_lens.shape != (groups,):
+        raise ValueError(f"prefix_lens must have shape ({groups},) (one per group), got {tuple(prefix_lens.shape)}")
+    if bs != groups * group_size:
+        raise ValueError(f"suffix_page_table has {bs} rows; it must be groups ({groups}) * group_size ({group_size})")
+    if suffix_lens.shape != (bs,):
+        raise ValueError(f"suffix_lens must have shape ({bs},) (one per request), got {tuple(suffix_lens.shape)}")
+    if q.shape[0] != bs * n:
+        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({n})")
+    _check_options(-1, cap, sinks, q.shape[1])
+    _check_part(prefix_page_table, prefix_lens, "prefix_page_table", "prefix_lens", k_cache)
+    _check_part(suffix_page_table, suffix_lens, "suffix_page_table", "suffix_lens", k_cache)
+    pl, sl = _concrete(prefix_lens), _concrete(suffix_lens)
+    if pl is None or sl is None:
+        return
+    short = np.flatnonzero((np.repeat(pl, group_size) > 0) & (sl < n - 1))
+    if short.size:
+        b = int(short[0])
+        raise ValueError(
+            f"suffix_lens[{b}]={int(sl[b])} must be >= max_seqlen_q - 1 = {n - 1}: group {b // group_size} has a "
+            f"prefix (prefix_lens[{b // group_size}]={int(pl[b // group_size])}) that every query sees whole, so "
+            f"request {b}'s first query cannot come before its end"
+        )
+
+
 def cascade_decode(
     q,
     k_cache,
@@ -186,23 +249,25 @@ def cascade_decode(
     Returns ``out [bs * max_seqlen_q, Hq, D]`` in q's dtype, and with ``return_lse`` the
     natural-log LSE f32 ``[bs * max_seqlen_q, Hq]``.
     """
-    if group_size < 1 or not isinstance(group_size, int):
-        raise ValueError(f"group_size={group_size!r} must be an int >= 1")
-    groups, bs = prefix_page_table.shape[0], suffix_page_table.shape[0]
-    if prefix_lens.shape != (groups,):
-        raise ValueError(f"prefix_lens must have shape ({groups},) (one per group), got {tuple(prefix_lens.shape)}")
-    if bs != groups * group_size:
-        raise ValueError(f"suffix_page_table has {bs} rows; it must be groups ({groups}) * group_size ({group_size})")
-    if suffix_lens.shape != (bs,):
-        raise ValueError(f"suffix_lens must have shape ({bs},) (one per request), got {tuple(suffix_lens.shape)}")
-    if q.shape[0] != bs * max_seqlen_q:
-        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    _check_inputs(
+        q,
+        k_cache,
+        prefix_page_table,
+        prefix_lens,
+        suffix_page_table,
+        suffix_lens,
+        group_size,
+        max_seqlen_q,
+        logit_cap,
+        sinks,
+    )
+    groups, hkv = prefix_page_table.shape[0], max(1, k_cache.shape[2])
+    rows = group_size * max_seqlen_q * (q.shape[1] // hkv)  # query rows per (group, KV head)
     if prefix_pass not in (None, "decode", "extend"):
         raise ValueError(f"prefix_pass={prefix_pass!r} must be 'decode', 'extend' or None")
     if prefix_pass == "extend" and prefix_chunk is not None:
         raise ValueError("prefix_chunk applies to prefix_pass='decode' only")
     if prefix_pass is None:
-        rows = group_size * max_seqlen_q * (q.shape[1] // max(1, k_cache.shape[2]))
         small = rows < _EXTEND_ROWS and group_size * max_seqlen_q <= _MAX_ROWS
         prefix_pass = "decode" if small or prefix_chunk is not None else "extend"
     common = dict(logit_cap=logit_cap, softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, backend=backend)
@@ -220,8 +285,8 @@ def cascade_decode(
     if prefix_pass == "extend":
         width = prefix_page_table.shape[1]
         if prefix_splits is None:
-            prefix_splits = prefix_split_count(groups, group_size * max_seqlen_q, q.shape[1], width * k_cache.shape[1])
-        if not isinstance(prefix_splits, int) or not 1 <= prefix_splits <= max(1, width):
+            prefix_splits = prefix_split_count(groups, rows, hkv, width * k_cache.shape[1])
+        if not _is_int(prefix_splits) or not 1 <= prefix_splits <= max(1, width):
             raise ValueError(f"prefix_splits={prefix_splits!r} must be an int in [1, {max(1, width)}]")
         o_p, lse_p = _extend_prefix(
             q, k_cache, v_cache, prefix_page_table, prefix_lens, group_size, max_seqlen_q, prefix_splits, common
@@ -231,8 +296,8 @@ def cascade_decode(
         )
     else:
         chunk = prefix_chunk_size(group_size, max_seqlen_q) if prefix_chunk is None else prefix_chunk
-        if chunk < 1 or group_size % chunk:
-            raise ValueError(f"prefix_chunk={prefix_chunk} must divide group_size={group_size}")
+        if not _is_int(chunk) or chunk < 1 or group_size % chunk:
+            raise ValueError(f"prefix_chunk={prefix_chunk!r} must divide group_size={group_size}")
         per = group_size // chunk
         # Each chunk of a group's requests is one "request" of chunk * q_len query rows.
         o_p, lse_p = ops.mha_decode_with_kvcache(
@@ -261,13 +326,28 @@ def cascade_tables(page_table, seq_lens, prefix_pages, *, group_size: int, page_
     ``page_table`` i32[bs, W] and ``seq_lens`` i32[bs] are a decode plan's
     (``DecodeMetadata.page_table`` / ``cache_seqlens``); groups of ``group_size``
     consecutive requests share their first ``prefix_pages[g]`` pages (whole pages: the
-    caller guarantees the rows hold the same ids there, see :func:`check_shared_prefix`).
-    Returns ``(prefix_page_table [G, W], prefix_lens [G], suffix_page_table [bs, W],
-    suffix_lens [bs])`` for :func:`cascade_decode`: group ``g``'s prefix is its first
-    member's first pages, each request's suffix the rest of its row, shifted left.
+    rows must hold the same ids there; where the values are concrete,
+    :func:`check_shared_prefix` checks it, each request of a group with shared pages
+    keeping at least its one new token after them). Returns ``(prefix_page_table [G, W],
+    prefix_lens [G], suffix_page_table [bs, W], suffix_lens [bs])`` for
+    :func:`cascade_decode`: group ``g``'s prefix is its first member's first pages, each
+    request's suffix the rest of its row, shifted left.
     """
+    _check_group_size(group_size)
+    page_size = _positive_int(page_size, "page_size")
+    _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
+    _check_ndim(seq_lens, "seq_lens", 1, "[batch]")
     bs, width = page_table.shape
-    groups = bs // group_size
+    if bs % group_size:
+        raise ValueError(f"page_table has {bs} rows, not a multiple of group_size={group_size}")
+    if seq_lens.shape != (bs,) or jnp.shape(prefix_pages) != (bs // group_size,):
+        raise ValueError(
+            f"seq_lens must have shape ({bs},) and prefix_pages ({bs // group_size},) (one per group of "
+            f"{group_size}), got {tuple(seq_lens.shape)} and {jnp.shape(prefix_pages)}"
+        )
+    values = [_concrete(x) for x in (page_table, seq_lens, prefix_pages)]
+    if all(x is not None for x in values):
+        check_shared_prefix(*values, group_size=group_size, page_size=page_size)
     prefix_pages = jnp.asarray(prefix_pages, jnp.int32)
     prefix_page_table = page_table[::group_size]
     prefix_lens = prefix_pages * page_size
@@ -275,33 +355,42 @@ def cascade_tables(page_table, seq_lens, prefix_pages, *, group_size: int, page_
     cols = jnp.minimum(jnp.arange(width, dtype=jnp.int32)[None, :] + per_req[:, None], width - 1)
     suffix_page_table = jnp.take_along_axis(page_table, cols, axis=1)
     suffix_lens = seq_lens.astype(jnp.int32) - jnp.repeat(prefix_lens, group_size)
-    assert prefix_page_table.shape[0] == groups
     return prefix_page_table, prefix_lens, suffix_page_table, suffix_lens
 
 
 def check_shared_prefix(page_table, seq_lens, prefix_pages, *, group_size: int, page_size: int, q_len: int = 1):
     """Host-side check of a grouping (numpy): raises ``ValueError`` naming the request whose
     row differs from its group's first row within the shared pages, or whose own part
-    (suffix) would not hold its ``q_len`` new tokens."""
-    import numpy as np
-
-    pt, sl, pp = np.asarray(page_table), np.asarray(seq_lens), np.asarray(prefix_pages)
-    bs = pt.shape[0]
+    (suffix) would not hold its ``q_len`` new tokens after them (a group that shares no
+    page is a plain decode: its rows may be shorter, padding rows of length 0 included)."""
+    _check_group_size(group_size)
+    page_size = _positive_int(page_size, "page_size")
+    if not _is_int(q_len) or q_len < 0:
+        raise ValueError(f"q_len={q_len!r} must be an int >= 0")
+    pt = _as_int_array(page_table, "page_table", 2)
+    sl = _as_int_array(seq_lens, "seq_lens", 1)
+    pp = _as_int_array(prefix_pages, "prefix_pages", 1)
+    bs, width = pt.shape
     if bs % group_size:
         raise ValueError(f"batch {bs} is not a multiple of group_size={group_size}")
-    if pp.shape != (bs // group_size,):
-        raise ValueError(f"prefix_pages must have shape ({bs // group_size},), got {pp.shape}")
-    for b in range(bs):
-        g = b // group_size
-        n = int(pp[g])
-        if n < 0 or n > pt.shape[1]:
-            raise ValueError(f"prefix_pages[{g}]={n} is outside [0, {pt.shape[1]}]")
-        if not np.array_equal(pt[b, :n], pt[g * group_size, :n]):
-            raise ValueError(f"request {b} does not share group {g}'s first {n} pages")
-    for b in range(bs):
-        n = int(pp[b // group_size])
-        if sl[b] - n * page_size < q_len:
-            raise ValueError(
-                f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} tokens after "
-                f"{n} shared pages of {page_size}"
-            )
+    if pp.shape != (bs // group_size,) or sl.shape != (bs,):
+        raise ValueError(
+            f"prefix_pages must have shape ({bs // group_size},) and seq_lens ({bs},), got {pp.shape} and {sl.shape}"
+        )
+    bad = np.flatnonzero((pp < 0) | (pp > width))
+    if bad.size:
+        g = int(bad[0])
+        raise ValueError(f"prefix_pages[{g}]={int(pp[g])} is outside [0, {width}]")
+    n = np.repeat(pp, group_size)  # shared pages per request
+    shared = np.arange(width)[None, :] < n[:, None]
+    differs = np.flatnonzero(((pt != pt[np.arange(bs) // group_size * group_size]) & shared).any(axis=1))
+    if differs.size:
+        b = int(differs[0])
+        raise ValueError(f"request {b} does not share group {b // group_size}'s first {int(n[b])} pages")
+    short = np.flatnonzero((n > 0) & (sl - n * page_size < q_len))
+    if short.size:
+        b = int(short[0])
+        raise ValueError(
+            f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} tokens after "
+            f"{int(n[b])} shared pages of {page_size}"
+        )

@@ -233,3 +233,102 @@ def test_cascade_extend_pass_on_the_mosaic_kernels_interpreted():
     assert np.isfinite(out).all(), "NaN from an unused slot"
     np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("prefix_pass", ["decode", "extend"])
+def test_cascade_refuses_lengths_and_pages_outside_their_tables(prefix_pass):
+    """Concrete lengths and page ids are checked on both prefix passes, the message naming
+    the cascade's argument and its own row (the extend pass clipped a prefix longer than
+    its table, or a negative one, silently; the decode pass named the repeated table)."""
+    q, k, v, ptab, plens, stab, slens = _setup(1, (20, 33), 2, 1)
+    run = dict(group_size=2, prefix_pass=prefix_pass)
+    cap = ptab.shape[1] * PS
+    for bad in (cap + 1, -1):
+        with pytest.raises(ValueError, match=rf"prefix_lens\[1\]={bad} must be in \[0, {cap}\] \(prefix_page_table's"):
+            jattn.cascade_decode(q, k, v, ptab, np.array([20, bad], np.int32), stab, slens, **run)
+    p2 = ptab.copy()
+    p2[1, 0] = k.shape[0]
+    with pytest.raises(ValueError, match=rf"prefix_page_table\[1, 0\]={k.shape[0]} out of range"):
+        jattn.cascade_decode(q, k, v, p2, plens, stab, slens, **run)
+    s2 = slens.copy()
+    s2[3] = -2
+    with pytest.raises(ValueError, match=r"suffix_lens\[3\]=-2 must be in"):
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, s2, **run)
+
+
+def test_cascade_argument_shapes_dtypes_and_sinks():
+    q, k, v, ptab, plens, stab, slens = _setup(2, (20,), 2, 1)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(8,\)"):  # was broadcast over the heads
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, sinks=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match=r"prefix_page_table must be \[groups, max_prefix_pages\], got shape \(2,\)"):
+        jattn.cascade_decode(q, k, v, ptab[0], plens, stab, slens, group_size=2)
+    with pytest.raises(TypeError, match="prefix_lens.dtype=float32 must be int32"):  # was truncated
+        jattn.cascade_decode(q, k, v, ptab, plens.astype(np.float32) + 0.5, stab, slens, group_size=2)
+    for bad in (dict(prefix_chunk=1.0), dict(prefix_pass="extend", prefix_splits=True), dict(group_size=True)):
+        with pytest.raises(ValueError, match="must"):
+            jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, **{"group_size": 2, **bad})
+    out = jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=np.int64(2), prefix_chunk=np.int32(1))
+    np.testing.assert_allclose(out, jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2), atol=1e-6)
+
+
+def test_cascade_suffix_shorter_than_the_queries():
+    """Query 0 of a request sits at ``L - n``: with a prefix, a suffix of ``n - 1`` tokens
+    puts it on the prefix's last key (every prefix key visible: exact); a shorter one
+    would hide prefix keys from it, which the prefix pass cannot do: refused, where the
+    result was silently wrong. A group with no prefix is a plain decode (``L < n`` too)."""
+    q, k, v, ptab, plens, stab, slens = _setup(4, (40, 0), 2, 3)
+    slens[1], slens[2] = 2, 1
+    want, want_lse = _expected(q, k, v, ptab, plens, stab, slens, 2, 3)
+    for prefix_pass in ("decode", "extend"):
+        out, lse = jattn.cascade_decode(
+            q, k, v, ptab, plens, stab, slens, group_size=2, max_seqlen_q=3, return_lse=True, prefix_pass=prefix_pass
+        )
+        np.testing.assert_allclose(out, want, atol=2e-4, rtol=2e-4)
+        np.testing.assert_allclose(lse, want_lse, atol=2e-4, rtol=2e-4)
+    slens[1] = 1
+    with pytest.raises(ValueError, match=r"suffix_lens\[1\]=1 must be >= max_seqlen_q - 1 = 2: group 0 has a prefix"):
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, max_seqlen_q=3)
+
+
+def test_cascade_tables_checks_concrete_groupings():
+    """Eager ``cascade_tables`` checks the grouping (a row that does not hold its group's
+    shared pages read the first row's pages silently); ``check_shared_prefix`` lets
+    padding rows (length 0) sit in a group that shares nothing, as the planner does."""
+    import jax
+
+    from jattn.cascade import cascade_tables, check_shared_prefix
+
+    table = np.array([[3, 4, 0], [3, 5, 0], [6, 7, 0], [0, 0, 0]], np.int32)
+    seq = np.array([20, 18, 9, 0], np.int32)
+    check_shared_prefix(table, seq, np.array([1, 0]), group_size=2, page_size=16)
+    tabs = cascade_tables(table, seq, np.array([1, 0], np.int32), group_size=2, page_size=16)
+    np.testing.assert_array_equal(tabs[3], [4, 2, 9, 0])
+    with pytest.raises(ValueError, match="request 1 does not share group 0's first 2 pages"):
+        cascade_tables(table, seq, np.array([2, 0], np.int32), group_size=2, page_size=16)
+    with pytest.raises(ValueError, match="request 1: seq_len 16 leaves fewer than q_len=1 tokens"):
+        cascade_tables(
+            table, np.array([20, 16, 9, 0], np.int32), np.array([1, 0], np.int32), group_size=2, page_size=16
+        )
+    with pytest.raises(ValueError, match=r"prefix_pages\[1\]=4 is outside \[0, 3\]"):
+        cascade_tables(table, seq, np.array([0, 4], np.int32), group_size=2, page_size=16)
+    with pytest.raises(ValueError, match="page_table has 4 rows, not a multiple of group_size=3"):
+        cascade_tables(table, seq, np.array([1], np.int32), group_size=3, page_size=16)
+    with pytest.raises(ValueError, match=r"prefix_pages \(2,\) \(one per group of 2\), got \(4,\) and \(3,\)"):
+        cascade_tables(table, seq, np.array([1, 0, 0], np.int32), group_size=2, page_size=16)
+    traced = jax.jit(lambda *a: cascade_tables(*a, group_size=2, page_size=16))(table, seq, np.array([1, 0], np.int32))
+    np.testing.assert_array_equal(traced[3], tabs[3])
+
+
+def test_default_prefix_splits_count_packed_rows_per_kv_head(monkeypatch):
+    """The extend pass's default page ranges come from its packed rows per KV head on the
+    KV heads (``prefix_split_count``'s contract; docs/PERF.md's 16 ranges for 1 x 64 with
+    32 / 8 heads); the call passed the unpacked rows on the query heads (8 ranges there)."""
+    import jattn.cascade as cascade
+
+    calls = []
+    real = cascade.prefix_split_count
+    monkeypatch.setattr(cascade, "prefix_split_count", lambda *a: calls.append(a) or real(*a))
+    q, k, v, ptab, plens, stab, slens = _setup(6, (40,), 4, 1)  # 4 requests, 8 / 2 heads
+    jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=4, prefix_pass="extend")
+    assert calls == [(1, 4 * (HQ // HKV), HKV, ptab.shape[1] * PS)]
+    assert real(1, 64 * 4, 8, 16384) == 16
