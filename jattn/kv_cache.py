@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.checks import _is_int
 from jattn.metadata import DUMMY_PAGE
+from jattn.plan_inputs import _positive_int
 
 _DTYPES = {
     "bfloat16": jnp.bfloat16,
@@ -26,14 +28,30 @@ _ALLOWED = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 def cache_dtype(dtype) -> jnp.dtype:
     """Normalises a KV-cache dtype (bf16, fp16, f32 or FP8 e4m3)."""
     d = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    d = jnp.dtype(d)
-    if d not in [jnp.dtype(a) for a in _ALLOWED]:
-        raise ValueError(f"kv cache dtype={d} must be one of bf16, fp16, f32, float8_e4m3fn")
+    try:
+        d = jnp.dtype(d) if d is not None else None  # jnp.dtype(None) would be float64
+    except TypeError:
+        d = None
+    if d is None or d not in [jnp.dtype(a) for a in _ALLOWED]:
+        raise ValueError(f"kv cache dtype={dtype if d is None else d} must be one of bf16, fp16, f32, float8_e4m3fn")
     return d
+
+
+def _num_pages(num_pages) -> int:
+    """A pool's page count (:class:`PageAllocator`, the caches' ``create``)."""
+    if not _is_int(num_pages) or num_pages < 2:
+        raise ValueError(f"num_pages={num_pages!r} must be >= 2 (an int; page {DUMMY_PAGE} is reserved)")
+    return int(num_pages)
 
 
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _sizes(**sizes) -> tuple:
+    """The pool dimensions given to ``create``, each a positive int (a message naming the
+    first that is not, instead of an error from ``jnp.zeros`` or an empty cache)."""
+    return tuple(_positive_int(v, k) for k, v in sizes.items())
 
 
 class _Pools:
@@ -61,13 +79,33 @@ class _Pools:
     def dtype(self):
         return self._first()[0].dtype
 
+    def _index(self, i) -> int:
+        """A layer index in ``[0, num_layers)`` (a stacked pool's indexing would clamp a
+        larger one, and its update drop it, silently)."""
+        if not _is_int(i) or not 0 <= i < self.num_layers:
+            raise ValueError(
+                f"layer {i!r} is out of range: the {type(self).__name__} holds layers [0, {self.num_layers})"
+            )
+        return int(i)
+
     def _layer(self, i: int) -> tuple:
+        i = self._index(i)
         return tuple(getattr(self, n)[0][i] if self.stacked else getattr(self, n)[i] for n in self._POOLS)
 
     def _replace_layer(self, i: int, arrays):
+        """A new cache with layer ``i``'s pools replaced by arrays of their shape and dtype
+        (a stacked pool's update would broadcast a smaller array and cast another dtype)."""
+        i = self._index(i)
         new = {}
         for n, a in zip(self._POOLS, arrays):
             pools = getattr(self, n)
+            ref = pools[0] if self.stacked else pools[i]
+            want = ref.shape[1:] if self.stacked else ref.shape
+            if tuple(jnp.shape(a)) != tuple(want) or jnp.result_type(a) != ref.dtype:
+                raise ValueError(
+                    f"{n}: layer {i}'s new pool is {jnp.result_type(a)}{list(jnp.shape(a))}; it must be the "
+                    f"cache's {ref.dtype}{list(want)}"
+                )
             if self.stacked:
                 new[n] = (pools[0].at[i].set(a),)
             else:
@@ -96,6 +134,10 @@ class _Pools:
     def unflat(self, flat):
         """The stacked cache of this cache's shape holding ``flat`` (the inverse of :meth:`flat`)."""
         self._require_stacked()
+        for n in self._POOLS:
+            got, want = getattr(flat, n)[0].shape, _merge_layers(getattr(self, n)[0]).shape
+            if tuple(got) != tuple(want):  # a reshape of the same size would reorder the pages silently
+                raise ValueError(f"flat.{n} has shape {tuple(got)}; the flat view of this cache is {tuple(want)}")
         return dataclasses.replace(
             self, **{n: (getattr(flat, n)[0].reshape(getattr(self, n)[0].shape),) for n in self._POOLS}
         )
@@ -142,9 +184,10 @@ class PagedKVCache(_Pools):
         stacked: bool = False,
     ) -> "PagedKVCache":
         dt = cache_dtype(dtype)
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
+        num_pages = _num_pages(num_pages)
         dv = head_dim if head_dim_v is None else head_dim_v
+        sizes = dict(num_layers=num_layers, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        num_layers, page_size, num_kv_heads, head_dim, dv = _sizes(**sizes, head_dim_v=dv)
         if stacked:
             k = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dt),)
             v = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, dv), dt),)
@@ -187,8 +230,9 @@ class MLAKVCache(_Pools):
         stacked: bool = False,
     ) -> "MLAKVCache":
         dt = cache_dtype(dtype)
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
+        num_pages = _num_pages(num_pages)
+        sizes = dict(num_layers=num_layers, page_size=page_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+        num_layers, page_size, kv_lora_rank, rope_dim = _sizes(**sizes)
         shape = (num_pages, page_size, kv_lora_rank + rope_dim)
         if stacked:
             return cls(kv=(jnp.zeros((num_layers, *shape), dt),), kv_lora_rank=kv_lora_rank, stacked=True)
@@ -214,9 +258,7 @@ class PageAllocator:
     """Host-side free list of page ids ``1 .. num_pages - 1`` (page 0 is the dummy)."""
 
     def __init__(self, num_pages: int):
-        if num_pages < 2:
-            raise ValueError(f"num_pages={num_pages} must be >= 2 (page {DUMMY_PAGE} is reserved)")
-        self.num_pages = num_pages
+        self.num_pages = _num_pages(num_pages)
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._used = np.zeros(num_pages, bool)
 
@@ -225,8 +267,8 @@ class PageAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"cannot allocate n={n} pages")
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"cannot allocate n={n!r} pages (an int >= 0)")
         if n > len(self._free):
             raise PagePoolExhausted(
                 f"page pool exhausted: asked for {n} pages, {len(self._free)} of {self.num_pages - 1} free"
@@ -236,9 +278,11 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        pages = [int(p) for p in pages]
+        pages = list(pages)
         seen = set()
         for p in pages:
+            if not _is_int(p):  # int() would free page 2 for 2.7
+                raise ValueError(f"page {p!r} is not a page id (an int)")
             if not 0 < p < self.num_pages:
                 raise ValueError(f"page {p} out of range [1, {self.num_pages})")
             if not self._used[p] or p in seen:
@@ -246,8 +290,10 @@ class PageAllocator:
             seen.add(p)
         for p in pages:
             self._used[p] = False
-            self._free.append(p)
+            self._free.append(int(p))
 
     @staticmethod
     def pages_for(num_tokens: int, page_size: int) -> int:
-        return -(-num_tokens // page_size)
+        if not _is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+        return -(-int(num_tokens) // _positive_int(page_size, "page_size"))
