@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.backends import MLABackend, MLAConfig
+from jattn.checks import _concrete, _is_int
 from jattn.metadata import DecodeMetadata, ForwardMode, _slots
-from jattn.plan_inputs import _check_unique_slots
+from jattn.plan_inputs import _as_int_array
 from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]
@@ -54,8 +55,9 @@ class MultiStepMetadata:
         """The plan of step ``i`` (a Python int in ``[0, num_steps)``, or traced): lengths
         ``seq_lens + i`` (padding rows stay 0), positions and write slots re-derived from
         the page table. Jittable; equal to planning those lengths on the host."""
-        if isinstance(i, (int, np.integer)) and not 0 <= i < self.num_steps:
-            raise ValueError(f"step {i} is not in [0, num_steps={self.num_steps})")
+        v = _concrete(i)  # a concrete jax scalar too: a step past the plan reads pages it never planned
+        if v is not None and not (v.shape == () and np.issubdtype(v.dtype, np.integer) and 0 <= v < self.num_steps):
+            raise ValueError(f"step {v.item() if v.size == 1 else i!r} is not in [0, num_steps={self.num_steps})")
         lens = jnp.asarray(self.seq_lens, jnp.int32)
         return self.base.with_seq_lens(jnp.where(lens > 0, lens + jnp.asarray(i, jnp.int32), 0))
 
@@ -113,11 +115,13 @@ class MLAMultiStepDraftBackend:
             last step's length ``seq_lens + num_steps - 1``.
           num_pages: as in :meth:`jattn.MLABackend.init_forward_metadata`.
         """
+        if not _is_int(bs) or bs < 0:  # int() would truncate 2.7
+            raise ValueError(f"bs={bs!r} must be an int >= 0")
         bs = int(bs)
-        sl = np.asarray(seq_lens)
-        if sl.ndim != 1 or not 0 <= bs <= sl.shape[0]:
-            raise ValueError(f"seq_lens must be 1-D with at least bs={bs} entries, got shape {sl.shape}")
-        sl = sl[:bs].astype(np.int64)
+        sl = _as_int_array(seq_lens, "seq_lens", 1)  # refuses fractional lengths, which astype truncated
+        if sl.shape[0] < bs:
+            raise ValueError(f"seq_lens must have at least bs={bs} entries, got shape {sl.shape}")
+        sl = sl[:bs]
         if (sl < 0).any():
             b = int(np.argmax(sl < 0))
             raise ValueError(f"seq_lens[{b}]={sl[b]} is negative")
@@ -131,14 +135,24 @@ class MLAMultiStepDraftBackend:
         return MultiStepMetadata(base=base, seq_lens=lens, num_steps=self.num_steps)
 
     def _check_slots(self, base: DecodeMetadata, lens: np.ndarray) -> None:
-        """No two draft tokens of the loop (any request, any step) write one slot."""
+        """No two draft tokens of the loop (any request, any step) write one slot; the
+        message names both by request and step."""
         rows = np.flatnonzero(lens > 0)
         if not rows.size or not self.num_steps:
             return
-        steps = np.arange(self.num_steps)
         r = np.repeat(rows, self.num_steps)
-        pos = (lens[rows, None] - 1 + steps[None, :]).reshape(-1)
-        _check_unique_slots(_slots(np.asarray(base.page_table), r, pos, base.page_size), base.page_size)
+        step = np.tile(np.arange(self.num_steps), rows.size)
+        loc = _slots(np.asarray(base.page_table), r, lens[r] - 1 + step, base.page_size)
+        _, first, inverse = np.unique(loc, return_index=True, return_inverse=True)
+        again = np.flatnonzero(first[inverse.reshape(-1)] != np.arange(loc.size))
+        if again.size:
+            j = int(again[0])
+            i, slot, ps = int(first[inverse.reshape(-1)[j]]), int(loc[j]), base.page_size
+            raise ValueError(
+                f"out_cache_loc: the draft tokens of request {r[i]} at step {step[i]} and of request {r[j]} at step "
+                f"{step[j]} would both write slot {slot} (page {slot // ps}, offset {slot % ps}); requests may share "
+                "pages only read-only (their prefix), never a page they write"
+            )
 
     def step_metadata(self, metadata: MultiStepMetadata, i) -> DecodeMetadata:
         """Step ``i``'s plan (jittable): ``metadata.step(i)``."""
@@ -153,8 +167,8 @@ class MLAMultiStepDraftBackend:
         ``attn_backends[step]`` with ``metadata.step(step)`` (the keywords pass through:
         ``save_kv_cache``, ``q_rope``, ``k_rope``, ``cos_sin_cache``, ...). Returns
         ``(latent out [bs, H * R], kv_cache)``."""
-        if not 0 <= step < self.num_steps:
-            raise ValueError(f"step={step} is not in [0, num_steps={self.num_steps})")
+        if not _is_int(step) or not 0 <= step < self.num_steps:
+            raise ValueError(f"step={step!r} is not in [0, num_steps={self.num_steps})")
         return self.attn_backends[step].forward_decode(q, k, v, layer, kv_cache, metadata.step(step), **kwargs)
 
     def init_forward_metadata_out_graph(

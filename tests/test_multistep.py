@@ -139,3 +139,36 @@ def test_multistep_errors_name_the_argument():
     with pytest.raises(ValueError, match="dummy page"):
         ms.init_forward_metadata(2, np.arange(2), np.array([4, 4]), r2p)
     assert jattn.MultiStepMetadata is type(md)
+
+
+def test_multistep_refuses_truncated_inputs_steps_past_the_plan_and_names_slot_clashes():
+    """Fractional lengths and batch sizes were truncated, a concrete jax step past the
+    plan gave lengths whose pages were never planned, and a slot written by two draft
+    tokens was named by their index in a flattened (request, step) list."""
+    ms = MLAMultiStepDraftBackend(_cfg(), speculative_num_steps=3)
+    r2p = _table(np.random.default_rng(3), 2, 4)
+    with pytest.raises(TypeError, match="seq_lens must hold integers, got dtype float64"):
+        ms.init_forward_metadata(2, np.arange(2), np.array([5.7, 3.2]), r2p)
+    with pytest.raises(ValueError, match=r"bs=2.7 must be an int >= 0"):
+        ms.init_forward_metadata(2.7, np.arange(3), np.array([5, 3, 4]), r2p)
+    with pytest.raises(ValueError, match=r"seq_lens must have at least bs=3 entries"):
+        ms.init_forward_metadata(3, np.arange(3), np.array([5, 3]), r2p)
+    md = ms.init_forward_metadata(np.int64(2), np.arange(2), np.array([5, 3]), r2p)
+    for bad in (jnp.int32(2), jnp.int32(-1), 1.0, True, np.array([0, 1])):
+        with pytest.raises(ValueError, match=r"step .* is not in \[0, num_steps=2\)"):
+            md.step(bad)
+    np.testing.assert_array_equal(md.step(jnp.int32(1)).cache_seqlens[:2], [6, 4])
+    traced = jax.jit(lambda m, i: m.step(i).cache_seqlens)(md, 1)
+    np.testing.assert_array_equal(traced[:2], [6, 4])
+    with pytest.raises(ValueError, match=r"step=1.0 is not in \[0, num_steps=2\)"):
+        ms.forward_decode(1.0, None, None, None, None, None, md)
+    # request 0 (length 2) writes positions 1, 2 and request 1 (length 3) positions 2, 3 of
+    # page 5: request 0's step-1 token and request 1's step-0 token clash; the last step's
+    # plan (positions 2 and 3) does not
+    r2p[0, :2], r2p[1, :2] = [5, 6], [5, 7]
+    with pytest.raises(
+        ValueError,
+        match=r"out_cache_loc: the draft tokens of request 0 at step 1 and of request 1 at step 0 would both "
+        r"write slot 22 \(page 5, offset 2\)",
+    ):
+        ms.init_forward_metadata(2, np.arange(2), np.array([2, 3]), r2p)
