@@ -27,6 +27,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jattn.checks import _is_int
 from jattn.reference import FP8_E4M3_MAX, round_to_e4m3
 
 __all__ = ["MLARope", "apply_rope", "quantize_query_fp8"]
@@ -41,6 +42,14 @@ def _check_cache(cos_sin_cache, rope_dim: int) -> None:
             f"cos_sin_cache is {shape[1]} wide; it must equal the (even) rope width {rope_dim} "
             "(cos in the first half, sin in the second)"
         )
+    if shape[0] == 0:  # no row to clamp a position to
+        raise ValueError(f"cos_sin_cache has no rows (shape {tuple(shape)}); it needs one per position")
+
+
+def _check_rope_dim(x, rope_dim) -> None:
+    """``rope_dim`` names the last columns of ``x`` (``x[..., -0:]`` would be all of them)."""
+    if not _is_int(rope_dim) or not 0 < rope_dim <= x.shape[-1]:
+        raise ValueError(f"rope_dim={rope_dim!r} must be an int in [1, {x.shape[-1]}] (the last columns of x)")
 
 
 def apply_rope(x, positions, cos_sin_cache, *, is_neox: bool = False):
@@ -50,11 +59,15 @@ def apply_rope(x, positions, cos_sin_cache, *, is_neox: bool = False):
     ``[max_position, r]`` (cos then sin). ``is_neox`` picks the pairing: ``(i, i + r/2)``
     if True, interleaved ``(2i, 2i + 1)`` if False.
     """
+    if jnp.ndim(x) < 2:
+        raise ValueError(f"x must be [tokens, ..., rope_dim], got shape {jnp.shape(x)}")
     r = x.shape[-1]
     _check_cache(cos_sin_cache, r)
     positions = jnp.asarray(positions)
     if positions.shape != (x.shape[0],):
         raise ValueError(f"positions has shape {positions.shape}; it must be [{x.shape[0]}] (one per token)")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):  # the cast to int32 would truncate
+        raise TypeError(f"positions.dtype={positions.dtype} must be an integer type (token positions)")
     cs = jnp.asarray(cos_sin_cache)[jnp.clip(positions.astype(jnp.int32), 0, cos_sin_cache.shape[0] - 1)]
     cs = cs.astype(jnp.float32).reshape((x.shape[0],) + (1,) * (x.ndim - 2) + (r,))
     cos, sin = cs[..., : r // 2], cs[..., r // 2 :]
@@ -102,12 +115,15 @@ class MLARope:
         into the latent cache quantises it (``set_mla_kv_buffer``)."""
         if k_pe is None:
             return None
+        if not (k_pe.ndim == 2 or (k_pe.ndim == 3 and k_pe.shape[1] == 1)):
+            raise ValueError(f"k_pe must be [tokens, rope_dim] or [tokens, 1, rope_dim], got shape {tuple(k_pe.shape)}")
         return apply_rope(
             k_pe.reshape(k_pe.shape[0], k_pe.shape[-1]), self.positions, self.cos_sin_cache, is_neox=self.is_neox
         )
 
     def rotate_tail(self, x, rope_dim: int):
         """``x`` ``[T, ..., D]`` with its last ``rope_dim`` columns rotated, in ``x``'s dtype."""
+        _check_rope_dim(x, rope_dim)
         rot = apply_rope(x[..., -rope_dim:], self.positions, self.cos_sin_cache, is_neox=self.is_neox)
         return jnp.concatenate([x[..., :-rope_dim], rot.astype(x.dtype)], axis=-1)
 
@@ -118,6 +134,7 @@ class MLARope:
         as those values in ``query``'s dtype (exact: e4m3 values are bf16/fp16/f32 values)."""
         from jattn.backends import apply_llama_4_scaling  # the one scaling rule
 
+        _check_rope_dim(query, rope_dim)
         rot = apply_rope(query[..., -rope_dim:], self.positions, self.cos_sin_cache, is_neox=self.is_neox)
         if not self.fp8:
             q = jnp.concatenate([query[..., :-rope_dim], rot.astype(query.dtype)], axis=-1)

@@ -77,6 +77,32 @@ def test_rope_errors_name_the_argument():
         apply_rope(x, jnp.zeros(3, jnp.int32), jnp.ones((10, 8)))
 
 
+def test_rope_refuses_what_it_would_truncate_clamp_or_misread():
+    """Float positions were cast to int32 (1.7 rotated as 1), an empty cache gave a gather
+    error, a rope width of 0 rotated the whole row (``x[..., -0:]``) and a k_pe of several
+    heads a reshape error."""
+    x = jnp.ones((3, 2, 4))
+    cs = jnp.asarray(np_cos_sin(8, 4), jnp.float32)
+    with pytest.raises(TypeError, match="positions.dtype=float32 must be an integer type"):
+        apply_rope(x, jnp.array([0.5, 1.7, 2.2]), cs)
+    with pytest.raises(ValueError, match=r"cos_sin_cache has no rows \(shape \(0, 4\)\)"):
+        apply_rope(x, jnp.arange(3), jnp.zeros((0, 4)))
+    with pytest.raises(ValueError, match=r"x must be \[tokens, ..., rope_dim\], got shape \(4,\)"):
+        apply_rope(jnp.ones(4), jnp.arange(4), cs)
+    rope = MLARope(jnp.arange(3, dtype=jnp.int32), cs)
+    with pytest.raises(
+        ValueError, match=r"k_pe must be \[tokens, rope_dim\] or \[tokens, 1, rope_dim\], got shape \(3, 2, 4\)"
+    ):
+        rope.key(jnp.ones((3, 2, 4)))
+    for bad in (0, 9, 4.0):
+        with pytest.raises(ValueError, match=rf"rope_dim={bad!r} must be an int in \[1, 8\]"):
+            rope.rotate_tail(jnp.ones((3, 2, 8)), bad)
+        with pytest.raises(ValueError, match=rf"rope_dim={bad!r} must be an int in \[1, 8\]"):
+            rope.query(jnp.ones((3, 2, 8)), bad)
+    np.testing.assert_array_equal(rope.rotate_tail(jnp.ones((3, 2, 8)), 4)[..., :4], 1.0)
+    assert apply_rope(x, np.arange(3, dtype=np.int64), cs).shape == (3, 2, 4)
+
+
 def _setup(rng, kv, spec=1, big_r=40, r=10, h=3, ps=8, num_pages=24):
     cfg = MLAConfig(
         num_heads=h,
