@@ -383,14 +383,16 @@ def check_shared_prefix(page_table, seq_lens, prefix_pages, *, group_size: int, 
         raise ValueError(f"prefix_pages[{g}]={int(pp[g])} is outside [0, {width}]")
     n = np.repeat(pp, group_size)  # shared pages per request
     shared = np.arange(width)[None, :] < n[:, None]
-    differs = np.flatnonzero(((pt != pt[np.arange(bs) // group_size * group_size]) & shared).any(axis=1))
-    if differs.size:
-        b = int(differs[0])
-        raise ValueError(f"request {b} does not share group {b // group_size}'s first {int(n[b])} pages")
-    short = np.flatnonzero((n > 0) & (sl - n * page_size < q_len))
-    if short.size:
-        b = int(short[0])
+    differs = ((pt != pt[np.arange(bs) // group_size * group_size]) & shared).any(axis=1)
+    short = (n > 0) & (sl - n * page_size < q_len)
+    for bad in (np.flatnonzero(differs), np.flatnonzero(short)):  # the sharing rule first
+        if not bad.size:
+            continue
+        b, g = int(bad[0]), int(bad[0]) // group_size
+        hint = " (padding rows cannot join a sharing group)" if sl[b] == 0 else ""
+        if differs[b]:
+            raise ValueError(f"request {b} does not share group {g}'s first {int(n[b])} pages{hint}")
         raise ValueError(
-            f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} tokens after "
-            f"{int(n[b])} shared pages of {page_size}"
+            f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} new tokens after group "
+            f"{g}'s {int(n[b])} shared pages of {page_size}{hint}"
         )

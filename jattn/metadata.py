@@ -401,19 +401,9 @@ def _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size
         raise ValueError(f"prefix_pages has {given.shape[0]} entries; the {bs} requests form {want} groups")
     pp = np.zeros(groups, np.int32)
     pp[: given.shape[0]] = given
-    for g in range(groups):
-        n = int(pp[g])
-        rows = range(g * group_size, (g + 1) * group_size)
-        if n < 0 or n > table.shape[1]:
-            raise ValueError(f"prefix_pages[{g}]={n} is outside [0, {table.shape[1]}]")
-        for b in rows:
-            if n and not np.array_equal(table[b, :n], table[g * group_size, :n]):
-                raise ValueError(f"request {b} does not share group {g}'s first {n} pages")
-            if n and lens[b] - n * page_size < q_len:
-                raise ValueError(
-                    f"request {b}: seq_len {int(lens[b])} leaves fewer than q_len={q_len} new tokens after "
-                    f"group {g}'s {n} shared pages of {page_size} (padding rows cannot join a sharing group)"
-                )
+    from jattn.cascade import check_shared_prefix  # here: jattn.cascade imports the ops, which import this module
+
+    check_shared_prefix(table, lens, pp, group_size=group_size, page_size=page_size, q_len=q_len)
     return pp
 
 

@@ -198,7 +198,7 @@ def test_cascade_tables_from_a_decode_plan_equal_the_plain_decode_and_do_not_ret
         check_shared_prefix(table, seq, np.array([3, 3]), group_size=group_size, page_size=PS)
     short = seq.copy()
     short[1] = 3 * PS  # all of request 1 inside the shared pages: no room for its new token
-    with pytest.raises(ValueError, match="request 1: seq_len 48 leaves fewer than q_len=1 tokens"):
+    with pytest.raises(ValueError, match="request 1: seq_len 48 leaves fewer than q_len=1 new tokens"):
         check_shared_prefix(table, short, np.array([3, 2]), group_size=group_size, page_size=PS)
 
 
@@ -305,7 +305,7 @@ def test_cascade_tables_checks_concrete_groupings():
     np.testing.assert_array_equal(tabs[3], [4, 2, 9, 0])
     with pytest.raises(ValueError, match="request 1 does not share group 0's first 2 pages"):
         cascade_tables(table, seq, np.array([2, 0], np.int32), group_size=2, page_size=16)
-    with pytest.raises(ValueError, match="request 1: seq_len 16 leaves fewer than q_len=1 tokens"):
+    with pytest.raises(ValueError, match="request 1: seq_len 16 leaves fewer than q_len=1 new tokens"):
         cascade_tables(
             table, np.array([20, 16, 9, 0], np.int32), np.array([1, 0], np.int32), group_size=2, page_size=16
         )

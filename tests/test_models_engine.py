@@ -584,7 +584,9 @@ def test_cascade_plan_decodes_like_the_plain_plan(monkeypatch):
     np.testing.assert_allclose(np.asarray(got)[:5], np.asarray(want)[:5], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="request 3 does not share group 1's first 1 pages"):
         plan_decode(lens, group_size=2, prefix_pages=np.array([3, 1, 0]), **kw)
-    with pytest.raises(ValueError, match="padding rows cannot join a sharing group"):
+    with pytest.raises(
+        ValueError, match=r"request 5 does not share group 2's first 1 pages \(padding rows cannot join"
+    ):
         plan_decode(lens, group_size=2, prefix_pages=np.array([3, 0, 1]), **kw)
     with pytest.raises(ValueError, match="not a multiple of group_size=4"):
         plan_decode(lens, group_size=4, prefix_pages=np.array([3, 0]), **kw)
