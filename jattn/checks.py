@@ -54,6 +54,13 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
     _check_causal(is_causal)
 
 
+def _window_within(window_left: int, max_keys: int) -> int:
+    """``window_left``, or -1 where the window holds every key a query can have (``window_left
+    >= max_keys``: ``pos_i - window_left < 0`` for every query position ``pos_i < max_keys``),
+    so that no kernel computes ``pos_i - window_left`` past int32."""
+    return -1 if window_left >= max_keys else window_left
+
+
 def _check_causal(is_causal) -> None:
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal={is_causal!r} must be a bool")

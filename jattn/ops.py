@@ -40,6 +40,7 @@ from jattn.checks import (
     _check_prefill,
     _check_scales,
     _is_int,
+    _window_within,
 )
 
 # ----------------------------------------------------------------------------- devices
@@ -260,7 +261,7 @@ def mha_decode_with_kvcache(
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
-        window_left=window_left,
+        window_left=_window_within(window_left, page_table.shape[1] * k_cache.shape[1]),
         logit_cap=logit_cap,
         sinks=sinks,
         softmax_scale=softmax_scale,
@@ -370,7 +371,7 @@ def mha_extend_with_kvcache(
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
-        window_left=window_left,
+        window_left=_window_within(window_left, page_table.shape[1] * k_cache.shape[1]),
         logit_cap=logit_cap,
         sinks=sinks,
         softmax_scale=softmax_scale,
@@ -440,7 +441,7 @@ def mha_prefill(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
         is_causal=is_causal,
-        window_left=window_left,
+        window_left=_window_within(window_left, k.shape[0]),  # no request has more keys than k's rows
         logit_cap=logit_cap,
         sinks=sinks,
         softmax_scale=softmax_scale,

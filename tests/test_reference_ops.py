@@ -934,3 +934,28 @@ def test_fp8_quantisation_is_the_ieee_quotient_rounded_once(scale):
     got = np.asarray(jax.jit(lambda a: quantize_fp8(a, scale))(jnp.asarray(x)), np.float32)
     np.testing.assert_array_equal(got, want)  # NaN positions equal too
     np.testing.assert_array_equal(np.asarray(round_to_e4m3(jnp.asarray(y))), want)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_window_past_every_key_is_no_window(backend):
+    """A window at least as wide as the page table's keys holds every key, so it gives
+    the no-window bits; int32's limit and past it too (no kernel may wrap pos - window),
+    including a non-causal draft block longer than its request (negative positions)."""
+    from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available
+
+    if backend == "mosaic" and not interpreter_available():
+        pytest.skip("needs the Mosaic GPU interpreter")
+    rng = np.random.default_rng(7)
+    pool = rng.standard_normal((6, 16, 2, 64)).astype(np.float16)
+    pool[5] = np.nan  # never read
+    kc = vc = jnp.asarray(pool)
+    pt = jnp.asarray([[2, 0, 4], [1, 3, 5]], jnp.int32)
+    lens = jnp.asarray([37, 2], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.float16)
+    kw = dict(max_seqlen_q=4, is_causal=False, backend=backend, return_lse=True)
+    with gpu_interpret():
+        want = jattn.mha_decode_with_kvcache(q, kc, vc, pt, lens, **kw)
+        for w in (48, 2**31 - 1, 2**40):
+            got = jattn.mha_decode_with_kvcache(q, kc, vc, pt, lens, window_left=w, **kw)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
