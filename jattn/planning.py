@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.checks import _is_int
 from jattn.config import MHAConfig, MLAConfig
 from jattn.metadata import (
     DecodeMetadata,
@@ -16,6 +17,7 @@ from jattn.metadata import (
     plan_decode,
     plan_extend,
 )
+from jattn.plan_inputs import _as_int_array, _positive_int
 
 
 def _check_plan(metadata, kv_cache) -> None:
@@ -43,8 +45,17 @@ def _check_plan(metadata, kv_cache) -> None:
 def check_capture_bucket(bs, buckets) -> None:
     """SGLang's ``in_capture`` rule: a plan made while a bucket compiles must be of that
     bucket, so ``bs`` must be one of ``buckets``."""
-    if int(bs) not in buckets:
+    _check_bs(bs)
+    if bs not in buckets:
         raise ValueError(f"in_capture: bs={bs} is not one of the buckets {tuple(buckets)}")
+
+
+def _check_bs(bs) -> int:
+    """``bs`` as an int: a Python or numpy integer, not a bool (``int()`` would truncate 2.7);
+    its range is checked where it is used."""
+    if not _is_int(bs):
+        raise ValueError(f"bs={bs!r} must be an int >= 0")
+    return int(bs)
 
 
 class _PlanningMixin:
@@ -86,12 +97,16 @@ class _PlanningMixin:
         """
         mode = ForwardMode.parse(forward_mode)
         cfg = self.config
-        bs = int(bs)
-        given = {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens}
+        bs = _check_bs(bs)
+        if mode.is_extend() and extend_seq_lens is None:
+            raise ValueError(f"extend_seq_lens is required for {mode}")
+        given = {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens, "req_to_page": req_to_page}
         if mode.is_extend():
-            given["extend_seq_lens"] = extend_seq_lens
+            given.update(extend_seq_lens=extend_seq_lens, extend_prefix_lens=extend_prefix_lens)
         for name, x in given.items():
-            if x is not None and not 0 <= bs <= len(np.asarray(x)):
+            if x is None and name != "extend_prefix_lens":
+                raise ValueError(f"{name} is required (None given)")
+            if x is not None and name != "req_to_page" and not 0 <= bs <= len(_as_int_array(x, name, 1)):
                 raise ValueError(f"bs={bs} must be in [0, {len(np.asarray(x))}] (the entries of {name})")
         common = dict(
             page_size=cfg.page_size,
@@ -103,8 +118,6 @@ class _PlanningMixin:
         )
         seq_lens = np.asarray(seq_lens)[:bs]
         if mode.is_extend():
-            if extend_seq_lens is None:
-                raise ValueError(f"extend_seq_lens is required for {mode}")
             return plan_extend(
                 seq_lens,
                 np.asarray(extend_seq_lens)[:bs],
@@ -136,6 +149,7 @@ class _PlanningMixin:
 
     def init_cuda_graph_state(self, max_bs: int, **kwargs) -> tuple:
         """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
+        max_bs = _positive_int(max_bs, "max_bs")
         buckets = tuple(b for b in self.config.batch_buckets if b < max_bs) + (max_bs,)
         self._batch_buckets = buckets
         return buckets
@@ -145,7 +159,7 @@ class _PlanningMixin:
     ) -> DecodeMetadata:
         """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with;
         ``num_pages`` as in :meth:`init_forward_metadata` (the replays must agree)."""
-        if bs not in self.batch_buckets:
+        if _check_bs(bs) not in self.batch_buckets:
             raise ValueError(f"bs={bs} is not one of the buckets {self.batch_buckets}")
         mode = ForwardMode.parse(forward_mode)
         if not mode.is_decode():

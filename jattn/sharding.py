@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import ops
+from jattn.checks import _is_int
 from jattn.config import LayerSpec
 from jattn.kv_cache import MLAKVCache, PagedKVCache
 from jattn.metadata import DecodeMetadata, ExtendMetadata
@@ -116,8 +117,11 @@ class HeadPartition:
 
     def __post_init__(self):
         hq, hkv, n, ax = self.num_q_heads, self.num_kv_heads, self.size, self.axis
-        if n < 1:
-            raise ValueError(f"the size of mesh axis {ax!r} must be >= 1, got {n}")
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"the size of mesh axis {ax!r} must be an int >= 1, got {n!r}")
+        for name, v in (("num_kv_heads", hkv), ("num_q_heads", hq)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
         _check_kv_heads(hkv, n, ax)
         if hq % hkv:
             raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
@@ -157,6 +161,12 @@ class HeadPartition:
                 f"on axis {axis}, got shape {tuple(x.shape)}"
             )
         return jnp.repeat(x, self.kv_replicas, axis=axis)
+
+
+def _check_sinks(sinks, num_q_heads: int) -> None:
+    """The global sinks (one per query head, split over the axis with the heads)."""
+    if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
+        raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
 
 
 def _split_kwargs(kwargs: dict):
@@ -251,6 +261,7 @@ class TensorParallel:
         )
 
     def _run(self, op, args, specs, sinks, return_lse, kwargs):
+        _check_sinks(sinks, args[0].shape[1])  # inside, each device would check its slice against its heads
         static, array_keys = _split_kwargs(kwargs)
         has_sinks = sinks is not None
         n = len(args)
@@ -357,8 +368,7 @@ class TensorParallelMHABackend(_Wrapped):
                 f"{layer.num_kv_heads} over mesh axis {self.tp.axis!r} of size {self.tp.size} it must hold the "
                 f"{hp.physical_kv_heads} physical heads (TensorParallel.create_kv_cache / shard_kv_cache)"
             )
-        if sinks is not None and tuple(jnp.shape(sinks)) != (layer.num_q_heads,):
-            raise ValueError(f"sinks must have shape ({layer.num_q_heads},), got {jnp.shape(sinks)}")
+        _check_sinks(sinks, layer.num_q_heads)
         local = dataclasses.replace(layer, layer_id=0, num_q_heads=hp.local_q_heads, num_kv_heads=hp.local_kv_heads)
         return hp, local
 
@@ -419,7 +429,8 @@ def stack_plans(plans):
     buckets so that their arrays have the same shapes) concatenated along their leading
     axis (``num_reqs`` becomes ``i32[n]``). Page ids and slots stay local to each device's
     pool. Static fields must agree, except an extend's ``has_prefix`` (True if any is) and
-    ``max_seqlen_q`` (the largest: a bound). ``positions`` comes out flat, as a model reads it."""
+    ``max_seqlen_q`` (the largest: a bound). ``positions`` comes out flat, as a model reads it;
+    a cascade plan's ``prefix_pages`` (data, per device) is concatenated like the other arrays."""
     plans = list(plans)
     if not plans:
         raise ValueError("stack_plans: plans is empty (one plan per device of the data-parallel axis)")
@@ -430,33 +441,46 @@ def stack_plans(plans):
             f"{[type(p).__name__ for p in plans]}"
         )
     statics = {}
-    for f in dataclasses.fields(cls):
-        vals = [getattr(p, f.name) for p in plans]
-        if f.name in _DATA_FIELDS:
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for name in sorted(fields, key=lambda f: f in _DATA_FIELDS):  # statics first: group_size before prefix_pages
+        vals = [getattr(p, name) for p in plans]
+        if name in _DATA_FIELDS:
             shapes = {np.shape(x) for x in vals}
             if len(shapes) != 1:
                 raise ValueError(
-                    f"stack_plans: {f.name} has shapes {sorted(shapes)} across the plans; plan every device "
+                    f"stack_plans: {name} has shapes {sorted(shapes)} across the plans; plan every device "
                     "with the same batch_buckets, token_buckets and max_pages (one bucket each)"
                 )
             continue
-        if cls is ExtendMetadata and f.name == "has_prefix":
-            statics[f.name] = any(vals)
-        elif cls is ExtendMetadata and f.name == "max_seqlen_q":
-            statics[f.name] = max(vals)
+        if cls is ExtendMetadata and name == "has_prefix":
+            statics[name] = any(vals)
+        elif cls is ExtendMetadata and name == "max_seqlen_q":
+            statics[name] = max(vals)
         elif any(x != vals[0] for x in vals):
-            raise ValueError(f"stack_plans: the static field {f.name} differs across the plans: {vals}")
+            raise ValueError(f"stack_plans: the static field {name} differs across the plans: {vals}")
         else:
-            statics[f.name] = vals[0]
+            statics[name] = vals[0]
     data = {
-        name: np.concatenate([np.asarray(getattr(p, name)).reshape(-1, *np.shape(getattr(p, name))[1:]) for p in plans])
+        name: None
+        if getattr(plans[0], name) is None  # a plain plan's prefix_pages (group_size 1 in every plan)
+        else np.concatenate([np.asarray(getattr(p, name)).reshape(-1, *np.shape(getattr(p, name))[1:]) for p in plans])
         for name in _DATA_FIELDS
-        if hasattr(plans[0], name)
+        if name in fields
     }
     return cls(**data, **statics)
 
 
-_DATA_FIELDS = ("page_table", "cache_seqlens", "prefix_lens", "cu_seqlens_q", "out_cache_loc", "positions", "num_reqs")
+# The array fields (split along the axis inside shard_map); prefix_pages: a cascade plan's, per device.
+_DATA_FIELDS = (
+    "page_table",
+    "cache_seqlens",
+    "prefix_lens",
+    "cu_seqlens_q",
+    "out_cache_loc",
+    "positions",
+    "num_reqs",
+    "prefix_pages",
+)
 
 
 def _unstack(md):

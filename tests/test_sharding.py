@@ -558,7 +558,30 @@ def check_multihost_reference(out_dir):
     np.savez(os.path.join(out_dir, "multihost_reference.npz"), **multihost_case(_mesh()))
 
 
+def check_tp_sinks_named_globally():
+    """Sinks of the wrong shape are refused with the global head count; inside shard_map the
+    message named each device's slice ("must have shape (2,) ..., got (1,)" for 2 sinks of 4
+    heads), and 3 sinks over 2 devices failed in shard_map's divisibility check."""
+    import jax.numpy as jnp
+
+    from jattn.sharding import TensorParallel
+
+    tp = TensorParallel(_mesh(n=2))
+    rng = np.random.default_rng(3)
+    kc, vc, pt, _ = _pool(rng, [6], 4, 2, 8, 8)
+    q = jnp.asarray(rng.standard_normal((1, 4, 8)), jnp.float32)
+    args = (q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pt), jnp.array([6], jnp.int32))
+    for n in (2, 3, 8):
+        try:
+            tp.mha_decode_with_kvcache(*args, sinks=jnp.zeros(n))
+        except ValueError as e:
+            assert f"sinks must have shape (4,) (one per query head), got ({n},)" in str(e), e
+        else:
+            raise AssertionError(f"sinks of shape ({n},) accepted for 4 query heads")
+
+
 CHECKS = {
+    "tp_sinks": check_tp_sinks_named_globally,
     "ops_decode": check_ops_decode,
     "ops_extend": check_ops_extend,
     "ops_prefill": check_ops_prefill,
@@ -682,6 +705,52 @@ def test_head_partition_rules():
     ):
         with pytest.raises(ValueError, match=re.escape(words)):
             HeadPartition(*args)
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        ((8.0, 2, 4), "num_q_heads=8.0 must be an int >= 1"),
+        ((0, 2, 2), "num_q_heads=0 must be an int >= 1"),  # passed: 0 query heads per device
+        ((8, 2, True), "the size of mesh axis 'tp' must be an int >= 1, got True"),
+        ((8, 2.0, 2), "num_kv_heads=2.0 must be an int >= 1"),
+    ],
+)
+def test_head_partition_counts_are_ints(args, words):
+    from jattn.sharding import HeadPartition
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        HeadPartition(*args)
+
+
+def test_stack_plans_stacks_cascade_prefix_pages():
+    """A cascade plan's prefix_pages (an array) was compared as a static field: the
+    truth value of an array was ambiguous. It is per-device data, concatenated."""
+    import jattn
+    from jattn.sharding import stack_plans
+
+    pt = np.array([[1, 2, 0], [1, 3, 0], [4, 5, 0], [4, 6, 0]], np.int32)
+
+    def plan(prefix_pages, group_size=2):
+        return jattn.plan_decode(
+            np.array([6, 7, 5, 8]), page_size=4, page_table=pt, group_size=group_size,
+            prefix_pages=prefix_pages, batch_buckets=None,
+        )  # fmt: skip
+
+    md = stack_plans([plan([1, 1]), plan([1, 0])])
+    np.testing.assert_array_equal(md.prefix_pages, [1, 1, 1, 0])
+    assert md.group_size == 2 and md.page_table.shape == (8, 2)
+    assert stack_plans([plan(None, 1)] * 2).prefix_pages is None
+    with pytest.raises(ValueError, match="the static field group_size differs across the plans"):
+        stack_plans([plan([1, 1]), plan(None, 1)])
+    ext = [
+        jattn.plan_extend(
+            np.array(sl), np.array(new), page_size=4, page_table=np.array([[1, 2], [3, 4]]), batch_buckets=(2,)
+        )
+        for sl, new in (([5, 3], [5, 3]), ([6, 8], [1, 2]))
+    ]
+    md = stack_plans(ext)  # has_prefix: any plan's; max_seqlen_q: the largest bound
+    assert md.has_prefix and md.max_seqlen_q == max(p.max_seqlen_q for p in ext)
 
 
 def test_expand_kv_copies_each_head_to_its_query_heads():
