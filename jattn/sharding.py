@@ -533,9 +533,21 @@ class DataParallelMLABackend(_Wrapped):
                 f"{self.axis!r} (size {self.size}); build it with stack_plans"
             )
 
-    def _run(self, fn, args):
-        """``fn(*local args)`` on every device; every argument and output split along its leading axis."""
+    def _run(self, fn, named_args: dict):
+        """``fn(*local args)`` on every device; every argument (``{name: value}``) and output
+        split along its leading axis, whose size must be a multiple of the axis size (else a
+        message naming the argument, instead of ``shard_map``'s)."""
+        for name, x in named_args.items():
+            for leaf in jax.tree_util.tree_leaves(x):
+                rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+                if rows is None or rows % self.size:
+                    raise ValueError(
+                        f"{name} has leading size {rows}: a data-parallel call splits it over the {self.size} "
+                        f"devices of mesh axis {self.axis!r}, so it must be a multiple of {self.size} (each "
+                        "device's rows, stacked)"
+                    )
         spec = P(self.axis)
+        args = tuple(named_args.values())
         return shard_map(fn, self.mesh, tuple(spec for _ in args), spec)(*args)
 
     def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
@@ -545,7 +557,8 @@ class DataParallelMLABackend(_Wrapped):
         def body(pool, loc, c, k):
             return self.backend.save_kv(local, MLAKVCache((pool,), kv_cache.kv_lora_rank), loc, c, k).kv[0]
 
-        pool = self._run(body, (kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe))
+        args = dict(kv_cache=kv_cache.layer(layer.layer_id), out_cache_loc=out_cache_loc, c_kv=c_kv, k_pe=k_pe)
+        pool = self._run(body, args)
         return kv_cache.replace_layer(layer.layer_id, pool)
 
     def _absorbed(self, method, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling):
@@ -568,7 +581,7 @@ class DataParallelMLABackend(_Wrapped):
             )
             return out, cache.kv[0]
 
-        out, pool = self._run(body, (q, kv_cache.layer(layer.layer_id), metadata, *given.values()))
+        out, pool = self._run(body, dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata, **given))
         return out, kv_cache.replace_layer(layer.layer_id, pool)
 
     def forward_decode(
@@ -605,4 +618,4 @@ class DataParallelMLABackend(_Wrapped):
                 q, k, v, layer, _unstack(md), return_lse=return_lse, **dict(zip(given, rest))
             )
 
-        return self._run(body, (q, k, v, metadata, *given.values()))
+        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata, **given))

@@ -500,6 +500,17 @@ def check_mla_dp():
         assert "page_size" in str(e), e
     else:
         raise AssertionError("plans of different page sizes were stacked")
+    # token arrays are split over the devices: a leading size that does not divide is named
+    rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    try:
+        be.save_kv(
+            jattn.LayerSpec(0, 1, 1, rank + rope), cache, np.zeros(6, np.int32),
+            np.zeros((6, rank), np.float32), np.zeros((6, rope), np.float32),
+        )  # fmt: skip
+    except ValueError as e:
+        assert "out_cache_loc has leading size 6" in str(e) and "multiple of 4" in str(e), e
+    else:
+        raise AssertionError("6 slots were split over 4 devices")
 
 
 def multihost_case(mesh) -> dict:
