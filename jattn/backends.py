@@ -25,6 +25,7 @@ from jattn import cascade, ops
 from jattn.config import LayerSpec as LayerSpec  # re-exported: the backends' public API
 from jattn.config import MHAConfig as MHAConfig
 from jattn.config import MLAConfig as MLAConfig
+from jattn.config import as_heads, check_plan_kind, check_rows
 from jattn.kv_cache import PagedKVCache, is_fp8
 from jattn.metadata import DecodeMetadata, ExtendMetadata
 from jattn.metadata import ForwardMode as ForwardMode
@@ -55,10 +56,21 @@ class MHABackend(_PlanningMixin):
             backend=self.config.kernel_backend,
         )
 
+    @staticmethod
+    def _heads(layer, q=None, k=None, v=None):
+        """``q``, ``k``, ``v`` as ``[T, heads, dim]`` by the layer's head counts and dims
+        (each may also come flat, ``[T, heads * dim]``; None stays None)."""
+        kv_rule = "layer.num_kv_heads x layer.head_dim"
+        shapes = (
+            ("q", q, layer.num_q_heads, layer.head_dim, "layer.num_q_heads x layer.head_dim"),
+            ("k", k, layer.num_kv_heads, layer.head_dim, kv_rule),
+            ("v", v, layer.num_kv_heads, layer.head_dim_v, kv_rule + "_v"),
+        )
+        return tuple(None if x is None else as_heads(x, name, h, d, rule) for name, x, h, d, rule in shapes)
+
     def _save(self, layer, kv_cache: PagedKVCache, loc, k, v) -> PagedKVCache:
         kc, vc = kv_cache.layer(layer.layer_id)
-        k = k.reshape(k.shape[0], layer.num_kv_heads, layer.head_dim)
-        v = v.reshape(v.shape[0], layer.num_kv_heads, layer.head_dim_v)
+        _, k, v = self._heads(layer, k=k, v=v)
         kc, vc = ops.set_kv_buffer(kc, vc, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         return kv_cache.replace_layer(layer.layer_id, kc, vc)
 
@@ -82,10 +94,11 @@ class MHABackend(_PlanningMixin):
         """
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
+        check_plan_kind(metadata, DecodeMetadata, "forward_decode")
         _check_plan(metadata, kv_cache)
+        q, _, _ = self._heads(layer, q)
         if save_kv_cache and k is not None:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
-        q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
         kc, vc = kv_cache.layer(layer.layer_id)
         opts = self.attention_options(layer, is_fp8(kv_cache.dtype))
         if metadata.group_size > 1 and layer.sliding_window_size < 0 and not layer.non_causal:
@@ -140,16 +153,22 @@ class MHABackend(_PlanningMixin):
         engine wrote them into its pool); otherwise it raises.
         Returns ``(out [num_tokens, Hq * Dv], kv_cache)``; padding tokens give 0.
         """
+        check_plan_kind(metadata, ExtendMetadata, "forward_extend")
         _check_plan(metadata, kv_cache)
-        q = q.reshape(-1, layer.num_q_heads, layer.head_dim)
-        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
-        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim_v)
         causal = metadata.is_causal and not layer.non_causal
         fp8 = is_fp8(kv_cache.dtype)
+        ragged = not metadata.has_prefix and not fp8
+        if (k is None or v is None) and (save_kv_cache or ragged):
+            raise ValueError(
+                "forward_extend needs k and v (the new tokens' K/V): save_kv_cache writes them, and a plan with "
+                "no prefix on a non-FP8 cache reads them as given"
+            )
+        q, k, v = self._heads(layer, q, k, v)
+        check_rows(metadata, q=q, k=k, v=v)
         opts = dict(self.attention_options(layer, fp8), sinks=sinks)
         if save_kv_cache:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
-        if not metadata.has_prefix and not fp8:
+        if ragged:
             # No cached prefix: ragged prefill on the new K/V, no cache read.
             opts.update(k_scale=1.0, v_scale=1.0)
             out = ops.mha_prefill(

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import ops
-from jattn.config import LayerSpec, MLAConfig
+from jattn.checks import _concrete
+from jattn.config import LayerSpec, MLAConfig, as_heads, check_plan_kind, check_rows
 from jattn.kv_cache import MLAKVCache, is_fp8
 from jattn.metadata import (
     DecodeMetadata,
@@ -80,9 +81,17 @@ def apply_llama_4_scaling(query, llama_4_scaling):
     query unchanged."""
     if llama_4_scaling is None:
         return query
+    shape, dtype = jnp.shape(llama_4_scaling), getattr(llama_4_scaling, "dtype", None)
+    dtype = np.asarray(llama_4_scaling).dtype if dtype is None else jnp.dtype(dtype)
+    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"llama_4_scaling.dtype={dtype} must be a real number type (f32 scales)")
+    if not 1 <= len(shape) <= 3 or shape[0] != query.shape[0] or any(d != 1 for d in shape[1:]):
+        raise ValueError(f"llama_4_scaling shape {shape} must be [T], [T, 1] or [T, 1, 1] with T={query.shape[0]}")
     s = jnp.asarray(llama_4_scaling, jnp.float32)
-    if s.size != query.shape[0] or any(d != 1 for d in s.shape[1:]):
-        raise ValueError(f"llama_4_scaling shape {s.shape} must be [T], [T, 1] or [T, 1, 1] with T={query.shape[0]}")
+    v = _concrete(s)
+    if v is not None and not (np.isfinite(v) & (v > 0)).all():
+        t = int(np.flatnonzero(~(np.isfinite(v) & (v > 0)))[0])
+        raise ValueError(f"llama_4_scaling[{t}]={v.reshape(-1)[t].item()!r} must be finite and > 0 (a per-token scale)")
     return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
 
 
@@ -94,18 +103,34 @@ class MLABackend(_PlanningMixin):
     def __init__(self, config: MLAConfig):
         self.config = config
 
+    def check_cache(self, kv_cache: MLAKVCache) -> None:
+        """The latent cache's rows are the config's: ``kv_lora_rank`` columns of ``c_kv`` then
+        ``qk_rope_head_dim`` of ``k_pe`` (another split of the same width would read the
+        wrong columns as the value, silently)."""
+        cfg = self.config
+        width = kv_cache.kv[0].shape[-1]  # a stacked cache's too, with no slice of it
+        if (kv_cache.kv_lora_rank, width - kv_cache.kv_lora_rank) != (cfg.kv_lora_rank, cfg.qk_rope_head_dim):
+            raise ValueError(
+                f"the MLA cache's rows are kv_lora_rank={kv_cache.kv_lora_rank} + rope {width - kv_cache.kv_lora_rank}"
+                f" wide; config.kv_lora_rank={cfg.kv_lora_rank} and config.qk_rope_head_dim={cfg.qk_rope_head_dim} "
+                "must equal them"
+            )
+
     def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
         """Writes ``[c_kv, k_pe]`` rows (``set_mla_kv_buffer``) into layer ``layer.layer_id``."""
+        self.check_cache(kv_cache)
         kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
     def _absorbed_query(self, q_nope, q_rope, layer, llama_4_scaling=None, rope=None):
         cfg = self.config
+        h, big_r, r = layer.num_q_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        rule = "layer.num_q_heads x config.kv_lora_rank"
         if q_rope is None:  # already the full 576-wide absorbed query
-            query = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            query = as_heads(q_nope, "q", h, big_r + r, rule + " + config.qk_rope_head_dim, as q_rope is None")
         else:
-            q_nope = q_nope.reshape(-1, layer.num_q_heads, cfg.kv_lora_rank)
-            q_rope = q_rope.reshape(-1, layer.num_q_heads, cfg.qk_rope_head_dim)
+            q_nope = as_heads(q_nope, "q", h, big_r, rule)
+            q_rope = as_heads(q_rope, "q_rope", h, r, "layer.num_q_heads x config.qk_rope_head_dim")
             query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
         if rope is not None:  # fused rope (and the FP8 query of an FP8 cache)
             return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
@@ -166,6 +191,8 @@ class MLABackend(_PlanningMixin):
         ``cos_sin_cache``: q_rope / k_rope are rotated here (at the plan's ``positions``
         unless given; ``is_neox`` the pairing) and an FP8 cache's query is quantised
         (scale 1, +-448): :mod:`jattn.mla_rope`, docs/SEMANTICS.md."""
+        check_plan_kind(metadata, DecodeMetadata, "forward_decode")
+        self.check_cache(kv_cache)
         rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
@@ -224,9 +251,12 @@ class MLABackend(_PlanningMixin):
         cache and never reach real rows. Returns ``(latent out [T, H * R], kv_cache)``.
         ``cos_sin_cache``, ``is_neox``, ``positions`` (ragged, one per token) as in
         :meth:`forward_decode`."""
+        check_plan_kind(metadata, ExtendMetadata, "forward_draft_extend")
+        self.check_cache(kv_cache)
         rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, is_fp8(kv_cache.dtype))
         kv_cache = self._write(layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope)
         query = self._absorbed_query(q, q_rope, layer, llama_4_scaling, rope)
+        check_rows(metadata, q=query)  # _front_pad would read clipped rows for the missing ones
         padded = _front_pad(query, metadata.cu_seqlens_q, metadata.max_seqlen_q)
         out = self._decode(padded, layer, kv_cache, metadata, rope)
         out = _front_unpad(out, metadata.cu_seqlens_q, metadata.max_seqlen_q, query.shape[0])
@@ -288,8 +318,10 @@ class MLABackend(_PlanningMixin):
         (natural-log LSE f32[T, H]). With ``cos_sin_cache`` the last ``qk_rope_head_dim``
         columns of q and k (``q_rope`` / ``k_rope``) are rotated here, at the plan's
         positions unless ``positions`` is given (no FP8 here: the prefill reads no cache)."""
+        check_plan_kind(metadata, ExtendMetadata, "forward_extend")
         rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, False)
-        q, k = self._qk(q, k, q_rope, k_rope)
+        q, k = self._qk(q, k, q_rope, k_rope, v, layer)
+        check_rows(metadata, q=q, k=k, v=v)
         if rope is not None:
             r = self.config.qk_rope_head_dim
             q, k = rope.rotate_tail(q, r), rope.rotate_tail(k, r)
@@ -324,7 +356,7 @@ class MLABackend(_PlanningMixin):
         """Non-causal attention of the new tokens to one cached prefix chunk, with LSE.
         A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op).
         ``llama_4_scaling`` as in :meth:`forward_extend`."""
-        q, k = self._qk(q, k, q_rope, k_rope)
+        q, k = self._qk(q, k, q_rope, k_rope, v, layer)
         q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,
@@ -342,12 +374,23 @@ class MLABackend(_PlanningMixin):
 
     merge_state = staticmethod(ops.attn_merge_state)
 
-    def _qk(self, q, k, q_rope, k_rope):
+    def _qk(self, q, k, q_rope, k_rope, v, layer):
+        """The non-absorbed ``q``, ``k`` ``[T, H, qk_nope + qk_rope]`` (``q_rope`` / ``k_rope``
+        appended), checked against the layer's heads and the config's widths (which the
+        softmax scale and the rotated columns are taken from)."""
+        cfg = self.config
         if q_rope is not None:
             q = jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1)
         if k_rope is not None:
             k_rope = k_rope.reshape(k_rope.shape[0], 1, -1)
             k = jnp.concatenate([k, jnp.broadcast_to(k_rope, k.shape[:2] + k_rope.shape[-1:]).astype(k.dtype)], -1)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        rule = "layer.num_q_heads x config.qk_nope_head_dim + qk_rope_head_dim, q_rope / k_rope included"
+        for name, x, dim in (("q", q, qk), ("k", k, qk), ("v", v, cfg.v_head_dim)):
+            heads = layer.num_q_heads if name == "q" or x.ndim != 3 else x.shape[1]
+            if x.ndim != 3 or x.shape[1:] != (heads, dim):
+                want = rule if name != "v" else "heads x config.v_head_dim"
+                raise ValueError(f"{name} shape {tuple(x.shape)} must be [T, {heads}, {dim}] ({want})")
         return q, k
 
 
