@@ -104,12 +104,13 @@ class KernelOptions:
       docs/PERF.md), one CTA per item.
     heads_row_tile: the per-KV-head kernel takes a KV head's query rows in tiles of this
       many (16 or 32), one item per tile beside its split's other tiles
-      (``mha_decode_heads(row_tile=...)``); 0 (the default), all rows in one item.
+      (``mha_decode_heads(row_tile=...)``); 0 (the default: the tiles measured slower on
+      the H200, docs/PERF.md), all rows in one item.
     fp8_heads: FP8 K/V calls of any ``q_len`` that the per-KV-head kernel serves run there
       with an e4m3 query (``S^T`` on the landed e4m3 K tile, V upcast alone) and
       128-token blocks (``mha_decode_heads(fp8_qk=True, block=128)``); the query's
-      rounding to e4m3 adds an error about the size of the FP8 cache's own. Off (the
-      default) until the H200 shows it faster.
+      rounding to e4m3 adds an error about the size of the FP8 cache's own. Off by
+      default (docs/PERF.md has its H200 figures).
     """
 
     overlap_qk: bool = True
