@@ -28,7 +28,7 @@ import numpy as np
 from jattn.backends import MLABackend, MLAConfig
 from jattn.checks import _concrete, _is_int
 from jattn.metadata import DecodeMetadata, ForwardMode, _slots
-from jattn.plan_inputs import _as_int_array
+from jattn.plan_inputs import _as_int_array, _check_unique_slots
 from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]
@@ -143,16 +143,11 @@ class MLAMultiStepDraftBackend:
         r = np.repeat(rows, self.num_steps)
         step = np.tile(np.arange(self.num_steps), rows.size)
         loc = _slots(np.asarray(base.page_table), r, lens[r] - 1 + step, base.page_size)
-        _, first, inverse = np.unique(loc, return_index=True, return_inverse=True)
-        again = np.flatnonzero(first[inverse.reshape(-1)] != np.arange(loc.size))
-        if again.size:
-            j = int(again[0])
-            i, slot, ps = int(first[inverse.reshape(-1)[j]]), int(loc[j]), base.page_size
-            raise ValueError(
-                f"out_cache_loc: the draft tokens of request {r[i]} at step {step[i]} and of request {r[j]} at step "
-                f"{step[j]} would both write slot {slot} (page {slot // ps}, offset {slot % ps}); requests may share "
-                "pages only read-only (their prefix), never a page they write"
-            )
+
+        def tokens(i, j):
+            return f"the draft tokens of request {r[i]} at step {step[i]} and of request {r[j]} at step {step[j]}"
+
+        _check_unique_slots(loc, base.page_size, tokens)
 
     def step_metadata(self, metadata: MultiStepMetadata, i) -> DecodeMetadata:
         """Step ``i``'s plan (jittable): ``metadata.step(i)``."""

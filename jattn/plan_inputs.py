@@ -62,9 +62,10 @@ def _check_num_pages(num_pages) -> int | None:
     return _positive_int(num_pages, "num_pages", "a positive int (the pool's page count) or None")
 
 
-def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
+def _check_unique_slots(loc: np.ndarray, page_size: int, tokens=lambda i, j: f"new tokens {i} and {j}") -> None:
     """Refuses a plan in which two real tokens write one KV slot (one would silently
-    overwrite the other's K/V). Pages shared read-only (a radix cache's prefix) are fine."""
+    overwrite the other's K/V). Pages shared read-only (a radix cache's prefix) are fine.
+    ``tokens(i, j)`` names the two entries of ``loc`` that clash (``i < j``)."""
     if loc.size < 2:
         return
     order = np.argsort(loc, kind="stable")
@@ -73,7 +74,7 @@ def _check_unique_slots(loc: np.ndarray, page_size: int) -> None:
         i, j = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
         slot = int(loc[i])
         raise ValueError(
-            f"out_cache_loc: new tokens {i} and {j} would both write slot {slot} (page {slot // page_size}, "
+            f"out_cache_loc: {tokens(i, j)} would both write slot {slot} (page {slot // page_size}, "
             f"offset {slot % page_size}); requests may share pages only read-only (their prefix), never a "
             "page they write"
         )
