@@ -93,6 +93,7 @@ from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re
     BLOCK,
     HeadsConfig,
     choose_num_splits,
+    item_width,
     launch_ctas,
     row_tiles,
     unsupported_reason,
@@ -481,8 +482,7 @@ def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0)
     layout. Attention over it in f32 is what the kernel computes, up to the f16 ``P V``."""
     rows, hq, d = q.shape
     g = hq // num_kv_heads
-    tiles = row_tiles(max_seqlen_q * g, row_tile)
-    n = row_tile if tiles > 1 else max(16, 1 << (max_seqlen_q * g - 1).bit_length())
+    tiles, n = row_tiles(max_seqlen_q * g, row_tile), item_width(max_seqlen_q * g, row_tile)
     q_arr = _query_rows(q, num_kv_heads, max_seqlen_q, tiles * n)
     q8, factor = query_tiles_e4m3(q_arr, tiles)
     x = q8.astype(jnp.float32).reshape(*factor.shape, -1) * factor[..., None]

@@ -14,6 +14,7 @@ __all__ = [
     "BLOCK",
     "HeadsConfig",
     "choose_num_splits",
+    "item_width",
     "launch_ctas",
     "row_tiles",
     "unsupported_reason",
@@ -85,7 +86,7 @@ class HeadsConfig:
     def n(self) -> int:
         """The MMA's N: an item's rows padded to 16, 32 or 64 (its P^T rows are 2N bytes, a
         swizzle): the row tile, or all rows."""
-        return self.row_tile or max(16, 1 << (self.rows - 1).bit_length())
+        return item_width(self.rows, self.row_tile)
 
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
@@ -145,6 +146,12 @@ def row_tiles(rows: int, row_tile: int) -> int:
     """Items per (split, request, KV head) for ``rows`` query rows in tiles of ``row_tile``
     (one where ``row_tile`` is 0 or covers the rows)."""
     return -(-rows // row_tile) if 0 < row_tile < rows else 1
+
+
+def item_width(rows: int, row_tile: int) -> int:
+    """An item's query rows padded to the MMA's N: ``row_tile`` where it splits the rows,
+    else the rows padded to 16, 32 or 64."""
+    return row_tile if row_tiles(rows, row_tile) > 1 else max(16, 1 << (rows - 1).bit_length())
 
 
 def choose_num_splits(batch: int, kv_heads: int, width_tokens: int, tiles: int = 1, block: int = BLOCK) -> int:
