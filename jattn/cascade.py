@@ -385,14 +385,16 @@ def check_shared_prefix(page_table, seq_lens, prefix_pages, *, group_size: int, 
     shared = np.arange(width)[None, :] < n[:, None]
     differs = ((pt != pt[np.arange(bs) // group_size * group_size]) & shared).any(axis=1)
     short = (n > 0) & (sl - n * page_size < q_len)
-    for bad in (np.flatnonzero(differs), np.flatnonzero(short)):  # the sharing rule first
-        if not bad.size:
-            continue
-        b, g = int(bad[0]), int(bad[0]) // group_size
-        hint = " (padding rows cannot join a sharing group)" if sl[b] == 0 else ""
-        if differs[b]:
-            raise ValueError(f"request {b} does not share group {g}'s first {int(n[b])} pages{hint}")
+
+    def hint(b):
+        return " (padding rows cannot join a sharing group)" if sl[b] == 0 else ""
+
+    if differs.any():  # the sharing rule first
+        b = int(np.argmax(differs))
+        raise ValueError(f"request {b} does not share group {b // group_size}'s first {int(n[b])} pages{hint(b)}")
+    if short.any():
+        b = int(np.argmax(short))
         raise ValueError(
             f"request {b}: seq_len {int(sl[b])} leaves fewer than q_len={q_len} new tokens after group "
-            f"{g}'s {int(n[b])} shared pages of {page_size}{hint}"
+            f"{b // group_size}'s {int(n[b])} shared pages of {page_size}{hint(b)}"
         )
