@@ -21,6 +21,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jattn.checks import _window_within
+
 FP8_E4M3_MAX = 448.0
 _NEG_INF = float("-inf")
 
@@ -71,8 +73,7 @@ def _attend(
     if hkv == 0 or hq % hkv:
         raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv} (> 0)")
     group = hq // hkv
-    if window_left >= max_keys:  # pos_i - window_left < 0 <= j for every key: no window
-        window_left = -1  # (and no int32 wrap of q_pos - window_left for a huge window)
+    window_left = _window_within(window_left, max_keys)  # and no int32 wrap of q_pos - window_left
     if window_left >= 0:  # keys [start, start + span) hold every key some query sees
         span = min(max_keys, nq + window_left)
         start = jnp.maximum(q_pos.min(axis=1) - window_left, 0) if nq else jnp.zeros((bs,), jnp.int32)
