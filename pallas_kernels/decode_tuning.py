@@ -107,10 +107,11 @@ class KernelOptions:
       (``mha_decode_heads(row_tile=...)``); 0 (the default: the tiles measured slower on
       the H200, docs/PERF.md), all rows in one item.
     fp8_heads: FP8 K/V calls of any ``q_len`` that the per-KV-head kernel serves run there
-      with an e4m3 query (``S^T`` on the landed e4m3 K tile, V upcast alone) and
-      128-token blocks (``mha_decode_heads(fp8_qk=True, block=128)``); the query's
-      rounding to e4m3 adds an error about the size of the FP8 cache's own. Off by
-      default (docs/PERF.md has its H200 figures).
+      with an e4m3 query (``S^T`` on the landed e4m3 K tile): ``V^T`` read into registers
+      over 64-token blocks (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``), or
+      for a causal block of several queries V upcast into an f16 tile over 128-token
+      blocks; the query's rounding to e4m3 adds an error about the size of the FP8
+      cache's own. Off by default (docs/PERF.md has its H200 figures).
     """
 
     overlap_qk: bool = True

@@ -60,8 +60,13 @@ tile: the MMA work per block is small here, so the upcast is the largest part of
 With ``fp8_qk`` the query goes to e4m3 instead (one power-of-two scale per item, its factor
 read by the consumer with the item) and ``S^T = K Q^T`` is an e4m3 ``wgmma`` on the landed
 K tile, which frees the slot; only V is upcast, while that MMA runs, so the chain keeps one
-upcast and two CTAs fit an SM. ``block=128`` doubles the tokens per block (fewer per-block
-waits and cross-warp reductions per key). ``k_scale`` is in the score scale; the combine
+upcast and two CTAs fit an SM. With ``v_regs`` as well, V is not upcast into a tile at
+all: each 64-column piece of the landed e4m3 V tile is read transposed into registers,
+upcast there and fed to the ``O^T`` MMA as its register operand ``V^T``, which leaves the
+ring the upcast tile's room (up to six 64-token slots in half an SM); keys past the
+length are zeroed in registers. A causal block of several queries keeps the f16 tile
+(its per-key NaN flags read V by key rows). ``block=128`` doubles the tokens per block
+(fewer per-block waits and cross-warp reductions per key). ``k_scale`` is in the score scale; the combine
 applies ``v_scale``. Page sizes 16 to 128, head_dim 64 or 128, no window, logit cap or sinks.
 """
 
@@ -81,6 +86,7 @@ from jattn.pallas_kernels.combine import combine_splits
 from jattn.pallas_kernels.mosaic_common import (
     cast_layout,
     drain_free_barriers,
+    load_layout,
     plgpu_kernel,
     split_blocks,
     swizzle_transforms,
@@ -114,8 +120,9 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
         v_s, upcast = None, []
     else:
         q_s, k_s, v_s, p_s, o_s, l_s, *upcast, kv_bar, kv_free, q_bar = scratch
-    # FP8: the tiles the MMAs read (fp8_qk: V only; S^T reads the landed e4m3 K tile)
-    kc_s, vc_s = ((None, *upcast) if cfg.fp8_qk else upcast) if cfg.fp8 else (None, None)
+    # FP8: the tiles the MMAs read (fp8_qk: V only; S^T reads the landed e4m3 K tile;
+    # v_regs: none, V^T goes to registers)
+    kc_s, vc_s = ((None, *upcast) if cfg.fp8_qk else upcast) if cfg.fp8 and not cfg.v_regs else (None, None)
     D, N, S, G, B = cfg.head_dim, cfg.n, cfg.stages, cfg.group, cfg.block
     wg = lax.axis_index("wg")
     interp = cfg.interpret
@@ -201,21 +208,36 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
             limit = jnp.minimum(seq_len - cfg.q_len + q_of, seq_len - 1) if cfg.is_causal else seq_len - 1
 
             def s_t(k_tile, during=lambda: None):
-                """``S^T = K Q^T`` (e4m3 operands with ``fp8_qk``); ``during()`` runs while
-                the MMA is in flight."""
+                """``(S^T, during())``: ``S^T = K Q^T`` (e4m3 operands with ``fp8_qk``), and
+                what ``during()`` returns, which runs while the MMA is in flight."""
                 if interp:
-                    during()
+                    got = during()
                     kt, qt = (k_tile[...], q_s[...])
                     if cfg.fp8_qk:  # the GPU's e4m3 products are exact; f32 here
                         kt, qt = kt.astype(jnp.float32), qt.astype(jnp.float32)
-                    return lax.dot_general(kt, qt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    dims = (((1,), (1,)), ((), ()))
+                    return lax.dot_general(kt, qt, dims, preferred_element_type=jnp.float32), got
 
                 def scope(acc):
                     plgpu.wgmma(acc, k_tile, q_s.T)
-                    during()
-                    return acc[...]
+                    got = during()
+                    return acc[...], got
 
                 return pl.run_scoped(scope, plgpu.ACC((B, N), jnp.float32))
+
+            def load_vt(slot):
+                """``v_regs``: the landed e4m3 V tile as ``V^T`` in registers, f16, one
+                ``[64, B]`` piece per 64 columns (``O^T``'s halves), read through a transposed
+                view of each 64-column tile of the ring slot."""
+                pieces = []
+                for h in range(cfg.v_dim // 64):
+                    tile = v_s.at[slot, :, pl.ds(h * 64, 64)]
+                    if interp:
+                        pieces.append(tile[...].astype(dtype).T)
+                        continue
+                    v = load_layout(tile.T, plgpu.Layout.WGMMA_TRANSPOSED, interpret=False, optimized=True)
+                    pieces.append(plgpu.layout_cast(v.astype(dtype), plgpu.Layout.WGMMA))
+                return pieces
 
             def upcast_v(slot):
                 """The landed e4m3 V tile into the f16 tile ``O^T`` reads, 64 rows at a time
@@ -226,16 +248,17 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
 
             def o_t(acc, v_tile):
                 """``acc[h] + V[:, h]^T @ P^T`` for each 64-row half ``h`` of ``O^T``: the halves'
-                ``wgmma``s are issued together and waited for once."""
-                vs = [v_tile.at[:, pl.ds(h * 64, 64)] for h in range(len(acc))]
+                ``wgmma``s are issued together and waited for once. ``v_tile``: the V tile in
+                shared memory, or (``v_regs``) the halves' ``V^T`` in registers."""
+                halves = [pl.ds(h * 64, 64) for h in range(len(acc))]
                 if interp:
-                    return tuple(
-                        a + jnp.dot(v[...].T, p_s[...], preferred_element_type=jnp.float32) for a, v in zip(acc, vs)
-                    )
+                    vts = v_tile if cfg.v_regs else [v_tile.at[:, c][...].T for c in halves]
+                    return tuple(a + jnp.dot(v, p_s[...], preferred_element_type=jnp.float32) for a, v in zip(acc, vts))
+                vts = v_tile if cfg.v_regs else [v_tile.at[:, c].T for c in halves]
 
                 def body(acc_refs):
-                    for acc_ref, v in zip(acc_refs, vs):
-                        plgpu.wgmma(acc_ref, v.T, p_s)
+                    for acc_ref, v in zip(acc_refs, vts):
+                        plgpu.wgmma(acc_ref, v, p_s)
 
                 return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in acc))
 
@@ -245,6 +268,9 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
                 they are. MLA: the latent tile's value columns, 64 at a time, after its
                 ``S^T`` (a query that sees a non-finite value entry has a NaN score: no flag)."""
+                if cfg.v_regs:  # V^T in registers: zero the keys past the length (every query sees the rest)
+                    key = tile_iota((64, B), 1, interpret=interp) + t0
+                    return [jnp.where(key < seq_len, v, jnp.zeros(v.shape, v.dtype)) for v in v_tile], flag
                 # the whole V tile, or the latent tile's value columns 64 at a time (registers)
                 chunks = [v_tile.at[:, pl.ds(c * 64, 64)] for c in range(cfg.latent // 64)] or [v_tile]
                 for chunk in chunks:
@@ -260,7 +286,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                     bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
                     bad = lax.broadcast_in_dim(bad_row, (B, N), [0])
                     flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
-                return flag
+                return v_tile, flag
 
             def softmax_pv(i, x, carry, v_tile, edge: bool):
                 """Block ``i``'s scores ``x`` (``S^T``, unscaled) into the running softmax and
@@ -273,7 +299,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 if edge:
                     seen = tile_iota((B, N), 0, interpret=interp) + t0 <= limit
                     x = jnp.where(seen, x, -jnp.inf)
-                    flag = clean(v_tile, t0, seen, flag)
+                    v_tile, flag = clean(v_tile, t0, seen, flag)
                 m_new = jnp.maximum(m_i, x.max(axis=0))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp2(m_i - m_use)
@@ -290,10 +316,10 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 """One block in order: wait K/V, ``S^T = K Q^T``, softmax, ``O^T += V^T P^T``."""
                 slot = lax.rem(n + i, jnp.int32(S))
                 plgpu.barrier_wait(kv_bar.at[slot])
-                if cfg.fp8_qk:  # S^T on the landed e4m3 K, V upcast meanwhile; then the slot is free
-                    x = s_t(k_s.at[slot], during=lambda: upcast_v(slot))
+                if cfg.fp8_qk:  # S^T on the landed e4m3 K, V upcast (or read) meanwhile; then the slot is free
+                    x, vs = s_t(k_s.at[slot], during=lambda: load_vt(slot) if cfg.v_regs else upcast_v(slot))
                     plgpu.barrier_arrive(kv_free.at[slot])
-                    return softmax_pv(i, x, carry, vc_s, edge)
+                    return softmax_pv(i, x, carry, vs if cfg.v_regs else vc_s, edge)
                 if cfg.fp8:  # upcast into the f16/bf16 tiles; the FP8 slot is free at once
                     kc_s[...] = k_s[slot].astype(dtype)
                     vc_s[...] = v_s[slot].astype(dtype)
@@ -303,7 +329,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 else:
                     k_tile = k_s.at[slot]
                     v_tile = k_tile if cfg.latent else v_s.at[slot]
-                carry = softmax_pv(i, s_t(k_tile), carry, v_tile, edge)
+                carry = softmax_pv(i, s_t(k_tile)[0], carry, v_tile, edge)
                 if not cfg.fp8:
                     plgpu.barrier_arrive(kv_free.at[slot])
                 return carry
@@ -356,9 +382,11 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
     tr = tr_pv if cfg.latent else swizzle_transforms(dtype, D)
     kv_dt = k2d.dtype
     # FP8: the TMA ring holds e4m3 tiles; the MMAs read one upcast K and one upcast V tile
+    # (v_regs: V in 64-column tiles, each read transposed into registers)
     ring_k, ring_v = (swizzle_transforms(kv_dt, D),) * 2 if cfg.fp8 else (tr, tr_pv)
+    ring_v = swizzle_transforms(kv_dt, 64) if cfg.v_regs else ring_v
     upcast = [plgpu.SMEM((B, D), dtype, transforms=tr), plgpu.SMEM((B, D), dtype, transforms=tr_pv)]
-    upcast = upcast[1:] if cfg.fp8_qk else upcast if cfg.fp8 else []
+    upcast = [] if cfg.v_regs or not cfg.fp8 else upcast[1:] if cfg.fp8_qk else upcast
     # fp8_qk: Q in e4m3 beside the landed e4m3 K tile (one swizzle)
     q_smem = plgpu.SMEM((N, D), q_arr.dtype, transforms=ring_k if cfg.fp8_qk else tr)
     out_type = (
@@ -392,7 +420,7 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
         f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}"
-        f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}",
+        f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}{'_vregs' if cfg.v_regs else ''}",
     )
     return kernel(page_table, lens, *([qf] if cfg.fp8_qk else []), q_arr, k2d, v2d)
 
@@ -401,18 +429,19 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret", "row_tile", "block", "fp8_qk",
+        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
-            fp8_qk=False):  # fmt: skip
+            fp8_qk=False, v_regs=False):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
     value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
-    not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields."""
+    not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields;
+    ``v_regs`` too, where the call has no causal block of several queries (else off)."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -435,6 +464,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
         block=block,
         fp8_qk=fp8_qk,
+        v_regs=bool(v_regs and fp8_qk and not (is_causal and max_seqlen_q > 1)),
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
@@ -519,6 +549,7 @@ def mha_decode_heads(
     row_tile: int = 0,
     block: int = BLOCK,
     fp8_qk: bool = False,
+    v_regs: bool = False,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -543,7 +574,13 @@ def mha_decode_heads(
     scale, and ``S^T = K Q^T`` runs as an e4m3 ``wgmma`` on the landed K tile, so only V
     is upcast (while that MMA runs) and two CTAs share an SM where they fit. The query's
     rounding to e4m3 (3 mantissa bits) is the price: :func:`fp8_qk_query` gives the query
-    the kernel then attends with."""
+    the kernel then attends with.
+
+    ``v_regs`` (with ``fp8_qk``): ``V^T`` goes from the landed e4m3 V tile into registers,
+    upcast there, as the ``O^T`` MMA's register operand, so the f16 V tile and its
+    shared-memory round trip go and the ring gets that room. It applies to calls without
+    a causal block of several queries (q_len 1, non-causal draft blocks); causal verify
+    keeps the f16 V tile (its per-key NaN flags read the tile by key rows)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -555,6 +592,8 @@ def mha_decode_heads(
         raise ValueError(f"mha_decode_heads: block={block!r} must be 64 or 128 tokens")
     if fp8_qk and jnp.dtype(k_cache.dtype).itemsize != 1:
         raise ValueError(f"mha_decode_heads: fp8_qk needs an FP8 e4m3 cache, got {k_cache.dtype}")
+    if v_regs and not fp8_qk:
+        raise ValueError("mha_decode_heads: v_regs needs fp8_qk=True (V^T in registers serves the e4m3 query path)")
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:
@@ -580,4 +619,5 @@ def mha_decode_heads(
         row_tile=int(row_tile),
         block=int(block),
         fp8_qk=bool(fp8_qk),
+        v_regs=bool(v_regs),
     )

@@ -22,6 +22,9 @@ __all__ = [
 
 BLOCK = 64  # tokens per block
 STAGES = 3  # ring slots, fewer where two CTAs would not fit an SM otherwise
+# v_regs (no upcast tile): up to six slots, the bytes in flight of three 2-byte slots at
+# 64-token blocks
+STAGES_V_REGS = 6
 # Two CTAs share an SM (two softmax chains in flight) when each takes at most half of the
 # SM's registers and shared memory. ptxas launches a kernel with setmaxnreg at its
 # largest count, so the compute warpgroup's count decides: 128 x 256 threads is half the
@@ -56,6 +59,9 @@ class HeadsConfig:
     # FP8 only: the query in e4m3 (one power-of-two scale per item) and S^T = K Q^T by an
     # e4m3 wgmma on the landed K tile; only V is upcast
     fp8_qk: bool = False
+    # fp8_qk only, and no causal block of several queries: V^T goes from the landed e4m3 V
+    # tile into registers (upcast there) as the O^T MMA's A operand; no upcast tile
+    v_regs: bool = False
 
     @property
     def tiles(self) -> int:
@@ -91,11 +97,11 @@ class HeadsConfig:
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
         P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the upcast tiles (K and
-        V, or V alone with ``fp8_qk``), each at 1 KB alignment, plus 4 KB for the barriers
+        V, V alone with ``fp8_qk``, none with ``v_regs``), each at 1 KB alignment, plus 4 KB for the barriers
         and the cross-warp reduction's scratch."""
         kv = 1 if self.fp8 else 2
         tiles = 1 if self.latent else 2
-        upcast = (1 if self.fp8_qk else 2) if self.fp8 else 0
+        upcast = 0 if self.v_regs or not self.fp8 else 1 if self.fp8_qk else 2
         B, D = self.block, self.head_dim
         parts = [tiles * stages * B * D * kv, self.n * D * (1 if self.fp8_qk else 2), B * self.n * 2]
         parts += [64 * self.n * 4, self.n * 4] + [B * D * 2] * upcast
@@ -111,9 +117,11 @@ class HeadsConfig:
 
     @property
     def stages(self) -> int:
-        """Ring slots: the most (up to ``STAGES``) that fit the CTA's share of the SM."""
+        """Ring slots: the most (up to ``STAGES``, ``STAGES_V_REGS`` with ``v_regs``) that fit
+        the CTA's share of the SM."""
         limit = _SMEM_HALF if self.paired else _SMEM_SOLO
-        return max([s for s in range(2, STAGES + 1) if self.smem_bytes(s) <= limit], default=2)
+        top = STAGES_V_REGS if self.v_regs else STAGES
+        return max([s for s in range(2, top + 1) if self.smem_bytes(s) <= limit], default=2)
 
 
 def unsupported_reason(q, k_cache, v_cache, page_table=None, cache_seqlens=None, *, max_seqlen_q=1, **kw):

@@ -18,7 +18,9 @@ Variants (block 128 unless named):
 * ``no_qk``: the ``S^T`` MMA removed (scores are zeros; the V upcast stays);
 * ``solo``: one CTA per SM (232 registers) with as many slots as fit (up to 6);
 * ``b64_deep``: 64-token blocks, two CTAs per SM, as many slots as fit half the SM (up to 6);
-* ``b64_deep_stream``: the same ring, no math.
+* ``b64_deep-stream``: the same ring, no math;
+* ``vregs``: ``v_regs=True`` (V^T read into registers, no upcast tile: as many slots as
+  fit, up to 6), and ``vregs-stream`` its ring with no math, ``vregs_b64`` at 64-token blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jattn.pallas_kernels import mosaic_decode_heads as mh
 from jattn.pallas_kernels import mosaic_decode_heads_config as mc
 
 _STEP_HEAD = "                plgpu.barrier_wait(kv_bar.at[slot])\n                if cfg.fp8_qk:"
+_QK = "x, vs = s_t(k_s.at[slot], during=lambda: load_vt(slot) if cfg.v_regs else upcast_v(slot))"
 _PATCHES = {
     "stream": [
         (
@@ -47,36 +50,42 @@ _PATCHES = {
             "                if cfg.fp8_qk:",
         )
     ],
-    "no_upcast": [("during=lambda: upcast_v(slot))", "during=lambda: None)")],
+    "no_upcast": [("if cfg.v_regs else upcast_v(slot))", "if cfg.v_regs else None)")],
     "no_pv": [
         ("acc = o_t(tuple(a * alpha_o for a in acc), v_tile)", "acc = tuple(a * alpha_o for a in acc)"),
     ],
     "no_qk": [
         (
-            "x = s_t(k_s.at[slot], during=lambda: upcast_v(slot))",
-            "upcast_v(slot)\n                    x = cast_layout(jnp.zeros((B, N), jnp.float32), "
+            _QK,
+            "vs = load_vt(slot) if cfg.v_regs else upcast_v(slot)\n"
+            "                    x = cast_layout(jnp.zeros((B, N), jnp.float32), "
             "plgpu.Layout.WGMMA, interpret=interp)",
         )
     ],
 }
 
 
-def _variant_module(name: str, max_stages: int = 0, paired: bool | None = None):
+def _variant_module(name: str, max_stages: int = 0, paired: bool | None = None, v_regs: bool = False):
     """``mosaic_decode_heads`` rebuilt from its source with ``name``'s patches, and a
     ``HeadsConfig`` whose ring takes up to ``max_stages`` slots and whose pairing is
     ``paired`` (None: as shipped)."""
     src = open(mh.__file__).read()
-    for old, new in _PATCHES.get(name.removeprefix("b64_deep_").removeprefix("solo_"), []):
+    for old, new in _PATCHES.get(name.split("-")[-1], []):
         if src.count(old) != 1:
             raise SystemExit(f"ablate: patch of {name!r} does not match the kernel source once: {old!r}")
         src = src.replace(old, new)
     mod = types.ModuleType(f"jattn_ablate_{name}")
     mod.__file__ = mh.__file__
     exec(compile(src, f"<ablate {name}>", "exec"), mod.__dict__)
-    if max_stages or paired is not None:
+    if v_regs:
+        max_stages = max_stages or 6
+    if max_stages or paired is not None or v_regs:
 
         @dataclasses.dataclass(frozen=True)
         class Config(mc.HeadsConfig):
+            def __post_init__(self):
+                object.__setattr__(self, "v_regs", v_regs)
+
             @property
             def paired(self) -> bool:
                 return super().paired if paired is None else paired
@@ -99,7 +108,10 @@ VARIANTS = {
     "no_qk": dict(),
     "solo": dict(max_stages=6, paired=False),
     "b64_deep": dict(max_stages=6, block=64),
-    "b64_deep_stream": dict(max_stages=6, block=64),
+    "b64_deep-stream": dict(max_stages=6, block=64),
+    "vregs": dict(v_regs=True),
+    "vregs-stream": dict(v_regs=True),
+    "vregs_b64": dict(v_regs=True, block=64),
 }
 
 
@@ -170,7 +182,7 @@ def main() -> None:
                 ("kernel", _kernel_only(mod, block), (q8, qf, k, v, tables, lens)),
                 ("op", _op(mod, block), (qs, k, v, tables, lens)),
             ):
-                if label == "op" and name not in ("full", "stream"):
+                if label == "op" and name not in ("full", "stream", "vregs"):
                     continue
                 if args.check:
                     jax.jit(lambda *a: step(0, *a)).trace(*targs).lower(lowering_platforms=("cuda",))

@@ -41,6 +41,7 @@ class Case:
     row_tile: int = 0  # query rows per item (mha_decode_heads(row_tile=...))
     block: int = 64  # tokens per ring block
     fp8_qk: bool = False  # FP8: e4m3 query, S^T on the landed e4m3 K tile
+    v_regs: bool = False  # fp8_qk: V^T into registers from the landed e4m3 tile
 
 
 def _inputs(c: Case, seed: int):
@@ -91,7 +92,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas, row_tile=c.row_tile)
-    kw.update(block=c.block, fp8_qk=c.fp8_qk)
+    kw.update(block=c.block, fp8_qk=c.fp8_qk, v_regs=c.v_regs)
     o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -140,6 +141,24 @@ CPU_CASES = [
     # the same at 128-token blocks over pages of 64 (two boxes a block), a causal verify
     # of 3 tokens x 4 heads with a NaN the last two see
     Case(lens=(200, 70), hq=8, hkv=2, q_len=3, fp8=True, fp8_qk=True, block=128, poison=1),
+    # V^T read into registers from the landed e4m3 tile: 64-token blocks, two splits, a
+    # NaN every query sees; 128-token blocks over pages of 16, d128 (two V^T halves), a
+    # non-causal draft block of 3 with a NaN near the end and a request past the last page
+    Case(lens=(97, 1, 0), fp8=True, fp8_qk=True, v_regs=True, poison=5, num_splits=2),
+    Case(
+        lens=(200, 70, 0),
+        hq=8,
+        hkv=2,
+        d=128,
+        page_size=16,
+        q_len=3,
+        causal=False,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        block=128,
+        poison=1,
+    ),  # fmt: skip
     # 128-token blocks of 2-byte K/V over pages of 16 (eight boxes a block), a draft block
     Case(lens=(150, 7, 0), hq=4, hkv=1, page_size=16, q_len=2, causal=False, block=128),
 ]
@@ -204,9 +223,10 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     """``KernelOptions(fp8_heads=True)`` sends an FP8 single-token decode through
-    ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query and
-    128-token blocks (matching the reference over that query); without it the call stays
-    on the all-heads kernel (stubbed here: its own tests run it)."""
+    ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, ``V^T`` in
+    registers and 64-token blocks (matching the reference over that query), and a causal
+    2-token verify with the f16 V tile and 128-token blocks; without it the call stays on
+    the all-heads kernel (stubbed here: its own tests run it)."""
     from jattn.pallas_kernels import mosaic_decode as md
 
     c = Case(lens=(140, 0, 1), hq=8, hkv=2, fp8=True)
@@ -215,16 +235,20 @@ def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     qh = jnp.asarray(q, jnp.float16)
     calls, real = [], mh.mha_decode_heads
     monkeypatch.setattr(
-        mh, "mha_decode_heads", lambda *a, **k: calls.append((k["fp8_qk"], k["block"])) or real(*a, **k)
+        mh, "mha_decode_heads", lambda *a, **k: calls.append((k["fp8_qk"], k["block"], k["v_regs"])) or real(*a, **k)
     )
     all_heads = []
     monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(1) or jnp.zeros_like(q))
     args = (qh, kc, vc, jnp.asarray(table), jnp.asarray(lens))
     with gpu_interpret():
-        got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(fp8_heads=True))
-        assert calls == [(True, 128)] and all_heads == []
+        opts = md.KernelOptions(fp8_heads=True)
+        got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=opts)
+        assert calls == [(True, 64, True)] and all_heads == []
+        verify = (jnp.concatenate([qh, qh]), *args[1:])  # 2 queries per request (values unchecked)
+        md.mha_decode(*verify, k_scale=0.5, v_scale=0.5, max_seqlen_q=2, options=opts)
+        assert calls[1:] == [(True, 128, False)] and all_heads == []
         md.mha_decode(*args, k_scale=0.5, v_scale=0.5)
-        assert calls == [(True, 128)] and all_heads == [1], "without the option FP8 stays on the all-heads kernel"
+        assert len(calls) == 2 and all_heads == [1], "without the option FP8 stays on the all-heads kernel"
     want = reference.mha_decode(mh.fp8_qk_query(qh, 2), kc, vc, table, lens, k_scale=0.5, v_scale=0.5)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
@@ -273,6 +297,34 @@ GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, fp8=True, fp8_qk=True, block=128, poison=3),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, page_size=16, q_len=4, fp8=True, fp8_qk=True, block=128, poison=1),
     Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, page_size=128, q_len=2, fp8=True, fp8_qk=True),
+    # and V^T in registers (q_len 1 over pages of 16 and 64; a non-causal draft block at d64)
+    Case(
+        lens=(4096, 97, 0, 1, 2049),
+        hq=32,
+        hkv=8,
+        d=128,
+        page_size=16,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        block=128,
+        poison=3,
+    ),  # fmt: skip
+    Case(lens=(3000, 65, 1), hq=32, hkv=8, d=128, fp8=True, fp8_qk=True, v_regs=True, block=64, poison=0),
+    Case(
+        lens=(1500, 0, 64),
+        hq=16,
+        hkv=8,
+        d=64,
+        page_size=32,
+        q_len=4,
+        causal=False,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        block=128,
+        poison=2,
+    ),  # fmt: skip
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, block=128),
 ]
 
@@ -311,8 +363,17 @@ LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
 @pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
-@pytest.mark.parametrize("row_tile, block, fp8_qk", [(0, 64, False), (16, 64, False), (0, 128, False), (0, 128, True)])
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk):
+@pytest.mark.parametrize(
+    "row_tile, block, fp8_qk, v_regs",
+    [
+        (0, 64, False, False),
+        (16, 64, False, False),
+        (0, 128, False, False),
+        (0, 128, True, False),
+        (0, 128, True, True),
+    ],
+)
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk, v_regs):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
@@ -324,6 +385,7 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, bl
 
     def fn(q, k, v):
         kw = dict(max_seqlen_q=q_len, is_causal=causal, num_splits=2, row_tile=row_tile, block=block, fp8_qk=fp8_qk)
+        kw.update(v_regs=v_regs)
         return mh.mha_decode_heads(q, k, v, pt, lens, **kw)
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
