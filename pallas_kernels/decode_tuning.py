@@ -79,8 +79,9 @@ class BlockSizes:
 class KernelOptions:
     """Code-path choices of the decode kernel (hashable; part of the compiled program).
 
-    Every setting computes the same attention; they differ in speed only, so
-    benchmarks can compare them (``python -m jattn bench decode --set``).
+    Every setting computes the same attention (``fp8_heads`` up to the FP8 query's
+    rounding); they differ in speed only, so benchmarks can compare them
+    (``python -m jattn bench decode --set``).
 
     overlap_qk: software-pipelined block loop: block i+1's ``Q K^T`` wgmma is
       issued before block i's softmax, so the tensor cores and the softmax
@@ -106,12 +107,13 @@ class KernelOptions:
       many (16 or 32), one item per tile beside its split's other tiles
       (``mha_decode_heads(row_tile=...)``); 0 (the default: the tiles measured slower on
       the H200, docs/PERF.md), all rows in one item.
-    fp8_heads: FP8 K/V calls of any ``q_len`` that the per-KV-head kernel serves run there
-      with an e4m3 query (``S^T`` on the landed e4m3 K tile): ``V^T`` read into registers
-      over 64-token blocks (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``), or
-      for a causal block of several queries V upcast into an f16 tile over 128-token
-      blocks; the query's rounding to e4m3 adds an error about the size of the FP8
-      cache's own. Off by default (docs/PERF.md has its H200 figures).
+    fp8_heads: FP8 K/V calls that the per-KV-head kernel serves, other than a causal block
+      of several queries (target verify), run there with an e4m3 query (``S^T`` on the
+      landed e4m3 K tile) and ``V^T`` read into registers over 64-token blocks
+      (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``): faster than this
+      kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). The one
+      option that changes results: the query's rounding to e4m3 adds an error about the
+      size of the FP8 cache's own. Off: FP8 runs here with the exact query.
     """
 
     overlap_qk: bool = True
@@ -120,7 +122,7 @@ class KernelOptions:
     heads_kernel: bool = True
     heads_persistent: bool = False
     heads_row_tile: int = 0
-    fp8_heads: bool = False
+    fp8_heads: bool = True
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

@@ -153,7 +153,7 @@ def mha_decode(
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-            fp8_heads=options.fp8_heads,
+            fp8_heads=options.fp8_heads, is_causal=is_causal,
         )  # fmt: skip
         if heads is not None:
             return heads(
@@ -206,13 +206,14 @@ def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
 
 
 def heads_kernel_for(
-    q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale, fp8_heads=False
-):
+    q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
+    fp8_heads=False, is_causal=True,
+):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
     and it serves the call (Python-number scales, no window, cap or sinks), else None.
-    ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls of any ``q_len`` go to it too,
-    with the e4m3 query: ``V^T`` in registers over 64-token blocks, or for a causal block of
-    several queries the f16 V tile over 128-token blocks."""
+    ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls without a causal block of
+    several queries go to it too, with the e4m3 query and ``V^T`` in registers over
+    64-token blocks."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -226,17 +227,8 @@ def heads_kernel_for(
     if reason is not None:
         return None
     itemsize = jnp.dtype(k_cache.dtype).itemsize
-    if fp8_heads and itemsize == 1:
-
-        def fp8_call(*args, is_causal, **kw):
-            # V^T in registers at 64-token blocks where no causal block of several queries
-            # needs the per-key NaN flags; 128-token blocks with the f16 V tile otherwise
-            regs = not (is_causal and max_seqlen_q > 1)
-            return mosaic_decode_heads.mha_decode_heads(
-                *args, is_causal=is_causal, fp8_qk=True, block=64 if regs else 128, v_regs=regs, **kw
-            )
-
-        return fp8_call
+    if fp8_heads and itemsize == 1 and not (is_causal and max_seqlen_q > 1):
+        return functools.partial(mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True)
     if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
         return None
     return mosaic_decode_heads.mha_decode_heads

@@ -572,7 +572,8 @@ def test_lowers_for_cuda(name, monkeypatch):
     # the all-heads kernel itself, then the default, which sends the calls the per-KV-head
     # kernel takes (here: draft_block) there
     routed = md.heads_kernel_for(q, k, v, c.q_len, kw.get("window_left", -1), kw.get("logit_cap", 0.0),
-                                 kw.get("sinks"), None, kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))  # fmt: skip
+                                 kw.get("sinks"), None, kw.get("k_scale", 1.0), kw.get("v_scale", 1.0),
+                                 md.KernelOptions().fp8_heads, c.causal)  # fmt: skip
     for opts, kernel in ((md.KernelOptions(heads_kernel=False), "jattn_paged_decode"),
                        (md.KernelOptions(), "jattn_decode_heads" if routed else "jattn_paged_decode")):  # fmt: skip
         fn = jax.jit(lambda q, k, v, table, lens, o=opts: md.mha_decode(q, k, v, table, lens, options=o, **kw))

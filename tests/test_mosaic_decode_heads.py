@@ -222,11 +222,11 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
-    """``KernelOptions(fp8_heads=True)`` sends an FP8 single-token decode through
+    """By default (``KernelOptions.fp8_heads``) an FP8 single-token decode goes through
     ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, ``V^T`` in
-    registers and 64-token blocks (matching the reference over that query), and a causal
-    2-token verify with the f16 V tile and 128-token blocks; without it the call stays on
-    the all-heads kernel (stubbed here: its own tests run it)."""
+    registers and 64-token blocks (matching the reference over that query); a causal
+    2-token verify, and every FP8 call with ``fp8_heads=False``, stays on the all-heads
+    kernel (stubbed here: its own tests run it)."""
     from jattn.pallas_kernels import mosaic_decode as md
 
     c = Case(lens=(140, 0, 1), hq=8, hkv=2, fp8=True)
@@ -240,20 +240,19 @@ def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     all_heads = []
     monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(1) or jnp.zeros_like(q))
     args = (qh, kc, vc, jnp.asarray(table), jnp.asarray(lens))
+    assert md.KernelOptions().fp8_heads
     with gpu_interpret():
-        opts = md.KernelOptions(fp8_heads=True)
-        got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=opts)
+        got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5)
         assert calls == [(True, 64, True)] and all_heads == []
         verify = (jnp.concatenate([qh, qh]), *args[1:])  # 2 queries per request (values unchecked)
-        md.mha_decode(*verify, k_scale=0.5, v_scale=0.5, max_seqlen_q=2, options=opts)
-        assert calls[1:] == [(True, 128, False)] and all_heads == []
-        md.mha_decode(*args, k_scale=0.5, v_scale=0.5)
-        assert len(calls) == 2 and all_heads == [1], "without the option FP8 stays on the all-heads kernel"
+        md.mha_decode(*verify, k_scale=0.5, v_scale=0.5, max_seqlen_q=2)
+        assert len(calls) == 1 and all_heads == [1], "a causal FP8 verify stays on the all-heads kernel"
+        md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(fp8_heads=False))
+        assert len(calls) == 1 and all_heads == [1, 1], "fp8_heads=False keeps FP8 on the all-heads kernel"
     want = reference.mha_decode(mh.fp8_qk_query(qh, 2), kc, vc, table, lens, k_scale=0.5, v_scale=0.5)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_fp8_qk_error_is_the_size_of_the_cache_rounding():
     """Against the exact query, the e4m3 query's extra error stays within 1.5x of what the
     FP8 cache's own rounding costs (the reference over the rounded cache against the exact

@@ -142,13 +142,13 @@ def parse_options(spec: str):
     return KernelOptions(**values)
 
 
-def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int, block: int) -> int:
+def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int) -> int:
     """The per-KV-head kernel's split count for a row (its own chooser)."""
     from jattn.pallas_kernels import mosaic_decode_heads as mh
 
     max_pages = -(-length // page_size)
     tiles = mh.row_tiles(q_len * (HQ // HKV), row_tile)
-    return mh.choose_num_splits(bs, HKV, max_pages * page_size, tiles, block)
+    return mh.choose_num_splits(bs, HKV, max_pages * page_size, tiles)
 
 
 def verify_ratios(header, rows) -> list[str]:
@@ -320,10 +320,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # the call runs the per-KV-head kernel where mosaic_decode routes it (splits column: "h" + its count)
         heads = (
-            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, opts.fp8_heads) is not None
+            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, opts.fp8_heads, True)
+            is not None
             and opts.heads_kernel
         )
-        heads_block = 128 if opts.fp8_heads and kvname == "fp8" else 64
         noheads = dataclasses.replace(opts, heads_kernel=False)
         bsz = md.choose_block_sizes(
             batch=bs,
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
             tbs = kv_bytes / t.seconds / 1e12
             cells = [
-                f"h{_heads_splits(bs, L, ps, q_len, opts.heads_row_tile, heads_block)}" if heads else bsz.num_splits,
+                f"h{_heads_splits(bs, L, ps, q_len, opts.heads_row_tile)}" if heads else bsz.num_splits,
                 f"{t.seconds * 1e6:.1f}",
                 f"{tbs:.2f}",
                 f"{100 * kv_bytes / t.seconds / copy_bw:.0f}%",
@@ -433,14 +433,16 @@ def main(argv: list[str] | None = None) -> None:
                     lambda: _device_timing(common.time_rotated(istep, targs, n_hi=n_hi, device=True)),
                 )
             )
-        if kvname == "fp8":  # the FP8 upcast's other path (KernelOptions.fp8_converter), same run
-            other = dataclasses.replace(opts, fp8_converter=not opts.fp8_converter)
+        if kvname == "fp8":  # FP8's other path, same run: the all-heads kernel where the row runs
+            # the per-KV-head one (KernelOptions.fp8_heads), else its other upcast (fp8_converter)
+            flip = "fp8_heads" if heads else "fp8_converter"
+            other = dataclasses.replace(opts, **{flip: not getattr(opts, flip)})
 
             cstep = functools.partial(step, options=other)
 
             methods.append(
                 (
-                    f"fp8_converter={int(other.fp8_converter)}, device time",
+                    f"{flip}={int(getattr(other, flip))}, device time",
                     lambda: _device_timing(common.time_rotated(cstep, targs, n_hi=n_hi, device=True)),
                 )
             )
