@@ -1051,6 +1051,30 @@ def _naive_decode(c, q, kc, vc, pool, kw):
     return truth, truth_lse, heads
 
 
+def _fp8_query(c, q, kc, vc, sinks, pool, call_kw):
+    """The query the call attends with: on an FP8 cache, where ``mosaic_decode`` sends the
+    call (no forced splits) to the per-KV-head kernel's e4m3-query path
+    (``KernelOptions.fp8_heads``, the default), ``q`` rounded as that path rounds it
+    (docs/SEMANTICS.md); else ``q``."""
+    from jattn.checks import _window_within
+    from jattn.pallas_kernels import mosaic_decode_heads
+
+    if c["kv"] != "fp8" or c["splits"]:
+        return q
+    window = c["window_left"]
+    if c["overlap_qk"]:  # through jattn.mha_decode_with_kvcache, which normalises the window
+        window = _window_within(window, pool.width * c["page_size"])
+    kw = {k: call_kw[k] for k in ("softmax_scale", "k_scale", "v_scale")}
+    routed = mosaic.heads_kernel_for(
+        jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), c["q_len"], window, c["logit_cap"], sinks, **kw,
+        fp8_heads=mosaic.KernelOptions().fp8_heads, is_causal=c["is_causal"],
+    )  # fmt: skip
+    if routed is None:
+        return q
+    rounded = mosaic_decode_heads.fp8_qk_query(jnp.asarray(q), c["hkv"], c["q_len"])
+    return np.asarray(rounded, np.float32)
+
+
 def _run_mosaic(c):
     pool, q, kc, vc, sinks = _decode_inputs(c)
     reason = mosaic.unsupported_reason(
@@ -1081,7 +1105,7 @@ def _run_mosaic(c):
         res = mosaic.mha_decode(*args, block_sizes=bsz, options=opts, **call_kw)
     out, lse = _unpack(res, c["return_lse"])
     assert out.dtype == q.dtype and out.shape == q.shape
-    truth, truth_lse, heads = _naive_decode(c, q, kc, vc, pool, kw)
+    truth, truth_lse, heads = _naive_decode(c, _fp8_query(c, q, kc, vc, sinks, pool, call_kw), kc, vc, pool, kw)
     tol = _mosaic_tol(c)
     out = np.asarray(out.astype(jnp.float32))[:, heads]
     lse = None if lse is None else np.asarray(lse)[:, heads]

@@ -355,6 +355,26 @@ def test_gpu_verify_through_ops(monkeypatch):
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_fp8_decode_through_ops(monkeypatch):
+    """On the GPU, ``jattn.ops`` (auto backend) runs an FP8 single-token decode at 32/8
+    heads on the per-KV-head kernel's e4m3-query path (the default) and gets the
+    reference's result over the rounded query; poison in unused pages stays out."""
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    from jattn import ops
+
+    c = Case(lens=(3000, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, fp8=True)
+    q, k, v, table, lens = _inputs(c, 6)
+    kc, vc = jnp.asarray(k / 0.4, jnp.float8_e4m3fn), jnp.asarray(v / 0.7, jnp.float8_e4m3fn)
+    qh = jnp.asarray(q, jnp.bfloat16)
+    want = reference.mha_decode(mh.fp8_qk_query(qh, 8), kc, vc, table, lens, k_scale=0.4, v_scale=0.7)
+    calls = _spy(monkeypatch)
+    got = ops.mha_decode_with_kvcache(qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.4, v_scale=0.7)
+    assert calls == [1]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
+
+
 LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
          (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True), (32, 8, 128, 16, 4, True, False),
          (32, 8, 128, 32, 1, True, True), (32, 8, 128, 16, 8, False, False)]  # fmt: skip
