@@ -114,6 +114,8 @@ class KernelOptions:
       kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). The one
       option that changes results: the query's rounding to e4m3 adds an error about the
       size of the FP8 cache's own. Off: FP8 runs here with the exact query.
+    heads_overlap: on that FP8 path, block ``i + 1``'s ``S^T`` is issued before block
+      ``i``'s softmax (``mha_decode_heads(overlap=True)``), as ``overlap_qk`` does here.
     """
 
     overlap_qk: bool = True
@@ -123,6 +125,7 @@ class KernelOptions:
     heads_persistent: bool = False
     heads_row_tile: int = 0
     fp8_heads: bool = True
+    heads_overlap: bool = False
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

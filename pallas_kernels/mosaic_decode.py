@@ -153,7 +153,7 @@ def mha_decode(
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-            fp8_heads=options.fp8_heads, is_causal=is_causal,
+            fp8_heads=options.fp8_heads, is_causal=is_causal, overlap=options.heads_overlap,
         )  # fmt: skip
         if heads is not None:
             return heads(
@@ -207,13 +207,13 @@ def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
 
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-    fp8_heads=False, is_causal=True,
+    fp8_heads=False, is_causal=True, overlap=False,
 ):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
     and it serves the call (Python-number scales, no window, cap or sinks), else None.
     ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls without a causal block of
     several queries go to it too, with the e4m3 query and ``V^T`` in registers over
-    64-token blocks."""
+    64-token blocks (``overlap``: ``KernelOptions.heads_overlap``)."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -228,7 +228,9 @@ def heads_kernel_for(
         return None
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     if fp8_heads and itemsize == 1 and not (is_causal and max_seqlen_q > 1):
-        return functools.partial(mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True)
+        return functools.partial(
+            mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True, overlap=overlap
+        )
     if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
         return None
     return mosaic_decode_heads.mha_decode_heads

@@ -334,6 +334,33 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                     plgpu.barrier_arrive(kv_free.at[slot])
                 return carry
 
+            def step_overlap(i, carry, edge: bool):
+                """``overlap``: block ``i`` with block ``i + 1``'s ``S^T`` in flight while this
+                block's softmax and ``O^T`` run; block ``i``'s scores come in the carry. After
+                the last block the product is redone on the last K tile (still in its slot)
+                and discarded."""
+                *inner, x_cur = carry
+                slot = lax.rem(n + i, jnp.int32(S))
+                nslot = lax.rem(n + jnp.minimum(i + 1, count - 1), jnp.int32(S))
+
+                @pl.when(i + 1 < count)
+                def _():
+                    plgpu.barrier_wait(kv_bar.at[nslot])
+
+                if interp:
+                    x_next = s_t(k_s.at[nslot])[0]
+                    inner = softmax_pv(i, x_cur, tuple(inner), load_vt(slot), edge)
+                else:
+
+                    def scope(s_ref):
+                        plgpu.wgmma(s_ref, k_s.at[nslot], q_s.T)
+                        out = softmax_pv(i, x_cur, tuple(inner), load_vt(slot), edge)  # waits for both MMAs
+                        return out, s_ref[...]
+
+                    inner, x_next = pl.run_scoped(scope, plgpu.ACC((B, N), jnp.float32))
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return (*inner, x_next)
+
             vec = plgpu.Layout.WGMMA.reduce(0)
             m_i = cast_layout(jnp.full((N,), -jnp.inf, jnp.float32), vec, interpret=interp)
             l_t = cast_layout(jnp.zeros((B, N), jnp.float32), plgpu.Layout.WGMMA, interpret=interp)
@@ -344,8 +371,18 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
             )
             n_full = jnp.clip(lax.div(first_partial, jnp.int32(B)) - lo, 0, count)
             carry = (acc, m_i, l_t, flag)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, edge=False), carry)
-            acc, m_i, l_t, flag = lax.fori_loop(n_full, count, functools.partial(step, edge=True), carry)
+            body = step
+            if cfg.overlap:  # the first block's scores before the loop (none used if no blocks)
+                first = lax.rem(n, jnp.int32(S))
+
+                @pl.when(count > 0)
+                def _():
+                    plgpu.barrier_wait(kv_bar.at[first])
+
+                carry, body = (*carry, s_t(k_s.at[first])[0]), step_overlap
+            carry = lax.fori_loop(0, n_full, functools.partial(body, edge=False), carry)
+            carry = lax.fori_loop(n_full, count, functools.partial(body, edge=True), carry)
+            acc, m_i, l_t, flag = carry[:4]
 
             # Every S^T of this item has been read: the next item's Q lands during the epilogue
             # (the producer is already streaming its K/V into the slots freed above).
@@ -420,7 +457,8 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
         f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}"
-        f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}{'_vregs' if cfg.v_regs else ''}",
+        f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}{'_vregs' if cfg.v_regs else ''}"
+        f"{'_ovl' if cfg.overlap else ''}",
     )
     return kernel(page_table, lens, *([qf] if cfg.fp8_qk else []), q_arr, k2d, v2d)
 
@@ -429,19 +467,20 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs",
+        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
-            fp8_qk=False, v_regs=False):  # fmt: skip
+            fp8_qk=False, v_regs=False, overlap=False):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
     value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
     not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields;
-    ``v_regs`` too, where the call has no causal block of several queries (else off)."""
+    ``v_regs`` too, where the call has no causal block of several queries (else off), and
+    ``overlap`` where ``v_regs`` applies."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -466,6 +505,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         fp8_qk=fp8_qk,
         v_regs=bool(v_regs and fp8_qk and not (is_causal and max_seqlen_q > 1)),
     )
+    cfg = dataclasses.replace(cfg, overlap=bool(overlap and cfg.v_regs))
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
     n, g, tiles = cfg.n, cfg.group, cfg.tiles
@@ -550,6 +590,7 @@ def mha_decode_heads(
     block: int = BLOCK,
     fp8_qk: bool = False,
     v_regs: bool = False,
+    overlap: bool = False,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -580,7 +621,11 @@ def mha_decode_heads(
     upcast there, as the ``O^T`` MMA's register operand, so the f16 V tile and its
     shared-memory round trip go and the ring gets that room. It applies to calls without
     a causal block of several queries (q_len 1, non-causal draft blocks); causal verify
-    keeps the f16 V tile (its per-key NaN flags read the tile by key rows)."""
+    keeps the f16 V tile (its per-key NaN flags read the tile by key rows).
+
+    ``overlap`` (where ``v_regs`` applies): block ``i + 1``'s ``S^T`` is issued before block
+    ``i``'s softmax, so that MMA runs under the softmax and the ``O^T`` MMA (the scores of
+    one block wait in registers for the next step)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -594,6 +639,8 @@ def mha_decode_heads(
         raise ValueError(f"mha_decode_heads: fp8_qk needs an FP8 e4m3 cache, got {k_cache.dtype}")
     if v_regs and not fp8_qk:
         raise ValueError("mha_decode_heads: v_regs needs fp8_qk=True (V^T in registers serves the e4m3 query path)")
+    if overlap and not v_regs:
+        raise ValueError("mha_decode_heads: overlap needs v_regs=True (the pipelined loop is that path's)")
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:
@@ -620,4 +667,5 @@ def mha_decode_heads(
         block=int(block),
         fp8_qk=bool(fp8_qk),
         v_regs=bool(v_regs),
+        overlap=bool(overlap),
     )

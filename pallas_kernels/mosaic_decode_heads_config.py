@@ -62,6 +62,8 @@ class HeadsConfig:
     # fp8_qk only, and no causal block of several queries: V^T goes from the landed e4m3 V
     # tile into registers (upcast there) as the O^T MMA's A operand; no upcast tile
     v_regs: bool = False
+    # v_regs only: block i + 1's S^T is issued before block i's softmax (a pipelined loop)
+    overlap: bool = False
 
     @property
     def tiles(self) -> int:

@@ -91,6 +91,13 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
     )
 
 
+# The options these tests run with: the defaults, except that FP8 calls stay on this
+# kernel (its converter and in-chain upcast); the per-KV-head kernel's FP8 path, which
+# KernelOptions.fp8_heads sends FP8 decode to by default, is tested in
+# tests/test_mosaic_decode_heads.py.
+BASE = md.KernelOptions(fp8_heads=False)
+
+
 def _block_sizes(c: Case, k, table, options: md.KernelOptions):
     """Explicit tiling for cases that pin the split count."""
     if not c.splits:
@@ -108,7 +115,7 @@ def _block_sizes(c: Case, k, table, options: md.KernelOptions):
     return dataclasses.replace(bs, num_splits=c.splits)
 
 
-def _check(c: Case, *, interpret: bool, seed: int | None = None, options: md.KernelOptions = md.KernelOptions()):
+def _check(c: Case, *, interpret: bool, seed: int | None = None, options: md.KernelOptions = BASE):
     q, k, v, table, lens, sinks, ks, vs = _inputs(c, c.seed if seed is None else seed)
     kw = _kwargs(c, sinks, ks, vs)
     bsz = _block_sizes(c, k, table, options)
@@ -176,9 +183,8 @@ def test_interpreted(name):
 
 
 def _flipped(option: str) -> md.KernelOptions:
-    """The default kernel options with ``option`` set to its other value."""
-    default = md.KernelOptions()
-    return dataclasses.replace(default, **{option: not getattr(default, option)})
+    """The options of these tests (``BASE``) with ``option`` set to its other value."""
+    return dataclasses.replace(BASE, **{option: not getattr(BASE, option)})
 
 
 # (option, case): each case runs with the option's non-default setting.
@@ -206,7 +212,7 @@ def test_options_are_static_and_hashable():
     """Options key the compiled program: equal options hash equal, others differ."""
     a, b = md.KernelOptions(), md.KernelOptions(overlap_qk=True, kernel_combine=True)
     assert a == b and hash(a) == hash(b)
-    assert _flipped("overlap_qk") != a and _flipped("kernel_combine") != a
+    assert _flipped("overlap_qk") != BASE and _flipped("kernel_combine") != BASE and BASE != a
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.overlap_qk = False
 
@@ -284,7 +290,7 @@ def _sees(length, n, i, j, causal, window):
     return 0 <= j < length and (not causal or j <= pos) and (window < 0 or j >= pos - window)
 
 
-def _poison_check(c: Case, spots, *, interpret: bool, options: md.KernelOptions = md.KernelOptions()):
+def _poison_check(c: Case, spots, *, interpret: bool, options: md.KernelOptions = BASE):
     """Runs the kernel on caches poisoned at ``spots`` and checks it against the f32
     reference on the clean caches. A spot is ``(request, key positions, kv head or None
     (all), "k" / "v" / "kv", value, checked)``: a query that does not see the key must
@@ -460,7 +466,7 @@ FP8_GPU = ["fp8", "fp8_qlen4_page64", "hkv4_fp8", "one_split_sinks_fp8"]
 def test_gpu_fp8_loop_options(name, option):
     """FP8 KV with the settings other than the default: the in-chain upcast
     (no converter warpgroup), and the converter with the plain block loop."""
-    opts = md.KernelOptions(fp8_converter=True)
+    opts = dataclasses.replace(BASE, fp8_converter=True)
     if option == "overlap_qk":
         opts = dataclasses.replace(opts, overlap_qk=False)
     else:

@@ -42,6 +42,7 @@ class Case:
     block: int = 64  # tokens per ring block
     fp8_qk: bool = False  # FP8: e4m3 query, S^T on the landed e4m3 K tile
     v_regs: bool = False  # fp8_qk: V^T into registers from the landed e4m3 tile
+    overlap: bool = False  # v_regs: the next block's S^T in flight during this block's softmax
 
 
 def _inputs(c: Case, seed: int):
@@ -92,7 +93,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas, row_tile=c.row_tile)
-    kw.update(block=c.block, fp8_qk=c.fp8_qk, v_regs=c.v_regs)
+    kw.update(block=c.block, fp8_qk=c.fp8_qk, v_regs=c.v_regs, overlap=c.overlap)
     o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -143,7 +144,8 @@ CPU_CASES = [
     Case(lens=(200, 70), hq=8, hkv=2, q_len=3, fp8=True, fp8_qk=True, block=128, poison=1),
     # V^T read into registers from the landed e4m3 tile: 64-token blocks, two splits, a
     # NaN every query sees; 128-token blocks over pages of 16, d128 (two V^T halves), a
-    # non-causal draft block of 3 with a NaN near the end and a request past the last page
+    # non-causal draft block of 3 in one split (two blocks), a NaN near the end, a request
+    # with no keys
     Case(lens=(97, 1, 0), fp8=True, fp8_qk=True, v_regs=True, poison=5, num_splits=2),
     Case(
         lens=(200, 70, 0),
@@ -158,6 +160,28 @@ CPU_CASES = [
         v_regs=True,
         block=128,
         poison=1,
+        num_splits=1,
+    ),  # fmt: skip
+    # the same with the next block's S^T in flight (overlap): several blocks per split,
+    # requests of 0 and 1 keys; a non-causal draft block over pages of 16, one split, on 3
+    # persistent CTAs
+    Case(lens=(300, 1, 0), fp8=True, fp8_qk=True, v_regs=True, overlap=True, poison=5, num_splits=2),
+    Case(
+        lens=(200, 70, 0, 130),
+        hq=8,
+        hkv=2,
+        d=128,
+        page_size=16,
+        q_len=2,
+        causal=False,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        overlap=True,
+        poison=0,
+        num_splits=1,
+        persistent=True,
+        num_ctas=3,
     ),  # fmt: skip
     # 128-token blocks of 2-byte K/V over pages of 16 (eight boxes a block), a draft block
     Case(lens=(150, 7, 0), hq=4, hkv=1, page_size=16, q_len=2, causal=False, block=128),
@@ -311,6 +335,32 @@ GPU_CASES = [
     ),  # fmt: skip
     Case(lens=(3000, 65, 1), hq=32, hkv=8, d=128, fp8=True, fp8_qk=True, v_regs=True, block=64, poison=0),
     Case(
+        lens=(4096, 97, 0, 1, 2049),
+        hq=32,
+        hkv=8,
+        d=128,
+        page_size=16,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        overlap=True,
+        poison=3,
+    ),  # fmt: skip
+    Case(
+        lens=(3000, 65, 777),
+        hq=32,
+        hkv=8,
+        d=128,
+        q_len=4,
+        causal=False,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        overlap=True,
+        persistent=True,
+        num_ctas=7,
+    ),  # fmt: skip
+    Case(
         lens=(1500, 0, 64),
         hq=16,
         hkv=8,
@@ -383,16 +433,17 @@ LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
 @pytest.mark.parametrize("hq, hkv, d, page_size, q_len, causal, fp8", LOWER)
 @pytest.mark.parametrize(
-    "row_tile, block, fp8_qk, v_regs",
+    "row_tile, block, fp8_qk, v_regs, overlap",
     [
-        (0, 64, False, False),
-        (16, 64, False, False),
-        (0, 128, False, False),
-        (0, 128, True, False),
-        (0, 128, True, True),
+        (0, 64, False, False, False),
+        (16, 64, False, False, False),
+        (0, 128, False, False, False),
+        (0, 128, True, False, False),
+        (0, 128, True, True, False),
+        (0, 64, True, True, True),
     ],
 )
-def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk, v_regs):
+def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk, v_regs, overlap):
     """What the CPU can check of the compiled program: the cuda lowering (TMA boxes of
     the 2-D view, the transposed V operand, swizzles shared by one wgmma's operands)."""
     bs = 3
@@ -404,7 +455,7 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, bl
 
     def fn(q, k, v):
         kw = dict(max_seqlen_q=q_len, is_causal=causal, num_splits=2, row_tile=row_tile, block=block, fp8_qk=fp8_qk)
-        kw.update(v_regs=v_regs)
+        kw.update(v_regs=v_regs, overlap=overlap)
         return mh.mha_decode_heads(q, k, v, pt, lens, **kw)
 
     text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
