@@ -114,8 +114,9 @@ class KernelOptions:
       kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). The one
       option that changes results: the query's rounding to e4m3 adds an error about the
       size of the FP8 cache's own. Off: FP8 runs here with the exact query.
-    heads_overlap: on that FP8 path, block ``i + 1``'s ``S^T`` is issued before block
-      ``i``'s softmax (``mha_decode_heads(overlap=True)``), as ``overlap_qk`` does here.
+    heads_overlap: the per-KV-head kernel (its 2-byte path and that FP8 path) issues block
+      ``i + 1``'s ``S^T`` before block ``i``'s softmax (``mha_decode_heads(overlap=True)``),
+      as ``overlap_qk`` does here. Off by default: not yet timed on the GPU.
     """
 
     overlap_qk: bool = True

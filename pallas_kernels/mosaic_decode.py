@@ -213,7 +213,7 @@ def heads_kernel_for(
     and it serves the call (Python-number scales, no window, cap or sinks), else None.
     ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls without a causal block of
     several queries go to it too, with the e4m3 query and ``V^T`` in registers over
-    64-token blocks (``overlap``: ``KernelOptions.heads_overlap``)."""
+    64-token blocks. ``overlap``: ``KernelOptions.heads_overlap``, passed on."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -233,7 +233,7 @@ def heads_kernel_for(
         )
     if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
         return None
-    return mosaic_decode_heads.mha_decode_heads
+    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap)
 
 
 @functools.partial(

@@ -347,14 +347,15 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 def _():
                     plgpu.barrier_wait(kv_bar.at[nslot])
 
+                v_tile = (lambda: load_vt(slot)) if cfg.v_regs else (lambda: v_s.at[slot])
                 if interp:
                     x_next = s_t(k_s.at[nslot])[0]
-                    inner = softmax_pv(i, x_cur, tuple(inner), load_vt(slot), edge)
+                    inner = softmax_pv(i, x_cur, tuple(inner), v_tile(), edge)
                 else:
 
                     def scope(s_ref):
                         plgpu.wgmma(s_ref, k_s.at[nslot], q_s.T)
-                        out = softmax_pv(i, x_cur, tuple(inner), load_vt(slot), edge)  # waits for both MMAs
+                        out = softmax_pv(i, x_cur, tuple(inner), v_tile(), edge)  # waits for both MMAs
                         return out, s_ref[...]
 
                     inner, x_next = pl.run_scoped(scope, plgpu.ACC((B, N), jnp.float32))
@@ -480,7 +481,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
     not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields;
     ``v_regs`` too, where the call has no causal block of several queries (else off), and
-    ``overlap`` where ``v_regs`` applies."""
+    ``overlap`` with 2-byte K/V or where ``v_regs`` applies (MHA only)."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -505,7 +506,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         fp8_qk=fp8_qk,
         v_regs=bool(v_regs and fp8_qk and not (is_causal and max_seqlen_q > 1)),
     )
-    cfg = dataclasses.replace(cfg, overlap=bool(overlap and cfg.v_regs))
+    cfg = dataclasses.replace(cfg, overlap=bool(overlap and not latent and (cfg.v_regs or not cfg.fp8)))
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
     n, g, tiles = cfg.n, cfg.group, cfg.tiles
@@ -623,9 +624,9 @@ def mha_decode_heads(
     a causal block of several queries (q_len 1, non-causal draft blocks); causal verify
     keeps the f16 V tile (its per-key NaN flags read the tile by key rows).
 
-    ``overlap`` (where ``v_regs`` applies): block ``i + 1``'s ``S^T`` is issued before block
-    ``i``'s softmax, so that MMA runs under the softmax and the ``O^T`` MMA (the scores of
-    one block wait in registers for the next step)."""
+    ``overlap`` (2-byte K/V, or FP8 where ``v_regs`` applies): block ``i + 1``'s ``S^T`` is
+    issued before block ``i``'s softmax, so that MMA runs under the softmax and the ``O^T``
+    MMA (the scores of one block wait in registers for the next step)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -639,8 +640,8 @@ def mha_decode_heads(
         raise ValueError(f"mha_decode_heads: fp8_qk needs an FP8 e4m3 cache, got {k_cache.dtype}")
     if v_regs and not fp8_qk:
         raise ValueError("mha_decode_heads: v_regs needs fp8_qk=True (V^T in registers serves the e4m3 query path)")
-    if overlap and not v_regs:
-        raise ValueError("mha_decode_heads: overlap needs v_regs=True (the pipelined loop is that path's)")
+    if overlap and jnp.dtype(k_cache.dtype).itemsize == 1 and not v_regs:
+        raise ValueError("mha_decode_heads: overlap on an FP8 cache needs v_regs=True (V^T in registers)")
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
     if num_splits is None:

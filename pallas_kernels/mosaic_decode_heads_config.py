@@ -62,7 +62,7 @@ class HeadsConfig:
     # fp8_qk only, and no causal block of several queries: V^T goes from the landed e4m3 V
     # tile into registers (upcast there) as the O^T MMA's A operand; no upcast tile
     v_regs: bool = False
-    # v_regs only: block i + 1's S^T is issued before block i's softmax (a pipelined loop)
+    # MHA with 2-byte K/V or v_regs: block i + 1's S^T is issued before block i's softmax
     overlap: bool = False
 
     @property

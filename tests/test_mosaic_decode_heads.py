@@ -183,6 +183,10 @@ CPU_CASES = [
         persistent=True,
         num_ctas=3,
     ),  # fmt: skip
+    # 2-byte K/V with the next block's S^T in flight: a causal 3-token verify in one split
+    # (NaN seen by the last draft only), and an 8-token non-causal draft block at d128
+    Case(lens=(300, 70, 0), hq=8, hkv=2, q_len=3, poison=1, num_splits=1, overlap=True),
+    Case(lens=(150, 1), hq=8, hkv=2, d=128, page_size=16, q_len=8, causal=False, num_splits=1, overlap=True),
     # 128-token blocks of 2-byte K/V over pages of 16 (eight boxes a block), a draft block
     Case(lens=(150, 7, 0), hq=4, hkv=1, page_size=16, q_len=2, causal=False, block=128),
 ]
@@ -375,6 +379,9 @@ GPU_CASES = [
         poison=2,
     ),  # fmt: skip
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, block=128),
+    # 2-byte K/V with overlap: the verify rows of the benchmark (q_len 4 causal, 8 causal)
+    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1, overlap=True),
+    Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, q_len=8, poison=2, overlap=True),
 ]
 
 
@@ -441,6 +448,7 @@ LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16
         (0, 128, True, False, False),
         (0, 128, True, True, False),
         (0, 64, True, True, True),
+        (0, 64, False, False, True),
     ],
 )
 def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, block, fp8_qk, v_regs, overlap):
@@ -449,6 +457,8 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, bl
     bs = 3
     if fp8_qk and not fp8:
         pytest.skip("fp8_qk is for FP8 caches")
+    if overlap and fp8 and not v_regs:
+        pytest.skip("overlap on an FP8 cache is for v_regs")
     q = jnp.zeros((bs * q_len, hq, d), jnp.bfloat16)
     pool = jnp.zeros((40, page_size, hkv, d), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
     pt, lens = jnp.zeros((bs, 10), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
@@ -559,3 +569,8 @@ def test_row_tiles():
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, block=96)
     with pytest.raises(ValueError, match=r"fp8_qk needs an FP8 e4m3 cache, got bfloat16"):
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, fp8_qk=True)
+    with pytest.raises(ValueError, match=r"v_regs needs fp8_qk=True"):
+        mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, v_regs=True)
+    pool8 = pool.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"overlap on an FP8 cache needs v_regs=True"):
+        mh.mha_decode_heads(q, pool8, pool8, pt, lens, max_seqlen_q=8, fp8_qk=True, overlap=True)
