@@ -11,7 +11,7 @@ timed calls, no transposes, no split combine); ``op`` rows time the whole op.
     python scripts/ablate_fp8_heads.py --check    # CPU: build every variant, trace only
 
 Variants (block 128 unless named):
-* ``full``: the kernel as shipped (``fp8_qk=True, block=128``: two CTAs per SM, two slots);
+* ``full``: ``fp8_qk=True, block=128`` with the f16 V tile (two CTAs per SM, two slots);
 * ``stream``: the consumer waits for each slot and frees it, no math (the ring's floor);
 * ``no_upcast``: the V upcast removed (``O^T`` reads a stale f16 tile);
 * ``no_pv``: the ``O^T += V^T P^T`` MMA removed (the softmax and ``P^T`` store stay);
@@ -20,7 +20,9 @@ Variants (block 128 unless named):
 * ``b64_deep``: 64-token blocks, two CTAs per SM, as many slots as fit half the SM (up to 6);
 * ``b64_deep-stream``: the same ring, no math;
 * ``vregs``: ``v_regs=True`` (V^T read into registers, no upcast tile: as many slots as
-  fit, up to 6), and ``vregs-stream`` its ring with no math, ``vregs_b64`` at 64-token blocks.
+  fit, up to 6), and ``vregs-stream`` its ring with no math, ``vregs_b64`` at 64-token blocks
+  (the default FP8 path), ``vregs_b64_ovl`` with the pipelined loop (``overlap``),
+  ``vregs_b64-stream`` its ring with no math.
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ _PATCHES = {
 }
 
 
-def _variant_module(name: str, max_stages: int = 0, paired: bool | None = None, v_regs: bool = False):
+def _variant_module(
+    name: str, max_stages: int = 0, paired: bool | None = None, v_regs: bool = False, overlap: bool = False
+):
     """``mosaic_decode_heads`` rebuilt from its source with ``name``'s patches, and a
-    ``HeadsConfig`` whose ring takes up to ``max_stages`` slots and whose pairing is
-    ``paired`` (None: as shipped)."""
+    ``HeadsConfig`` whose ring takes up to ``max_stages`` slots, whose pairing is ``paired``
+    (None: as shipped) and with ``v_regs`` / ``overlap`` as given."""
     src = open(mh.__file__).read()
     for old, new in _PATCHES.get(name.split("-")[-1], []):
         if src.count(old) != 1:
@@ -85,6 +89,7 @@ def _variant_module(name: str, max_stages: int = 0, paired: bool | None = None, 
         class Config(mc.HeadsConfig):
             def __post_init__(self):
                 object.__setattr__(self, "v_regs", v_regs)
+                object.__setattr__(self, "overlap", overlap)
 
             @property
             def paired(self) -> bool:
@@ -112,6 +117,8 @@ VARIANTS = {
     "vregs": dict(v_regs=True),
     "vregs-stream": dict(v_regs=True),
     "vregs_b64": dict(v_regs=True, block=64),
+    "vregs_b64_ovl": dict(v_regs=True, block=64, overlap=True),
+    "vregs_b64-stream": dict(v_regs=True, block=64),
 }
 
 
@@ -182,7 +189,7 @@ def main() -> None:
                 ("kernel", _kernel_only(mod, block), (q8, qf, k, v, tables, lens)),
                 ("op", _op(mod, block), (qs, k, v, tables, lens)),
             ):
-                if label == "op" and name not in ("full", "stream", "vregs"):
+                if label == "op" and name not in ("full", "stream", "vregs_b64", "vregs_b64_ovl"):
                     continue
                 if args.check:
                     jax.jit(lambda *a: step(0, *a)).trace(*targs).lower(lowering_platforms=("cuda",))
