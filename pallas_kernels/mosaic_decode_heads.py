@@ -63,11 +63,12 @@ K tile, which frees the slot; only V is upcast, while that MMA runs, so the chai
 upcast and two CTAs fit an SM. With ``v_regs`` as well, V is not upcast into a tile at
 all: each 64-column piece of the landed e4m3 V tile is read transposed into registers,
 upcast there and fed to the ``O^T`` MMA as its register operand ``V^T``, which leaves the
-ring the upcast tile's room (up to six 64-token slots in half an SM); keys past the
-length are zeroed in registers. A causal block of several queries keeps the f16 tile
-(its per-key NaN flags read V by key rows). ``block=128`` doubles the tokens per block
-(fewer per-block waits and cross-warp reductions per key). ``k_scale`` is in the score scale; the combine
-applies ``v_scale``. Page sizes 16 to 128, head_dim 64 or 128, no window, logit cap or sinks.
+ring the upcast tile's room (up to six 64-token slots in half an SM). Edge blocks are
+cleaned in registers; for a causal block of several queries the per-key NaN rows go
+from ``V^T``'s key axis to the scores' through a ``[B]`` row in shared memory.
+``block=128`` doubles the tokens per block (fewer per-block waits and cross-warp
+reductions per key). ``k_scale`` is in the score scale; the combine applies ``v_scale``.
+Page sizes 16 to 128, head_dim 64 or 128, no window, logit cap or sinks.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
     # FP8: the tiles the MMAs read (fp8_qk: V only; S^T reads the landed e4m3 K tile;
     # v_regs: none, V^T goes to registers)
     kc_s, vc_s = ((None, *upcast) if cfg.fp8_qk else upcast) if cfg.fp8 and not cfg.v_regs else (None, None)
+    # v_regs with a causal block of several queries: the edge block's per-key NaN rows, f32[B]
+    kb_s = upcast[0] if cfg.v_regs and upcast else None
     D, N, S, G, B = cfg.head_dim, cfg.n, cfg.stages, cfg.group, cfg.block
     wg = lax.axis_index("wg")
     interp = cfg.interpret
@@ -268,9 +271,22 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                 flagged (``flag`` > 0: they come out NaN); keys every query sees are left as
                 they are. MLA: the latent tile's value columns, 64 at a time, after its
                 ``S^T`` (a query that sees a non-finite value entry has a NaN score: no flag)."""
-                if cfg.v_regs:  # V^T in registers: zero the keys past the length (every query sees the rest)
+                if cfg.v_regs:  # V^T in registers, [64, B] per 64 columns: keys along axis 1
                     key = tile_iota((64, B), 1, interpret=interp) + t0
-                    return [jnp.where(key < seq_len, v, jnp.zeros(v.shape, v.dtype)) for v in v_tile], flag
+                    finite = [v - v == 0 for v in v_tile]
+                    keep = [(key < seq_len) & (f | (key < first_partial)) for f in finite]
+                    v_tile = [jnp.where(k_, v, jnp.zeros(v.shape, v.dtype)) for k_, v in zip(keep, v_tile)]
+                    if kb_s is None:
+                        return v_tile, flag
+                    # the keys' NaN rows go to the scores' key layout through shared memory
+                    bad_key = functools.reduce(jnp.maximum, [jnp.where(f, 0.0, 1.0).max(axis=0) for f in finite])
+                    kb_s[...] = bad_key
+                    plgpu.commit_smem()
+                    bad_row = load_layout(kb_s, plgpu.Layout.WGMMA.reduce(1), interpret=interp)
+                    row = vec_iota(B, 0, interpret=interp) + t0
+                    partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
+                    bad = lax.broadcast_in_dim(bad_row * partial, (B, N), [0])
+                    return v_tile, jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
                 # the whole V tile, or the latent tile's value columns 64 at a time (registers)
                 chunks = [v_tile.at[:, pl.ds(c * 64, 64)] for c in range(cfg.latent // 64)] or [v_tile]
                 for chunk in chunks:
@@ -425,6 +441,8 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
     ring_v = swizzle_transforms(kv_dt, 64) if cfg.v_regs else ring_v
     upcast = [plgpu.SMEM((B, D), dtype, transforms=tr), plgpu.SMEM((B, D), dtype, transforms=tr_pv)]
     upcast = [] if cfg.v_regs or not cfg.fp8 else upcast[1:] if cfg.fp8_qk else upcast
+    if cfg.v_regs and cfg.is_causal and cfg.q_len > 1:  # the edge block's per-key NaN rows
+        upcast = [plgpu.SMEM((B,), jnp.float32)]
     # fp8_qk: Q in e4m3 beside the landed e4m3 K tile (one swizzle)
     q_smem = plgpu.SMEM((N, D), q_arr.dtype, transforms=ring_k if cfg.fp8_qk else tr)
     out_type = (
@@ -480,8 +498,8 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     value width (``k_cache`` is the latent pool with one KV head and ``v_cache`` is not
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
     not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields;
-    ``v_regs`` too, where the call has no causal block of several queries (else off), and
-    ``overlap`` with 2-byte K/V or where ``v_regs`` applies (MHA only)."""
+    ``v_regs`` too (with ``fp8_qk``), and ``overlap`` with 2-byte K/V or ``v_regs`` (MHA
+    only)."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -504,7 +522,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
         block=block,
         fp8_qk=fp8_qk,
-        v_regs=bool(v_regs and fp8_qk and not (is_causal and max_seqlen_q > 1)),
+        v_regs=bool(v_regs and fp8_qk),
     )
     cfg = dataclasses.replace(cfg, overlap=bool(overlap and not latent and (cfg.v_regs or not cfg.fp8)))
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
@@ -620,11 +638,9 @@ def mha_decode_heads(
 
     ``v_regs`` (with ``fp8_qk``): ``V^T`` goes from the landed e4m3 V tile into registers,
     upcast there, as the ``O^T`` MMA's register operand, so the f16 V tile and its
-    shared-memory round trip go and the ring gets that room. It applies to calls without
-    a causal block of several queries (q_len 1, non-causal draft blocks); causal verify
-    keeps the f16 V tile (its per-key NaN flags read the tile by key rows).
+    shared-memory round trip go and the ring gets that room.
 
-    ``overlap`` (2-byte K/V, or FP8 where ``v_regs`` applies): block ``i + 1``'s ``S^T`` is
+    ``overlap`` (2-byte K/V, or FP8 with ``v_regs``): block ``i + 1``'s ``S^T`` is
     issued before block ``i``'s softmax, so that MMA runs under the softmax and the ``O^T``
     MMA (the scores of one block wait in registers for the next step)."""
     from jattn.pallas_kernels.interpret import interpreting

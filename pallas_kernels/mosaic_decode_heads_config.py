@@ -59,8 +59,8 @@ class HeadsConfig:
     # FP8 only: the query in e4m3 (one power-of-two scale per item) and S^T = K Q^T by an
     # e4m3 wgmma on the landed K tile; only V is upcast
     fp8_qk: bool = False
-    # fp8_qk only, and no causal block of several queries: V^T goes from the landed e4m3 V
-    # tile into registers (upcast there) as the O^T MMA's A operand; no upcast tile
+    # fp8_qk only: V^T goes from the landed e4m3 V tile into registers (upcast there) as the
+    # O^T MMA's A operand; no upcast tile
     v_regs: bool = False
     # MHA with 2-byte K/V or v_regs: block i + 1's S^T is issued before block i's softmax
     overlap: bool = False
@@ -99,14 +99,16 @@ class HeadsConfig:
     def smem_bytes(self, stages: int) -> int:
         """Shared memory of one CTA: the K/V ring (one latent tile per slot for MLA), Q,
         P^T, one 64-row half of O^T (f32), the LSE row and, for FP8, the upcast tiles (K and
-        V, V alone with ``fp8_qk``, none with ``v_regs``), each at 1 KB alignment, plus 4 KB for the barriers
+        V, V alone with ``fp8_qk``, none with ``v_regs``; a causal verify with ``v_regs`` keeps
+        a ``[block]`` f32 row of per-key NaN flags), each at 1 KB alignment, plus 4 KB for the barriers
         and the cross-warp reduction's scratch."""
         kv = 1 if self.fp8 else 2
         tiles = 1 if self.latent else 2
         upcast = 0 if self.v_regs or not self.fp8 else 1 if self.fp8_qk else 2
         B, D = self.block, self.head_dim
+        flags = B * 4 if self.v_regs and self.is_causal and self.q_len > 1 else 0  # v_regs: per-key NaN rows
         parts = [tiles * stages * B * D * kv, self.n * D * (1 if self.fp8_qk else 2), B * self.n * 2]
-        parts += [64 * self.n * 4, self.n * 4] + [B * D * 2] * upcast
+        parts += [64 * self.n * 4, self.n * 4] + [B * D * 2] * upcast + ([flags] if flags else [])
         return sum(-(-p // 1024) * 1024 for p in parts) + 4 * 1024
 
     @property

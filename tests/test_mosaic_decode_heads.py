@@ -183,6 +183,34 @@ CPU_CASES = [
         persistent=True,
         num_ctas=3,
     ),  # fmt: skip
+    # V^T in registers for a causal verify (per-key NaN flags): 4 tokens x 2 heads in one
+    # split with a NaN only the last two drafts see (d128, pages of 16); with overlap, a NaN
+    # every draft sees inside the edge block (kept, not zeroed)
+    Case(
+        lens=(300, 70, 0),
+        hq=4,
+        hkv=2,
+        d=128,
+        page_size=16,
+        q_len=4,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        poison=1,
+        num_splits=1,
+    ),  # fmt: skip
+    Case(
+        lens=(300, 70, 0),
+        hq=8,
+        hkv=2,
+        q_len=3,
+        fp8=True,
+        fp8_qk=True,
+        v_regs=True,
+        overlap=True,
+        poison=10,
+        num_splits=1,
+    ),  # fmt: skip
     # 2-byte K/V with the next block's S^T in flight: a causal 3-token verify in one split
     # (NaN seen by the last draft only), and an 8-token non-causal draft block at d128
     Case(lens=(300, 70, 0), hq=8, hkv=2, q_len=3, poison=1, num_splits=1, overlap=True),
@@ -379,6 +407,13 @@ GPU_CASES = [
         poison=2,
     ),  # fmt: skip
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, q_len=4, block=128),
+    # FP8 causal verify with V^T in registers (per-key NaN flags), with and without overlap
+    Case(
+        lens=(3000, 65, 0, 1), hq=32, hkv=8, d=128, page_size=16, q_len=4, fp8=True, fp8_qk=True, v_regs=True, poison=1
+    ),  # fmt: skip
+    Case(
+        lens=(4096, 97, 777), hq=32, hkv=8, d=128, q_len=2, fp8=True, fp8_qk=True, v_regs=True, overlap=True, poison=0
+    ),  # fmt: skip
     # 2-byte K/V with overlap: the verify rows of the benchmark (q_len 4 causal, 8 causal)
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1, overlap=True),
     Case(lens=(3000, 65, 777), hq=32, hkv=8, d=128, q_len=8, poison=2, overlap=True),
