@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 KV rows")
     ap.add_argument(
+        "--fp8-q-lens", default="1", help="query tokens per request of the FP8 rows (causal past 1), comma-separated"
+    )
+    ap.add_argument(
         "--q-lens",
         default="4",
         help="query tokens per request of the extra verify rows (64x4096 and 1x32768, causal), comma-separated",
@@ -281,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         for ps in page_sizes:
             for ql in (int(x) for x in args.q_lens.split(",")):
                 rows_spec += [(ps, 64, 4096, ql, jnp.bfloat16), (ps, 1, 32768, ql, jnp.bfloat16)]
-            if not args.no_fp8:
-                rows_spec += [(ps, 64, 4096, 1, jnp.float8_e4m3fn), (ps, 1, 32768, 1, jnp.float8_e4m3fn)]
+            for ql in [] if args.no_fp8 else (int(x) for x in args.fp8_q_lens.split(",")):
+                rows_spec += [(ps, 64, 4096, ql, jnp.float8_e4m3fn), (ps, 1, 32768, ql, jnp.float8_e4m3fn)]
 
     rng = np.random.default_rng(0)
     header = list(HEADER) + (["max err"] if args.check else [])
@@ -374,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
             why = mh.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
             if heads:  # the row ran the per-KV-head kernel: time the all-heads one
                 other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
+            elif kvname == "fp8":  # its FP8 path: the e4m3 query, V^T in registers
+                other = "per-KV-head kernel (fp8_qk, v_regs)"
+                fn = functools.partial(mh.mha_decode_heads, fp8_qk=True, v_regs=True, overlap=opts.heads_overlap)
             else:
                 other, fn = "per-KV-head kernel", mh.mha_decode_heads
             line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} {other}: "
