@@ -6,7 +6,9 @@ Everything here runs on the host at trace time, on shapes only:
   splits, compute warpgroups), and :func:`choose_block_sizes`, which picks it
   from the shapes when the caller gives none;
 * :class:`KernelOptions`: code-path choices of the kernel (software-pipelined
-  block loop, split combine as one kernel), each giving the same results;
+  block loop, split combine as one kernel, which calls go to the per-KV-head kernel),
+  each giving the same results except on FP8 caches, where the per-KV-head kernel's
+  e4m3 query changes them (see ``fp8_heads``);
 * :func:`unsupported_reason` / :func:`auto_skip_reason`: which calls the kernel
   serves, and which automatic dispatch leaves to the xla backend.
 
@@ -79,9 +81,9 @@ class BlockSizes:
 class KernelOptions:
     """Code-path choices of the decode kernel (hashable; part of the compiled program).
 
-    Every setting computes the same attention (``fp8_heads`` up to the FP8 query's
-    rounding); they differ in speed only, so benchmarks can compare them
-    (``python -m jattn bench decode --set``).
+    Every setting computes the same attention, up to the FP8 query's rounding on FP8
+    caches (``fp8_heads``, ``heads_kernel``, ``heads_row_tile``); they differ in speed
+    only, so benchmarks can compare them (``python -m jattn bench decode --set``).
 
     overlap_qk: software-pipelined block loop: block i+1's ``Q K^T`` wgmma is
       issued before block i's softmax, so the tensor cores and the softmax
@@ -111,9 +113,11 @@ class KernelOptions:
       of several queries (target verify), run there with an e4m3 query (``S^T`` on the
       landed e4m3 K tile) and ``V^T`` read into registers over 64-token blocks
       (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``): faster than this
-      kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). The one
-      option that changes results: the query's rounding to e4m3 adds an error about the
-      size of the FP8 cache's own. Off: FP8 runs here with the exact query.
+      kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). It changes
+      FP8 results by the query's rounding to e4m3 (docs/SEMANTICS.md), and so do the
+      options that move an FP8 call off that path (``heads_kernel=False``) or change its
+      scales (``heads_row_tile``, one scale per tile). Off: FP8 runs here with the exact
+      query.
     heads_overlap: the per-KV-head kernel (its 2-byte path and that FP8 path) issues block
       ``i + 1``'s ``S^T`` before block ``i``'s softmax (``mha_decode_heads(overlap=True)``),
       as ``overlap_qk`` does here. Off by default: not yet timed on the GPU.

@@ -39,17 +39,19 @@ Layout of the work:
 Multi-token calls whose query rows fill at least one 64-row tile go to the per-KV-head
 kernel (``mosaic_decode_heads``) where ``decode_tuning.prefer_heads_kernel`` picks it and
 it serves the call (``KernelOptions.heads_kernel``; explicit ``block_sizes`` keep them
-here). The entry point is :func:`mha_decode` (here); the kernel body and its launch are
-``mosaic_decode_kernel``; ``decode_tuning`` holds its static
-configuration (:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
-:func:`unsupported_reason`, which says whether a call can be served here. The
-f32 oracle is ``jattn.reference.mha_decode``.
+here), and so do FP8 calls without a causal block of several queries
+(``KernelOptions.fp8_heads``: an e4m3 query there, docs/SEMANTICS.md). The entry point
+is :func:`mha_decode` (here); the kernel body and its launch are
+``mosaic_decode_kernel``; ``decode_tuning`` holds its static configuration
+(:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
+:func:`unsupported_reason`, which says whether a call can be served here. The f32
+oracle is ``jattn.reference.mha_decode``.
 
 Limits (checked by :func:`unsupported_reason`; other calls go to the xla
 backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16, any
 num_kv_heads that makes a KV block of 64..256 rows, q_len 1..8, bf16/f16 q with
 KV of the same dtype or FP8 e4m3 KV. FP8: the ring holds FP8 tiles (half the
-bytes); each K and V tile is upcast through registers into an f16 tile for the
+bytes); here each K and V tile is upcast through registers into an f16 tile for the
 wgmma (q is cast to f16 for these calls; the output is returned in q's dtype),
 by a converter warpgroup into a ring of f16 tiles, which the compute warpgroup
 reads as it reads 2-byte KV (the default), or with
@@ -140,7 +142,7 @@ def mha_decode(
       return_lse: also return the natural-log LSE f32 ``[bs * q_len, Hq]``.
       block_sizes: the tiling (:func:`choose_block_sizes` when None).
       options: code-path choices (:class:`KernelOptions`); every setting gives
-        the same results.
+        the same results, up to the FP8 query's rounding on FP8 caches.
 
     Returns:
       ``out`` ``[bs * q_len, Hq, D]`` in q.dtype, or ``(out, lse)``.
@@ -207,7 +209,7 @@ def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
 
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-    fp8_heads=False, is_causal=True, overlap=False,
+    fp8_heads=True, is_causal=True, overlap=False,
 ):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
     and it serves the call (Python-number scales, no window, cap or sinks), else None.

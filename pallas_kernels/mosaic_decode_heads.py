@@ -3,7 +3,9 @@
 ``mosaic_decode.mha_decode`` (so ``jattn.ops.mha_decode_with_kvcache`` on the mosaic
 backend) sends it the multi-token calls that ``decode_tuning.prefer_heads_kernel`` picks
 (spec verify and draft blocks whose query rows fill at least one 64-row tile of the
-all-heads kernel) when it serves them; ``KernelOptions(heads_kernel=False)`` turns that off.
+all-heads kernel) when it serves them, and FP8 calls without a causal block of several
+queries (``KernelOptions.fp8_heads``: ``fp8_qk`` and ``v_regs`` below);
+``KernelOptions(heads_kernel=False)`` turns both off.
 
 The layout. The pool ``[pages, page_size, kv_heads, head_dim]`` is read through its 2-D
 view ``[pages * page_size, kv_heads * head_dim]``, in which one KV head's tokens of a page
@@ -389,7 +391,10 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
             n_full = jnp.clip(lax.div(first_partial, jnp.int32(B)) - lo, 0, count)
             carry = (acc, m_i, l_t, flag)
             body = step
-            if cfg.overlap:  # the first block's scores before the loop (none used if no blocks)
+            # the first block's scores before the loop. An item with no blocks computes them on
+            # a slot it never waited for (the producer may be landing the next item's block in
+            # it) and never reads them: a wasted MMA, no result affected.
+            if cfg.overlap:
                 first = lax.rem(n, jnp.int32(S))
 
                 @pl.when(count > 0)
@@ -553,6 +558,10 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         out_dtype=q.dtype,
         use_kernel=True,
     )
+    if fp8_qk:  # a query row with a non-finite entry (quantised as zeros) that sees a key: NaN
+        bad = ~jnp.isfinite(q).all(axis=-1) & (lse > -jnp.inf)
+        out = jnp.where(bad[..., None], jnp.nan, out).astype(out.dtype)
+        lse = jnp.where(bad, jnp.nan, lse)
     return (out, lse) if return_lse else out
 
 
@@ -568,7 +577,8 @@ def _query_rows(q, hkv: int, q_len: int, padded: int):
 def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0):
     """The query that :func:`mha_decode_heads` with ``fp8_qk=True`` (and these rows and
     tiles) attends with: ``q`` rounded to e4m3 at its tiles' scales, f32, in ``q``'s
-    layout. Attention over it in f32 is what the kernel computes, up to the f16 ``P V``."""
+    layout (NaN rows where ``q`` has a non-finite entry). Attention over it in f32 is what
+    the kernel computes, up to the f16 ``P V``."""
     rows, hq, d = q.shape
     g = hq // num_kv_heads
     tiles, n = row_tiles(max_seqlen_q * g, row_tile), item_width(max_seqlen_q * g, row_tile)
@@ -577,14 +587,19 @@ def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0)
     x = q8.astype(jnp.float32).reshape(*factor.shape, -1) * factor[..., None]
     x = x.reshape(q_arr.shape)[:, :, : max_seqlen_q * g]
     x = x.reshape(-1, num_kv_heads, max_seqlen_q, g, d).transpose(0, 2, 1, 3, 4)
-    return x.reshape(rows, hq, d)
+    # a row with a non-finite entry stays NaN (the kernel's output for it, where it sees a key)
+    return jnp.where(jnp.isfinite(q).all(axis=-1, keepdims=True), x.reshape(rows, hq, d), jnp.nan)
 
 
 def query_tiles_e4m3(q_arr, tiles: int):
     """``(q8, factor)``: the query tiles ``q_arr [bs, hkv, tiles * N, d]`` in e4m3, each
     tile of ``N`` rows scaled by one power of two (:func:`mosaic_mla.quantize_rows_e4m3`
-    over the tile), and ``factor f32[bs, hkv, tiles]`` with ``q ~ q8 * factor``."""
+    over the tile), and ``factor f32[bs, hkv, tiles]`` with ``q ~ q8 * factor``. A row with
+    a non-finite entry goes in as zeros, so it sets no scale for the rest of its tile (the
+    wrapper makes its output NaN, as the exact query's would be)."""
     bs, hkv, rows, d = q_arr.shape
+    finite = jnp.isfinite(q_arr).all(axis=-1, keepdims=True)
+    q_arr = jnp.where(finite, q_arr, jnp.zeros((), q_arr.dtype))
     q8, factor = quantize_rows_e4m3(q_arr.reshape(bs, hkv, tiles, rows // tiles * d))
     return q8.reshape(q_arr.shape), factor
 
