@@ -1,6 +1,6 @@
 """The per-KV-head decode kernel's build configuration (:class:`HeadsConfig`), what it
 serves (:func:`unsupported_reason`), and its launch choices (splits, CTAs, row tiles).
-The kernel is in ``mosaic_decode_heads``."""
+The kernel is in ``mosaic_decode_heads_kernel``, its entry point in ``mosaic_decode_heads``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Probe (not a test): where the FP8 per-KV-head decode (``fp8_qk``) spends its time.
 
-Builds in-memory variants of ``pallas_kernels/mosaic_decode_heads.py`` (its source with one
+Builds in-memory variants of ``pallas_kernels/mosaic_decode_heads_kernel.py`` (its source with one
 piece of the consumer's chain removed, or another ring depth or occupancy; the variants'
 outputs are wrong on purpose) and prints the GPU time per call of each, beside the
 unchanged kernel, at 64 x 4096 and 1 x 32768 (32/8 heads, d128, FP8 e4m3 K/V, page 16,
@@ -39,6 +39,7 @@ import numpy as np
 
 from jattn.pallas_kernels import mosaic_decode_heads as mh
 from jattn.pallas_kernels import mosaic_decode_heads_config as mc
+from jattn.pallas_kernels import mosaic_decode_heads_kernel as mk
 
 _STEP_HEAD = "                plgpu.barrier_wait(kv_bar.at[slot])\n                if cfg.fp8_qk:"
 _QK = "x, vs = s_t(k_s.at[slot], during=lambda: load_vt(slot) if cfg.v_regs else upcast_v(slot))"
@@ -67,20 +68,29 @@ _PATCHES = {
 }
 
 
+def _exec_module(name: str, src: str, path: str):
+    """A fresh module run from ``src`` (its own jit caches)."""
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    exec(compile(src, f"<{name}>", "exec"), mod.__dict__)
+    return mod
+
+
 def _variant_module(
     name: str, max_stages: int = 0, paired: bool | None = None, v_regs: bool = False, overlap: bool = False
 ):
-    """``mosaic_decode_heads`` rebuilt from its source with ``name``'s patches, and a
-    ``HeadsConfig`` whose ring takes up to ``max_stages`` slots, whose pairing is ``paired``
-    (None: as shipped) and with ``v_regs`` / ``overlap`` as given."""
-    src = open(mh.__file__).read()
+    """``mosaic_decode_heads`` rebuilt from its source, calling the kernel of
+    ``mosaic_decode_heads_kernel`` rebuilt with ``name``'s patches, and a ``HeadsConfig``
+    whose ring takes up to ``max_stages`` slots, whose pairing is ``paired`` (None: as
+    shipped) and with ``v_regs`` / ``overlap`` as given."""
+    src = open(mk.__file__).read()
     for old, new in _PATCHES.get(name.split("-")[-1], []):
         if src.count(old) != 1:
             raise SystemExit(f"ablate: patch of {name!r} does not match the kernel source once: {old!r}")
         src = src.replace(old, new)
-    mod = types.ModuleType(f"jattn_ablate_{name}")
-    mod.__file__ = mh.__file__
-    exec(compile(src, f"<ablate {name}>", "exec"), mod.__dict__)
+    kernel = _exec_module(f"jattn_ablate_kernel_{name}", src, mk.__file__)
+    mod = _exec_module(f"jattn_ablate_{name}", open(mh.__file__).read(), mh.__file__)
+    mod._run = kernel._run
     if v_regs:
         max_stages = max_stages or 6
     if max_stages or paired is not None or v_regs:
