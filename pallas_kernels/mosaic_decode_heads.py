@@ -61,6 +61,8 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
+    fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
+    v_regs = bool(v_regs and fp8_qk)
     cfg = HeadsConfig(
         head_dim=d,
         group=hq // hkv,
@@ -74,15 +76,15 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         batch=bs,
         ctas=0,
         scale=softmax_scale * k_scale,
-        fp8=jnp.dtype(k_cache.dtype).itemsize == 1,
+        fp8=fp8,
         interpret=interpret,
         latent=latent,
         row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
         block=block,
         fp8_qk=fp8_qk,
-        v_regs=bool(v_regs and fp8_qk),
+        v_regs=v_regs,
+        overlap=bool(overlap and not latent and (v_regs or not fp8)),
     )
-    cfg = dataclasses.replace(cfg, overlap=bool(overlap and not latent and (cfg.v_regs or not cfg.fp8)))
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     dv = cfg.v_dim
     n, g, tiles = cfg.n, cfg.group, cfg.tiles

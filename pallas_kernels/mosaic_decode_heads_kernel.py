@@ -246,6 +246,15 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
 
                 return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in acc))
 
+            def flag_partial(bad_row, t0, seen, flag):
+                """``flag`` raised for the queries that see a key with a non-finite V entry
+                (``bad_row`` [B] > 0, in the scores' key layout) among the keys only some
+                queries see (a causal block of several queries)."""
+                row = vec_iota(B, 0, interpret=interp) + t0
+                partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
+                bad = lax.broadcast_in_dim(bad_row * partial, (B, N), [0])
+                return jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
+
             def clean(v_tile, t0, seen, flag):
                 """An edge block: V rows past the length become 0; non-finite entries of keys
                 some query does not see become 0, and the queries that see such a row are
@@ -264,10 +273,7 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                     kb_s[...] = bad_key
                     plgpu.commit_smem()
                     bad_row = load_layout(kb_s, plgpu.Layout.WGMMA.reduce(1), interpret=interp)
-                    row = vec_iota(B, 0, interpret=interp) + t0
-                    partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
-                    bad = lax.broadcast_in_dim(bad_row * partial, (B, N), [0])
-                    return v_tile, jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
+                    return v_tile, flag_partial(bad_row, t0, seen, flag)
                 # the whole V tile, or the latent tile's value columns 64 at a time (registers)
                 chunks = [v_tile.at[:, pl.ds(c * 64, 64)] for c in range(cfg.latent // 64)] or [v_tile]
                 for chunk in chunks:
@@ -278,11 +284,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
                     keep = (keyrow < seq_len) & (finite | (keyrow < first_partial))
                     chunk[...] = jnp.where(keep, v, jnp.zeros(v.shape, v.dtype))
                 if cfg.is_causal and cfg.q_len > 1 and not cfg.latent:
-                    row = vec_iota(B, 0, interpret=interp) + t0
-                    partial = ((row >= first_partial) & (row < seq_len)).astype(jnp.float32)
-                    bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1) * partial  # [64], 1: a non-finite entry
-                    bad = lax.broadcast_in_dim(bad_row, (B, N), [0])
-                    flag = jnp.maximum(flag, jnp.where(seen, bad, 0.0).max(axis=0))
+                    bad_row = jnp.where(finite, 0.0, 1.0).max(axis=1)  # [B], 1: a non-finite entry
+                    flag = flag_partial(bad_row, t0, seen, flag)
                 return v_tile, flag
 
             def softmax_pv(i, x, carry, v_tile, edge: bool):
