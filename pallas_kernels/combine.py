@@ -27,6 +27,7 @@ Mosaic GPU interpreter, no jax-triton).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
 
 __all__ = [
     "combine_splits",
+    "HeadsLayout",
     "combine_launch_params",
     "choose_num_splits",
     "wave_splits",
@@ -57,10 +59,11 @@ _MAX_CHUNK = _ELEMS // _MIN_COLS
 # Triton kernel.
 def _combine_kernel(
     # inputs
-    lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split
-    o_ptr,  # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split
+    lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split (heads layout: below)
+    o_ptr,  # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split (heads layout: below)
     sink_ptr,  # f32[HQ] sinks (read when HAS_SINKS)
     vs_ptr,  # f32[1] v_scale (read when HAS_VSCALE)
+    nan_ptr,  # i8[BS, ROWS_LSE] (heads layout: [BS, HKV, TILES, NT]) rows made NaN (read when HAS_NAN_ROWS)
     # outputs
     out_ptr,  # [BS, M_ROWS, D]
     lse_out_ptr,  # f32[BS, M_ROWS] natural-log LSE
@@ -75,20 +78,39 @@ def _combine_kernel(
     DC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_VSCALE: tl.constexpr,
+    HAS_NAN_ROWS: tl.constexpr,
+    HKV: tl.constexpr,  # 0: rows layout; else the heads layout's KV heads
+    G: tl.constexpr,  # heads layout: query heads per KV head
+    NT: tl.constexpr,  # heads layout: rows per item (its MMA width)
+    TILES: tl.constexpr,  # heads layout: items per KV head
 ):
-    """One (request b, query row r, column block c) per program."""
+    """One (request b, query row r, column block c) per program.
+
+    Heads layout (``HKV > 0``, the per-KV-head kernel's partials as it writes them):
+    ``o [NUM_SPLITS, BS, HKV, TILES, D, NT]`` (each item's output transposed) and
+    ``lse [NUM_SPLITS, BS, HKV, TILES, NT]``; query ``i``, head ``h * G + j`` is row
+    ``k = i * G + j`` of KV head ``h``'s items: item ``k // NT``, column ``k % NT``."""
     b = tl.program_id(0)
     r = tl.program_id(1)
     c = tl.program_id(2)
     cols = c * DC + tl.arange(0, DC)
-    lse_base = lse_ptr + b * ROWS_LSE + r
-    o_base = o_ptr + b * (ROWS * D) + r * D + cols[None, :]
+    if HKV == 0:
+        lse_split, lse_row = BS * ROWS_LSE, b * ROWS_LSE + r
+        o_split, o_row, col_stride = BS * ROWS * D, b * (ROWS * D) + r * D, 1
+    else:
+        hh = r % HQ
+        k = (r // HQ) * G + hh % G
+        item = (b * HKV + hh // G) * TILES + k // NT
+        lse_split, lse_row = BS * HKV * TILES * NT, item * NT + k % NT
+        o_split, o_row, col_stride = BS * HKV * TILES * D * NT, item * (D * NT) + k % NT, NT
+    lse_base = lse_ptr + lse_row
+    o_base = o_ptr + o_row + cols[None, :] * col_stride
 
     # First chunk of splits.
     s = tl.arange(0, CHUNK)
     ok = s < NUM_SPLITS
-    lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
-    o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
+    lse = tl.load(lse_base + s * lse_split, mask=ok, other=float("-inf"))
+    o = tl.load(o_base + s[:, None] * o_split, mask=ok[:, None], other=0.0)
     m_i = tl.max(lse, axis=0)
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     w = tl.exp2(lse - m_use)  # 0 for an empty split
@@ -98,8 +120,8 @@ def _combine_kernel(
     for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
         ok = s < NUM_SPLITS
-        lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
-        o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
+        lse = tl.load(lse_base + s * lse_split, mask=ok, other=float("-inf"))
+        o = tl.load(o_base + s[:, None] * o_split, mask=ok[:, None], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -119,6 +141,10 @@ def _combine_kernel(
     if HAS_VSCALE:
         factor = factor * tl.load(vs_ptr)
     out = acc * factor
+    if HAS_NAN_ROWS:  # a row marked NaN stays NaN where it saw a key
+        bad = (tl.load(nan_ptr + lse_row) != 0) & (l_i != 0.0)
+        out = tl.where(bad, float("nan"), out)
+        lse_nat = tl.where(bad, float("nan"), lse_nat)
     tl.store(out_ptr + b * (M_ROWS * D) + r * D + cols, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_out_ptr + b * M_ROWS + r, lse_nat)
 
@@ -179,23 +205,33 @@ def combine_launch_params(num_splits: int, batch: int, m_rows: int, head_dim: in
     return (batch, m_rows, head_dim // dc), dict(CHUNK=chunk, DC=dc)
 
 
-def _combine_triton(o_part, lse_part, sinks, v_scale, *, m_rows, num_q_heads, out_dtype):
+def rows_layout(rows: int, rows_lse: int) -> dict:
+    """:func:`_combine_kernel`'s layout constexprs for partials in the rows layout
+    (``o [S, bs, rows, D]``, ``lse [S, bs, rows_lse]``)."""
+    return dict(ROWS=rows, ROWS_LSE=rows_lse, HKV=0, G=1, NT=1, TILES=1)
+
+
+def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q_heads, out_dtype, heads):
     from jattn.pallas_kernels import triton_glue
 
-    num_splits, batch, rows, d = o_part.shape
+    num_splits, batch = o_part.shape[:2]
+    d = o_part.shape[-2] if heads else o_part.shape[3]
     grid, params = combine_launch_params(num_splits, batch, m_rows, d)
-    has_sinks, has_vscale = sinks is not None, v_scale is not None
-    # An absent sinks / v_scale is never read: lse_part (f32) stands in for its pointer.
-    # Any constant array would cost a kernel per call (XLA materialises a splat constant
-    # by a broadcast fusion).
+    flags = dict(HAS_SINKS=sinks is not None, HAS_VSCALE=v_scale is not None, HAS_NAN_ROWS=nan_rows is not None)
+    # An absent sinks / v_scale / nan_rows is never read: lse_part (f32) stands in for its
+    # pointer. Any constant array would cost a kernel per call (XLA materialises a splat
+    # constant by a broadcast fusion).
     sinks = lse_part if sinks is None else sinks.astype(jnp.float32)
     v_scale = lse_part if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
+    nan_rows = lse_part if nan_rows is None else nan_rows.astype(jnp.int8)
+    layout = heads.constexprs() if heads else rows_layout(o_part.shape[2], lse_part.shape[2])
     return triton_glue.triton_call(
         _combine_kernel,
         lse_part,
         o_part,
         sinks,
         v_scale,
+        nan_rows,
         out_shape=(
             jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
             jax.ShapeDtypeStruct((batch, m_rows), jnp.float32),
@@ -208,13 +244,11 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, *, m_rows, num_q_heads, ou
         num_stages=1,
         NUM_SPLITS=num_splits,
         BS=batch,
-        ROWS=rows,
-        ROWS_LSE=lse_part.shape[2],
         M_ROWS=m_rows,
         D=d,
         HQ=num_q_heads,
-        HAS_SINKS=has_sinks,
-        HAS_VSCALE=has_vscale,
+        **layout,
+        **flags,
         **params,
     )
 
@@ -236,19 +270,69 @@ def _combine_xla(o_part, lse_part, *, m_rows):
     return o, lse, empty
 
 
-def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_scale, out_dtype, use_kernel: bool):
+@dataclasses.dataclass(frozen=True)
+class HeadsLayout:
+    """The partials of a kernel with one KV head per item (``mosaic_decode_heads``), as it
+    writes them: ``o [S, bs, kv_heads, tiles, D, width]`` (each item's output transposed)
+    and ``lse [S, bs, kv_heads, tiles, width]``. Query ``i``, head ``h * group + j`` is row
+    ``k = i * group + j`` of KV head ``h``: item ``k // width``, column ``k % width``;
+    columns past the real rows are padding."""
+
+    kv_heads: int
+    group: int
+    width: int
+    tiles: int
+
+    def constexprs(self) -> dict:
+        """:func:`_combine_kernel`'s layout constexprs for this layout."""
+        return dict(ROWS=0, ROWS_LSE=0, HKV=self.kv_heads, G=self.group, NT=self.width, TILES=self.tiles)
+
+    def to_rows(self, x, q_len: int, *, values: bool):
+        """A heads-layout array in the rows layout: ``values`` ``[*lead, kv_heads, tiles, D,
+        width] -> [*lead, q_len * Hq, D]``, else ``[*lead, kv_heads, tiles, width] ->
+        [*lead, q_len * Hq]`` (the LSE, or a per-row array with no split axis)."""
+        g = self.group
+        if values:
+            x = jnp.swapaxes(x, -3, -2)  # [*lead, hkv, D, tiles, N]
+        x = x.reshape(*x.shape[:-2], -1)[..., : q_len * g]  # [*lead, hkv, (D,) q_len * g]
+        x = x.reshape(*x.shape[:-1], q_len, g)
+        if values:  # [*lead, hkv, D, q_len, g] -> [*lead, q_len, hkv, g, D]
+            x = jnp.moveaxis(jnp.moveaxis(x, -3, -1), -3, -4)
+            return x.reshape(*x.shape[:-4], -1, x.shape[-1])
+        x = jnp.moveaxis(x, -2, -3)  # [*lead, q_len, hkv, g]
+        return x.reshape(*x.shape[:-3], -1)
+
+
+def combine_splits(
+    o_part,
+    lse_part,
+    *,
+    q_len: int,
+    num_q_heads: int,
+    sinks,
+    v_scale,
+    out_dtype,
+    use_kernel: bool,
+    heads: HeadsLayout | None = None,
+    nan_rows=None,
+):
     """Merge the splits of a split-KV decode; apply sinks and ``v_scale``.
 
     Args:
       o_part: ``[S, bs, rows, D]`` partial outputs, each normalised over its split
         (rows >= ``q_len * num_q_heads``; row ``i * num_q_heads + h`` is query ``i``,
-        head ``h``; extra rows are ignored).
+        head ``h``; extra rows are ignored), or in ``heads``'s layout.
       lse_part: f32 ``[S, bs, rows']`` (rows' >= q_len * num_q_heads), base-2 LSE
-        of each split, ``-inf`` for a split with no keys.
+        of each split, ``-inf`` for a split with no keys, or in ``heads``'s layout.
       sinks: None or f32 ``[num_q_heads]``.
       v_scale: None (1.0) or an f32 scalar.
       use_kernel: merge with the Triton kernel where jax-triton runs (GPU);
         otherwise, and always under the Mosaic GPU interpreter, with XLA ops.
+      heads: None, or the :class:`HeadsLayout` of ``o_part`` / ``lse_part`` (which the
+        kernel reads as they are: no transpose before it).
+      nan_rows: None, or bool in ``lse_part``'s layout without its split axis: rows whose
+        output and LSE become NaN where they saw a key (a split with keys); rows that
+        saw none stay ``0`` / ``-inf``.
 
     Returns:
       ``(o [bs * q_len, num_q_heads, D] out_dtype, lse f32 [bs * q_len, num_q_heads])``.
@@ -257,15 +341,21 @@ def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_s
     no work at all when ``v_scale`` is None, there are no sinks and no rows need
     slicing (each op after the decode kernel is one more kernel).
     """
-    num_splits, batch, _, head_dim = o_part.shape
+    num_splits, batch = o_part.shape[:2]
+    head_dim = o_part.shape[-2] if heads else o_part.shape[3]
     m = q_len * num_q_heads
     out_shape = (batch * q_len, num_q_heads, head_dim)
     # (no rows: XLA's ops give the empty outputs; the kernel has no empty launch)
     if num_splits > 1 and use_kernel and batch * m > 0 and _kernel_runs_here(head_dim):
         o, lse = _combine_triton(
-            o_part, lse_part, sinks, v_scale, m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype)
-        )
+            o_part, lse_part, sinks, v_scale, nan_rows,
+            m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype), heads=heads,
+        )  # fmt: skip
         return o.reshape(out_shape), lse.reshape(out_shape[:2])
+    if heads:
+        o_part = heads.to_rows(o_part, q_len, values=True)
+        lse_part = heads.to_rows(lse_part, q_len, values=False)
+        nan_rows = None if nan_rows is None else heads.to_rows(nan_rows, q_len, values=False)
     if num_splits == 1:
         o = o_part[0, :, :m]  # normalised; 0 for empty rows
         lse2 = lse_part[0, :, :m]
@@ -283,6 +373,10 @@ def combine_splits(o_part, lse_part, *, q_len: int, num_q_heads: int, sinks, v_s
         o = o.astype(jnp.float32) * factor[..., None]
     elif v_scale is not None:
         o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
+    if nan_rows is not None:
+        bad = nan_rows[:, :m].reshape(lse.shape) & ~empty.reshape(lse.shape)
+        o = jnp.where(bad[..., None], jnp.nan, o.astype(jnp.float32))
+        lse = jnp.where(bad, jnp.nan, lse)
     return o.astype(out_dtype), lse
 
 

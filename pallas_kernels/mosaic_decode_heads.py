@@ -11,7 +11,8 @@ The kernel body and its launch are in ``mosaic_decode_heads_kernel`` (with the l
 occupancy, launch and FP8 paths described there); its build configuration, what it serves
 and its launch choices in ``mosaic_decode_heads_config``. Here: the jitted call
 (:func:`decode`, which lays out the query, launches the kernel and merges the splits), the
-e4m3 query of ``fp8_qk`` (:func:`query_tiles_e4m3`, :func:`fp8_qk_query`) and the checked
+e4m3 query of ``fp8_qk`` as the test oracle sees it (:func:`fp8_qk_query`; the call makes it
+with ``e4m3_query.query_tiles``) and the checked
 entry point :func:`mha_decode_heads`.
 """
 
@@ -24,7 +25,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn.pallas_kernels.combine import combine_splits
+from jattn.pallas_kernels import e4m3_query
+from jattn.pallas_kernels.combine import HeadsLayout, combine_splits
+from jattn.pallas_kernels.e4m3_query import query_rows
 from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re-exported
     BLOCK,
     HeadsConfig,
@@ -35,7 +38,6 @@ from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re
     unsupported_reason,
 )
 from jattn.pallas_kernels.mosaic_decode_heads_kernel import _run
-from jattn.pallas_kernels.mosaic_mla import quantize_rows_e4m3
 
 __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
 
@@ -86,25 +88,21 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         overlap=bool(overlap and not latent and (v_regs or not fp8)),
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
-    dv = cfg.v_dim
     n, g, tiles = cfg.n, cfg.group, cfg.tiles
-    q_arr = _query_rows(q, hkv, max_seqlen_q, tiles * n)
     k2d = k_cache.reshape(num_pages * ps, hkv * d)
     v2d = k2d if latent else v_cache.reshape(num_pages * ps, hkv * d)
     # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
     cdtype = jnp.float16 if cfg.fp8 else q.dtype
-    q_arr, qf = query_tiles_e4m3(q_arr, tiles) if fp8_qk else (q_arr.astype(cdtype), None)
+    if fp8_qk:
+        q_arr, qf, bad = e4m3_query.query_tiles(q, hkv, max_seqlen_q, tiles, n)
+    else:
+        q_arr, qf, bad = query_rows(q, hkv, max_seqlen_q, tiles * n).astype(cdtype), None, None
     o_t, lse = _run(cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d, qf)
-    # [S, bs, hkv, tiles, dv, N] -> [S, bs, q_len * hq, dv] in combine's row order (i * hq + h * g + j)
-    s = num_splits
-    o_t = o_t.transpose(0, 1, 2, 4, 3, 5).reshape(s, bs, hkv, dv, tiles * n)
-    lse = lse.reshape(s, bs, hkv, tiles * n)
-    o = o_t[..., : cfg.rows].reshape(s, bs, hkv, dv, max_seqlen_q, g).transpose(0, 1, 4, 2, 5, 3)
-    o = o.reshape(s, bs, max_seqlen_q * hq, dv)
-    lse = lse[..., : cfg.rows].reshape(s, bs, hkv, max_seqlen_q, g).transpose(0, 1, 3, 2, 4)
-    lse = lse.reshape(s, bs, max_seqlen_q * hq)
+    # The combine reads the partials as the kernel writes them (o_t [S, bs, hkv, tiles, dv,
+    # N], lse [S, bs, hkv, tiles, N]). An e4m3 query row with a non-finite entry went in as
+    # zeros; the combine makes it NaN where it saw a key, as the exact query would be.
     out, lse = combine_splits(
-        o,
+        o_t,
         lse,
         q_len=max_seqlen_q,
         num_q_heads=hq,
@@ -112,21 +110,10 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         v_scale=None if v_scale == 1.0 else jnp.float32(v_scale),
         out_dtype=q.dtype,
         use_kernel=True,
+        heads=HeadsLayout(kv_heads=hkv, group=g, width=n, tiles=tiles),
+        nan_rows=None if bad is None else bad.reshape(bs, hkv, tiles, n),
     )
-    if fp8_qk:  # a query row with a non-finite entry (quantised as zeros) that sees a key: NaN
-        bad = ~jnp.isfinite(q).all(axis=-1) & (lse > -jnp.inf)
-        out = jnp.where(bad[..., None], jnp.nan, out).astype(out.dtype)
-        lse = jnp.where(bad, jnp.nan, lse)
     return (out, lse) if return_lse else out
-
-
-def _query_rows(q, hkv: int, q_len: int, padded: int):
-    """q ``[bs * q_len, hq, d]`` -> ``[bs, hkv, padded, d]``: row ``i * g + j`` of KV head
-    ``h`` is query ``i``, head ``h * g + j`` (``g = hq / hkv``), zero rows after them."""
-    rows, hq, d = q.shape
-    bs, g = rows // q_len, hq // hkv
-    q5 = q.reshape(bs, q_len, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, q_len * g, d)
-    return jnp.pad(q5, ((0, 0), (0, 0), (0, padded - q_len * g), (0, 0)))
 
 
 def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0):
@@ -137,26 +124,12 @@ def fp8_qk_query(q, num_kv_heads: int, max_seqlen_q: int = 1, row_tile: int = 0)
     rows, hq, d = q.shape
     g = hq // num_kv_heads
     tiles, n = row_tiles(max_seqlen_q * g, row_tile), item_width(max_seqlen_q * g, row_tile)
-    q_arr = _query_rows(q, num_kv_heads, max_seqlen_q, tiles * n)
-    q8, factor = query_tiles_e4m3(q_arr, tiles)
+    q8, factor, _ = e4m3_query.query_tiles(q, num_kv_heads, max_seqlen_q, tiles, n, use_kernel=False)
     x = q8.astype(jnp.float32).reshape(*factor.shape, -1) * factor[..., None]
-    x = x.reshape(q_arr.shape)[:, :, : max_seqlen_q * g]
+    x = x.reshape(q8.shape)[:, :, : max_seqlen_q * g]
     x = x.reshape(-1, num_kv_heads, max_seqlen_q, g, d).transpose(0, 2, 1, 3, 4)
     # a row with a non-finite entry stays NaN (the kernel's output for it, where it sees a key)
     return jnp.where(jnp.isfinite(q).all(axis=-1, keepdims=True), x.reshape(rows, hq, d), jnp.nan)
-
-
-def query_tiles_e4m3(q_arr, tiles: int):
-    """``(q8, factor)``: the query tiles ``q_arr [bs, hkv, tiles * N, d]`` in e4m3, each
-    tile of ``N`` rows scaled by one power of two (:func:`mosaic_mla.quantize_rows_e4m3`
-    over the tile), and ``factor f32[bs, hkv, tiles]`` with ``q ~ q8 * factor``. A row with
-    a non-finite entry goes in as zeros, so it sets no scale for the rest of its tile (the
-    wrapper makes its output NaN, as the exact query's would be)."""
-    bs, hkv, rows, d = q_arr.shape
-    finite = jnp.isfinite(q_arr).all(axis=-1, keepdims=True)
-    q_arr = jnp.where(finite, q_arr, jnp.zeros((), q_arr.dtype))
-    q8, factor = quantize_rows_e4m3(q_arr.reshape(bs, hkv, tiles, rows // tiles * d))
-    return q8.reshape(q_arr.shape), factor
 
 
 def mha_decode_heads(

@@ -48,8 +48,8 @@ of keys some query does not see, 64 columns at a time; a query that sees a non-f
 entry has a NaN score (the value columns are score columns), so no flag is needed. A 72 KB
 tile per slot leaves room for two slots and one CTA per SM.
 
-Each split writes ``O^T`` normalised over the split and the base-2 LSE; the wrapper moves
-them into the row order of ``combine.combine_splits`` (a transpose of a few KB per request).
+Each split writes ``O^T`` normalised over the split and the base-2 LSE;
+``combine.combine_splits`` reads them in that layout (``combine.HeadsLayout``).
 Bf16/f16 queries; K/V in the query's dtype or FP8 e4m3. FP8 tiles are upcast to f16 (the
 query is cast to f16 too) by the compute warpgroup as it takes them, into one K and one V
 tile: the MMA work per block is small here, so the upcast is the largest part of the chain.

@@ -179,12 +179,11 @@ def quantize_rows_e4m3(q):
     comes back exactly; any other loses what e4m3 cannot hold (3 mantissa bits), rounded
     as the MLA backend rounds its query (``mla_rope.quantize_query_fp8``)."""
     from jattn.mla_rope import quantize_query_fp8
-    from jattn.reference import FP8_E4M3_MAX
+    from jattn.pallas_kernels.e4m3_query import pow2_scale
 
     x = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    s = jnp.where(ok, jnp.exp2(jnp.floor(jnp.log2(FP8_E4M3_MAX / jnp.where(ok, amax, 1.0)))), 1.0)
+    s = pow2_scale(jnp.where(jnp.isfinite(amax), amax, 0.0))  # 1 for a row of zeros or with a NaN / Inf
     return quantize_query_fp8(x, s[..., None]), 1.0 / s
 
 

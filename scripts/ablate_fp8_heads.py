@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.pallas_kernels import e4m3_query
 from jattn.pallas_kernels import mosaic_decode_heads as mh
 from jattn.pallas_kernels import mosaic_decode_heads_config as mc
 from jattn.pallas_kernels import mosaic_decode_heads_kernel as mk
@@ -185,8 +186,7 @@ def main() -> None:
             bs, length = min(bs, 2), min(length, 512)
         n_hi = 12
         qs, k, v, tables, lens, kv_bytes = _setup(bs, length, 16, 1, jnp.float8_e4m3fn, rng, n_hi)
-        q_arr = jax.vmap(lambda q: mh._query_rows(q, 8, 1, 16))(qs)
-        q8, qf = jax.vmap(lambda a: mh.query_tiles_e4m3(a, 1))(q_arr)
+        q8, qf, _ = jax.vmap(lambda q: e4m3_query.query_tiles(q, 8, 1, 1, 16, use_kernel=False))(qs)
         print(f"== {bs}x{length}, FP8 K/V {kv_bytes / 1e6:.0f} MB, page 16, q_len 1", flush=True)
         for name in names:
             kw = dict(VARIANTS[name])

@@ -34,6 +34,76 @@ CASES = {
 }
 
 
+# The per-KV-head kernel's layout (combine.HeadsLayout), read in place:
+# (splits, bs, kv_heads, group, q_len, width, tiles, head_dim, nan rows, v_scale)
+HEADS_CASES = {
+    "heads_q1_g4_w16_nan": (33, 2, 2, 4, 1, 16, 1, 64, True, None),
+    "heads_q5_g4_two_tiles": (3, 2, 2, 4, 5, 16, 2, 128, True, 0.75),
+    "heads_latent_h16_q2": (5, 1, 1, 16, 2, 32, 1, 512, False, None),
+    "heads_one_split_nan": (1, 3, 2, 2, 3, 16, 1, 64, True, None),
+}
+
+
+def _heads_inputs(name):
+    """Heads-layout partials (padding columns NaN), their rows-layout twins built by
+    explicit loops, and the NaN-row flags in both layouts."""
+    splits, bs, hkv, g, q_len, n, tiles, d, nan, v_scale = HEADS_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    o = rng.standard_normal((splits, bs, hkv, tiles, d, n)).astype(np.float32)
+    lse = (rng.standard_normal((splits, bs, hkv, tiles, n)) * 4).astype(np.float32)
+    flags = rng.random((bs, hkv, tiles, n)) < 0.3 if nan else np.zeros((bs, hkv, tiles, n), bool)
+    hq, m = hkv * g, q_len * hkv * g
+    o_rows = np.full((splits, bs, m, d), np.nan, np.float32)
+    lse_rows = np.full((splits, bs, m), np.nan, np.float32)
+    flag_rows = np.zeros((bs, m), bool)
+    for i in range(q_len):
+        for h in range(hkv):
+            for j in range(g):
+                r, k = i * hq + h * g + j, i * g + j
+                t, c = divmod(k, n)
+                o_rows[:, :, r] = o[:, :, h, t, :, c]
+                lse_rows[:, :, r] = lse[:, :, h, t, c]
+                flag_rows[:, r] = flags[:, h, t, c]
+    used = np.zeros((hkv, tiles, n), bool)
+    used.reshape(hkv, -1)[:, : q_len * g] = True
+    o = np.where(used[:, :, None, :], o, np.float32(np.nan))  # padding columns are never read
+    lse = np.where(used, lse, np.float32(np.nan))
+    lse[::2, :1] = -np.inf  # empty splits (first request)
+    lse_rows[::2, :1] = -np.inf
+    lse[:, -1, 0, 0, 0] = -np.inf  # query 0, head 0 of the last request sees no key
+    lse_rows[:, -1, 0] = -np.inf
+    flag_rows[-1, 0] = flags[-1, 0, 0, 0] = True  # ... and is flagged: it stays 0 / -inf
+    o = np.where(np.isneginf(lse)[..., None, :], np.float32(0), o)  # a split with no keys writes 0
+    o_rows = np.where(np.isneginf(lse_rows)[..., None], np.float32(0), o_rows)
+    return o, lse, flags, o_rows, lse_rows, flag_rows, q_len, hq, v_scale
+
+
+def _heads_expected(name):
+    *_, o_rows, lse_rows, flag_rows, q_len, hq, v_scale = _heads_inputs(name)
+    ref, ref_lse = _merge_ref(o_rows, lse_rows, q_len * hq, None, v_scale, hq)
+    bad = flag_rows & np.isfinite(ref_lse)
+    return np.where(bad[..., None], np.nan, ref), np.where(bad, np.nan, ref_lse)
+
+
+def _compare_heads(name, out, lse_out):
+    ref, ref_lse = _heads_expected(name)
+    out, lse_out = (
+        np.asarray(out, np.float64).reshape(ref.shape),
+        np.asarray(lse_out, np.float64).reshape(ref_lse.shape),
+    )
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))  # flagged rows that saw a key, and only those
+    np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(ref), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.isnan(lse_out), np.isnan(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+def _heads_layout(name):
+    splits, bs, hkv, g, q_len, n, tiles, d, nan, v_scale = HEADS_CASES[name]
+    return combine.HeadsLayout(kv_heads=hkv, group=g, width=n, tiles=tiles)
+
+
 # attn_merge_state: (tokens, heads, head_dim, dtype of o_a, dtype of o_b)
 MERGE_CASES = {
     "t97_h3_d128_f32": (97, 3, 128, "float32", "float32"),
@@ -117,19 +187,17 @@ def _compare(name, out, lse_out, atol):
 
 # ---------------------------------------------------------------------------
 # Triton kernel source under Triton's interpreter (CPU, torch tensors).
-def run_interpreted(name: str, path: str) -> None:
-    """Run in a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice;
-    outputs saved to ``path``."""
+def _launch_combine_twice(path, o, lse, sk, v_scale, nan_rows, *, bs, m, d, hq, layout) -> None:
+    """The combine kernel under Triton's interpreter on torch CPU tensors, twice, outputs
+    NaN-poisoned before each run; both runs saved to ``path``."""
     import torch
 
     from jattn.pallas_kernels import triton_glue
 
-    o, lse, sk, v_scale, m, hq = _inputs(name)
-    splits, bs, rows, d = o.shape
-    grid, params = combine.combine_launch_params(splits, bs, m, d)
+    grid, params = combine.combine_launch_params(o.shape[0], bs, m, d)
     runs = []
     for _ in range(2):
-        out = torch.full((bs, m, d), float("nan"), dtype=torch.float32)  # poisoned
+        out = torch.full((bs, m, d), float("nan"), dtype=torch.float32)
         lse_out = torch.full((bs, m), float("nan"), dtype=torch.float32)
         triton_glue.launch_interpreted(
             combine._combine_kernel,
@@ -138,21 +206,41 @@ def run_interpreted(name: str, path: str) -> None:
             torch.from_numpy(o),
             torch.from_numpy(sk if sk is not None else np.zeros(hq, np.float32)),
             torch.tensor([1.0 if v_scale is None else v_scale], dtype=torch.float32),
+            torch.from_numpy(np.zeros(1, np.int8) if nan_rows is None else nan_rows.astype(np.int8)),
             out,
             lse_out,
-            NUM_SPLITS=splits,
+            NUM_SPLITS=o.shape[0],
             BS=bs,
-            ROWS=rows,
-            ROWS_LSE=rows,
             M_ROWS=m,
             D=d,
             HQ=hq,
             HAS_SINKS=sk is not None,
             HAS_VSCALE=v_scale is not None,
+            HAS_NAN_ROWS=nan_rows is not None,
+            **layout,
             **params,
         )
         runs.append((out.numpy(), lse_out.numpy()))
     np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
+
+
+def run_interpreted(name: str, path: str) -> None:
+    """Run in a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice;
+    outputs saved to ``path``."""
+    o, lse, sk, v_scale, m, hq = _inputs(name)
+    splits, bs, rows, d = o.shape
+    _launch_combine_twice(
+        path, o, lse, sk, v_scale, None, bs=bs, m=m, d=d, hq=hq, layout=combine.rows_layout(rows, rows)
+    )
+
+
+def run_heads_interpreted(name: str, path: str) -> None:
+    """Like :func:`run_interpreted`, for partials in the heads layout with NaN-row flags."""
+    o, lse, flags, _, _, _, q_len, hq, v_scale = _heads_inputs(name)
+    layout = _heads_layout(name).constexprs()
+    _launch_combine_twice(
+        path, o, lse, None, v_scale, flags, bs=o.shape[1], m=q_len * hq, d=o.shape[4], hq=hq, layout=layout
+    )
 
 
 def run_merge_interpreted(name: str, path: str) -> None:
@@ -187,7 +275,13 @@ def run_merge_interpreted(name: str, path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     return run_in_interpreter(
-        tmp_path_factory, "test_combine", {"run_interpreted": list(CASES), "run_merge_interpreted": list(MERGE_CASES)}
+        tmp_path_factory,
+        "test_combine",
+        {
+            "run_interpreted": list(CASES),
+            "run_merge_interpreted": list(MERGE_CASES),
+            "run_heads_interpreted": list(HEADS_CASES),
+        },
     )
 
 
@@ -198,6 +292,36 @@ def test_triton_kernel_interpreted_matches_float64(name, interpreted):
     # deterministic: a second run is bit-identical
     np.testing.assert_array_equal(res["out"], res["out2"])
     np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+@pytest.mark.parametrize("name", list(HEADS_CASES))
+def test_triton_kernel_interpreted_reads_heads_layout(name, interpreted):
+    res = interpreted[name]
+    _compare_heads(name, res["out"], res["lse"])
+    np.testing.assert_array_equal(res["out"], res["out2"])
+    np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+@pytest.mark.parametrize("name", list(HEADS_CASES))
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_combine_splits_heads_layout(name, use_kernel):
+    """``combine_splits(heads=..., nan_rows=...)``: XLA ops here (the layout moved to rows
+    first); the Triton kernel reading it in place on a GPU with jax-triton."""
+    o, lse, flags, *_, q_len, hq, v_scale = _heads_inputs(name)
+    out, lse_out = combine.combine_splits(
+        jnp.asarray(o),
+        jnp.asarray(lse),
+        q_len=q_len,
+        num_q_heads=hq,
+        sinks=None,
+        v_scale=v_scale,
+        out_dtype=jnp.float32,
+        use_kernel=use_kernel,
+        heads=_heads_layout(name),
+        nan_rows=jnp.asarray(flags),
+    )
+    assert out.shape == (o.shape[1] * q_len, hq, o.shape[4]) and lse_out.shape == out.shape[:2]
+    _compare_heads(name, out, lse_out)
 
 
 @pytest.mark.parametrize("name", list(MERGE_CASES))

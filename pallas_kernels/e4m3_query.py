@@ -1,0 +1,161 @@
+"""The e4m3 query of the per-KV-head decode kernel's ``fp8_qk`` path, in one kernel.
+
+``mosaic_decode_heads`` gives each item (one KV head's query rows, or one row tile of
+them) to the kernel as ``N`` rows in e4m3 with one power-of-two scale. Per item:
+
+* its rows gathered from ``q [bs * q_len, Hq, D]``: row ``k < q_len * G`` is query
+  ``k // G``, head ``h * G + k % G`` (``G = Hq / Hkv``); rows past them are zeros;
+* a row with a non-finite entry goes in as zeros (so it sets no scale for the other rows)
+  and is flagged, for the split combine to make its output NaN where it saw a key;
+* ``s = 2^e``, the largest power of two with ``amax * s <= 448`` (``amax`` the item's
+  largest magnitude; ``s = 1`` where it is 0), :func:`pow2_scale`;
+* ``q8 = e4m3(q * s)``, rounded to nearest, ties to even, and ``factor = 1 / s``.
+
+Two implementations, same bits:
+
+* :func:`_tiles_kernel`: one Triton-language program per item, launched through
+  jax-triton (one kernel where the XLA ops take several: the gather, two reductions
+  and the rounding);
+* :func:`_tiles_xla`: the same arithmetic as XLA ops (CPU, the Mosaic GPU interpreter).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+try:  # the kernel source needs triton.language only when it is compiled or interpreted
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton not installed: XLA only
+    tl = None
+
+__all__ = ["pow2_scale", "query_tiles", "query_rows", "tiles_launch", "E4M3_MAX"]
+
+E4M3_MAX = 448.0
+_MAX_EXP = 126  # the largest scale exponent: 2^126 and its inverse are normal f32
+
+
+def pow2_scale(amax):
+    """``2^e`` (f32), the largest power of two with ``amax * 2^e <= 448``, for finite
+    ``amax >= 0``; ``e`` at most 126; 1 where ``amax`` is 0. Exact: from ``amax``'s
+    exponent and mantissa bits (``448 = 1.75 * 2^8``), with no rounded division or log."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
+    e = jnp.where(bits & 0x7FFFFF <= 0x600000, 135, 134) - (bits >> 23)
+    e = jnp.where(bits > 0, jnp.minimum(e, _MAX_EXP), 0)
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def query_rows(q, hkv: int, q_len: int, padded: int):
+    """q ``[bs * q_len, hq, d]`` -> ``[bs, hkv, padded, d]``: row ``i * g + j`` of KV head
+    ``h`` is query ``i``, head ``h * g + j`` (``g = hq / hkv``), zero rows after them."""
+    rows, hq, d = q.shape
+    bs, g = rows // q_len, hq // hkv
+    q5 = q.reshape(bs, q_len, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(bs, hkv, q_len * g, d)
+    return jnp.pad(q5, ((0, 0), (0, 0), (0, padded - q_len * g), (0, 0)))
+
+
+def _tiles_xla(q, hkv: int, q_len: int, tiles: int, width: int):
+    from jattn.mla_rope import quantize_query_fp8
+
+    q_arr = query_rows(q, hkv, q_len, tiles * width)
+    bs, _, rows, d = q_arr.shape
+    finite = jnp.isfinite(q_arr).all(axis=-1)
+    x = jnp.where(finite[..., None], q_arr, jnp.zeros((), q_arr.dtype)).astype(jnp.float32)
+    x = x.reshape(bs, hkv, tiles, width * d)
+    s = pow2_scale(jnp.max(jnp.abs(x), axis=-1))
+    q8 = quantize_query_fp8(x, s[..., None]).reshape(bs, hkv, rows, d)
+    return q8, 1.0 / s, ~finite
+
+
+def _tiles_kernel(
+    q_ptr,  # [BS * Q_LEN, HQ, D] bf16/f16/f32
+    q8_ptr,  # out: e4m3 [BS, HKV, TILES * NT, D]
+    factor_ptr,  # out: f32 [BS, HKV, TILES]
+    bad_ptr,  # out: i8 [BS, HKV, TILES * NT], 1 for a row with a non-finite entry
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    TILES: tl.constexpr,
+    NT: tl.constexpr,
+    D: tl.constexpr,
+):
+    """One item (request b, KV head h, tile t) per program: ``program_id = (b * HKV + h) *
+    TILES + t``."""
+    item = tl.program_id(0)
+    t = item % TILES
+    bh = item // TILES  # b * HKV + h
+    hkv = HQ // G
+    b, h = bh // hkv, bh % hkv
+    k = t * NT + tl.arange(0, NT)
+    real = k < Q_LEN * G
+    src = ((b * Q_LEN + k // G) * HQ + h * G + k % G) * D
+    cols = tl.arange(0, D)
+    x = tl.load(q_ptr + src[:, None] + cols[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    finite = tl.sum((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) == D  # NaN and Inf fail
+    x = tl.where(finite[:, None], x, 0.0)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    # pow2_scale, on the bits
+    bits = amax.to(tl.int32, bitcast=True)
+    e = tl.where((bits & 0x7FFFFF) <= 0x600000, 135, 134) - (bits >> 23)
+    e = tl.where(bits > 0, tl.minimum(e, 126), 0)
+    s = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(x * s, -448.0), 448.0)
+    # nearest e4m3, ties to even, in f32 (the cast after it is exact): 3 mantissa bits at
+    # 2^-6 and up, the subnormal step 2^-9 below
+    u = y.to(tl.uint32, bitcast=True)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    y = tl.where(tl.abs(y) < 0.015625, sub, normal)
+    dst = item * NT + tl.arange(0, NT)
+    tl.store(q8_ptr + dst[:, None] * D + cols[None, :], y.to(q8_ptr.dtype.element_ty))
+    tl.store(bad_ptr + dst, (~finite).to(tl.int8))
+    tl.store(factor_ptr + item, ((127 - e) << 23).to(tl.float32, bitcast=True))
+
+
+def tiles_launch(q_shape, hkv: int, q_len: int, tiles: int, width: int):
+    """``(grid, constexprs)`` of :func:`_tiles_kernel` for a query of ``q_shape``."""
+    rows, hq, d = q_shape
+    return (rows // q_len * hkv * tiles,), dict(HQ=hq, G=hq // hkv, Q_LEN=q_len, TILES=tiles, NT=width, D=d)
+
+
+def _tiles_triton(q, hkv: int, q_len: int, tiles: int, width: int):
+    from jattn.pallas_kernels import triton_glue
+
+    rows, _, d = q.shape
+    bs = rows // q_len
+    grid, params = tiles_launch(q.shape, hkv, q_len, tiles, width)
+    return triton_glue.triton_call(
+        _tiles_kernel,
+        q,
+        out_shape=(
+            jax.ShapeDtypeStruct((bs, hkv, tiles * width, d), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((bs, hkv, tiles), jnp.float32),
+            jax.ShapeDtypeStruct((bs, hkv, tiles * width), jnp.int8),
+        ),
+        grid=grid,
+        name="jattn_e4m3_query",
+        num_warps=4,
+        num_stages=1,
+        **params,
+    )
+
+
+def query_tiles(q, hkv: int, q_len: int, tiles: int, width: int, *, use_kernel: bool = True):
+    """``(q8, factor, bad)`` of the module docstring for ``q [bs * q_len, Hq, D]``:
+    ``q8`` e4m3 ``[bs, hkv, tiles * width, D]``, ``factor`` f32 ``[bs, hkv, tiles]``
+    (``q ~ q8 * factor``), ``bad`` ``[bs, hkv, tiles * width]`` (nonzero: the row had a
+    non-finite entry; bool from XLA, int8 from the kernel). The Triton kernel where
+    ``use_kernel`` and jax-triton runs (a GPU, not the Mosaic GPU interpreter); XLA ops
+    otherwise."""
+    rows, _, d = q.shape
+    if use_kernel and rows and _kernel_runs_here(d, width):
+        return _tiles_triton(q, hkv, q_len, tiles, width)
+    return _tiles_xla(q, hkv, q_len, tiles, width)
+
+
+def _kernel_runs_here(d: int, width: int) -> bool:
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels.interpret import interpreting
+
+    pow2 = not (d & (d - 1)) and not (width & (width - 1))
+    return pow2 and not interpreting() and triton_glue.available()

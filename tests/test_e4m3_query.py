@@ -1,0 +1,153 @@
+"""The e4m3 query of the per-KV-head kernel's ``fp8_qk`` path
+(``jattn.pallas_kernels.e4m3_query``): the power-of-two scale rule, the XLA ops against
+a float64 oracle written here, and the Triton kernel against the XLA ops bit for bit
+(under Triton's interpreter on torch CPU tensors, and through jax-triton on a GPU)."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from interpreted import run_in_interpreter
+
+from jattn.pallas_kernels import e4m3_query
+
+# (batch, q heads, kv heads, q_len, tiles, width, head_dim, dtype)
+CASES = {
+    "q1_g4_w16_f16": (3, 8, 2, 1, 1, 16, 64, "float16"),
+    "q3_g4_w16_f32": (2, 8, 2, 3, 1, 16, 128, "float32"),
+    "q5_g4_two_tiles_f16": (2, 8, 2, 5, 2, 16, 64, "float16"),
+    "q2_g8_w16_f32_mla_like": (1, 8, 1, 2, 1, 16, 128, "float32"),
+}
+
+
+def _query(name):
+    """Random rows at mixed magnitudes; one row with a NaN, one with an Inf, one item of
+    zeros (the last request's KV head 0 at q_len 1), and one tiny item."""
+    bs, hq, hkv, q_len, tiles, width, d, dt = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q = rng.standard_normal((bs * q_len, hq, d)) * np.exp(rng.uniform(-3, 6, (bs * q_len, hq, 1)))
+    q[0, 1, 5] = np.nan
+    q[-1, -1, 0] = np.inf if q_len > 1 else -np.inf
+    if q_len == 1:
+        q[-1, : hq // hkv] = 0.0
+        q[0, hq // hkv :] *= 1e-4
+    return q.astype(dt), hkv, q_len, tiles, width
+
+
+def _oracle(q, hkv, q_len, tiles, width):
+    """float64 per item: rows gathered, non-finite rows zeroed and flagged, the largest
+    power of two s with amax * s <= 448, q * s rounded to e4m3 (nearest, ties even)."""
+    import ml_dtypes
+
+    q = np.asarray(q, np.float64)
+    rows, hq, d = q.shape
+    bs, g = rows // q_len, hq // hkv
+    q8 = np.zeros((bs, hkv, tiles * width, d))
+    factor = np.zeros((bs, hkv, tiles))
+    bad = np.zeros((bs, hkv, tiles * width), bool)
+    for b in range(bs):
+        for h in range(hkv):
+            x = np.zeros((tiles * width, d))
+            for k in range(q_len * g):
+                row = q[b * q_len + k // g, h * g + k % g]
+                bad[b, h, k] = not np.isfinite(row).all()
+                x[k] = 0.0 if bad[b, h, k] else row
+            for t in range(tiles):
+                xt = x[t * width : (t + 1) * width]
+                amax = np.abs(xt).max()
+                e = 0 if amax == 0 else min(126, int(np.floor(np.log2(448.0 / amax))))
+                while amax and amax * 2.0 ** (e + 1) <= 448.0 and e < 126:  # guard the log's rounding
+                    e += 1
+                while amax * 2.0**e > 448.0:
+                    e -= 1
+                y = np.clip(xt * 2.0**e, -448, 448).astype(np.float32)
+                q8[b, h, t * width : (t + 1) * width] = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+                factor[b, h, t] = 2.0**-e
+    return q8, factor, bad
+
+
+def _check(name, q8, factor, bad):
+    ref_q8, ref_f, ref_bad = _oracle(*_query(name))
+    np.testing.assert_array_equal(np.asarray(q8).astype(np.float64), ref_q8)
+    np.testing.assert_array_equal(np.asarray(factor, np.float64), ref_f)
+    np.testing.assert_array_equal(np.asarray(bad) != 0, ref_bad)
+
+
+def test_pow2_scale_is_the_largest_fitting_power_of_two():
+    f32 = np.float32
+    tiny = np.finfo(f32).tiny
+    amax = np.array(
+        [448.0, 447.99997, 448.00003, 1.75, np.nextafter(f32(1.75), f32(2)), 1.0, 0.5, 3.0e38, tiny, tiny / 8, 1e-30],
+        f32,
+    )
+    rng = np.random.default_rng(3)
+    amax = np.concatenate([amax, np.exp(rng.uniform(-80, 80, 2000)).astype(f32)])
+    s = np.asarray(e4m3_query.pow2_scale(jnp.asarray(amax)), np.float64)
+    a = amax.astype(np.float64)
+    assert np.all(np.log2(s) == np.round(np.log2(s)))  # powers of two
+    assert np.all(a * s <= 448.0)
+    top = s < 2.0**126
+    assert np.all(a[top] * s[top] * 2 > 448.0)  # the largest such
+    assert s[0] == 1.0 and s[1] == 1.0 and s[2] == 0.5
+    assert e4m3_query.pow2_scale(jnp.float32(0.0)) == 1.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_xla_ops_match_float64(name):
+    q, hkv, q_len, tiles, width = _query(name)
+    _check(name, *e4m3_query.query_tiles(jnp.asarray(q), hkv, q_len, tiles, width, use_kernel=False))
+
+
+def run_interpreted(name: str, path: str) -> None:
+    """Run in a TRITON_INTERPRET=1 process: the kernel on torch CPU tensors, twice."""
+    import torch
+
+    from jattn.pallas_kernels import triton_glue
+
+    q, hkv, q_len, tiles, width = _query(name)
+    bs, d = q.shape[0] // q_len, q.shape[2]
+    grid, params = e4m3_query.tiles_launch(q.shape, hkv, q_len, tiles, width)
+    runs = []
+    for _ in range(2):
+        q8 = torch.full((bs, hkv, tiles * width, d), float("nan"), dtype=torch.float8_e4m3fn)
+        factor = torch.full((bs, hkv, tiles), float("nan"), dtype=torch.float32)
+        bad = torch.full((bs, hkv, tiles * width), 7, dtype=torch.int8)
+        triton_glue.launch_interpreted(e4m3_query._tiles_kernel, grid, torch.from_numpy(q), q8, factor, bad, **params)
+        runs.append((q8.to(torch.float32).numpy(), factor.numpy(), bad.numpy()))
+    np.savez(path, q8=runs[0][0], factor=runs[0][1], bad=runs[0][2], q8b=runs[1][0])
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_in_interpreter(tmp_path_factory, "test_e4m3_query", {"run_interpreted": list(CASES)})
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_interpreted(name, interpreted):
+    res = interpreted[name]
+    _check(name, res["q8"], res["factor"], res["bad"])
+    np.testing.assert_array_equal(res["q8"], res["q8b"])
+    q, hkv, q_len, tiles, width = _query(name)
+    xla = e4m3_query.query_tiles(jnp.asarray(q), hkv, q_len, tiles, width, use_kernel=False)
+    np.testing.assert_array_equal(res["q8"], np.asarray(xla[0]).astype(np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_triton_kernel_matches_xla(name, dtype):
+    """Through jax-triton: the same bits as the XLA ops, bf16 queries too."""
+    if not e4m3_query._kernel_runs_here(64, 16):
+        pytest.skip("needs a CUDA GPU with jax-triton")
+    q, hkv, q_len, tiles, width = _query(name)
+    q = jnp.asarray(q.astype(np.float32)).astype(dtype)
+    got = jax.jit(lambda x: e4m3_query.query_tiles(x, hkv, q_len, tiles, width))(q)
+    want = e4m3_query.query_tiles(q, hkv, q_len, tiles, width, use_kernel=False)
+    assert got[0].dtype == jnp.float8_e4m3fn and got[2].dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(got[0]).astype(np.float32), np.asarray(want[0]).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[2]) != 0, np.asarray(want[2]))
