@@ -19,7 +19,7 @@ import torch
 from jattn.backends import MLABackend, MLAConfig
 from jattn.kv_cache import MLAKVCache
 from jattn.metadata import ForwardMode, bucket
-from jattn.mla_backend import check_draft_extend_shapes
+from jattn.mla_backend import check_draft_extend_shapes, check_llama_4_scaling_shape
 from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
@@ -41,8 +41,7 @@ def _llama_4_scaled(x, llama_4_scaling):
     if x is None or llama_4_scaling is None:
         return x
     s = llama_4_scaling
-    if s.numel() != x.shape[0] or any(d != 1 for d in s.shape[1:]):
-        raise ValueError(f"llama_4_scaling shape {tuple(s.shape)} must be [T], [T, 1] or [T, 1, 1] with T={x.shape[0]}")
+    check_llama_4_scaling_shape(s.shape, x.shape[0])
     y = x.reshape(x.shape[0], -1).float() * s.reshape(-1, 1).to(device=x.device, dtype=torch.float32)
     return y.to(x.dtype).reshape(x.shape)
 
@@ -194,10 +193,7 @@ class TorchMLABackend(_BridgeBase):
         if fused:
             fused_extra = (cs, self.forward_metadata.positions)
             if has_l4:
-                if l4.numel() != n or any(d != 1 for d in l4.shape[1:]):
-                    raise ValueError(
-                        f"llama_4_scaling shape {tuple(l4.shape)} must be [T], [T, 1] or [T, 1, 1] with T={n}"
-                    )
+                check_llama_4_scaling_shape(l4.shape, n)
                 fused_extra += (self._staged(("mla_l4", H), [l4.reshape(n, 1).float()], rows),)
 
         def build():

@@ -75,6 +75,14 @@ def check_draft_extend_shapes(ragged_shape, padded_shape, seq_lens_q, cu_seqlens
     return bs, max_q
 
 
+def check_llama_4_scaling_shape(shape, tokens: int) -> None:
+    """Raise unless ``shape`` (a per-token ``llama_4_scaling``'s) is ``[T]``, ``[T, 1]`` or
+    ``[T, 1, 1]`` with ``T = tokens``."""
+    shape = tuple(int(d) for d in shape)
+    if not 1 <= len(shape) <= 3 or shape[0] != tokens or any(d != 1 for d in shape[1:]):
+        raise ValueError(f"llama_4_scaling shape {shape} must be [T], [T, 1] or [T, 1, 1] with T={tokens}")
+
+
 def apply_llama_4_scaling(query, llama_4_scaling):
     """``query`` [T, H, D] times a per-token scale (f32 ``[T]``, ``[T, 1]`` or
     ``[T, 1, 1]``), computed in f32 and returned in the query's dtype; ``None``: the
@@ -85,8 +93,7 @@ def apply_llama_4_scaling(query, llama_4_scaling):
     dtype = np.asarray(llama_4_scaling).dtype if dtype is None else jnp.dtype(dtype)
     if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"llama_4_scaling.dtype={dtype} must be a real number type (f32 scales)")
-    if not 1 <= len(shape) <= 3 or shape[0] != query.shape[0] or any(d != 1 for d in shape[1:]):
-        raise ValueError(f"llama_4_scaling shape {shape} must be [T], [T, 1] or [T, 1, 1] with T={query.shape[0]}")
+    check_llama_4_scaling_shape(shape, query.shape[0])
     s = jnp.asarray(llama_4_scaling, jnp.float32)
     v = _concrete(s)
     if v is not None and not (np.isfinite(v) & (v > 0)).all():
