@@ -290,6 +290,22 @@ def test_bench_serving_parallel_sample_rows_on_cpu(tmp_path, capsys):
             main(["bench", "serving", "--cpu", "--models", "tiny"] + bad)
 
 
+def test_bench_serving_gen_lens_rows_on_cpu(tmp_path, capsys):
+    """``bench serving --gen-len 3,7``: a row per generated length (tagged), each
+    generating that many tokens; a bad list is refused."""
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "serving", "--cpu", "--models", "tiny", "--batch", "2", "--prompt-len", "24"]
+    assert main(argv + ["--gen-len", "3,7", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["gen_len"] for r in rows] == [3, 7] and all(r["recompiles_in_timed_run"] == 0 for r in rows)
+    text = capsys.readouterr().out
+    assert "prompt=24 [gen 3]" in text and "prompt=24 [gen 7]" in text
+    with pytest.raises(SystemExit):
+        main(argv + ["--gen-len", "0"])
+
+
 def test_bench_serving_estimate_of_the_long_context_rows():
     """The printed budget of the GPU run: Llama-3-8B, 4k and 16k prompts at batch 8 and 32,
     both backends except xla at 32 x 16k."""

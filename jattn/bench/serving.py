@@ -272,9 +272,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--gen-len",
-        type=int,
         default=None,
-        help="generated tokens per request (default 64; 16 in the long-context preset)",
+        help="generated tokens per request, comma-separated for a row each (default 64; 16 in the long-context preset)",
     )
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     ap.add_argument(
@@ -359,7 +358,9 @@ def main(argv=None) -> int:
     models = args.models or ("llama3-8b" if long else "smollm2,llama3-8b")
     batches = [int(b) for b in (args.batch or ("8,32" if long else "1,32,128")).split(",") if b]
     prompt_lens = [int(p) for p in (args.prompt_lens or ("4096,16384" if long else str(args.prompt_len))).split(",")]
-    gen_len = args.gen_len if args.gen_len is not None else (16 if long else 64)
+    gen_lens = [int(g) for g in (args.gen_len or ("16" if long else "64")).split(",") if g]
+    if not gen_lens or min(gen_lens) < 1:
+        ap.error(f"--gen-len takes positive token counts, comma-separated (got {args.gen_len!r})")
     backend_arg = args.backend or ("auto,xla" if long else "auto")
     xla_max = args.xla_max_tokens if args.xla_max_tokens is not None else (131072 if long else 0)
     for name in models.split(","):
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
     plan = {}
     for name in models.split(","):
         plan[name] = [
-            (bs, p, cb, be, casc, ov, fu, sc)
+            (bs, p, cb, be, casc, ov, fu, sc, g)
+            for g in gen_lens
             for p in prompt_lens
             for bs in batches
             for cb in settings
@@ -428,8 +430,8 @@ def main(argv=None) -> int:
         ]
         est = estimate(
             _config(name, args.dtype),
-            [(bs, p, be[0]) for bs, p, _, be, *_ in plan[name]],
-            gen_len,
+            [(bs, p, be[0], g) for bs, p, _, be, *_, g in plan[name]],
+            gen_lens[0],
             args.page_size,
             args.prefill_tokens,
             light_warmup=long,
@@ -446,7 +448,7 @@ def main(argv=None) -> int:
                     why = skip_reason(bs, p, be_name)
                     if why:
                         print(f"  bs={bs} prompt={p} [backend {be_name}]: skipped: {why}", flush=True)
-        shared = _shared_pools(plan[name], gen_len, args.page_size, args.prefill_tokens) if long else {}
+        shared = _shared_pools(plan[name], max(gen_lens), args.page_size, args.prefill_tokens) if long else {}
         fused_model = None
         if "on" in fuse_modes:  # the fused rows' model: a fused copy when unfused rows run too
             from flax import nnx
@@ -463,9 +465,10 @@ def main(argv=None) -> int:
                 base = fused_model if fu == "on" else model
                 stacked[fu] = nnx.clone(base) if "off" in scan_modes else base
                 stacked[fu].stack_layers()
-        for bs, prompt_len, cb, (be_name, backend), casc, ov, fu, sc in plan[name]:
+        for bs, prompt_len, cb, (be_name, backend), casc, ov, fu, sc, gen_len in plan[name]:
             pool, buckets = shared.get((prompt_len, cb, be_name), (None, None))
-            tag = f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
+            tag = f" [gen {gen_len}]" if len(gen_lens) > 1 else ""
+            tag += f" [command buffers: {'engine' if cb is True else cb}]" if len(settings) > 1 else ""
             tag += f" [backend {be_name}]" if len(backends) > 1 else ""
             tag += f" [{args.samples} samples, cascade {casc}]" if args.samples > 1 else ""
             tag += f" [overlap {ov}]" if len(overlap_modes) > 1 or ov == "on" else ""

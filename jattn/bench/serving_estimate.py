@@ -48,16 +48,20 @@ class Estimate:
 
 
 def estimate(cfg: LlamaConfig, runs, gen_len: int, page_size: int, prefill_tokens: int, light_warmup: bool):
-    """Rough GPU work of ``runs`` ((bs, prompt_len, backend name) triples) on a model
-    of ``cfg``'s shapes: prefill tokens, FLOPs, seconds. With ``light_warmup`` the rows
-    of one prompt length and backend share their extend program (a shared pool)."""
+    """Rough GPU work of ``runs`` ((bs, prompt_len, backend name) triples, or with a
+    fourth element, that run's generated tokens instead of ``gen_len``) on a model of
+    ``cfg``'s shapes: prefill tokens, FLOPs, seconds. With ``light_warmup`` the rows of one
+    prompt length and backend share their extend program (a shared pool)."""
     h, hq, hkv, d, L = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     layer_params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg.intermediate_size
     weight_bytes = 2 * (L * layer_params + 2 * h * cfg.vocab_size)
     kv_bytes_per_token = 2 * L * 2 * hkv * d
     est = Estimate()
     programs = set()
-    for bs, prompt, be in runs:
+    default_gen = gen_len
+    for run in runs:
+        bs, prompt, be = run[:3]
+        gen_len = run[3] if len(run) > 3 else default_gen
         ctx = prompt + gen_len + page_size
         budget, per_step = extend_batch(bs, prompt, prefill_tokens)
         n_req = bs + (per_step if light_warmup else bs)
