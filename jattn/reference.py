@@ -1,7 +1,9 @@
 """Plain-JAX reference implementations of every jattn op (the ``xla`` backend).
 
 These are the oracle for every kernel test and the CPU fallback. They implement
-docs/SEMANTICS.md exactly: f32 accumulation, natural-log LSE, empty rows give 0 and -inf.
+docs/SEMANTICS.md exactly: f32 products and accumulation (the matmuls ask for full f32
+precision, so a GPU's default TF32 or a TPU's bf16 passes do not apply), natural-log LSE,
+empty rows give 0 and -inf.
 The public wrappers with argument checks and backend dispatch are in :mod:`jattn.ops`;
 the arguments here are the same.
 
@@ -25,6 +27,7 @@ from jattn.checks import _window_within
 
 FP8_E4M3_MAX = 448.0
 _NEG_INF = float("-inf")
+_F32 = jax.lax.Precision.HIGHEST  # the reference's matmuls in f32 whatever the default precision
 
 
 def default_softmax_scale(head_dim_qk: int) -> float:
@@ -100,7 +103,7 @@ def _attend(
             vc = v_flat[idx].astype(jnp.float32)
             bad = bad | ~jnp.isfinite(vc).all(axis=-1)
         vc = jnp.where(jnp.isfinite(vc), vc, 0.0)  # select, never 0 * NaN
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kc) * scale
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kc, precision=_F32) * scale
         if logit_cap > 0:
             s = logit_cap * jnp.tanh(s / logit_cap)
         jj = j[:, None, :]  # [bs, 1, C]
@@ -111,14 +114,14 @@ def _attend(
         if window_left >= 0:
             mask = mask & (jj >= qp - window_left)
         # Rows that see a non-finite key: a [bs, nq, C] @ [bs, C, hkv] count, no [q, k, d] tensor.
-        nbad = nbad + jnp.einsum("bqk,bkh->bhq", mask.astype(jnp.float32), bad.astype(jnp.float32))
+        nbad = nbad + jnp.einsum("bqk,bkh->bhq", mask.astype(jnp.float32), bad.astype(jnp.float32), precision=_F32)
         s = jnp.where(mask[:, None, None], s, _NEG_INF)  # [bs, hkv, g, nq, C]
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         l_new = alpha * l + p.sum(axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("bhgqk,bkhd->bhgqd", p, vc)
+        acc_new = alpha[..., None] * acc + jnp.einsum("bhgqk,bkhd->bhgqd", p, vc, precision=_F32)
         return m_new, l_new, acc_new, nbad
 
     init = (

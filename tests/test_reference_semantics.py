@@ -7,6 +7,8 @@ ragged prefill with its own key offsets, MLA absorbed decode and the merge rule.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -219,3 +221,18 @@ def test_merge_state_against_float64():
     _check(out, lse, want, want_lse)
     np.testing.assert_array_equal(np.asarray(out)[1], o_b[1])  # one side empty: the other unchanged
     np.testing.assert_array_equal(np.asarray(lse)[2], lse_a[2])
+
+
+def test_reference_matmuls_ask_for_f32_precision():
+    """The xla backend's score and P V matmuls are full f32 whatever the default matmul
+    precision (TF32 on a GPU, bf16 passes on a TPU), so it stays the f32 oracle there."""
+    from jattn import reference
+
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    k = jnp.ones((8, 16, 2, 64), jnp.bfloat16)
+    pt = jnp.zeros((2, 4), jnp.int32)
+    lens = jnp.array([5, 9], jnp.int32)
+    with jax.default_matmul_precision("bfloat16"):
+        text = jax.jit(lambda q, k: reference.mha_decode(q, k, k, pt, lens)).lower(q, k).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 2 and all("HIGHEST" in line for line in dots), dots
