@@ -17,6 +17,8 @@ Two implementations, same bits:
   jax-triton (one kernel where the XLA ops take several: the gather, two reductions
   and the rounding);
 * :func:`_tiles_xla`: the same arithmetic as XLA ops (CPU, the Mosaic GPU interpreter).
+
+(Subnormal f32 query entries: XLA on the CPU flushes them to zero, the kernel keeps them.)
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def _tiles_kernel(
     u = y.to(tl.uint32, bitcast=True)
     normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
     sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    sub = (sub.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)  # -0 stays -0
     y = tl.where(tl.abs(y) < 0.015625, sub, normal)
     dst = item * NT + tl.arange(0, NT)
     tl.store(q8_ptr + dst[:, None] * D + cols[None, :], y.to(q8_ptr.dtype.element_ty))

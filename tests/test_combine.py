@@ -41,6 +41,9 @@ HEADS_CASES = {
     "heads_q5_g4_two_tiles": (3, 2, 2, 4, 5, 16, 2, 128, True, 0.75),
     "heads_latent_h16_q2": (5, 1, 1, 16, 2, 32, 1, 512, False, None),
     "heads_one_split_nan": (1, 3, 2, 2, 3, 16, 1, 64, True, None),
+    # column blocks narrower than D (several programs per row): MLA at batch 1, a long verify
+    "heads_latent_132_splits": (132, 1, 1, 16, 2, 32, 1, 512, True, None),
+    "heads_q8_100_splits_two_tiles": (100, 2, 2, 4, 8, 16, 2, 128, True, 1.5),
 }
 
 

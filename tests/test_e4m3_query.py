@@ -21,7 +21,22 @@ CASES = {
     "q3_g4_w16_f32": (2, 8, 2, 3, 1, 16, 128, "float32"),
     "q5_g4_two_tiles_f16": (2, 8, 2, 5, 2, 16, 64, "float16"),
     "q2_g8_w16_f32_mla_like": (1, 8, 1, 2, 1, 16, 128, "float32"),
+    "q8_g8_w64_f32": (1, 16, 2, 8, 1, 64, 128, "float32"),
+    "q3_g8_w32_f16": (2, 16, 2, 3, 1, 32, 64, "float16"),
+    "q4_g8_tiles2_w16_f32": (2, 16, 2, 4, 2, 16, 64, "float32"),
+    "edge_amax_f32": (1, 12, 12, 1, 1, 16, 64, "float32"),  # one row per item, see _query
 }
+
+# largest magnitudes of the edge case's items: 448 and its neighbours, 1.75 * 2^k and the next
+# float above, the largest float, a value past which the scale is capped at 2^126 (2^-120;
+# subnormals stay out: XLA on the CPU flushes them), 1, and a power of two
+_EDGE_AMAX = np.array(
+    [448.0, np.nextafter(np.float32(448), np.float32(0)), np.nextafter(np.float32(448), np.float32(1e9)),
+     1.75 * 2.0**-5, np.nextafter(np.float32(1.75 * 2.0**-5), np.float32(1)), 1.75 * 2.0**20,
+     np.nextafter(np.float32(1.75 * 2.0**20), np.float32(1e30)), np.finfo(np.float32).max, 2.0**-120, 2.0**-100,
+     1.0, 2.0**7],
+    np.float32,
+)  # fmt: skip
 
 
 def _query(name):
@@ -29,7 +44,15 @@ def _query(name):
     zeros (the last request's KV head 0 at q_len 1), and one tiny item."""
     bs, hq, hkv, q_len, tiles, width, d, dt = CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
+    if name == "edge_amax_f32":  # item h: amax _EDGE_AMAX[h] exactly, -0.0 and entries that round to -0
+        mag = rng.uniform(0.25, 1.0, (1, hq, d)) * rng.choice([-1.0, 1.0], (1, hq, d))
+        x = mag.astype(np.float32) * _EDGE_AMAX[None, :, None]  # no subnormal entries
+        x[0, :, 0] = _EDGE_AMAX
+        x[0, :, 1] = -0.0
+        x[0, :, 2] = -_EDGE_AMAX * np.where(_EDGE_AMAX >= 2.0**-100, 2.0**-20, 2.0**-5).astype(np.float32)
+        return x, hkv, q_len, tiles, width
     q = rng.standard_normal((bs * q_len, hq, d)) * np.exp(rng.uniform(-3, 6, (bs * q_len, hq, 1)))
+    q[..., 3] = -q[..., 3] * 2.0**-24  # negative entries far below their item's largest: e4m3 -0
     q[0, 1, 5] = np.nan
     q[-1, -1, 0] = np.inf if q_len > 1 else -np.inf
     if q_len == 1:
@@ -46,7 +69,7 @@ def _oracle(q, hkv, q_len, tiles, width):
     q = np.asarray(q, np.float64)
     rows, hq, d = q.shape
     bs, g = rows // q_len, hq // hkv
-    q8 = np.zeros((bs, hkv, tiles * width, d))
+    q8 = np.zeros((bs, hkv, tiles * width, d), np.float32)
     factor = np.zeros((bs, hkv, tiles))
     bad = np.zeros((bs, hkv, tiles * width), bool)
     for b in range(bs):
@@ -65,14 +88,22 @@ def _oracle(q, hkv, q_len, tiles, width):
                 while amax * 2.0**e > 448.0:
                     e -= 1
                 y = np.clip(xt * 2.0**e, -448, 448).astype(np.float32)
-                q8[b, h, t * width : (t + 1) * width] = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+                q8[b, h, t * width : (t + 1) * width] = y
                 factor[b, h, t] = 2.0**-e
-    return q8, factor, bad
+    return q8.astype(np.float32).astype(ml_dtypes.float8_e4m3fn), factor, bad
+
+
+def _bytes(q8):
+    """e4m3 values as their bytes (so -0 and +0 differ)."""
+    import ml_dtypes
+
+    q8 = np.asarray(q8)
+    return (q8 if q8.dtype == np.uint8 else q8.astype(ml_dtypes.float8_e4m3fn)).view(np.uint8)
 
 
 def _check(name, q8, factor, bad):
     ref_q8, ref_f, ref_bad = _oracle(*_query(name))
-    np.testing.assert_array_equal(np.asarray(q8).astype(np.float64), ref_q8)
+    np.testing.assert_array_equal(_bytes(q8), _bytes(ref_q8))
     np.testing.assert_array_equal(np.asarray(factor, np.float64), ref_f)
     np.testing.assert_array_equal(np.asarray(bad) != 0, ref_bad)
 
@@ -117,7 +148,7 @@ def run_interpreted(name: str, path: str) -> None:
         factor = torch.full((bs, hkv, tiles), float("nan"), dtype=torch.float32)
         bad = torch.full((bs, hkv, tiles * width), 7, dtype=torch.int8)
         triton_glue.launch_interpreted(e4m3_query._tiles_kernel, grid, torch.from_numpy(q), q8, factor, bad, **params)
-        runs.append((q8.to(torch.float32).numpy(), factor.numpy(), bad.numpy()))
+        runs.append((q8.view(torch.uint8).numpy(), factor.numpy(), bad.numpy()))
     np.savez(path, q8=runs[0][0], factor=runs[0][1], bad=runs[0][2], q8b=runs[1][0])
 
 
@@ -133,7 +164,7 @@ def test_triton_kernel_interpreted(name, interpreted):
     np.testing.assert_array_equal(res["q8"], res["q8b"])
     q, hkv, q_len, tiles, width = _query(name)
     xla = e4m3_query.query_tiles(jnp.asarray(q), hkv, q_len, tiles, width, use_kernel=False)
-    np.testing.assert_array_equal(res["q8"], np.asarray(xla[0]).astype(np.float32))
+    np.testing.assert_array_equal(res["q8"], _bytes(xla[0]))
 
 
 @pytest.mark.gpu
@@ -148,6 +179,6 @@ def test_gpu_triton_kernel_matches_xla(name, dtype):
     got = jax.jit(lambda x: e4m3_query.query_tiles(x, hkv, q_len, tiles, width))(q)
     want = e4m3_query.query_tiles(q, hkv, q_len, tiles, width, use_kernel=False)
     assert got[0].dtype == jnp.float8_e4m3fn and got[2].dtype == jnp.int8
-    np.testing.assert_array_equal(np.asarray(got[0]).astype(np.float32), np.asarray(want[0]).astype(np.float32))
+    np.testing.assert_array_equal(_bytes(got[0]), _bytes(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[2]) != 0, np.asarray(want[2]))
