@@ -17,8 +17,12 @@ Two implementations, same results:
 * :func:`_combine_kernel`: one Triton-language kernel launched through jax-triton
   (``triton_glue``), one program per (request, query row, column block) that
   loads all splits at once (in chunks of at most 256, merged online) and stores
-  once. Instructions sm80 has; head_dim a power of two.
-* :func:`_combine_xla`: the same arithmetic as XLA ops (several kernels).
+  once. Instructions sm80 has; head_dim a power of two. For partials in the layout of
+  the per-KV-head decode kernel (:class:`HeadsLayout`), :func:`_combine_heads_kernel`:
+  one program per (item, column block) with all of the item's rows, the rows scattered
+  to their places in the output on the store.
+* :func:`_combine_xla`: the same arithmetic as XLA ops (several kernels; a
+  :class:`HeadsLayout` is moved to the rows layout first).
 
 :func:`combine_splits` picks: nothing to merge with one split; the Triton kernel
 when asked for and jax-triton is available on a GPU; the XLA ops otherwise (CPU,
@@ -41,6 +45,7 @@ except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
 __all__ = [
     "combine_splits",
     "HeadsLayout",
+    "heads_launch_params",
     "combine_launch_params",
     "choose_num_splits",
     "wave_splits",
@@ -59,11 +64,10 @@ _MAX_CHUNK = _ELEMS // _MIN_COLS
 # Triton kernel.
 def _combine_kernel(
     # inputs
-    lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split (heads layout: below)
-    o_ptr,  # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split (heads layout: below)
+    lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split
+    o_ptr,  # [NUM_SPLITS, BS, ROWS, D] partial outputs, normalised per split
     sink_ptr,  # f32[HQ] sinks (read when HAS_SINKS)
     vs_ptr,  # f32[1] v_scale (read when HAS_VSCALE)
-    nan_ptr,  # i8[BS, ROWS_LSE] (heads layout: [BS, HKV, TILES, NT]) rows made NaN (read when HAS_NAN_ROWS)
     # outputs
     out_ptr,  # [BS, M_ROWS, D]
     lse_out_ptr,  # f32[BS, M_ROWS] natural-log LSE
@@ -78,39 +82,20 @@ def _combine_kernel(
     DC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_VSCALE: tl.constexpr,
-    HAS_NAN_ROWS: tl.constexpr,
-    HKV: tl.constexpr,  # 0: rows layout; else the heads layout's KV heads
-    G: tl.constexpr,  # heads layout: query heads per KV head
-    NT: tl.constexpr,  # heads layout: rows per item (its MMA width)
-    TILES: tl.constexpr,  # heads layout: items per KV head
 ):
-    """One (request b, query row r, column block c) per program.
-
-    Heads layout (``HKV > 0``, the per-KV-head kernel's partials as it writes them):
-    ``o [NUM_SPLITS, BS, HKV, TILES, D, NT]`` (each item's output transposed) and
-    ``lse [NUM_SPLITS, BS, HKV, TILES, NT]``; query ``i``, head ``h * G + j`` is row
-    ``k = i * G + j`` of KV head ``h``'s items: item ``k // NT``, column ``k % NT``."""
+    """One (request b, query row r, column block c) per program."""
     b = tl.program_id(0)
     r = tl.program_id(1)
     c = tl.program_id(2)
     cols = c * DC + tl.arange(0, DC)
-    if HKV == 0:
-        lse_split, lse_row = BS * ROWS_LSE, b * ROWS_LSE + r
-        o_split, o_row, col_stride = BS * ROWS * D, b * (ROWS * D) + r * D, 1
-    else:
-        hh = r % HQ
-        k = (r // HQ) * G + hh % G
-        item = (b * HKV + hh // G) * TILES + k // NT
-        lse_split, lse_row = BS * HKV * TILES * NT, item * NT + k % NT
-        o_split, o_row, col_stride = BS * HKV * TILES * D * NT, item * (D * NT) + k % NT, NT
-    lse_base = lse_ptr + lse_row
-    o_base = o_ptr + o_row + cols[None, :] * col_stride
+    lse_base = lse_ptr + b * ROWS_LSE + r
+    o_base = o_ptr + b * (ROWS * D) + r * D + cols[None, :]
 
     # First chunk of splits.
     s = tl.arange(0, CHUNK)
     ok = s < NUM_SPLITS
-    lse = tl.load(lse_base + s * lse_split, mask=ok, other=float("-inf"))
-    o = tl.load(o_base + s[:, None] * o_split, mask=ok[:, None], other=0.0)
+    lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
+    o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
     m_i = tl.max(lse, axis=0)
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     w = tl.exp2(lse - m_use)  # 0 for an empty split
@@ -120,8 +105,8 @@ def _combine_kernel(
     for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
         ok = s < NUM_SPLITS
-        lse = tl.load(lse_base + s * lse_split, mask=ok, other=float("-inf"))
-        o = tl.load(o_base + s[:, None] * o_split, mask=ok[:, None], other=0.0)
+        lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
+        o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -141,12 +126,92 @@ def _combine_kernel(
     if HAS_VSCALE:
         factor = factor * tl.load(vs_ptr)
     out = acc * factor
-    if HAS_NAN_ROWS:  # a row marked NaN stays NaN where it saw a key
-        bad = (tl.load(nan_ptr + lse_row) != 0) & (l_i != 0.0)
-        out = tl.where(bad, float("nan"), out)
-        lse_nat = tl.where(bad, float("nan"), lse_nat)
     tl.store(out_ptr + b * (M_ROWS * D) + r * D + cols, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_out_ptr + b * M_ROWS + r, lse_nat)
+
+
+def _combine_heads_kernel(
+    # inputs
+    lse_ptr,  # f32[NUM_SPLITS, BS, HKV, TILES, NT] base-2 LSE of each split
+    o_ptr,  # [NUM_SPLITS, BS, HKV, TILES, D, NT] partial outputs, each item's transposed
+    vs_ptr,  # f32[1] v_scale (read when HAS_VSCALE)
+    nan_ptr,  # i8[BS, HKV, TILES, NT] rows made NaN where they saw a key (read when HAS_NAN_ROWS)
+    # outputs
+    out_ptr,  # [BS, M_ROWS, D]
+    lse_out_ptr,  # f32[BS, M_ROWS] natural-log LSE
+    NUM_SPLITS: tl.constexpr,
+    BS: tl.constexpr,
+    HKV: tl.constexpr,
+    TILES: tl.constexpr,
+    NT: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DC: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+    HAS_NAN_ROWS: tl.constexpr,
+):
+    """The merge of :func:`_combine_kernel` on partials in :class:`HeadsLayout`: one (item,
+    column block) per program, all ``NT`` rows of the item at once, so each load reads
+    ``NT`` consecutive values. Item ``(b * HKV + h) * TILES + t``'s row ``n`` is row
+    ``k = t * NT + n`` of KV head ``h`` (query ``k // G``, head ``h * G + k % G``); rows
+    ``k >= Q_LEN * G`` are padding, never read or written. No sinks (the kernel that
+    writes this layout takes none)."""
+    item = tl.program_id(0)
+    c = tl.program_id(1)
+    t = item % TILES
+    h = (item // TILES) % HKV
+    b = item // (TILES * HKV)
+    n = tl.arange(0, NT)
+    k = t * NT + n
+    real = k < Q_LEN * G
+    cols = c * DC + tl.arange(0, DC)
+    lse_split = BS * HKV * TILES * NT
+    lse_base = lse_ptr + item * NT + n[None, :]  # [1, NT]
+    o_base = o_ptr + item * (D * NT) + cols[None, :, None] * NT + n[None, None, :]  # [1, DC, NT]
+
+    # First chunk of splits.
+    s = tl.arange(0, CHUNK)
+    ok = (s[:, None] < NUM_SPLITS) & real[None, :]  # [CHUNK, NT]
+    lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
+    o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
+    m_i = tl.max(lse, axis=0)  # [NT]
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    w = tl.exp2(lse - m_use[None, :])  # 0 for an empty split
+    l_i = tl.sum(w, axis=0)
+    acc = tl.sum(w[:, None, :] * o.to(tl.float32), axis=0)  # [DC, NT]
+    # Further chunks (more than CHUNK splits), merged online.
+    for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = (s[:, None] < NUM_SPLITS) & real[None, :]
+        lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
+        o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        w = tl.exp2(lse - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[None, :] + tl.sum(w[:, None, :] * o.to(tl.float32), axis=0)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    m_safe = tl.where(empty, 0.0, m_i)
+    lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
+    factor = tl.where(empty, 0.0, 1.0 / l_safe)
+    if HAS_VSCALE:
+        factor = factor * tl.load(vs_ptr)
+    out = acc * factor[None, :]
+    if HAS_NAN_ROWS:  # a row marked NaN stays NaN where it saw a key
+        bad = (tl.load(nan_ptr + item * NT + n, mask=real, other=0) != 0) & (l_i != 0.0)
+        out = tl.where(bad[None, :], float("nan"), out)
+        lse_nat = tl.where(bad, float("nan"), lse_nat)
+    r = (k // G) * (HKV * G) + h * G + k % G  # [NT] the rows' places in the output
+    m_rows = Q_LEN * HKV * G
+    dst = out_ptr + b * (m_rows * D) + r[None, :] * D + cols[:, None]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=real[None, :])
+    tl.store(lse_out_ptr + b * m_rows + r, lse_nat, mask=real & (n * 0 + c == 0))  # once per row
 
 
 #: Tokens of the page-table width per split in batch-invariant decode
@@ -205,37 +270,64 @@ def combine_launch_params(num_splits: int, batch: int, m_rows: int, head_dim: in
     return (batch, m_rows, head_dim // dc), dict(CHUNK=chunk, DC=dc)
 
 
-def rows_layout(rows: int, rows_lse: int) -> dict:
-    """:func:`_combine_kernel`'s layout constexprs for partials in the rows layout
-    (``o [S, bs, rows, D]``, ``lse [S, bs, rows_lse]``)."""
-    return dict(ROWS=rows, ROWS_LSE=rows_lse, HKV=0, G=1, NT=1, TILES=1)
+def heads_launch_params(num_splits: int, heads: HeadsLayout, batch: int, q_len: int, head_dim: int):
+    """``(grid, constexprs, num_warps)`` of :func:`_combine_heads_kernel` apart from the
+    array shapes: a program takes an item's ``width`` rows and a column block, all splits
+    in one load round where ``splits * width`` is at most 4096 (chunks of that otherwise),
+    ``[chunk, columns, width]`` at most 8192 elements."""
+    if head_dim & (head_dim - 1) or heads.width & (heads.width - 1):
+        raise ValueError(f"head_dim={head_dim} and width={heads.width} must be powers of two for the split combine")
+    s_pad = 1 << max(0, (num_splits - 1).bit_length())
+    chunk = min(s_pad, max(1, 4096 // heads.width))
+    dc = min(head_dim, _ELEMS // (chunk * heads.width))
+    warps = max(1, min(4, dc * heads.width // 32))
+    items = batch * heads.kv_heads * heads.tiles
+    constexprs = dict(
+        NUM_SPLITS=num_splits, BS=batch, HKV=heads.kv_heads, TILES=heads.tiles, NT=heads.width, D=head_dim,
+        G=heads.group, Q_LEN=q_len, CHUNK=chunk, DC=dc,
+    )  # fmt: skip
+    return (items, head_dim // dc), constexprs, warps
 
 
-def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q_heads, out_dtype, heads):
+def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q_heads, out_dtype, heads, q_len):
     from jattn.pallas_kernels import triton_glue
 
     num_splits, batch = o_part.shape[:2]
-    d = o_part.shape[-2] if heads else o_part.shape[3]
-    grid, params = combine_launch_params(num_splits, batch, m_rows, d)
-    flags = dict(HAS_SINKS=sinks is not None, HAS_VSCALE=v_scale is not None, HAS_NAN_ROWS=nan_rows is not None)
     # An absent sinks / v_scale / nan_rows is never read: lse_part (f32) stands in for its
     # pointer. Any constant array would cost a kernel per call (XLA materialises a splat
     # constant by a broadcast fusion).
-    sinks = lse_part if sinks is None else sinks.astype(jnp.float32)
+    has_vscale = v_scale is not None
     v_scale = lse_part if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
-    nan_rows = lse_part if nan_rows is None else nan_rows.astype(jnp.int8)
-    layout = heads.constexprs() if heads else rows_layout(o_part.shape[2], lse_part.shape[2])
+    out_shape = (
+        jax.ShapeDtypeStruct((batch, m_rows, o_part.shape[-2] if heads else o_part.shape[3]), out_dtype),
+        jax.ShapeDtypeStruct((batch, m_rows), jnp.float32),
+    )
+    if heads:
+        grid, params, warps = heads_launch_params(num_splits, heads, batch, q_len, o_part.shape[-2])
+        return triton_glue.triton_call(
+            _combine_heads_kernel,
+            lse_part,
+            o_part,
+            v_scale,
+            lse_part if nan_rows is None else nan_rows.astype(jnp.int8),
+            out_shape=out_shape,
+            grid=grid,
+            name="jattn_split_combine_heads",
+            num_warps=warps,
+            num_stages=1,
+            HAS_VSCALE=has_vscale,
+            HAS_NAN_ROWS=nan_rows is not None,
+            **params,
+        )
+    rows, d = o_part.shape[2], o_part.shape[3]
+    grid, params = combine_launch_params(num_splits, batch, m_rows, d)
     return triton_glue.triton_call(
         _combine_kernel,
         lse_part,
         o_part,
-        sinks,
+        lse_part if sinks is None else sinks.astype(jnp.float32),
         v_scale,
-        nan_rows,
-        out_shape=(
-            jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
-            jax.ShapeDtypeStruct((batch, m_rows), jnp.float32),
-        ),
+        out_shape=out_shape,
         # One warp per program: its [CHUNK, DC] tile is at most 8192 elements, and the
         # split-axis reduction then stays inside the warp (no shared-memory round).
         grid=grid,
@@ -244,11 +336,13 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q
         num_stages=1,
         NUM_SPLITS=num_splits,
         BS=batch,
+        ROWS=rows,
+        ROWS_LSE=lse_part.shape[2],
         M_ROWS=m_rows,
         D=d,
         HQ=num_q_heads,
-        **layout,
-        **flags,
+        HAS_SINKS=sinks is not None,
+        HAS_VSCALE=has_vscale,
         **params,
     )
 
@@ -282,10 +376,6 @@ class HeadsLayout:
     group: int
     width: int
     tiles: int
-
-    def constexprs(self) -> dict:
-        """:func:`_combine_kernel`'s layout constexprs for this layout."""
-        return dict(ROWS=0, ROWS_LSE=0, HKV=self.kv_heads, G=self.group, NT=self.width, TILES=self.tiles)
 
     def to_rows(self, x, q_len: int, *, values: bool):
         """A heads-layout array in the rows layout: ``values`` ``[*lead, kv_heads, tiles, D,
@@ -329,10 +419,10 @@ def combine_splits(
       use_kernel: merge with the Triton kernel where jax-triton runs (GPU);
         otherwise, and always under the Mosaic GPU interpreter, with XLA ops.
       heads: None, or the :class:`HeadsLayout` of ``o_part`` / ``lse_part`` (which the
-        kernel reads as they are: no transpose before it).
-      nan_rows: None, or bool in ``lse_part``'s layout without its split axis: rows whose
-        output and LSE become NaN where they saw a key (a split with keys); rows that
-        saw none stay ``0`` / ``-inf``.
+        kernel reads as they are: no transpose before it; no sinks then).
+      nan_rows: None, or (with ``heads``) ``[bs, kv_heads, tiles, width]``, nonzero for rows
+        whose output and LSE become NaN where they saw a key (a split with keys); rows
+        that saw none stay ``0`` / ``-inf``.
 
     Returns:
       ``(o [bs * q_len, num_q_heads, D] out_dtype, lse f32 [bs * q_len, num_q_heads])``.
@@ -341,6 +431,10 @@ def combine_splits(
     no work at all when ``v_scale`` is None, there are no sinks and no rows need
     slicing (each op after the decode kernel is one more kernel).
     """
+    if heads and sinks is not None:
+        raise ValueError("combine_splits: sinks need partials in the rows layout (heads=None)")
+    if nan_rows is not None and not heads:
+        raise ValueError("combine_splits: nan_rows need partials in a HeadsLayout")
     num_splits, batch = o_part.shape[:2]
     head_dim = o_part.shape[-2] if heads else o_part.shape[3]
     m = q_len * num_q_heads
@@ -349,7 +443,7 @@ def combine_splits(
     if num_splits > 1 and use_kernel and batch * m > 0 and _kernel_runs_here(head_dim):
         o, lse = _combine_triton(
             o_part, lse_part, sinks, v_scale, nan_rows,
-            m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype), heads=heads,
+            m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype), heads=heads, q_len=q_len,
         )  # fmt: skip
         return o.reshape(out_shape), lse.reshape(out_shape[:2])
     if heads:
@@ -374,7 +468,7 @@ def combine_splits(
     elif v_scale is not None:
         o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
     if nan_rows is not None:
-        bad = nan_rows[:, :m].reshape(lse.shape) & ~empty.reshape(lse.shape)
+        bad = (nan_rows[:, :m] != 0).reshape(lse.shape) & ~empty.reshape(lse.shape)
         o = jnp.where(bad[..., None], jnp.nan, o.astype(jnp.float32))
         lse = jnp.where(bad, jnp.nan, lse)
     return o.astype(out_dtype), lse

@@ -71,6 +71,8 @@ def _heads_inputs(name):
     used.reshape(hkv, -1)[:, : q_len * g] = True
     o = np.where(used[:, :, None, :], o, np.float32(np.nan))  # padding columns are never read
     lse = np.where(used, lse, np.float32(np.nan))
+    lse[-1] += 12.0  # the last split dominates: a kernel's later chunk of splits rescales the earlier
+    lse_rows[-1] += 12.0
     lse[::2, :1] = -np.inf  # empty splits (first request)
     lse_rows[::2, :1] = -np.inf
     lse[:, -1, 0, 0, 0] = -np.inf  # query 0, head 0 of the last request sees no key
@@ -190,39 +192,18 @@ def _compare(name, out, lse_out, atol):
 
 # ---------------------------------------------------------------------------
 # Triton kernel source under Triton's interpreter (CPU, torch tensors).
-def _launch_combine_twice(path, o, lse, sk, v_scale, nan_rows, *, bs, m, d, hq, layout) -> None:
-    """The combine kernel under Triton's interpreter on torch CPU tensors, twice, outputs
-    NaN-poisoned before each run; both runs saved to ``path``."""
+def _launch_twice(path, kernel, grid, inputs, bs, m, d, **constexprs) -> None:
+    """``kernel`` under Triton's interpreter on torch CPU tensors, twice, its outputs
+    ``[bs, m, d]`` / ``[bs, m]`` NaN-poisoned before each run; both runs saved to ``path``."""
     import torch
 
     from jattn.pallas_kernels import triton_glue
 
-    grid, params = combine.combine_launch_params(o.shape[0], bs, m, d)
     runs = []
     for _ in range(2):
         out = torch.full((bs, m, d), float("nan"), dtype=torch.float32)
         lse_out = torch.full((bs, m), float("nan"), dtype=torch.float32)
-        triton_glue.launch_interpreted(
-            combine._combine_kernel,
-            grid,
-            torch.from_numpy(lse),
-            torch.from_numpy(o),
-            torch.from_numpy(sk if sk is not None else np.zeros(hq, np.float32)),
-            torch.tensor([1.0 if v_scale is None else v_scale], dtype=torch.float32),
-            torch.from_numpy(np.zeros(1, np.int8) if nan_rows is None else nan_rows.astype(np.int8)),
-            out,
-            lse_out,
-            NUM_SPLITS=o.shape[0],
-            BS=bs,
-            M_ROWS=m,
-            D=d,
-            HQ=hq,
-            HAS_SINKS=sk is not None,
-            HAS_VSCALE=v_scale is not None,
-            HAS_NAN_ROWS=nan_rows is not None,
-            **layout,
-            **params,
-        )
+        triton_glue.launch_interpreted(kernel, grid, *[torch.from_numpy(x) for x in inputs], out, lse_out, **constexprs)
         runs.append((out.numpy(), lse_out.numpy()))
     np.savez(path, out=runs[0][0], lse=runs[0][1], out2=runs[1][0], lse2=runs[1][1])
 
@@ -232,18 +213,26 @@ def run_interpreted(name: str, path: str) -> None:
     outputs saved to ``path``."""
     o, lse, sk, v_scale, m, hq = _inputs(name)
     splits, bs, rows, d = o.shape
-    _launch_combine_twice(
-        path, o, lse, sk, v_scale, None, bs=bs, m=m, d=d, hq=hq, layout=combine.rows_layout(rows, rows)
-    )
+    grid, params = combine.combine_launch_params(splits, bs, m, d)
+    sk = sk if sk is not None else np.zeros(hq, np.float32)
+    vs = np.array([1.0 if v_scale is None else v_scale], np.float32)
+    _launch_twice(
+        path, combine._combine_kernel, grid, (lse, o, sk, vs), bs, m, d,
+        NUM_SPLITS=splits, BS=bs, ROWS=rows, ROWS_LSE=rows, M_ROWS=m, D=d, HQ=hq,
+        HAS_SINKS=CASES[name][6], HAS_VSCALE=v_scale is not None, **params,
+    )  # fmt: skip
 
 
 def run_heads_interpreted(name: str, path: str) -> None:
-    """Like :func:`run_interpreted`, for partials in the heads layout with NaN-row flags."""
+    """Like :func:`run_interpreted`, for the heads-layout kernel with NaN-row flags."""
     o, lse, flags, _, _, _, q_len, hq, v_scale = _heads_inputs(name)
-    layout = _heads_layout(name).constexprs()
-    _launch_combine_twice(
-        path, o, lse, None, v_scale, flags, bs=o.shape[1], m=q_len * hq, d=o.shape[4], hq=hq, layout=layout
-    )
+    splits, bs, d = o.shape[0], o.shape[1], o.shape[4]
+    grid, params, _ = combine.heads_launch_params(splits, _heads_layout(name), bs, q_len, d)
+    vs = np.array([1.0 if v_scale is None else v_scale], np.float32)
+    _launch_twice(
+        path, combine._combine_heads_kernel, grid, (lse, o, vs, flags.astype(np.int8)), bs, q_len * hq, d,
+        HAS_VSCALE=v_scale is not None, HAS_NAN_ROWS=True, **params,
+    )  # fmt: skip
 
 
 def run_merge_interpreted(name: str, path: str) -> None:
