@@ -121,6 +121,10 @@ class KernelOptions:
     heads_overlap: the per-KV-head kernel (its 2-byte path and that FP8 path) issues block
       ``i + 1``'s ``S^T`` before block ``i``'s softmax (``mha_decode_heads(overlap=True)``),
       as ``overlap_qk`` does here. Off by default: not yet timed on the GPU.
+    heads_glue: around the per-KV-head kernel, its FP8 path's e4m3 query comes from one
+      Triton kernel and the split combine reads its partials in place
+      (``mha_decode_heads(glue=True)``, where jax-triton runs); off, XLA ops gather the
+      query and transpose the partials (one more kernel or more per call; same results).
     """
 
     overlap_qk: bool = True
@@ -131,6 +135,7 @@ class KernelOptions:
     heads_row_tile: int = 0
     fp8_heads: bool = True
     heads_overlap: bool = False
+    heads_glue: bool = True
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

@@ -156,6 +156,7 @@ def mha_decode(
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
             fp8_heads=options.fp8_heads, is_causal=is_causal, overlap=options.heads_overlap,
+            glue=options.heads_glue,
         )  # fmt: skip
         if heads is not None:
             return heads(
@@ -209,13 +210,14 @@ def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
 
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-    fp8_heads=True, is_causal=True, overlap=False,
+    fp8_heads=True, is_causal=True, overlap=False, glue=True,
 ):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
     and it serves the call (Python-number scales, no window, cap or sinks), else None.
     ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls without a causal block of
     several queries go to it too, with the e4m3 query and ``V^T`` in registers over
-    64-token blocks. ``overlap``: ``KernelOptions.heads_overlap``, passed on."""
+    64-token blocks. ``overlap`` and ``glue``: ``KernelOptions.heads_overlap`` and
+    ``heads_glue``, passed on."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -231,11 +233,11 @@ def heads_kernel_for(
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     if fp8_heads and itemsize == 1 and not (is_causal and max_seqlen_q > 1):
         return functools.partial(
-            mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True, overlap=overlap
+            mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True, overlap=overlap, glue=glue
         )
     if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
         return None
-    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap)
+    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap, glue=glue)
 
 
 @functools.partial(

@@ -46,12 +46,12 @@ __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap",
+        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap", "glue",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
-            fp8_qk=False, v_regs=False, overlap=False):  # fmt: skip
+            fp8_qk=False, v_regs=False, overlap=False, glue=True):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
@@ -94,25 +94,27 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     # FP8 K/V compute in f16: e4m3 -> f16 is exact and the one upcast the hardware has
     cdtype = jnp.float16 if cfg.fp8 else q.dtype
     if fp8_qk:
-        q_arr, qf, bad = e4m3_query.query_tiles(q, hkv, max_seqlen_q, tiles, n)
+        q_arr, qf, bad = e4m3_query.query_tiles(q, hkv, max_seqlen_q, tiles, n, use_kernel=glue)
     else:
         q_arr, qf, bad = query_rows(q, hkv, max_seqlen_q, tiles * n).astype(cdtype), None, None
     o_t, lse = _run(cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d, qf)
     # The combine reads the partials as the kernel writes them (o_t [S, bs, hkv, tiles, dv,
     # N], lse [S, bs, hkv, tiles, N]). An e4m3 query row with a non-finite entry went in as
     # zeros; the combine makes it NaN where it saw a key, as the exact query would be.
-    out, lse = combine_splits(
-        o_t,
-        lse,
-        q_len=max_seqlen_q,
-        num_q_heads=hq,
-        sinks=None,
+    heads = HeadsLayout(kv_heads=hkv, group=g, width=n, tiles=tiles)
+    bad = None if bad is None else bad.reshape(bs, hkv, tiles, n)
+    merge = functools.partial(
+        combine_splits, q_len=max_seqlen_q, num_q_heads=hq, sinks=None, out_dtype=q.dtype, use_kernel=True,
         v_scale=None if v_scale == 1.0 else jnp.float32(v_scale),
-        out_dtype=q.dtype,
-        use_kernel=True,
-        heads=HeadsLayout(kv_heads=hkv, group=g, width=n, tiles=tiles),
-        nan_rows=None if bad is None else bad.reshape(bs, hkv, tiles, n),
-    )
+    )  # fmt: skip
+    if glue:
+        out, lse = merge(o_t, lse, heads=heads, nan_rows=bad)
+    else:  # the layouts moved by XLA ops around the rows combine (the A/B of KernelOptions.heads_glue)
+        out, lse = merge(heads.to_rows(o_t, max_seqlen_q, values=True), heads.to_rows(lse, max_seqlen_q, values=False))
+        if bad is not None:
+            bad = heads.to_rows(bad, max_seqlen_q, values=False).reshape(lse.shape) & (lse > -jnp.inf)
+            out = jnp.where(bad[..., None], jnp.nan, out.astype(jnp.float32)).astype(out.dtype)
+            lse = jnp.where(bad, jnp.nan, lse)
     return (out, lse) if return_lse else out
 
 
@@ -153,6 +155,7 @@ def mha_decode_heads(
     fp8_qk: bool = False,
     v_regs: bool = False,
     overlap: bool = False,
+    glue: bool = True,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -185,7 +188,12 @@ def mha_decode_heads(
 
     ``overlap`` (2-byte K/V, or FP8 with ``v_regs``): block ``i + 1``'s ``S^T`` is
     issued before block ``i``'s softmax, so that MMA runs under the softmax and the ``O^T``
-    MMA (the scores of one block wait in registers for the next step)."""
+    MMA (the scores of one block wait in registers for the next step).
+
+    ``glue`` (the default): the e4m3 query tiles (``fp8_qk``) come from one Triton kernel
+    (``e4m3_query``) and the split combine reads the kernel's partials in its layout
+    (``combine.HeadsLayout``), where jax-triton runs; off: XLA ops gather the query and
+    move the partials to the rows layout (an A/B of the same results)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -228,4 +236,5 @@ def mha_decode_heads(
         fp8_qk=bool(fp8_qk),
         v_regs=bool(v_regs),
         overlap=bool(overlap),
+        glue=bool(glue),
     )

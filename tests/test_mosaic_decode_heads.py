@@ -370,6 +370,13 @@ def test_fp8_qk_non_finite_query_rows():
             qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.5, v_scale=0.5, return_lse=True,
             fp8_qk=True, v_regs=True,
         )  # fmt: skip
+        # the same bits with XLA ops moving the layouts around the rows combine (KernelOptions.heads_glue)
+        o2, lse2 = mh.mha_decode_heads(
+            qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.5, v_scale=0.5, return_lse=True,
+            fp8_qk=True, v_regs=True, glue=False,
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert np.isnan(o[0, 1]).all() and np.isnan(o[0, 6]).all() and np.isnan(lse[0, [1, 6]]).all()
     assert (o[1] == 0).all() and (lse[1] == -np.inf).all()
@@ -514,6 +521,31 @@ def test_gpu_fp8_decode_through_ops(monkeypatch):
     got = ops.mha_decode_with_kvcache(qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.4, v_scale=0.7)
     assert calls == [1]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len, fp8", [(1, True), (4, False), (2, True)])
+def test_gpu_glue_kernels_same_bits(q_len, fp8):
+    """On the GPU the Triton glue (the e4m3 query kernel, the combine reading the kernel's
+    layout, NaN rows) gives the bits of the XLA ops that move the layouts instead, at
+    batch 1 (33 splits: the combine runs) and with a NaN query row."""
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    from jattn.pallas_kernels import e4m3_query
+
+    if not e4m3_query._kernel_runs_here(128, 16):
+        pytest.skip("needs jax-triton")
+    c = Case(lens=(32768,), hq=32, hkv=8, d=128, q_len=q_len, fp8=fp8)
+    q, k, v, table, lens = _inputs(c, 7)
+    q[0, 3, 7] = np.nan
+    dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(table), jnp.asarray(lens))
+    kw = dict(max_seqlen_q=q_len, return_lse=True, fp8_qk=fp8, v_regs=fp8, block=64 if fp8 else 128)
+    on = mh.mha_decode_heads(*args, **kw)
+    off = mh.mha_decode_heads(*args, glue=False, **kw)
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert np.isnan(np.asarray(on[0], np.float32)[0, 3]).all()  # the NaN row sees keys
 
 
 LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
