@@ -124,7 +124,8 @@ class KernelOptions:
     heads_glue: around the per-KV-head kernel, its FP8 path's e4m3 query comes from one
       Triton kernel and the split combine reads its partials in place
       (``mha_decode_heads(glue=True)``, where jax-triton runs); off, XLA ops gather the
-      query and transpose the partials (one more kernel or more per call; same results).
+      query and transpose the partials (one more kernel or more per call; the same
+      results up to the order in which the two combines sum the splits).
     """
 
     overlap_qk: bool = True

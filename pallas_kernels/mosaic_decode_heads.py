@@ -193,7 +193,8 @@ def mha_decode_heads(
     ``glue`` (the default): the e4m3 query tiles (``fp8_qk``) come from one Triton kernel
     (``e4m3_query``) and the split combine reads the kernel's partials in its layout
     (``combine.HeadsLayout``), where jax-triton runs; off: XLA ops gather the query and
-    move the partials to the rows layout (an A/B of the same results)."""
+    move the partials to the rows layout (an A/B of the same results, up to the order in
+    which the two combines sum the splits)."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
