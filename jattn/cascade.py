@@ -36,7 +36,8 @@ checks a grouping on the host.
 
 The prefix pass gives every query the whole prefix, so a request of a group with
 a prefix needs ``suffix_lens[b] >= max_seqlen_q - 1`` (its first query at the
-prefix's last position or later; refused where the lengths are concrete): a
+prefix's last position or later; refused where the lengths are concrete, and under
+``jax.jit`` such a request's output and LSE rows come out NaN): a
 suffix of 0 tokens is allowed (the request is only its prefix) when
 ``max_seqlen_q == 1``; a prefix of 0 tokens gives a plain decode. Window
 attention is not supported (the window's start may fall inside the prefix).
@@ -316,6 +317,13 @@ def cascade_decode(
         s = jnp.asarray(sinks, jnp.float32)[None, :]
         factor = jnp.where(jnp.isneginf(lse), 1.0, 1.0 / (1.0 + jnp.exp(s - lse)))
         o = (o.astype(jnp.float32) * factor[..., None]).astype(q.dtype)
+    if max_seqlen_q > 1 and (_concrete(prefix_lens) is None or _concrete(suffix_lens) is None):
+        # traced lengths escape _check_inputs: a request whose first query comes before
+        # its group's prefix ends (the prefix pass gave it the whole prefix) is NaN
+        bad = (jnp.repeat(prefix_lens, group_size) > 0) & (suffix_lens < max_seqlen_q - 1)
+        bad = jnp.repeat(bad, max_seqlen_q)[:, None]
+        o = jnp.where(bad[..., None], jnp.nan, o.astype(jnp.float32)).astype(q.dtype)
+        lse = jnp.where(bad, jnp.nan, lse)
     return (o, lse) if return_lse else o
 
 

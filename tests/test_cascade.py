@@ -288,6 +288,19 @@ def test_cascade_suffix_shorter_than_the_queries():
     slens[1] = 1
     with pytest.raises(ValueError, match=r"suffix_lens\[1\]=1 must be >= max_seqlen_q - 1 = 2: group 0 has a prefix"):
         jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, max_seqlen_q=3)
+    # under jit the lengths are traced: that request's rows come out NaN, the others as before
+    import jax
+
+    run = jax.jit(lambda pl, sl: jattn.cascade_decode(
+        q, k, v, ptab, pl, stab, sl, group_size=2, max_seqlen_q=3, return_lse=True
+    ))  # fmt: skip
+    out, lse = (np.asarray(x) for x in run(plens, slens))
+    assert np.isnan(out[3:6]).all() and np.isnan(lse[3:6]).all()
+    ok = np.r_[0:3, 6:12]
+    slens[1] = 2
+    np.testing.assert_allclose(out[ok], want[ok], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(lse[ok], want_lse[ok], atol=2e-4, rtol=2e-4)
+    assert np.isfinite(np.asarray(run(plens, slens)[0])).all()  # the rule kept: no NaN
 
 
 def test_cascade_tables_checks_concrete_groupings():
