@@ -274,13 +274,13 @@ def heads_launch_params(num_splits: int, heads: HeadsLayout, batch: int, q_len: 
     """``(grid, constexprs, num_warps)`` of :func:`_combine_heads_kernel` apart from the
     array shapes: a program takes an item's ``width`` rows and a column block, all splits
     in one load round where ``splits * width`` is at most 4096 (chunks of that otherwise),
-    ``[chunk, columns, width]`` at most 8192 elements."""
+    ``[chunk, columns, width]`` at most 8192 elements, 64 a thread (1-4 warps)."""
     if head_dim & (head_dim - 1) or heads.width & (heads.width - 1):
         raise ValueError(f"head_dim={head_dim} and width={heads.width} must be powers of two for the split combine")
     s_pad = 1 << max(0, (num_splits - 1).bit_length())
     chunk = min(s_pad, max(1, 4096 // heads.width))
     dc = min(head_dim, _ELEMS // (chunk * heads.width))
-    warps = max(1, min(4, dc * heads.width // 32))
+    warps = max(1, min(4, chunk * dc * heads.width // 2048))  # at most 64 elements a thread
     items = batch * heads.kv_heads * heads.tiles
     constexprs = dict(
         NUM_SPLITS=num_splits, BS=batch, HKV=heads.kv_heads, TILES=heads.tiles, NT=heads.width, D=head_dim,

@@ -44,6 +44,8 @@ HEADS_CASES = {
     # column blocks narrower than D (several programs per row): MLA at batch 1, a long verify
     "heads_latent_132_splits": (132, 1, 1, 16, 2, 32, 1, 512, True, None),
     "heads_q8_100_splits_two_tiles": (100, 2, 2, 4, 8, 16, 2, 128, True, 1.5),
+    "heads_q8_g8_w64_65_splits": (65, 1, 2, 8, 8, 64, 1, 128, True, None),  # two chunks of 64
+    "heads_mqa_264_splits": (264, 1, 1, 4, 1, 16, 1, 64, True, None),  # two chunks of 256
 }
 
 
@@ -415,6 +417,24 @@ def test_one_split_is_final_up_to_sinks_and_v_scale(sinks, v_scale):
     ref, ref_lse = _merge_ref(o, lse, q_len * hq, sk, v_scale, hq)
     np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, atol=1e-6, rtol=1e-6)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse_out).reshape(ref_lse.shape)), np.isneginf(ref_lse))
+
+
+def test_heads_launch_params():
+    """Every shape the per-KV-head decode can send: power-of-two chunks and column blocks
+    that divide D, at most 8192 elements a program and 64 a thread, one grid row per item."""
+    for d in (64, 128, 512):
+        for width in (16, 32, 64):
+            for tiles, q_len in ((1, 1), (2, 4), (4, 8)):
+                for splits in (1, 2, 3, 33, 64, 65, 132, 257, 264, 600):
+                    heads = combine.HeadsLayout(kv_heads=2, group=4, width=width, tiles=tiles)
+                    grid, p, warps = combine.heads_launch_params(splits, heads, 3, q_len, d)
+                    chunk, dc = p["CHUNK"], p["DC"]
+                    assert chunk & (chunk - 1) == 0 and dc & (dc - 1) == 0 and d % dc == 0 and dc >= 2
+                    assert chunk * dc * width <= 8192 and 1 <= warps <= 4
+                    assert chunk * dc * width <= 64 * 32 * warps
+                    assert grid == (3 * 2 * tiles, d // dc)
+    with pytest.raises(ValueError, match="powers of two"):
+        combine.heads_launch_params(4, combine.HeadsLayout(1, 4, 16, 1), 1, 1, 96)
 
 
 def test_launch_params():

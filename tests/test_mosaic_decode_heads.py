@@ -370,7 +370,8 @@ def test_fp8_qk_non_finite_query_rows():
             qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.5, v_scale=0.5, return_lse=True,
             fp8_qk=True, v_regs=True,
         )  # fmt: skip
-        # the same bits with XLA ops moving the layouts around the rows combine (KernelOptions.heads_glue)
+        # glue=False: XLA ops move the layouts around the rows combine and apply the NaN rows
+        # after it (KernelOptions.heads_glue; here both arms run XLA ops, so the same bits)
         o2, lse2 = mh.mha_decode_heads(
             qh, kc, vc, jnp.asarray(table), jnp.asarray(lens), k_scale=0.5, v_scale=0.5, return_lse=True,
             fp8_qk=True, v_regs=True, glue=False,
@@ -544,10 +545,11 @@ def test_gpu_glue_kernels_same_bits(q_len, fp8):
     kw = dict(max_seqlen_q=q_len, return_lse=True, fp8_qk=fp8, v_regs=fp8, block=64 if fp8 else 128)
     on = mh.mha_decode_heads(*args, **kw)
     off = mh.mha_decode_heads(*args, glue=False, **kw)
-    for a, b in zip(on, off):
+    # bf16 outputs: one f32 ulp of difference can move a value to the next bf16 (2^-8)
+    for a, b, tol in zip(on, off, (2.0**-7, 1e-5)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
-        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=tol, atol=tol)
     assert np.isnan(np.asarray(on[0], np.float32)[0, 3]).all()  # the NaN row sees keys
 
 
