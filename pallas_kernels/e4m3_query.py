@@ -1,4 +1,6 @@
-"""The e4m3 query of the per-KV-head decode kernel's ``fp8_qk`` path, in one kernel.
+"""e4m3 queries for the FP8 decode kernels, each in one kernel: the per-KV-head decode
+kernel's tiles (``fp8_qk``) and the MLA kernel's rows (a bf16/f16 query on an FP8 latent
+cache, :func:`query_rows_e4m3`).
 
 ``mosaic_decode_heads`` gives each item (one KV head's query rows, or one row tile of
 them) to the kernel as ``N`` rows in e4m3 with one power-of-two scale. Per item:
@@ -11,7 +13,11 @@ them) to the kernel as ``N`` rows in e4m3 with one power-of-two scale. Per item:
   largest magnitude; ``s = 1`` where it is 0), :func:`pow2_scale`;
 * ``q8 = e4m3(q * s)``, rounded to nearest, ties to even, and ``factor = 1 / s``.
 
-Two implementations, same bits:
+The MLA rows (:func:`query_rows_e4m3`): each row its own power-of-two scale by the same rule;
+a row with a non-finite entry becomes e4m3 NaN (scale 1), so it comes out NaN where it sees a
+key, as the exact query would.
+
+Two implementations of each, same bits:
 
 * :func:`_tiles_kernel`: one Triton-language program per item, launched through
   jax-triton (one kernel where the XLA ops take several: the gather, two reductions
@@ -31,7 +37,7 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed: XLA only
     tl = None
 
-__all__ = ["pow2_scale", "query_tiles", "query_rows", "tiles_launch", "E4M3_MAX"]
+__all__ = ["pow2_scale", "query_tiles", "query_rows", "tiles_launch", "query_rows_e4m3", "rows_launch", "E4M3_MAX"]
 
 E4M3_MAX = 448.0
 _MAX_EXP = 126  # the largest scale exponent: 2^126 and its inverse are normal f32
@@ -162,3 +168,98 @@ def _kernel_runs_here(d: int, width: int) -> bool:
 
     pow2 = not (d & (d - 1)) and not (width & (width - 1))
     return pow2 and not interpreting() and triton_glue.available()
+
+
+# ---------------------------------------------------------------------------
+# MLA: one scale per query row.
+def _rows_xla(q3, m_rows8: int, tile_rows: int):
+    from jattn.mla_rope import quantize_query_fp8
+
+    bs, m_rows, w = q3.shape
+    x = q3.astype(jnp.float32)
+    finite = jnp.isfinite(x).all(axis=-1)
+    s = pow2_scale(jnp.max(jnp.abs(jnp.where(finite[..., None], x, 0.0)), axis=-1))
+    q8 = quantize_query_fp8(jnp.where(finite[..., None], x, jnp.nan), s[..., None])
+    q8 = jnp.pad(q8, ((0, 0), (0, m_rows8 - m_rows), (0, 0)))
+    return q8, jnp.pad(1.0 / s, ((0, 0), (0, tile_rows - m_rows)), constant_values=1.0)
+
+
+def _rows_kernel(
+    q_ptr,  # [BS, M_ROWS, W] bf16/f16/f32
+    q8_ptr,  # out: e4m3 [BS, M_ROWS8, W]
+    factor_ptr,  # out: f32 [BS, TILE_ROWS]
+    M_ROWS: tl.constexpr,
+    M_ROWS8: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,  # W rounded up to a power of two
+    R: tl.constexpr,  # rows per program
+):
+    """``R`` rows of one request per program: ``program_id = b * cdiv(TILE_ROWS, R) + block``."""
+    per = (TILE_ROWS + R - 1) // R
+    b = tl.program_id(0) // per
+    rows = (tl.program_id(0) % per) * R + tl.arange(0, R)
+    cols = tl.arange(0, WP)
+    real = rows < M_ROWS
+    inside = cols < W
+    x = tl.load(
+        q_ptr + (b * M_ROWS + rows)[:, None] * W + cols[None, :], mask=real[:, None] & inside[None, :], other=0.0
+    ).to(tl.float32)
+    finite = tl.sum((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) == WP  # NaN and Inf fail
+    amax = tl.max(tl.abs(tl.where(finite[:, None], x, 0.0)), axis=1)
+    bits = amax.to(tl.int32, bitcast=True)  # pow2_scale, on the bits, per row
+    e = tl.where((bits & 0x7FFFFF) <= 0x600000, 135, 134) - (bits >> 23)
+    e = tl.where(bits > 0, tl.minimum(e, 126), 0)
+    s = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(x * s[:, None], -448.0), 448.0)
+    u = y.to(tl.uint32, bitcast=True)  # nearest e4m3, ties to even (as in _tiles_kernel)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    sub = (sub.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)
+    y = tl.where(tl.abs(y) < 0.015625, sub, normal)
+    dst = q8_ptr + (b * M_ROWS8 + rows)[:, None] * W + cols[None, :]
+    keep = (rows < M_ROWS8)[:, None] & inside[None, :]
+    tl.store(dst, y.to(q8_ptr.dtype.element_ty), mask=keep & finite[:, None])
+    # a non-finite row: the e4m3 NaN byte itself (no conversion of a NaN to rely on)
+    nan_byte = tl.full((R, WP), 0x7F, tl.uint8)
+    tl.store(dst.to(tl.pointer_type(tl.uint8)), nan_byte, mask=keep & ~finite[:, None])
+    factor = tl.where(real, ((127 - e) << 23).to(tl.float32, bitcast=True), 1.0)
+    tl.store(factor_ptr + b * TILE_ROWS + rows, factor, mask=rows < TILE_ROWS)
+
+
+def rows_launch(q_shape, m_rows8: int, tile_rows: int):
+    """``(grid, constexprs, num_warps)`` of :func:`_rows_kernel` for ``q3`` of ``q_shape``:
+    8192 elements a program (rows of the width rounded up to a power of two), 4 warps."""
+    bs, m_rows, w = q_shape
+    wp = 1 << max(0, (w - 1).bit_length())
+    r = max(1, min(64, 8192 // wp))
+    per = -(-tile_rows // r)
+    params = dict(M_ROWS=m_rows, M_ROWS8=m_rows8, TILE_ROWS=tile_rows, W=w, WP=wp, R=r)
+    return (bs * per,), params, 4
+
+
+def query_rows_e4m3(q3, m_rows8: int, tile_rows: int, *, use_kernel: bool = True):
+    """``(q8, factor)`` for the MLA kernel's FP8 path: ``q3 [bs, m_rows, W]`` in e4m3, each
+    row scaled by :func:`pow2_scale` of its largest magnitude (a row with a non-finite
+    entry: e4m3 NaN, scale 1), rows zero-padded to ``m_rows8``, and ``factor`` f32 ``[bs,
+    tile_rows]`` (1 / each row's scale, 1 past the rows). The Triton kernel where
+    ``use_kernel`` and jax-triton runs; XLA ops otherwise."""
+    bs, m_rows, w = q3.shape
+    if use_kernel and bs and _kernel_runs_here(64, 16):
+        from jattn.pallas_kernels import triton_glue
+
+        grid, params, warps = rows_launch(q3.shape, m_rows8, tile_rows)
+        return triton_glue.triton_call(
+            _rows_kernel,
+            q3,
+            out_shape=(
+                jax.ShapeDtypeStruct((bs, m_rows8, w), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((bs, tile_rows), jnp.float32),
+            ),
+            grid=grid,
+            name="jattn_e4m3_query_rows",
+            num_warps=warps,
+            num_stages=1,
+            **params,
+        )
+    return _rows_xla(q3, m_rows8, tile_rows)

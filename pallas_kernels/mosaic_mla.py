@@ -10,10 +10,11 @@ The kernel (its layout of the work, the warpgroups' roles, the barriers) is in
 ``mosaic_mla_kernel``; this module chooses the split count, prepares the operands and
 merges the splits (``combine.combine_splits``, which also applies ``kv_scale`` to the
 output). With an FP8 e4m3 latent cache a bf16/f16 query is quantised to e4m3 here, one
-power-of-two scale per row (:func:`quantize_rows_e4m3`): exact for a query whose entries
-are e4m3 values already, and otherwise the one rounding the kernel adds to the reference's
-math. A query that comes in e4m3 (the MLA backend's FP8 path hands it over so, as SGLang's
-does) is read as it is, with no row scales and no quantisation step.
+power-of-two scale per row (``e4m3_query.query_rows_e4m3``, one Triton kernel on a GPU with
+jax-triton): exact for a query whose entries are e4m3 values already, and otherwise the one
+rounding the kernel adds to the reference's math; a row with a NaN or an Inf becomes NaN. A
+query that comes in e4m3 (the MLA backend's FP8 path hands it over so, as SGLang's does) is
+read as it is, with no row scales and no quantisation step.
 
 The entry point is :func:`mla_decode`; :func:`unsupported_reason` says whether a
 call can be served. The f32 oracle is ``jattn.reference.mla_decode``. Under the
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
+from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
 
 # FP8 with at most 32 query rows: V^T read from the landed e4m3 tile into registers
@@ -143,17 +145,16 @@ def _mla_decode(
     cfg = dataclasses.replace(cfg, **{"v_regs": cfg.v_regs_ok, **dict(options)})
     # q rows padded to a multiple of 8 (with 8k heads, as DeepSeek's, no pad op at all)
     q3 = q.reshape(bs, cfg.m_rows, width)
-    if cfg.m_rows8 != cfg.m_rows:
+    qs = None
+    if cfg.row_scales:  # one kernel: the rows in e4m3 (padded), their factors (padded to the tiles)
+        q3, qs = query_rows_e4m3(q3, cfg.m_rows8, cfg.m_tiles * 64, use_kernel=not interpret)
+    elif cfg.m_rows8 != cfg.m_rows:
         q3 = jnp.pad(q3, ((0, 0), (0, cfg.m_rows8 - cfg.m_rows), (0, 0)))
     # a scale known when traced is built into the kernel: no operand, no op on the device
     scale = None
     if score_scale is None:
         scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
-    qs = None
-    if cfg.row_scales:
-        q3, qs = quantize_rows_e4m3(q3)
-        qs = jnp.pad(qs, ((0, 0), (0, cfg.m_tiles * 64 - cfg.m_rows8)), constant_values=1.0)
     # FP8: P, the upcast V and the partial outputs in f16 (the GPU converts e4m3 to f16 only)
     part_dtype = jnp.float16 if cfg.fp8 else out_dtype
     o_part, lse_part = run(cfg, part_dtype, page_table.astype(jnp.int32), lens, scale, qs, q3, kv_cache)
@@ -169,22 +170,6 @@ def _mla_decode(
         use_kernel=True,
     )
     return (out, lse) if return_lse else out
-
-
-def quantize_rows_e4m3(q):
-    """``(q8, factor)``: ``q`` ``[..., W]`` in e4m3 with each row scaled by a power of two
-    ``s`` that brings its largest entry to at most 448 (the e4m3 maximum), and the row's
-    ``factor = 1 / s`` (f32), so ``q ~ q8 * factor``. A power of two is exact: a query
-    whose entries already are e4m3 values (the MLA backend's FP8 path quantises it so)
-    comes back exactly; any other loses what e4m3 cannot hold (3 mantissa bits), rounded
-    as the MLA backend rounds its query (``mla_rope.quantize_query_fp8``)."""
-    from jattn.mla_rope import quantize_query_fp8
-    from jattn.pallas_kernels.e4m3_query import pow2_scale
-
-    x = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    s = pow2_scale(jnp.where(jnp.isfinite(amax), amax, 0.0))  # 1 for a row of zeros or with a NaN / Inf
-    return quantize_query_fp8(x, s[..., None]), 1.0 / s
 
 
 def mla_decode(
@@ -209,9 +194,9 @@ def mla_decode(
     ``[bs * max_seqlen_q, H, R]`` in q's dtype (bf16 for an e4m3 q), and with
     ``return_lse`` the natural-log LSE ``f32[bs * max_seqlen_q, H]``. ``kv_cache`` is
     q's dtype or float8_e4m3fn (``kv_scale`` its dequantisation scale); with FP8 a
-    bf16/f16 query is read as e4m3 rows (:func:`quantize_rows_e4m3`, four small XLA
-    kernels before the decode kernel), and an e4m3 query (with an e4m3 cache only) as
-    it is, with no quantisation step.
+    bf16/f16 query is read as e4m3 rows (``e4m3_query.query_rows_e4m3``, one kernel
+    before the decode kernel), and an e4m3 query (with an e4m3 cache only) as it is,
+    with no quantisation step.
 
     ``keys_as_rows``: run ``mosaic_mla_heads.mla_decode`` (the latent rows as
     the MMA rows, the query rows as its N; at most 32 query rows per request,

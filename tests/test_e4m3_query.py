@@ -1,7 +1,8 @@
-"""The e4m3 query of the per-KV-head kernel's ``fp8_qk`` path
-(``jattn.pallas_kernels.e4m3_query``): the power-of-two scale rule, the XLA ops against
-a float64 oracle written here, and the Triton kernel against the XLA ops bit for bit
-(under Triton's interpreter on torch CPU tensors, and through jax-triton on a GPU)."""
+"""The e4m3 queries of the FP8 decode kernels (``jattn.pallas_kernels.e4m3_query``): the
+per-KV-head kernel's tiles and the MLA kernel's rows. The power-of-two scale rule, the XLA
+ops against float64 oracles written here, and the Triton kernels against the XLA ops bit
+for bit (under Triton's interpreter on torch CPU tensors, and through jax-triton on a
+GPU)."""
 
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def run_interpreted(name: str, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    return run_in_interpreter(tmp_path_factory, "test_e4m3_query", {"run_interpreted": list(CASES)})
+    runs = {"run_interpreted": list(CASES), "run_rows_interpreted": list(ROW_CASES)}
+    return run_in_interpreter(tmp_path_factory, "test_e4m3_query", runs)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -182,3 +184,111 @@ def test_gpu_triton_kernel_matches_xla(name, dtype):
     np.testing.assert_array_equal(_bytes(got[0]), _bytes(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[2]) != 0, np.asarray(want[2]))
+
+
+# ---------------------------------------------------------------------------
+# MLA rows: (batch, rows, rows padded to 8, rows padded to the 64-row tiles, width, dtype)
+ROW_CASES = {
+    "r16_w576_f32": (2, 16, 16, 64, 576, "float32"),
+    "r20_w576_f16_padded": (3, 20, 24, 64, 576, "float16"),
+    "r130_three_tiles_f32": (1, 130, 136, 192, 576, "float32"),
+    "r5_w64_f16": (2, 5, 8, 64, 64, "float16"),
+}
+
+
+def _rows_query(name):
+    """Rows at mixed magnitudes; a row with a NaN, one with an Inf, a row of zeros, a tiny row,
+    negative entries far below their row's largest (e4m3 -0)."""
+    bs, m, _, _, w, dt = ROW_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q = rng.standard_normal((bs, m, w)) * np.exp(rng.uniform(-3, 6, (bs, m, 1)))
+    q[..., 3] = -np.abs(q[..., 3]) * 2.0**-24
+    q[0, 1, 5], q[-1, -1, 0], q[0, 2] = np.nan, np.inf, 0.0
+    q[-1, 0] *= 1e-4
+    return q.astype(dt)
+
+
+def _rows_oracle(q, m8, tile_rows):
+    import ml_dtypes
+
+    q = np.asarray(q, np.float64)
+    bs, m, w = q.shape
+    q8 = np.zeros((bs, m8, w), np.float32)
+    factor = np.ones((bs, tile_rows))
+    for b in range(bs):
+        for r in range(m):
+            x = q[b, r]
+            if not np.isfinite(x).all():
+                q8[b, r] = np.nan
+                continue
+            amax, e = np.abs(x).max(), 0
+            if amax:
+                e = min(126, int(np.floor(np.log2(448.0 / amax))))
+                while amax * 2.0 ** (e + 1) <= 448.0 and e < 126:
+                    e += 1
+                while amax * 2.0**e > 448.0:
+                    e -= 1
+            q8[b, r] = np.clip(x * 2.0**e, -448, 448)
+            factor[b, r] = 2.0**-e
+    return q8.astype(ml_dtypes.float8_e4m3fn), factor
+
+
+def _check_rows(name, q8, factor):
+    bs, m, m8, tile_rows, w, dt = ROW_CASES[name]
+    ref_q8, ref_f = _rows_oracle(_rows_query(name), m8, tile_rows)
+    got = _bytes(q8)
+    nan_rows = np.isnan(ref_q8.astype(np.float32)).any(axis=-1)
+    # a NaN row: every byte an e4m3 NaN (0x7F or 0xFF), whatever its sign
+    assert ((got[nan_rows] & 0x7F) == 0x7F).all()
+    np.testing.assert_array_equal(got[~nan_rows], _bytes(ref_q8)[~nan_rows])
+    np.testing.assert_array_equal(np.asarray(factor, np.float64), ref_f)
+
+
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_rows_xla_ops_match_float64(name):
+    bs, m, m8, tile_rows, w, dt = ROW_CASES[name]
+    _check_rows(name, *e4m3_query.query_rows_e4m3(jnp.asarray(_rows_query(name)), m8, tile_rows, use_kernel=False))
+
+
+def run_rows_interpreted(name: str, path: str) -> None:
+    """Run in a TRITON_INTERPRET=1 process: the rows kernel on torch CPU tensors, twice."""
+    import torch
+
+    from jattn.pallas_kernels import triton_glue
+
+    bs, m, m8, tile_rows, w, dt = ROW_CASES[name]
+    q = _rows_query(name)
+    grid, params, _ = e4m3_query.rows_launch(q.shape, m8, tile_rows)
+    runs = []
+    for _ in range(2):
+        q8 = torch.full((bs, m8, w), float("nan"), dtype=torch.float8_e4m3fn)
+        factor = torch.full((bs, tile_rows), float("nan"), dtype=torch.float32)
+        triton_glue.launch_interpreted(e4m3_query._rows_kernel, grid, torch.from_numpy(q), q8, factor, **params)
+        runs.append((q8.view(torch.uint8).numpy(), factor.numpy()))
+    np.savez(path, q8=runs[0][0], factor=runs[0][1], q8b=runs[1][0])
+
+
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_rows_kernel_interpreted(name, interpreted):
+    res = interpreted[name]
+    _check_rows(name, res["q8"], res["factor"])
+    np.testing.assert_array_equal(res["q8"], res["q8b"])
+    bs, m, m8, tile_rows, w, dt = ROW_CASES[name]
+    xla = e4m3_query.query_rows_e4m3(jnp.asarray(_rows_query(name)), m8, tile_rows, use_kernel=False)
+    finite = ~np.isnan(np.asarray(xla[0]).astype(np.float32))
+    np.testing.assert_array_equal(res["q8"][finite], _bytes(xla[0])[finite])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_gpu_rows_kernel_matches_xla(name):
+    if not e4m3_query._kernel_runs_here(64, 16):
+        pytest.skip("needs a CUDA GPU with jax-triton")
+    bs, m, m8, tile_rows, w, dt = ROW_CASES[name]
+    q = jnp.asarray(_rows_query(name).astype(np.float32)).astype(jnp.bfloat16)
+    got = jax.jit(lambda x: e4m3_query.query_rows_e4m3(x, m8, tile_rows))(q)
+    want = e4m3_query.query_rows_e4m3(q, m8, tile_rows, use_kernel=False)
+    finite = ~np.isnan(np.asarray(want[0]).astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(got[0]).astype(np.float32)), ~finite)
+    np.testing.assert_array_equal(_bytes(got[0])[finite], _bytes(want[0])[finite])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
