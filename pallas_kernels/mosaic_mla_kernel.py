@@ -391,9 +391,9 @@ def _kernel(
             plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(mt * 64, 64)], qs_smem, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         xscale = (scale_ref[0] if cfg.score_scale is None else cfg.score_scale) * _LOG2E
-        xrows = xscale  # FP8: each row's score factor, the score scale over the row's quantisation scale
-        if cfg.row_scales:
-            xrows = lax.broadcast_in_dim(load_rows(qs_smem) * xscale, (64, BN), [0])
+        # FP8: each row's score factor, the score scale over the row's quantisation scale; kept
+        # as a row vector (a few registers), broadcast over the block's keys where it is used
+        xrows = load_rows(qs_smem) * xscale if cfg.row_scales else None
         if cfg.is_causal:
             rows = vec_iota(64, 0, interpret=interp) + mt * 64  # request row i * H + h
             row_q = lax.div(rows, jnp.int32(H))  # its query index i
@@ -430,7 +430,8 @@ def _kernel(
                 plgpu.barrier_wait(kv_bar.at[slot])
             if cfg.fp8:
                 with jax.named_scope("wg0_qk"):
-                    x = qk(slot) * xrows
+                    x = qk(slot)
+                    x = x * (xscale if xrows is None else lax.broadcast_in_dim(xrows, x.shape, [0]))
                 if not v_regs:
                     plgpu.barrier_arrive(kv_free.at[slot])  # the upcast of its V is the feeder's
                 else:  # V^T read before the softmax, held in registers through it
