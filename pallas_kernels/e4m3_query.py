@@ -245,6 +245,8 @@ def query_rows_e4m3(q3, m_rows8: int, tile_rows: int, *, use_kernel: bool = True
     tile_rows]`` (1 / each row's scale, 1 past the rows). The Triton kernel where
     ``use_kernel`` and jax-triton runs; XLA ops otherwise."""
     bs, m_rows, w = q3.shape
+    if not m_rows <= m_rows8 <= tile_rows:
+        raise ValueError(f"query_rows_e4m3: rows {m_rows} <= m_rows8 {m_rows8} <= tile_rows {tile_rows} must hold")
     if use_kernel and bs and _kernel_runs_here(64, 16):
         from jattn.pallas_kernels import triton_glue
 
