@@ -37,6 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels.triton_glue import device_fn
+
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed: XLA combine only
@@ -61,7 +63,18 @@ _MAX_CHUNK = _ELEMS // _MIN_COLS
 
 
 # ---------------------------------------------------------------------------
-# Triton kernel.
+# Triton kernels.
+@device_fn
+def _merged(m_i, l_i):
+    """``(lse_nat, factor, empty)`` of merged rows with running max ``m_i`` and sum ``l_i``
+    (base 2): the natural-log LSE and ``1 / l``, ``-inf`` and 0 where no split had keys."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    m_safe = tl.where(empty, 0.0, m_i)
+    lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
+    return lse_nat, tl.where(empty, 0.0, 1.0 / l_safe), empty
+
+
 def _combine_kernel(
     # inputs
     lse_ptr,  # f32[NUM_SPLITS, BS, ROWS_LSE] base-2 LSE of each split
@@ -115,11 +128,7 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
         m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    m_safe = tl.where(empty, 0.0, m_i)
-    lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
-    factor = tl.where(empty, 0.0, 1.0 / l_safe)
+    lse_nat, factor, empty = _merged(m_i, l_i)
     if HAS_SINKS:
         sink = tl.load(sink_ptr + r % HQ)
         factor = factor * tl.where(empty, 1.0, 1.0 / (1.0 + tl.exp(sink - lse_nat)))
@@ -195,11 +204,7 @@ def _combine_heads_kernel(
         acc = acc * alpha[None, :] + tl.sum(w[:, None, :] * o.to(tl.float32), axis=0)
         m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    m_safe = tl.where(empty, 0.0, m_i)
-    lse_nat = tl.where(empty, float("-inf"), (m_safe + tl.log2(l_safe)) * 0.6931471805599453)
-    factor = tl.where(empty, 0.0, 1.0 / l_safe)
+    lse_nat, factor, empty = _merged(m_i, l_i)
     if HAS_VSCALE:
         factor = factor * tl.load(vs_ptr)
     out = acc * factor[None, :]

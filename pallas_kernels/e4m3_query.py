@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels.triton_glue import device_fn
+
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton not installed: XLA only
@@ -75,6 +77,30 @@ def _tiles_xla(q, hkv: int, q_len: int, tiles: int, width: int):
     return q8, 1.0 / s, ~finite
 
 
+@device_fn
+def _scale_exp(amax):
+    """:func:`pow2_scale`'s exponent ``e`` (int32, the scale is ``2^e``) on the bits of
+    ``amax``: ``448 = 1.75 * 2^8``, so 135 or 134 less ``amax``'s biased exponent; at most 126;
+    0 for 0."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = tl.where((bits & 0x7FFFFF) <= 0x600000, 135, 134) - (bits >> 23)
+    return tl.where(bits > 0, tl.minimum(e, 126), 0)
+
+
+@device_fn
+def _round_e4m3(x):
+    """``x`` clamped to +-448 and rounded to the nearest e4m3 value, ties to even, in f32 (so
+    the cast that stores it is exact): 3 mantissa bits from 2^-6 up, the subnormal step 2^-9
+    below it, -0 kept. Triton 3.6's interpreter rounds the cast itself wrongly where the
+    mantissa carries into the exponent (126.5 -> 64)."""
+    y = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    u = y.to(tl.uint32, bitcast=True)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    sub = (sub.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+
+
 def _tiles_kernel(
     q_ptr,  # [BS * Q_LEN, HQ, D] bf16/f16/f32
     q8_ptr,  # out: e4m3 [BS, HKV, TILES * NT, D]
@@ -102,19 +128,8 @@ def _tiles_kernel(
     finite = tl.sum((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) == D  # NaN and Inf fail
     x = tl.where(finite[:, None], x, 0.0)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    # pow2_scale, on the bits
-    bits = amax.to(tl.int32, bitcast=True)
-    e = tl.where((bits & 0x7FFFFF) <= 0x600000, 135, 134) - (bits >> 23)
-    e = tl.where(bits > 0, tl.minimum(e, 126), 0)
-    s = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    y = tl.minimum(tl.maximum(x * s, -448.0), 448.0)
-    # nearest e4m3, ties to even, in f32 (the cast after it is exact): 3 mantissa bits at
-    # 2^-6 and up, the subnormal step 2^-9 below
-    u = y.to(tl.uint32, bitcast=True)
-    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    sub = (sub.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)  # -0 stays -0
-    y = tl.where(tl.abs(y) < 0.015625, sub, normal)
+    e = _scale_exp(amax)
+    y = _round_e4m3(x * ((e + 127) << 23).to(tl.float32, bitcast=True))
     dst = item * NT + tl.arange(0, NT)
     tl.store(q8_ptr + dst[:, None] * D + cols[None, :], y.to(q8_ptr.dtype.element_ty))
     tl.store(bad_ptr + dst, (~finite).to(tl.int8))
@@ -207,16 +222,8 @@ def _rows_kernel(
     ).to(tl.float32)
     finite = tl.sum((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) == WP  # NaN and Inf fail
     amax = tl.max(tl.abs(tl.where(finite[:, None], x, 0.0)), axis=1)
-    bits = amax.to(tl.int32, bitcast=True)  # pow2_scale, on the bits, per row
-    e = tl.where((bits & 0x7FFFFF) <= 0x600000, 135, 134) - (bits >> 23)
-    e = tl.where(bits > 0, tl.minimum(e, 126), 0)
-    s = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    y = tl.minimum(tl.maximum(x * s[:, None], -448.0), 448.0)
-    u = y.to(tl.uint32, bitcast=True)  # nearest e4m3, ties to even (as in _tiles_kernel)
-    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    sub = (sub.to(tl.uint32, bitcast=True) | (u & 0x80000000)).to(tl.float32, bitcast=True)
-    y = tl.where(tl.abs(y) < 0.015625, sub, normal)
+    e = _scale_exp(amax)  # per row
+    y = _round_e4m3(x * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None])
     dst = q8_ptr + (b * M_ROWS8 + rows)[:, None] * W + cols[None, :]
     keep = (rows < M_ROWS8)[:, None] & inside[None, :]
     tl.store(dst, y.to(q8_ptr.dtype.element_ty), mask=keep & finite[:, None])

@@ -72,6 +72,18 @@ def jit(fn: Callable):
     return triton.jit(fn)
 
 
+def device_fn(fn: Callable):
+    """``fn``, a function that kernel sources call (shared arithmetic of two kernels), as a
+    Triton JIT function where Triton is installed, else ``fn`` as it is. Applied at import:
+    a process that interprets sets ``TRITON_INTERPRET=1`` before Triton is first imported,
+    as for the kernels themselves."""
+    try:
+        import triton  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - Triton not installed: no kernel calls it
+        return fn
+    return triton.jit(fn)
+
+
 def _ensure_cache_dir(triton) -> None:
     """Give Triton a cache directory when ``TRITON_CACHE_DIR`` is set but empty (seen on
     GPU machines): without one, its first native launch fails building the launcher
