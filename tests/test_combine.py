@@ -490,8 +490,17 @@ def test_gpu_triton_combine_matches_float64(name):
     splits, bs, rows, d = o.shape
     f = jax.jit(
         lambda o, lse, sk: combine._combine_triton(
-            o, lse, sk, v_scale, m_rows=m, num_q_heads=hq, out_dtype=jnp.dtype(jnp.float32)
-        )
+            o,
+            lse,
+            sk,
+            v_scale,
+            None,
+            m_rows=m,
+            num_q_heads=hq,
+            out_dtype=jnp.dtype(jnp.float32),
+            heads=None,
+            q_len=m // hq,
+        )  # fmt: skip
     )
     args = (jnp.asarray(o), jnp.asarray(lse), None if sk is None else jnp.asarray(sk))
     out, lse_out = f(*args)
