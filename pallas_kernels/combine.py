@@ -298,17 +298,18 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q
     from jattn.pallas_kernels import triton_glue
 
     num_splits, batch = o_part.shape[:2]
+    d = o_part.shape[-2] if heads else o_part.shape[3]
     # An absent sinks / v_scale / nan_rows is never read: lse_part (f32) stands in for its
     # pointer. Any constant array would cost a kernel per call (XLA materialises a splat
     # constant by a broadcast fusion).
     has_vscale = v_scale is not None
     v_scale = lse_part if v_scale is None else jnp.reshape(jnp.asarray(v_scale, jnp.float32), (1,))
     out_shape = (
-        jax.ShapeDtypeStruct((batch, m_rows, o_part.shape[-2] if heads else o_part.shape[3]), out_dtype),
+        jax.ShapeDtypeStruct((batch, m_rows, d), out_dtype),
         jax.ShapeDtypeStruct((batch, m_rows), jnp.float32),
     )
     if heads:
-        grid, params, warps = heads_launch_params(num_splits, heads, batch, q_len, o_part.shape[-2])
+        grid, params, warps = heads_launch_params(num_splits, heads, batch, q_len, d)
         return triton_glue.triton_call(
             _combine_heads_kernel,
             lse_part,
@@ -324,7 +325,7 @@ def _combine_triton(o_part, lse_part, sinks, v_scale, nan_rows, *, m_rows, num_q
             HAS_NAN_ROWS=nan_rows is not None,
             **params,
         )
-    rows, d = o_part.shape[2], o_part.shape[3]
+    rows = o_part.shape[2]
     grid, params = combine_launch_params(num_splits, batch, m_rows, d)
     return triton_glue.triton_call(
         _combine_kernel,
@@ -425,9 +426,10 @@ def combine_splits(
         otherwise, and always under the Mosaic GPU interpreter, with XLA ops.
       heads: None, or the :class:`HeadsLayout` of ``o_part`` / ``lse_part`` (which the
         kernel reads as they are: no transpose before it; no sinks then).
-      nan_rows: None, or (with ``heads``) ``[bs, kv_heads, tiles, width]``, nonzero for rows
-        whose output and LSE become NaN where they saw a key (a split with keys); rows
-        that saw none stay ``0`` / ``-inf``.
+      nan_rows: None, or in ``lse_part``'s layout without its split axis (``[bs, rows']``, or
+        ``[bs, kv_heads, tiles, width]`` with ``heads``), nonzero for rows whose output and
+        LSE become NaN where they saw a key (a split with keys); rows that saw none stay
+        ``0`` / ``-inf``.
 
     Returns:
       ``(o [bs * q_len, num_q_heads, D] out_dtype, lse f32 [bs * q_len, num_q_heads])``.
@@ -438,8 +440,6 @@ def combine_splits(
     """
     if heads and sinks is not None:
         raise ValueError("combine_splits: sinks need partials in the rows layout (heads=None)")
-    if nan_rows is not None and not heads:
-        raise ValueError("combine_splits: nan_rows need partials in a HeadsLayout")
     num_splits, batch = o_part.shape[:2]
     head_dim = o_part.shape[-2] if heads else o_part.shape[3]
     m = q_len * num_q_heads
@@ -450,7 +450,10 @@ def combine_splits(
             o_part, lse_part, sinks, v_scale, nan_rows,
             m_rows=m, num_q_heads=num_q_heads, out_dtype=jnp.dtype(out_dtype), heads=heads, q_len=q_len,
         )  # fmt: skip
-        return o.reshape(out_shape), lse.reshape(out_shape[:2])
+        o, lse = o.reshape(out_shape), lse.reshape(out_shape[:2])
+        if nan_rows is not None and not heads:  # (the heads-layout kernel applies them itself)
+            o, lse = _nan_rows(o, lse, nan_rows, m)
+        return o.astype(out_dtype), lse
     if heads:
         o_part = heads.to_rows(o_part, q_len, values=True)
         lse_part = heads.to_rows(lse_part, q_len, values=False)
@@ -473,10 +476,15 @@ def combine_splits(
     elif v_scale is not None:
         o = o.astype(jnp.float32) * jnp.asarray(v_scale, jnp.float32)
     if nan_rows is not None:
-        bad = (nan_rows[:, :m] != 0).reshape(lse.shape) & ~empty.reshape(lse.shape)
-        o = jnp.where(bad[..., None], jnp.nan, o.astype(jnp.float32))
-        lse = jnp.where(bad, jnp.nan, lse)
+        o, lse = _nan_rows(o, lse, nan_rows, m)
     return o.astype(out_dtype), lse
+
+
+def _nan_rows(o, lse, nan_rows, m: int):
+    """``(o f32, lse)`` with the rows flagged in ``nan_rows`` (rows layout ``[bs, rows']``)
+    NaN where they saw a key (an LSE other than ``-inf``)."""
+    bad = (nan_rows[:, :m] != 0).reshape(lse.shape) & ~jnp.isneginf(lse)
+    return jnp.where(bad[..., None], jnp.nan, o.astype(jnp.float32)), jnp.where(bad, jnp.nan, lse)
 
 
 def _kernel_runs_here(head_dim: int) -> bool:

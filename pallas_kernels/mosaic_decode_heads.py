@@ -110,11 +110,9 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     if glue:
         out, lse = merge(o_t, lse, heads=heads, nan_rows=bad)
     else:  # the layouts moved by XLA ops around the rows combine (the A/B of KernelOptions.heads_glue)
-        out, lse = merge(heads.to_rows(o_t, max_seqlen_q, values=True), heads.to_rows(lse, max_seqlen_q, values=False))
-        if bad is not None:
-            bad = heads.to_rows(bad, max_seqlen_q, values=False).reshape(lse.shape) & (lse > -jnp.inf)
-            out = jnp.where(bad[..., None], jnp.nan, out.astype(jnp.float32)).astype(out.dtype)
-            lse = jnp.where(bad, jnp.nan, lse)
+        rows = functools.partial(heads.to_rows, q_len=max_seqlen_q, values=False)
+        o_rows = heads.to_rows(o_t, max_seqlen_q, values=True)
+        out, lse = merge(o_rows, rows(lse), nan_rows=None if bad is None else rows(bad))
     return (out, lse) if return_lse else out
 
 
