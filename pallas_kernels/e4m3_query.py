@@ -64,17 +64,24 @@ def query_rows(q, hkv: int, q_len: int, padded: int):
     return jnp.pad(q5, ((0, 0), (0, 0), (0, padded - q_len * g), (0, 0)))
 
 
-def _tiles_xla(q, hkv: int, q_len: int, tiles: int, width: int):
+def _groups_e4m3(x):
+    """``x [..., rows, W]``, each leading index a group of rows with one scale: ``(q8, s,
+    finite)``, the rows with a non-finite entry zeroed (so they set no scale), ``s`` the
+    group's :func:`pow2_scale`, ``q8 = e4m3(x * s)`` and ``finite [..., rows]``."""
     from jattn.mla_rope import quantize_query_fp8
 
+    x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x).all(axis=-1)
+    x = jnp.where(finite[..., None], x, 0.0)
+    s = pow2_scale(jnp.max(jnp.abs(x), axis=(-2, -1)))
+    return quantize_query_fp8(x, s[..., None, None]), s, finite
+
+
+def _tiles_xla(q, hkv: int, q_len: int, tiles: int, width: int):
     q_arr = query_rows(q, hkv, q_len, tiles * width)
     bs, _, rows, d = q_arr.shape
-    finite = jnp.isfinite(q_arr).all(axis=-1)
-    x = jnp.where(finite[..., None], q_arr, jnp.zeros((), q_arr.dtype)).astype(jnp.float32)
-    x = x.reshape(bs, hkv, tiles, width * d)
-    s = pow2_scale(jnp.max(jnp.abs(x), axis=-1))
-    q8 = quantize_query_fp8(x, s[..., None]).reshape(bs, hkv, rows, d)
-    return q8, 1.0 / s, ~finite
+    q8, s, finite = _groups_e4m3(q_arr.reshape(bs, hkv, tiles, width, d))
+    return q8.reshape(q_arr.shape), 1.0 / s, ~finite.reshape(bs, hkv, rows)
 
 
 @device_fn
@@ -188,13 +195,9 @@ def _kernel_runs_here(d: int, width: int) -> bool:
 # ---------------------------------------------------------------------------
 # MLA: one scale per query row.
 def _rows_xla(q3, m_rows8: int, tile_rows: int):
-    from jattn.mla_rope import quantize_query_fp8
-
     bs, m_rows, w = q3.shape
-    x = q3.astype(jnp.float32)
-    finite = jnp.isfinite(x).all(axis=-1)
-    s = pow2_scale(jnp.max(jnp.abs(jnp.where(finite[..., None], x, 0.0)), axis=-1))
-    q8 = quantize_query_fp8(jnp.where(finite[..., None], x, jnp.nan), s[..., None])
+    q8, s, finite = _groups_e4m3(q3[:, :, None])  # each row a group of one
+    q8 = jnp.where(finite, q8[:, :, 0], jnp.asarray(jnp.nan, q8.dtype))
     q8 = jnp.pad(q8, ((0, 0), (0, m_rows8 - m_rows), (0, 0)))
     return q8, jnp.pad(1.0 / s, ((0, 0), (0, tile_rows - m_rows)), constant_values=1.0)
 
