@@ -190,63 +190,51 @@ def test_gpu(c):
     _check(c, jnp.bfloat16, tol=5e-2 if c.raw_q else 3e-2)
 
 
-@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
-def test_fp8_non_finite_query_rows_interpreted():
-    """The CPU twin of the GPU case below: an f16 query on an FP8 latent cache, rows with an
-    Inf or a NaN come out NaN where they see a key, 0 / -inf where they see none, the others
-    match the reference over the rounded query (two splits)."""
+def _check_non_finite_query_rows(c: Case, dtype, nan_head: int, **mla_kw):
+    """An FP8 latent cache, three requests (the last with no keys), ``q`` in ``dtype`` with
+    an Inf (request 0, head 2), a NaN (request 1, head ``nan_head``) and a -Inf (request 2):
+    those rows come out NaN where they see a key, 0 / -inf where they see none; the others
+    match the reference over the rounded query (``e4m3_query.query_rows_e4m3``)."""
     from jattn.pallas_kernels import e4m3_query
 
-    c = Case(lens=(97, 65, 0), heads=4, page_size=32, fp8=True, raw_q=True)
     q, kv, table, lens = _inputs(c, 3)
-    q[0, 2, 9], q[1, 1, 0], q[2, 1, 1] = np.inf, np.nan, -np.inf
-    qh, kv8 = jnp.asarray(q, jnp.float16), jnp.asarray(kv, jnp.float8_e4m3fn)
+    q[0, 2, 9], q[1, nan_head, 0], q[2, 1, 1] = np.inf, np.nan, -np.inf
+    qx, kv8 = jnp.asarray(q, dtype), jnp.asarray(kv, jnp.float8_e4m3fn)
     kw = dict(kv_lora_rank=R, softmax_scale=0.1, kv_scale=0.5, return_lse=True)
-    with gpu_interpret():
-        o, lse = mm.mla_decode(qh, kv8, jnp.asarray(table), jnp.asarray(lens), num_splits=2, **kw)
-    o, lse = np.asarray(o, np.float32), np.asarray(lse)
-    q8, f = e4m3_query.query_rows_e4m3(qh.reshape(3, 4, W), 8, 64, use_kernel=False)
-    rounded = np.asarray(q8, np.float32)[:, :4] * np.asarray(f)[:, :4, None]
+    o, lse = (
+        np.asarray(a, np.float32) for a in mm.mla_decode(qx, kv8, jnp.asarray(table), jnp.asarray(lens), **mla_kw, **kw)
+    )
+    h = c.heads
+    q8, f = e4m3_query.query_rows_e4m3(qx.reshape(3, h, W), -(-h // 8) * 8, 64, use_kernel=False)
+    rounded = np.asarray(q8, np.float32)[:, :h] * np.asarray(f)[:, :h, None]
     want_o, want_lse = (
         np.asarray(a)
         for a in reference.mla_decode(jnp.asarray(rounded), jnp.asarray(kv8, jnp.float32), table, lens, **kw)
     )
-    assert np.isnan(o[0, 2]).all() and np.isnan(o[1, 1]).all() and np.isnan(lse[[0, 1], [2, 1]]).all()
+    assert np.isnan(o[0, 2]).all() and np.isnan(o[1, nan_head]).all() and np.isnan(lse[[0, 1], [2, nan_head]]).all()
     assert (o[2] == 0).all() and np.isneginf(lse[2]).all()
     ok = np.ones(o.shape[:2], bool)
-    ok[0, 2] = ok[1, 1] = ok[2] = False
+    ok[0, 2] = ok[1, nan_head] = ok[2] = False
     np.testing.assert_allclose(o[ok], want_o[ok], atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse[ok], want_lse[ok], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_fp8_non_finite_query_rows_interpreted():
+    """The CPU twin of the GPU case below: an f16 query, 4 heads, two splits."""
+    with gpu_interpret():
+        _check_non_finite_query_rows(
+            Case(lens=(97, 65, 0), heads=4, page_size=32, fp8=True, raw_q=True), jnp.float16, 1, num_splits=2
+        )
 
 
 @pytest.mark.gpu
 def test_gpu_fp8_non_finite_query_rows():
-    """A bf16 query on an FP8 latent cache (quantised per row by the Triton rows kernel): a
-    row with an Inf or a NaN comes out NaN where it sees a key, as the exact query's would
-    (an Inf was clamped to 448 before), 0 / -inf where it sees none; the other rows match
-    the reference over the rounded query."""
+    """A bf16 query on an FP8 latent cache, quantised per row by the Triton rows kernel (an
+    Inf was clamped to 448 before): see :func:`_check_non_finite_query_rows`."""
     if not on_gpu():
         pytest.skip("needs a GPU")
-    from jattn.pallas_kernels import e4m3_query
-
-    c = Case(lens=(3000, 97, 0), heads=16, fp8=True, raw_q=True)
-    q, kv, table, lens = _inputs(c, 3)
-    q[0, 2, 9], q[1, 5, 0], q[2, 1, 1] = np.inf, np.nan, -np.inf  # request 2 sees no key
-    qb, kv8 = jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.float8_e4m3fn)
-    kw = dict(kv_lora_rank=R, softmax_scale=0.1, kv_scale=0.5, return_lse=True)
-    o, lse = (np.asarray(a, np.float32) for a in mm.mla_decode(qb, kv8, jnp.asarray(table), jnp.asarray(lens), **kw))
-    q8, f = e4m3_query.query_rows_e4m3(qb.reshape(3, 16, W), 16, 64, use_kernel=False)
-    rounded = np.asarray(q8, np.float32) * np.asarray(f)[:, :16, None]
-    want_o, want_lse = (
-        np.asarray(a)
-        for a in reference.mla_decode(jnp.asarray(rounded), jnp.asarray(kv8, jnp.float32), table, lens, **kw)
-    )
-    assert np.isnan(o[0, 2]).all() and np.isnan(o[1, 5]).all() and np.isnan(lse[[0, 1], [2, 5]]).all()
-    assert (o[2] == 0).all() and np.isneginf(lse[2]).all()
-    ok = np.ones(o.shape[:2], bool)
-    ok[0, 2] = ok[1, 5] = ok[2] = False
-    np.testing.assert_allclose(o[ok], want_o[ok], atol=2e-2, rtol=2e-2)
-    np.testing.assert_allclose(lse[ok], want_lse[ok], atol=2e-2, rtol=2e-2)
+    _check_non_finite_query_rows(Case(lens=(3000, 97, 0), heads=16, fp8=True, raw_q=True), jnp.bfloat16, 5)
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
