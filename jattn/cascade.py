@@ -317,7 +317,7 @@ def cascade_decode(
         s = jnp.asarray(sinks, jnp.float32)[None, :]
         factor = jnp.where(jnp.isneginf(lse), 1.0, 1.0 / (1.0 + jnp.exp(s - lse)))
         o = (o.astype(jnp.float32) * factor[..., None]).astype(q.dtype)
-    if max_seqlen_q > 1 and (_concrete(prefix_lens) is None or _concrete(suffix_lens) is None):
+    if _concrete(prefix_lens) is None or _concrete(suffix_lens) is None:
         # traced lengths escape _check_inputs: a request whose first query comes before
         # its group's prefix ends (the prefix pass gave it the whole prefix) is NaN
         bad = (jnp.repeat(prefix_lens, group_size) > 0) & (suffix_lens < max_seqlen_q - 1)

@@ -72,6 +72,10 @@ def _check_scale(value, name: str, *, optional: bool = False) -> None:
         return
     if value is None or isinstance(value, bool) or jnp.ndim(value) != 0:
         raise ValueError(f"{name} must be a Python number or a scalar array, got {value!r:.80}")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(np.float64)):
+        # A bf16 / f16 scale would round the softmax scale it multiplies; an integer one is a slip.
+        raise TypeError(f"{name}.dtype={dtype} must be float32 (or a Python number)")
     v = _concrete(value)
     if v is not None and not (np.isfinite(v) and v > 0):
         raise ValueError(f"{name}={v.item()!r} must be finite and > 0")
@@ -211,6 +215,8 @@ def _check_prefill(
     _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q")
     if cu_seqlens_kv is None:  # the keys' offsets are the queries'
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", k.shape[0], "k", max_seqlen_q, "max_seqlen_q")
+        if max_seqlen_kv is not None:  # the keys are the queries' rows: each request within both bounds
+            _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", k.shape[0], "k", max_seqlen_kv, "max_seqlen_kv")
     else:
         _check_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], "k", max_seqlen_kv, "max_seqlen_kv")
     _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)

@@ -204,13 +204,28 @@ class ExtendMetadata(_PagedPlan):
 def _with_page_offset(md, offset, num_pages: int):
     if md.num_pages is not None and md.num_pages > num_pages:
         raise ValueError(f"with_page_offset: num_pages={num_pages} is below the plan's num_pages={md.num_pages}")
+    off_c = _concrete_int(offset)
+    if off_c is not None and md.num_pages is not None and not 0 <= off_c <= num_pages - md.num_pages:
+        raise ValueError(
+            f"with_page_offset: offset={off_c} must be in [0, {num_pages - md.num_pages}] "
+            f"(the plan's {md.num_pages} pages shifted inside a pool of num_pages={num_pages})"
+        )
     off = jnp.asarray(offset, jnp.int32)
     return dataclasses.replace(
         md,
         page_table=md.page_table + off,
         out_cache_loc=md.out_cache_loc + off * md.page_size,
-        num_pages=num_pages,
+        # An unchecked plan stays unchecked: the shift does not bound its page ids.
+        num_pages=None if md.num_pages is None else num_pages,
     )
+
+
+def _concrete_int(x) -> int | None:
+    """``x`` as a Python int, or None while it is traced."""
+    try:
+        return int(x)
+    except (jax.errors.TracerIntegerConversionError, jax.errors.ConcretizationTypeError, TypeError):
+        return None
 
 
 _pytree(DecodeMetadata, ("page_table", "cache_seqlens", "out_cache_loc", "positions", "num_reqs", "prefix_pages"))
@@ -362,7 +377,10 @@ def plan_decode(
     pos = np.where(empty, 0, pos)
     loc = np.where(empty, DUMMY_PAGE * page_size, _slots(table, rows, pos, page_size))
     _check_i32(loc.reshape(-1), "out_cache_loc", "a slot: page * page_size + offset")
-    _check_unique_slots(loc[~empty[:, 0]].reshape(-1), page_size)
+    real = np.flatnonzero(np.repeat(~empty[:, 0], q_len))  # the plan's token index of each checked slot
+    _check_unique_slots(
+        loc[~empty[:, 0]].reshape(-1), page_size, tokens=lambda i, j: f"new tokens {real[i]} and {real[j]}"
+    )
     pp = _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size, q_len, is_causal)
     return DecodeMetadata(
         page_table=np.asarray(table, np.int32),

@@ -38,6 +38,7 @@ from jattn.checks import (
     _check_options,
     _check_paged,
     _check_prefill,
+    _check_scale,
     _check_scales,
     _is_int,
     _window_within,
@@ -380,7 +381,8 @@ def mha_extend_with_kvcache(
         return_lse=return_lse,
     )
     impl = None
-    if q.shape[0] and page_table.shape[0]:  # an empty call runs on xla (empty outputs)
+    if 0 not in (q.shape[0], q.shape[1], *page_table.shape):
+        # No rows, heads, requests or pages: empty or all-zero rows on xla (no empty launch).
         impl = _pick(
             "mha_extend",
             backend,
@@ -608,7 +610,19 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     update is in place. backend: None or ``"xla"`` (one XLA scatter), or ``"triton"`` (the
     Triton write through jax-triton, the source the torch bridge launches natively).
     """
+    _check_ndim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    _check_ndim(v_cache, "v_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim_v]")
+    _check_dtype(k_cache, "k_cache", _KV_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages/heads")
+    for x, name in ((k, "k"), (v, "v")):
+        _check_ndim(x, name, 3, "[tokens, num_kv_heads, head_dim]")
     _check_int(out_cache_loc, "out_cache_loc")
+    _check_ndim(out_cache_loc, "out_cache_loc", 1, "[tokens]")
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check_scale(value, name, optional=True)
     if k.shape[0] != out_cache_loc.shape[0] or v.shape[0] != out_cache_loc.shape[0]:
         raise ValueError(f"k {k.shape}, v {v.shape} and out_cache_loc {out_cache_loc.shape} disagree on tokens")
     if k.shape[1:] != k_cache.shape[2:]:
@@ -628,7 +642,11 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     kv_cache: [num_pages, page_size, R + r]; out_cache_loc: i32[T]; c_kv: [T, R] or
     [T, 1, R]; k_pe: [T, r] or [T, 1, r]. FP8 caches store ``clamp(row / kv_scale, -448, 448)``.
     """
+    _check_ndim(kv_cache, "kv_cache", 3, "[num_pages, page_size, R + r]")
+    _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
     _check_int(out_cache_loc, "out_cache_loc")
+    _check_ndim(out_cache_loc, "out_cache_loc", 1, "[tokens]")
+    _check_scale(kv_scale, "kv_scale", optional=True)
     t = out_cache_loc.shape[0]
     rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))
     if not rows_ok or c_kv.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:

@@ -351,6 +351,10 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"kv_cache has {kv_cache.num_layers} layers; the model {self.config.num_layers}")
             pages = kv_cache.num_pages
             total = kv_cache.num_layers * pages
+            if metadata.num_pages is not None and metadata.num_pages > pages:
+                raise ValueError(
+                    f"metadata.num_pages={metadata.num_pages} exceeds the kv_cache's {pages} pages per layer"
+                )
             flat = kv_cache.flat()
         metadata = jax.tree.map(jnp.asarray, metadata)  # a host plan's arrays are indexed by traced values
         for run in self.layer_runs:

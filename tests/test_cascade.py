@@ -345,3 +345,24 @@ def test_default_prefix_splits_count_packed_rows_per_kv_head(monkeypatch):
     jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=4, prefix_pass="extend")
     assert calls == [(1, 4 * (HQ // HKV), HKV, ptab.shape[1] * PS)]
     assert real(1, 64 * 4, 8, 16384) == 16
+
+
+def test_cascade_negative_suffix_under_jit_is_nan_at_one_query():
+    """With one query a request needs ``suffix_lens >= 0``; under jit a negative length (a
+    plan trimmed with ``with_seq_lens``) must not hand the row its group's whole prefix."""
+    import jax
+
+    q, k, v, ptab, plens, stab, slens = _setup(5, (40, 0), 2, 1)
+    slens[1] = -8
+    out, lse = (
+        np.asarray(x)
+        for x in jax.jit(
+            lambda pl, sl: jattn.cascade_decode(q, k, v, ptab, pl, stab, sl, group_size=2, return_lse=True)
+        )(plens, slens)
+    )
+    assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+    slens[1] = 0  # a row of no suffix keys still sees its group's prefix: exact
+    want, want_lse = _expected(q, k, v, ptab, plens, stab, slens, 2, 1)
+    ok = np.r_[0, 2:4]
+    np.testing.assert_allclose(out[ok], want[ok], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(lse[ok], want_lse[ok], atol=2e-4, rtol=2e-4)

@@ -391,6 +391,50 @@ def test_merge_and_set_buffer_bad_inputs():
         jattn.set_mla_kv_buffer(kv, loc.astype(F32), jnp.ones((3, 16), F32), jnp.ones((3, 8), F32))
 
 
+def test_kv_writes_check_caches_and_scales_as_the_reads_do():
+    """The writes refuse what the reading ops refuse: a scale that is not finite and > 0 or not
+    a scalar, a cache of a wrong dtype, K and V caches of different pages or dtypes."""
+    f8 = jnp.zeros((4, 4, 2, 8), jnp.float8_e4m3fn)
+    loc = jnp.arange(3, dtype=jnp.int32)
+    k = jnp.ones((3, 2, 8), F32)
+    for bad, msg in ((0.0, r"k_scale=0\.0 must be finite and > 0"), (-1.0, "k_scale"), (float("nan"), "k_scale")):
+        with pytest.raises(ValueError, match=msg):
+            jattn.set_kv_buffer(f8, f8, loc, k, k, k_scale=bad)
+    with pytest.raises(ValueError, match=r"v_scale must be a Python number or a scalar array"):
+        jattn.set_kv_buffer(f8, f8, loc, k, k, v_scale=jnp.ones((8,), F32))
+    with pytest.raises(TypeError, match=r"k_scale\.dtype=bfloat16 must be float32"):
+        jattn.set_kv_buffer(f8, f8, loc, k, k, k_scale=jnp.asarray(0.5, jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"k_cache\.dtype=int32 must be one of"):
+        jattn.set_kv_buffer(f8.astype(jnp.int32), f8.astype(jnp.int32), loc, k, k)
+    with pytest.raises(TypeError, match=r"v_cache\.dtype=float32 must equal k_cache\.dtype"):
+        jattn.set_kv_buffer(f8, f8.astype(F32), loc, k, k)
+    with pytest.raises(ValueError, match=r"k_cache .* and v_cache .* differ in pages/heads"):
+        jattn.set_kv_buffer(f8, f8[:2], loc, k, k)
+    kv = jnp.zeros((4, 4, 24), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"kv_scale=-2\.0 must be finite and > 0"):
+        jattn.set_mla_kv_buffer(kv, loc, jnp.ones((3, 16), F32), jnp.ones((3, 8), F32), kv_scale=-2.0)
+    with pytest.raises(ValueError, match=r"kv_cache must be \[num_pages, page_size, R \+ r\]"):
+        jattn.set_mla_kv_buffer(kv[0], loc, jnp.ones((3, 16), F32), jnp.ones((3, 8), F32))
+
+
+def test_low_precision_scales_are_refused_not_rounded():
+    """A bf16 / f16 scale would round the f32 softmax scale it multiplies (silently wrong)."""
+    with pytest.raises(TypeError, match=r"k_scale\.dtype=bfloat16 must be float32"):
+        _decode(k_scale=jnp.asarray(1.0, jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"softmax_scale\.dtype=float16 must be float32"):
+        _decode(softmax_scale=jnp.asarray(0.3, jnp.float16))
+    _decode(k_scale=jnp.asarray(1.0, F32), softmax_scale=np.float64(0.3))  # f32 arrays and numbers pass
+
+
+def test_prefill_without_cu_seqlens_kv_checks_max_seqlen_kv():
+    """The keys are the queries' rows: a request longer than max_seqlen_kv would lose keys."""
+    q = jnp.ones((8, 2, 8), F32)
+    cu = jnp.asarray([0, 8], jnp.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: request 0 has 8 tokens > max_seqlen_kv=4"):
+        jattn.mha_prefill(q, q, q, cu, max_seqlen_q=8, max_seqlen_kv=4)
+    jattn.mha_prefill(q, q, q, cu, max_seqlen_q=8, max_seqlen_kv=8)
+
+
 # ----------------------------------------------------------------------------- planners
 
 
@@ -596,6 +640,9 @@ def test_planners_refuse_duplicate_write_slots_but_allow_shared_prefix_pages():
         jattn.plan_extend([6, 6], [2, 2], page_size=4, page_table=[[1, 2], [1, 2]])
     with pytest.raises(ValueError, match=r"would both write slot"):  # spec verify: q_len tokens each
         jattn.plan_decode([6, 7], page_size=4, page_table=[[1, 2], [3, 2]], q_len=3)
+    # the clash is named by the plan's token indices, padding rows before it counted
+    with pytest.raises(ValueError, match=r"new tokens 2 and 3 would both write slot 8"):
+        jattn.plan_decode([0, 0, 5, 5], page_size=4, page_table=[[0, 0], [0, 0], [1, 2], [1, 2]])
     # a read-only shared prefix page (page 1) is fine; so are zero-length padding rows
     md = jattn.plan_decode([5, 7, 0], page_size=4, page_table=[[1, 2], [1, 3], [0, 0]])
     assert len(set(md.out_cache_loc[:2].tolist())) == 2

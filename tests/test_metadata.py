@@ -339,6 +339,13 @@ def test_plans_record_the_page_bound_they_were_checked_against():
     assert tree(a) == tree(b) and tree(a) != tree(c)
     # with_seq_lens (the DFLASH fill) keeps it
     assert a.with_seq_lens(np.array([4, 8])).num_pages == 8
+    # with_page_offset: the shifted plan stays inside the larger pool, or is refused
+    assert a.with_page_offset(8, 16).num_pages == 16 and int(a.with_page_offset(8, 16).page_table[1, 2]) == 14
+    for off in (-1, 9):
+        with pytest.raises(ValueError, match=r"with_page_offset: offset=.* must be in \[0, 8\]"):
+            a.with_page_offset(off, 16)
+    # an unchecked plan stays unchecked: shifting it bounds nothing
+    assert jattn.plan_decode([20, 5], page_size=16, page_table=pt).with_page_offset(3, 100).num_pages is None
 
 
 def test_plan_prefix_chunks_checks_page_ids():

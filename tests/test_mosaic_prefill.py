@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jattn
 from jattn import reference
 from jattn.pallas_kernels import mosaic_prefill as mp
 from jattn.pallas_kernels import prefill_plan
@@ -450,3 +451,21 @@ def test_prefetch_k_and_overlap_pv_are_refused_together():
     opts = mp.PrefillOptions(prefetch_k=True, overlap_pv=True)
     with pytest.raises(ValueError, match="prefetch_k and overlap_pv"):
         mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=opts)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_extend_with_no_pages_or_heads_on_mosaic_gives_empty_rows():
+    """A width-0 page table (no request has a key) or zero query heads: every backend gives
+    the reference's zero rows and ``-inf`` LSE instead of failing inside the kernel's plan."""
+    kc = jnp.ones((4, 16, 1, 64), jnp.float16)
+    sl = jnp.zeros((2,), jnp.int32)
+    cu = jnp.zeros((3,), jnp.int32)
+    with gpu_interpret():
+        for hq in (2, 0):
+            q = jnp.ones((5, hq, 64), jnp.float16)
+            pt = jnp.zeros((2, 0 if hq else 1), jnp.int32)
+            out, lse = jattn.mha_extend_with_kvcache(
+                q, kc, kc, pt, sl, cu, max_seqlen_q=4, return_lse=True, backend="mosaic"
+            )
+            assert out.shape == q.shape and not np.asarray(out, np.float32).any()
+            assert lse.shape == (5, hq) and np.isneginf(np.asarray(lse)).all()
