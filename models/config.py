@@ -50,7 +50,10 @@ class RopeScaling:
             raise ValueError(f"rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any] | None) -> "RopeScaling":
+    def from_hf(cls, d: Mapping[str, Any] | None, max_position_embeddings: int | None = None) -> "RopeScaling":
+        """From the config's ``rope_scaling`` dict; ``max_position_embeddings`` (the config's)
+        stands in for a YaRN config's missing ``original_max_position_embeddings``, as in
+        Hugging Face's own computation."""
         if not d:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default")) or "default"
@@ -58,6 +61,8 @@ class RopeScaling:
         for f in dataclasses.fields(cls):
             if f.name != "rope_type" and d.get(f.name) is not None:
                 kw[f.name] = d[f.name]
+        if rope_type == "yarn" and "original_max_position_embeddings" not in kw and max_position_embeddings:
+            kw["original_max_position_embeddings"] = int(max_position_embeddings)
         return cls(**kw)
 
 
@@ -294,7 +299,7 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or hidden // nq,
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope),
+            rope_scaling=RopeScaling.from_hf(rope, d.get("max_position_embeddings")),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
@@ -502,7 +507,7 @@ class DeepseekConfig:
             v_head_dim=d["v_head_dim"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope),
+            rope_scaling=RopeScaling.from_hf(rope, d.get("max_position_embeddings")),
             rope_interleave=bool(d.get("rope_interleave", True)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

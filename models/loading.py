@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jattn.models.config import DeepseekConfig, LlamaConfig
+from jattn.models.config import DeepseekConfig, LlamaConfig, RopeScaling
 
 Path = tuple
 
@@ -256,11 +256,24 @@ def gguf_llama_config(reader, **kw) -> LlamaConfig:
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=int(g("context_length", 4096)),
+        rope_scaling=_gguf_rope_scaling(g),
         tie_word_embeddings="output.weight" not in names,
         name=str(_gguf_field(reader, "general.name", "gguf-llama")),
     )
     out.update(kw)
     return LlamaConfig(**out)
+
+
+def _gguf_rope_scaling(g) -> RopeScaling:
+    """The file's ``rope.scaling.*`` fields: none or linear; other kinds (YaRN's llama.cpp
+    parameters differ from Hugging Face's) are refused rather than loaded as plain RoPE."""
+    kind = str(g("rope.scaling.type", "none") or "none")
+    factor = float(g("rope.scaling.factor", 0.0) or 0.0)
+    if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=factor)
+    raise NotImplementedError(f"GGUF rope.scaling.type={kind!r} (factor {factor}) is not supported (none or linear)")
 
 
 _GGUF_LAYER = {

@@ -1,6 +1,7 @@
 """A byte-level BPE tokenizer built from a GGUF file's vocabulary (``tokenizers`` package),
-so the demo needs no ``transformers``. Covers GGUF ``tokenizer.ggml.model == "gpt2"``
-(SmolLM2, Llama 3, Qwen)."""
+so the demo needs no ``transformers``. Covers GGUF ``tokenizer.ggml.model == "gpt2"`` with
+the pre-tokenizers of ``tokenizer.ggml.pre`` listed in ``PRE_TOKENIZERS`` (SmolLM2, Llama 3,
+Qwen 2, GPT-2); another pre-tokenizer is refused, since its words would split differently."""
 
 from __future__ import annotations
 
@@ -8,10 +9,47 @@ import numpy as np
 
 _CONTROL = 3  # llama.cpp token type of special / control tokens
 
+# Word-splitting patterns: the contractions, letters with one leading non-letter, digits
+# (Llama 3: up to three at a time; Qwen 2: one), punctuation runs, newlines, spaces.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.pre -> (split pattern or None for GPT-2's byte-level regex, digits one by one)
+PRE_TOKENIZERS = {
+    "smollm": (None, True),
+    "gpt-2": (None, False),
+    "llama-bpe": (_LLAMA3_SPLIT, False),
+    "qwen2": (_QWEN2_SPLIT, False),
+}
+
+
+def _pre_tokenizer(pre):
+    """The ``tokenizers`` pre-tokenizer of GGUF ``tokenizer.ggml.pre`` = ``pre``."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in PRE_TOKENIZERS:
+        raise NotImplementedError(
+            f"GGUF tokenizer.ggml.pre={pre!r} is not supported (one of {sorted(PRE_TOKENIZERS)}): "
+            "its words would split differently from the model's own tokenizer"
+        )
+    split, digits = PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    return pre_tokenizers.Sequence(steps)
+
 
 class GGUFTokenizer:
     def __init__(self, reader):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer, decoders, models
 
         field = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
         kind = field("tokenizer.ggml.model")
@@ -22,12 +60,7 @@ class GGUFTokenizer:
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
+        tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
         tk.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
         if specials:

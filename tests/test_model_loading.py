@@ -1,0 +1,88 @@
+"""Model configs and GGUF metadata read as the model's own tooling reads them: RoPE
+scaling fields, YaRN's defaults, the GGUF pre-tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jattn.models.config import LlamaConfig
+from jattn.models.loading import gguf_llama_config
+
+_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
+
+
+def test_yarn_without_original_length_takes_the_config_length_as_hugging_face_does():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg = LlamaConfig.from_hf({**_LLAMA, "rope_scaling": rope})  # a config.json read as it is
+    assert cfg.rope_scaling.original_max_position_embeddings == 2048
+    hc = transformers.LlamaConfig(**_LLAMA, rope_parameters=dict(rope))
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hc, torch.device("cpu"))
+    inv_freq, factor = cfg.rope()
+    np.testing.assert_allclose(inv_freq, want.numpy(), rtol=1e-6)
+    assert factor == pytest.approx(want_factor, rel=1e-6)
+
+
+class _Field:
+    def __init__(self, value):
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+class _Reader:
+    """The part of ``gguf.GGUFReader`` the config reads: ``fields`` and ``tensors``."""
+
+    def __init__(self, **fields):
+        base = {
+            "general.architecture": "llama",
+            "llama.embedding_length": 96,
+            "llama.attention.head_count": 6,
+            "llama.attention.head_count_kv": 2,
+            "llama.feed_forward_length": 128,
+            "llama.block_count": 2,
+            "llama.vocab_size": 128,
+        }
+        base.update(fields)
+        self.fields = {k: _Field(v) for k, v in base.items()}
+        self.tensors = []
+
+
+def test_gguf_rope_scaling_is_read_or_refused():
+    assert gguf_llama_config(_Reader()).rope_scaling.rope_type == "default"
+    assert gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "none"})).rope_scaling.rope_type == "default"
+    s = gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}))
+    assert (s.rope_scaling.rope_type, s.rope_scaling.factor) == ("linear", 4.0)
+    with pytest.raises(NotImplementedError, match=r"rope\.scaling\.type='yarn'"):
+        gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}))
+
+
+def test_gguf_pre_tokenizers_split_digits_as_their_models_do():
+    pytest.importorskip("tokenizers")
+    from jattn.models.tokenizer import _pre_tokenizer
+
+    def words(pre, text="In 2024 (x)"):
+        return [w for w, _ in _pre_tokenizer(pre).pre_tokenize_str(text)]
+
+    assert words("smollm")[1:6] == ["Ġ", "2", "0", "2", "4"]
+    assert words("llama-bpe")[1:4] == ["Ġ", "202", "4"]
+    assert words("qwen2")[1:6] == ["Ġ", "2", "0", "2", "4"]
+    assert words("gpt-2")[1] == "Ġ2024"
+    assert words("llama-bpe", "a\n\n  ok") == ["a", "ĊĊ", "Ġ", "Ġok"]
+    for pre in (None, "falcon"):
+        with pytest.raises(NotImplementedError, match=r"tokenizer\.ggml\.pre=.* is not supported"):
+            _pre_tokenizer(pre)
