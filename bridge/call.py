@@ -194,11 +194,13 @@ class _BridgeBase(_InputChecks):
         req_pool_indices=None,
         seq_lens=None,
         forward_mode=ForwardMode.DECODE,
+        num_pages: int | None = None,
         **kwargs,
     ):
         """Installs an all-padding plan of bucket ``bs``: the layer calls that follow
-        compile the bucket (CUDA-graph capture). Their outputs are zero."""
-        md = self._jbackend.init_forward_metadata_capture_cuda_graph(bs, forward_mode)
+        compile the bucket (CUDA-graph capture). Their outputs are zero. ``num_pages`` as
+        in :meth:`init_forward_metadata` (the replays must pass the same)."""
+        md = self._jbackend.init_forward_metadata_capture_cuda_graph(bs, forward_mode, num_pages=num_pages)
         md_dev = self._install(md, 0, f"an all-padding capture plan of bucket {bs}")
         self.cuda_graph_metadata[bs] = md_dev
         return md_dev
@@ -241,6 +243,7 @@ class _BridgeBase(_InputChecks):
         extend_seq_lens_cpu=None,
         extend_prefix_lens=None,
         extend_prefix_lens_cpu=None,
+        num_pages: int | None = None,
         **kwargs,
     ):
         """Plans one step with the core backend (host side) and puts the plan on the
@@ -254,7 +257,8 @@ class _BridgeBase(_InputChecks):
         ``forward_mode`` (:class:`jattn.ForwardMode`, its value, or another engine's
         enum member of the same name), and for ``EXTEND`` / ``DRAFT_EXTEND``
         ``extend_seq_lens`` (or ``_cpu``) and optionally ``extend_prefix_lens``. Host
-        (CPU) tensors avoid a device sync.
+        (CPU) tensors avoid a device sync. ``num_pages``: the KV pool's page count, the
+        bound the page ids are checked against when ``config.num_pages`` is None.
         """
         if req_to_page is None:
             req_to_page = kwargs.pop("req_to_token_pages", None)
@@ -275,6 +279,7 @@ class _BridgeBase(_InputChecks):
             forward_mode,
             extend_seq_lens=ext,
             extend_prefix_lens=pre,
+            num_pages=num_pages,
         )
         if md.forward_mode.is_extend():
             return self._install(md, int(ext[:bs].sum()), "sum(extend_seq_lens[:bs])")
@@ -320,15 +325,26 @@ class _BridgeBase(_InputChecks):
         st = self._pools[key] = _PoolState(_ref(pool, self._pools, key), _Bounded(b["views"]), _Bounded(b["plans"]))
         return st
 
-    def _view(self, pool, st: _PoolState, key, name: str, buf: torch.Tensor, row: tuple, mismatch) -> _View:
+    def _view(
+        self, pool, st: _PoolState, key, name: str, buf: torch.Tensor, row: tuple, mismatch, *, jax_view=True
+    ) -> _View:
         """The cached JAX view ``[pages, page_size, *row]`` of pool buffer ``buf``
         (``name``, e.g. ``"k_buffer[layer 3]"``), imported when first seen or replaced.
         On import the buffer is checked: per-slot layout ``row`` (``[slots, *row]`` up to
         dims of size 1, or ``[slots, prod(row)]``; else ``mismatch(shape)`` names the
         difference), slots a multiple of the page size, at least ``config.num_pages``
-        pages."""
+        pages. ``jax_view=False`` (the native kernels): the same checks and torch view,
+        no JAX import (the view's ``jax`` is None), and the installed plan's page bound
+        checked against the buffer on every call."""
         v = st.views.get(key)
-        if v is not None and v.torch.data_ptr() == buf.data_ptr() and v.src_shape == buf.shape:
+        if (
+            v is not None
+            and v.torch.data_ptr() == buf.data_ptr()
+            and v.src_shape == buf.shape
+            and (v.jax is not None or not jax_view)
+        ):
+            if not jax_view:
+                self._check_native_bound(v.torch.shape[0], name)
             return v
         where = f"KV pool {type(pool).__name__}: {name}"
         shape = tuple(buf.shape)
@@ -348,9 +364,27 @@ class _BridgeBase(_InputChecks):
             )
         check_shareable(buf, where)
         t = buf.view((-1, ps) + row)
-        v = _View(t, jax.dlpack.from_dlpack(t, copy=False), src_shape=buf.shape)
+        if not jax_view:
+            self._check_native_bound(t.shape[0], name)
+        v = _View(t, jax.dlpack.from_dlpack(t, copy=False) if jax_view else None, src_shape=buf.shape)
         st.views[key] = v
         return v
+
+    def _check_native_bound(self, pages: int, name: str) -> None:
+        """The native kernels read page ids as the plan gives them: the plan must have
+        been checked against a page count (``config.num_pages`` or ``num_pages=``) that
+        the buffer (``pages`` pages) holds."""
+        bound = getattr(self._md_call, "num_pages", None)
+        if bound is None:
+            raise BridgeError(
+                "the installed plan's page ids were never range-checked: kernels='triton_native' reads "
+                "the pool directly, so set config.num_pages or pass num_pages to init_forward_metadata"
+            )
+        if bound > pages:
+            raise BridgeError(
+                f"{name} has {pages} pages, but the plan's page ids were checked against num_pages={bound} "
+                "(ids past the buffer's end would be read)"
+            )
 
     @property
     def _views(self) -> dict:
@@ -414,13 +448,16 @@ class _BridgeBase(_InputChecks):
         while ``x`` is the very tensor it was read from with the same version counter
         (bumped by every in-place torch op), data pointer, shape and dtype; re-read
         otherwise. O(1) per call. Writes that bypass the version counter (through
-        ``x.data``, a numpy or DLPack view) are not seen."""
+        ``x.data``, a numpy or DLPack view) are not seen. A tensor made under
+        ``torch.inference_mode()`` has no version counter, so it is re-read on every call
+        (a copy of it): make such constants outside inference mode to have them kept."""
         if x is None:
             return None
         p = self._params.get(id(x))
         if (
             p is not None
             and p.ref() is x
+            and p.version is not None
             and p.version == x._version
             and p.ptr == x.data_ptr()
             and p.shape == x.shape
@@ -508,18 +545,13 @@ class _BridgeBase(_InputChecks):
                     self._outs.clear()
                     for st in self._pools.values():
                         st.plans.clear()
-                    for v, a in zip(kv_views, new_kvs):
-                        v.jax = a
+                    self._repoint(kv_views, new_kvs)
                     self.sync.after_jax(done)
                     return torch.from_dlpack(out)
                 ov.verified = True
         else:
             out, new_kvs, done = self._invoke(fn, fenced, stage, kvs, None, md, tuple(extra))
-        for v, a in zip(kv_views, new_kvs):
-            v.jax = a
-            if not v.verified:
-                self._check_alias(a, v.torch, "KV pool buffer")
-                v.verified = True
+        self._repoint(kv_views, new_kvs)
         # Fence on the token, not on ``out``: an exported-then-donated buffer makes
         # XLA block the host at the next donation (docs/PERF.md).
         self.sync.after_jax(done)
@@ -604,6 +636,15 @@ class _BridgeBase(_InputChecks):
             return torch.from_dlpack(out)[:n]
 
         return plan
+
+    def _repoint(self, kv_views, new_kvs) -> None:
+        """Points the KV views at the call's donated-and-returned buffers, refusing (the
+        first time a view is written) a buffer that is not the torch pool's own."""
+        for v, a in zip(kv_views, new_kvs):
+            v.jax = a
+            if not v.verified:
+                self._check_alias(a, v.torch, "KV pool buffer")
+                v.verified = True
 
     @staticmethod
     def _check_alias(a: jax.Array, t: torch.Tensor, what: str):

@@ -95,6 +95,22 @@ def check_shareable(t: torch.Tensor, name: str = "tensor") -> None:
         )
 
 
+def to_jax_input(t: torch.Tensor, name: str) -> jax.Array:
+    """A per-call input ``t`` (argument ``name``) as a JAX array: viewed where it can be
+    (contiguous and aligned), else copied first (a strided or offset view of a larger
+    tensor), so such inputs are read correctly rather than refused. Not for KV pools."""
+    if not isinstance(t, torch.Tensor):
+        raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    t = t.detach().contiguous()
+    if t.numel() and t.data_ptr() % alignment(_platform_of(t)):
+        t = t.clone()
+    check_shareable(t, name)
+    try:
+        return jax.dlpack.from_dlpack(t, copy=False)
+    except (ValueError, RuntimeError) as e:
+        raise BridgeError(f"JAX refused a zero-copy view of {name}: {e}") from e
+
+
 def to_jax(t: torch.Tensor, *, copy: bool = False) -> jax.Array:
     """A JAX array viewing the memory of torch tensor ``t`` (no copy).
 

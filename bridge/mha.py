@@ -65,8 +65,9 @@ class TorchMHABackend(_BridgeBase):
 
     fill_block_decode_seq_lens.__doc__ = _BridgeBase.fill_block_decode_seq_lens.__doc__
 
-    def _pool_views(self, pool, st, spec: LayerSpec) -> list[_View]:
-        """The K and V views of the layer's pool buffers (checked when first seen)."""
+    def _pool_views(self, pool, st, spec: LayerSpec, jax_view: bool = True) -> list[_View]:
+        """The K and V views of the layer's pool buffers (checked when first seen;
+        ``jax_view`` as in :meth:`_view`)."""
         i, hkv = spec.layer_id, spec.num_kv_heads
         check_layer_id(pool, i, "layer.layer_id")
         kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
@@ -81,10 +82,13 @@ class TorchMHABackend(_BridgeBase):
 
             return msg
 
+        kw = dict(jax_view=jax_view)
         return [
-            self._view(pool, st, (i, "k"), f"k_buffer[layer {i}]", kb, (hkv, spec.head_dim), mismatch(spec.head_dim)),
             self._view(
-                pool, st, (i, "v"), f"v_buffer[layer {i}]", vb, (hkv, spec.head_dim_v), mismatch(spec.head_dim_v)
+                pool, st, (i, "k"), f"k_buffer[layer {i}]", kb, (hkv, spec.head_dim), mismatch(spec.head_dim), **kw
+            ),
+            self._view(
+                pool, st, (i, "v"), f"v_buffer[layer {i}]", vb, (hkv, spec.head_dim_v), mismatch(spec.head_dim_v), **kw
             ),
         ]
 
@@ -109,10 +113,11 @@ class TorchMHABackend(_BridgeBase):
         if self._native is not None:
             spec = self._spec(layer)
             self._check_inputs(q, k, v, spec)
-            check_layer_id(pool, spec.layer_id, "layer.layer_id")
-            kb, vb = pool.get_key_buffer(spec.layer_id), pool.get_value_buffer(spec.layer_id)
-            if kb.dtype != self.kv_cache_dtype or vb.dtype != self.kv_cache_dtype:
-                raise TypeError(f"pool dtype {kb.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
+            kv, vv = self._pool_views(pool, self._pool_state(pool), spec, jax_view=False)
+            loc = None
+            if save_kv_cache and k is not None and self._native_plan is not None:
+                slots = kv.torch.shape[0] * self.page_size
+                loc = self._out_loc(out_cache_loc, q.shape[0], slots, self._native_plan.tensors["out_cache_loc"])
             return run_layer(
                 self._native,
                 self._native_plan,
@@ -120,8 +125,9 @@ class TorchMHABackend(_BridgeBase):
                 q=q,
                 k=k,
                 v=v,
-                k_buf=kb,
-                v_buf=vb,
+                k_buf=kv.torch,
+                v_buf=vv.torch,
+                out_cache_loc=loc,
                 page_size=self.page_size,
                 save_kv_cache=save_kv_cache,
                 sinks=sinks,

@@ -24,7 +24,7 @@ from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
 from .checks import _check_shape, _rows, check_layer_id
-from .convert import BridgeError, to_jax
+from .convert import BridgeError, to_jax_input
 from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host
 
@@ -94,12 +94,7 @@ class TorchMLABackend(_BridgeBase):
         pool = self._pool(kwargs)
         R, r, H = self.kv_lora_rank, self.qk_rope_head_dim, spec.num_q_heads
         n = q.shape[0]
-        check_layer_id(pool, spec.layer_id, "layer.layer_id")
-        buf = pool.get_key_buffer(spec.layer_id)
-        if buf.dtype != self.kv_cache_dtype:
-            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
-        if buf.numel() % (self.page_size * (R + r)):
-            raise ValueError(f"kv_buffer[layer {spec.layer_id}] {tuple(buf.shape)} is not pages of {R} + {r} wide rows")
+        buf = self._pool_view(pool, spec.layer_id, jax_view=False).torch  # [pages, page_size, R + r]
         if save_kv_cache:
             if k is None or k_rope is None:
                 raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
@@ -128,9 +123,9 @@ class TorchMLABackend(_BridgeBase):
             raise ValueError("no token_to_kv_pool: pass it to the constructor or the call")
         return pool
 
-    def _pool_view(self, pool, i: int):
+    def _pool_view(self, pool, i: int, jax_view: bool = True):
         """The view of layer ``i``'s latent buffer (checked when first seen: width
-        ``kv_lora_rank + qk_rope_head_dim``, pages)."""
+        ``kv_lora_rank + qk_rope_head_dim``, pages; ``jax_view`` as in :meth:`_view`)."""
         check_layer_id(pool, i, "layer.layer_id")
         buf = pool.get_key_buffer(i)
         if buf.dtype != self.kv_cache_dtype:
@@ -143,7 +138,8 @@ class TorchMLABackend(_BridgeBase):
                 f"qk_rope_head_dim = {R} + {r} = {w} (as [slots, 1, {w}] or [slots, {w}])"
             )
 
-        return self._view(pool, self._pool_state(pool), (i, "kv"), f"kv_buffer[layer {i}]", buf, (w,), mismatch)
+        st = self._pool_state(pool)
+        return self._view(pool, st, (i, "kv"), f"kv_buffer[layer {i}]", buf, (w,), mismatch, jax_view=jax_view)
 
     def _rope_key(self, k_rope, n: int, cs, is_neox: bool):
         """The rotated ``k_rope`` [n, r] (f32 torch) for the pool's own writer: the core's
@@ -153,7 +149,7 @@ class TorchMLABackend(_BridgeBase):
             fn = self._fns[("mla_rope_key", is_neox)] = jax.jit(
                 lambda kr, pos, cs: MLARope(pos[: kr.shape[0]], cs, is_neox).key(kr)
             )
-        out = fn(to_jax(k_rope.reshape(n, -1).contiguous()), self.forward_metadata.positions, cs)
+        out = fn(to_jax_input(k_rope.reshape(n, -1), "k_rope"), self.forward_metadata.positions, cs)
         self.sync.after_jax(out)
         return torch.from_dlpack(out)
 
@@ -457,11 +453,11 @@ class TorchMLABackend(_BridgeBase):
         cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
         max_kv = bucket(max(int(forward_batch.prefix_chunk_max_seq_lens[idx]), 1))
         n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
-        qj = to_jax(q.reshape(n, H, -1).contiguous())
+        qj = to_jax_input(q.reshape(n, H, -1), "q")
         kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
-        kj, vj = to_jax(kt.contiguous()), to_jax(v.reshape(-1, H, V).contiguous())
-        qr = None if q_rope is None else to_jax(q_rope.reshape(n, H, r).contiguous())
-        kr = None if k_rope is None else to_jax(k_rope.reshape(-1, r).contiguous())
+        kj, vj = to_jax_input(kt, "k"), to_jax_input(v.reshape(-1, H, V), "v")
+        qr = None if q_rope is None else to_jax_input(q_rope.reshape(n, H, r), "q_rope")
+        kr = None if k_rope is None else to_jax_input(k_rope.reshape(-1, r), "k_rope")
         # (the DLPack imports above order torch's pending work before JAX's)
         o, lse = self._jbackend.forward_prefix_chunk(
             qj,
@@ -538,10 +534,10 @@ class TorchMLABackend(_BridgeBase):
                 "in shape and dtype"
             )
         o, lse = self._jbackend.merge_state(
-            to_jax(o_a.reshape(t, h, -1).contiguous()),
-            to_jax(lse_a.float().contiguous()),
-            to_jax(o_b.reshape(t, h, -1).contiguous()),
-            to_jax(lse_b.float().contiguous()),
+            to_jax_input(o_a.reshape(t, h, -1), "o_a"),
+            to_jax_input(lse_a.float(), "lse_a"),
+            to_jax_input(o_b.reshape(t, h, -1), "o_b"),
+            to_jax_input(lse_b.float(), "lse_b"),
         )
         self.sync.after_jax(o)
         return torch.from_dlpack(o).reshape(o_a.shape), torch.from_dlpack(lse)

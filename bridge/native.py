@@ -119,13 +119,15 @@ def run_layer(
     v_buf: torch.Tensor,
     page_size: int,
     save_kv_cache: bool,
+    out_cache_loc: torch.Tensor | None = None,
     sinks: torch.Tensor | None,
     decode: bool,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One layer's attention on the pool buffers ``k_buf`` / ``v_buf`` (the layer's
     ``[slots, Hkv, D]``), as the core backend's ``forward_decode`` / ``forward_extend``
-    computes it. Returns ``[n, Hq * Dv]`` in q's dtype."""
+    computes it. Returns ``[n, Hq * Dv]`` in q's dtype. ``out_cache_loc``: the new
+    tokens' slots (None: the plan's)."""
     from . import triton_native as tn
 
     if plan is None:
@@ -145,7 +147,8 @@ def run_layer(
         k, v = k.reshape(n, hkv, d), v.reshape(n, hkv, dv)
     if save_kv_cache and k is not None:
         ks, vs = (spec.k_scale, spec.v_scale) if fp8 else (None, None)
-        tn.set_kv_buffer(kc, vc, t["out_cache_loc"][:n], k.to(q.dtype), v.to(q.dtype), k_scale=ks, v_scale=vs)
+        loc = t["out_cache_loc"][:n] if out_cache_loc is None else out_cache_loc[:n].to(torch.int32)
+        tn.set_kv_buffer(kc, vc, loc, k.to(q.dtype), v.to(q.dtype), k_scale=ks, v_scale=vs)
     opts = dict(
         window_left=spec.sliding_window_size,
         logit_cap=spec.logit_cap,

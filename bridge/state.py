@@ -107,7 +107,8 @@ class _Param:
     __slots__ = ("ref", "version", "ptr", "shape", "dtype", "array")
 
     def __init__(self, ref, x: torch.Tensor, array):
-        self.ref, self.version, self.ptr = ref, x._version, x.data_ptr()
+        # An inference-mode tensor has no version counter: None, never reused (re-read each call).
+        self.ref, self.version, self.ptr = ref, None if x.is_inference() else x._version, x.data_ptr()
         self.shape, self.dtype, self.array = x.shape, x.dtype, array
 
 

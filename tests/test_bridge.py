@@ -774,6 +774,12 @@ def test_output_alias_fallback_exports():
     assert not be.alias_out and a.shape == (1, 128)
     b = be.forward_decode(rand(1, 128), rand(1, 64), rand(1, 64), layer, None, pool, 1, save_kv_cache=True)
     assert b.shape == (1, 128)
+    # a JAX-side KV write on that first call is refused there, not one call later
+    be = TorchMHABackend(cfg)
+    be.alias_out, be.kv_writer = True, "jax"
+    be.init_forward_metadata(1, 0, eng.req_pool_indices, torch.tensor([3]), eng.req_to_page, ForwardMode.DECODE)
+    with pytest.warns(UserWarning, match="not aliased"), pytest.raises(BridgeError, match="did not write the KV pool"):
+        be.forward_decode(rand(1, 128), rand(1, 64), rand(1, 64), layer, None, pool, 1, save_kv_cache=True)
 
 
 def test_example_runs():
@@ -1155,6 +1161,37 @@ def test_sinks_changed_in_place_are_seen(dtype):
     assert (b - a).abs().max() > 0.05
     sinks[1:3] = -4.0
     torch.testing.assert_close(call(), _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+
+
+def test_sinks_made_under_inference_mode_are_read_each_call():
+    """An inference-mode tensor has no version counter: the bridge re-reads it on every
+    call (in or out of inference mode) instead of failing on ``_version``."""
+    be, pool, (layer,), q, g = _decode_fixture(2)
+    with torch.inference_mode():
+        sinks = torch.randn(4, generator=g).to(DEV)
+    out = be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks)
+    torch.testing.assert_close(out.float().cpu(), _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+    with torch.inference_mode():
+        sinks.add_(2.0)  # an in-place change no version counter records
+        out = be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks)
+    torch.testing.assert_close(out.float().cpu(), _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+
+
+def test_num_pages_of_init_forward_metadata_reaches_the_plan():
+    """With ``config.num_pages`` None the engine passes the pool's page count per step."""
+    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4, context_len=64, kernel_backend="xla")
+    pool = TorchKVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=2, head_dim=32, device=DEV)
+    be = TorchMHABackend(cfg)
+    r2p = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
+    be.init_forward_metadata(2, 0, torch.tensor([1, 2]), torch.tensor([3, 7]), r2p, ForwardMode.DECODE)
+    assert be.forward_metadata.num_pages is None
+    kw = dict(num_pages=pool.num_pages)
+    be.init_forward_metadata(2, 0, torch.tensor([1, 2]), torch.tensor([3, 7]), r2p, ForwardMode.DECODE, **kw)
+    assert be.forward_metadata.num_pages == pool.num_pages
+    out = be.forward_decode(rand(2, 128), rand(2, 64), rand(2, 64), AttentionLayer(0, 4, 2, 32), None, pool, 2)
+    assert torch.isfinite(out).all()
+    be.init_cuda_graph_state(2)
+    assert be.init_forward_metadata_capture_cuda_graph(2, **kw).num_pages == pool.num_pages
 
 
 def test_f32_sinks_are_copied_not_aliased():
@@ -1625,3 +1662,10 @@ def test_merge_state_checks_ranks_shapes_and_dtypes():
     m, mlse = be.merge_state(o.view(5, 64), lse, o.view(5, 64), lse)
     assert m.shape == (5, 64) and mlse.shape == (5, 2)
     torch.testing.assert_close(mlse, lse + math.log(2), atol=1e-5, rtol=1e-5)
+    # a contiguous view at an odd offset of a larger tensor is read (copied), not refused
+    big = torch.randn(2 * lse.numel() + 1, device=DEV)
+    off = big[1 : 1 + lse.numel()].view(5, 2)
+    off.copy_(lse)
+    m2, mlse2 = be.merge_state(o.view(5, 64), off, o.view(5, 64), lse)
+    torch.testing.assert_close(mlse2, mlse, atol=0, rtol=0)
+    torch.testing.assert_close(m2, m, atol=0, rtol=0)

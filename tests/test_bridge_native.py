@@ -131,9 +131,89 @@ def run_interpreted(name: str, path: str) -> None:
     np.savez(path, **res)
 
 
+def _one_token_write(kernels: str, out_cache_loc):
+    """One decode token of one request (pages 20..) written with ``out_cache_loc`` (None:
+    the plan's slot, 84); returns the layer's K pool as ``[slots, Hkv * D]``."""
+    import torch
+
+    from jattn import ForwardMode, MHAConfig
+    from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
+
+    cfg = MHAConfig(
+        num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, context_len=64, num_pages=64,
+        dtype="float16", kv_cache_dtype="float16", kernel_backend="xla",
+    )  # fmt: skip
+    pool = TorchKVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    be = TorchMHABackend(cfg, device="cpu", kernels=kernels, **({"kv_writer": "torch"} if kernels == "jax" else {}))
+    r2p = torch.zeros(2, 16, dtype=torch.int32)
+    r2p[1] = torch.arange(20, 36)
+    be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([5]), r2p, ForwardMode.DECODE)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, w, generator=g).half() for w in (256, 128, 128))
+    be.forward_decode(q, k, v, AttentionLayer(0, 4, 2, 64), out_cache_loc, pool, 1, save_kv_cache=True)
+    return pool.k_buffer[0].reshape(256, 128).float().numpy()
+
+
+def run_slots(name: str, path: str) -> None:
+    import torch
+
+    loc = None if name == "plan_slot" else torch.tensor([200])
+    np.savez(path, jax=_one_token_write("jax", loc), native=_one_token_write("triton_native", loc))
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    return run_in_interpreter(tmp_path_factory, "test_bridge_native", {"run_interpreted": list(SCENARIOS)})
+    return run_in_interpreter(
+        tmp_path_factory,
+        "test_bridge_native",
+        {"run_interpreted": list(SCENARIOS), "run_slots": ["plan_slot", "caller_slot"]},
+    )
+
+
+def test_interpreted_native_writes_the_callers_slots(interpreted):
+    """``out_cache_loc`` names the slots on the native path as on the JAX path (the plan's
+    slot, 84, only where it is None)."""
+    for name, slot in (("plan_slot", 84), ("caller_slot", 200)):
+        res = interpreted[name]
+        for kind in ("jax", "native"):
+            written = np.flatnonzero(np.abs(res[kind]).sum(axis=1))
+            assert written.tolist() == [slot], (name, kind, written)
+        np.testing.assert_array_equal(res["jax"], res["native"])
+
+
+def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
+    """Refused before any kernel runs, with the JAX path's messages: a pool smaller than
+    the plan's page bound, a per-slot layout that is not the layer's, a plan whose page
+    ids were never range-checked, slots outside the pool or not integers."""
+    import torch
+
+    from jattn import ForwardMode, MHAConfig
+    from jattn.bridge import AttentionLayer, BridgeError, TorchKVPool, TorchMHABackend
+
+    def call(cfg_pages=64, pool_pages=64, pool_heads=(2, 64), loc=None, **md):
+        cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, context_len=64,
+                        num_pages=cfg_pages, kernel_backend="xla")  # fmt: skip
+        pool = TorchKVPool(num_layers=1, num_pages=pool_pages, page_size=4, num_kv_heads=pool_heads[0],
+                           head_dim=pool_heads[1])  # fmt: skip
+        be = TorchMHABackend(cfg, device="cpu", kernels="triton_native")
+        r2p = torch.zeros(2, 16, dtype=torch.int32)
+        r2p[1] = torch.arange(1, 17)
+        be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([5]), r2p, ForwardMode.DECODE, **md)
+        q, kv = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.bfloat16)
+        be.forward_decode(q, kv, kv, AttentionLayer(0, 4, 2, 64), loc, pool, 1, save_kv_cache=True)
+
+    with pytest.raises(BridgeError, match=r"k_buffer\[layer 0\] has 32 pages, config\.num_pages=64"):
+        call(pool_pages=32)
+    with pytest.raises(BridgeError, match=r"layer 0 has 2 KV heads x 64, the pool has 4 x 32"):
+        call(pool_heads=(4, 32))
+    with pytest.raises(BridgeError, match=r"page ids were never range-checked: kernels='triton_native'"):
+        call(cfg_pages=None)
+    with pytest.raises(BridgeError, match=r"has 32 pages, but the plan's page ids were checked against num_pages=64"):
+        call(cfg_pages=None, pool_pages=32, num_pages=64)
+    with pytest.raises(BridgeError, match=r"out_cache_loc holds slot 1000000, outside the KV pool's slots \[0, 256\)"):
+        call(loc=torch.tensor([10**6]))
+    with pytest.raises(BridgeError, match=r"out_cache_loc must hold integer slots"):
+        call(loc=torch.tensor([1.5]))
 
 
 def _compare(res, atol):
@@ -382,6 +462,12 @@ def test_native_mla_option_is_checked():
     if not on_gpu():  # this process has no interpreter: CPU tensors are refused by name
         with pytest.raises(BridgeError, match="needs a CUDA device"):
             be.forward_decode(q, None, None, layer, None, False, q_rope=qr)
+    # the latent pool is checked as on the JAX path before any kernel runs: too few pages
+    small = TorchMLAKVPool(num_layers=1, num_pages=4, page_size=4, kv_lora_rank=64, qk_rope_head_dim=16)
+    be = TorchMLABackend(cfg, small, device="cpu", kernels="triton_native")
+    be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([3]), torch.tensor([[0], [1]]))
+    with pytest.raises(BridgeError, match=r"kv_buffer\[layer 0\] has 4 pages, config\.num_pages=8"):
+        be.forward_decode(q, None, None, layer, None, False, q_rope=qr)
 
 
 @pytest.mark.gpu
