@@ -103,6 +103,15 @@ def _launch_is_synchronous(device, stream_ptr: int) -> bool:
     return pending and late < 5e-3
 
 
+def _jax_device_of(device: torch.device):
+    """The local JAX GPU device of torch CUDA device ``device`` (its CUDA ordinal)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for d in jax.local_devices(backend="gpu"):
+        if getattr(d, "local_hardware_id", d.id) == index:
+            return d
+    raise ValueError(f"no local JAX GPU device for torch device {device} (CUDA ordinal {index})")
+
+
 class StreamSync:
     """Per-call fences between torch's current stream and JAX (see module docstring).
 
@@ -123,6 +132,7 @@ class StreamSync:
         self._jdev = jax.devices()[0]
         if self.platform == "gpu":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
+            self._jdev = _jax_device_of(self.device)  # the fences go on this GPU's XLA stream
             self._fence_t = torch.zeros(16, dtype=torch.int32, device=self.device)
             try:
                 self._ext_stream = self._jdev.get_stream_for_external_ready_events()

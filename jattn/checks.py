@@ -196,6 +196,10 @@ def _check_prefill(
         raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
     _check_int(cu_seqlens_q, "cu_seqlens_q")
     _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError(
+            "cu_seqlens_q must be [batch + 1] with at least one entry (0 for an empty batch), got shape (0,)"
+        )
     if cu_seqlens_kv is not None:
         _check_int(cu_seqlens_kv, "cu_seqlens_kv")
         if max_seqlen_kv is None:

@@ -45,10 +45,19 @@ def is_decode(metadata) -> bool:
     return mode is not None and mode.is_decode()
 
 
-def ragged_prefill(q, k, v, metadata: RaggedMetadata, *, softmax_scale=None):
+def ragged_prefill(q, k, v, metadata: RaggedMetadata, *, softmax_scale=None, window_left: int = -1):
     """Causal ragged attention without a cache (``jattn.mha_prefill``, auto backend).
 
     q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv]; ``softmax_scale`` defaults to
-    ``1/sqrt(Dqk)``. Returns [T, Hq, Dv] in q's dtype.
+    ``1/sqrt(Dqk)``; ``window_left`` as in ``jattn.mha_prefill`` (-1: no window).
+    Returns [T, Hq, Dv] in q's dtype.
     """
-    return mha_prefill(q, k, v, metadata.cu_seqlens_q, max_seqlen_q=metadata.max_seqlen_q, softmax_scale=softmax_scale)
+    return mha_prefill(
+        q,
+        k,
+        v,
+        metadata.cu_seqlens_q,
+        max_seqlen_q=metadata.max_seqlen_q,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+    )

@@ -66,6 +66,24 @@ class RopeScaling:
         return cls(**kw)
 
 
+def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
+    """The window a Hugging Face Llama-family config applies to every layer (0: none).
+    Mistral applies ``sliding_window`` where it is set; Qwen 2/3 only with
+    ``use_sliding_window``, and then only from layer ``max_window_layers`` on, which the
+    uniform layers here do not model: refused rather than ignored."""
+    w = d.get("sliding_window")
+    if not w:
+        return 0
+    if model_type == "mistral":
+        return int(w)
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        return 0
+    raise NotImplementedError(
+        f"{model_type} config with sliding_window={w} (use_sliding_window={d.get('use_sliding_window')}) "
+        "is not supported: only windows on every layer (Mistral) are"
+    )
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1.0:
         return 1.0
@@ -141,6 +159,7 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    sliding_window: int = 0  # Mistral: each query sees its last ``sliding_window`` keys (0: all)
     dtype: str = "float32"  # activations
     param_dtype: str = "float32"
     name: str = "llama"
@@ -150,6 +169,8 @@ class LlamaConfig:
             raise ValueError(f"num_q_heads={self.num_q_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be an int >= 0 (0: no window)")
 
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
@@ -303,6 +324,7 @@ class LlamaConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            sliding_window=_hf_sliding_window(d, model_type),
             o_bias=bool(d.get("attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3",),

@@ -63,7 +63,13 @@ class LlamaAttention(nnx.Module):
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pdt)
         else:
             self.q_norm = self.k_norm = None
-        self.spec = LayerSpec(layer_id=layer_id, num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=d)
+        self.spec = LayerSpec(
+            layer_id=layer_id,
+            num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=d,
+            sliding_window_size=cfg.sliding_window - 1 if cfg.sliding_window else -1,
+        )
 
     def fuse_qkv(self) -> None:
         """In place: ``q/k/v_proj`` become one ``qkv_proj`` (see ``layers.fuse_projections``)."""
@@ -89,7 +95,7 @@ class LlamaAttention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         with jax.named_scope("attention"):
             if kv_cache is None:
-                out = ragged_prefill(q, k, v, metadata).reshape(t, -1)
+                out = ragged_prefill(q, k, v, metadata, window_left=s.sliding_window_size).reshape(t, -1)
             elif is_decode(metadata):
                 out, kv_cache = backend.forward_decode(q, k, v, s, kv_cache, metadata)
             else:

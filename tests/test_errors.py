@@ -433,6 +433,8 @@ def test_prefill_without_cu_seqlens_kv_checks_max_seqlen_kv():
     with pytest.raises(ValueError, match=r"cu_seqlens_q: request 0 has 8 tokens > max_seqlen_kv=4"):
         jattn.mha_prefill(q, q, q, cu, max_seqlen_q=8, max_seqlen_kv=4)
     jattn.mha_prefill(q, q, q, cu, max_seqlen_q=8, max_seqlen_kv=8)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be \[batch \+ 1\] with at least one entry"):
+        jattn.mha_prefill(q, q, q, cu[:0], max_seqlen_q=8)
 
 
 # ----------------------------------------------------------------------------- planners

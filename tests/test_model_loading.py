@@ -86,3 +86,15 @@ def test_gguf_pre_tokenizers_split_digits_as_their_models_do():
     for pre in (None, "falcon"):
         with pytest.raises(NotImplementedError, match=r"tokenizer\.ggml\.pre=.* is not supported"):
             _pre_tokenizer(pre)
+
+
+def test_sliding_windows_are_kept_or_refused():
+    """Mistral's window applies to every layer; Qwen's windows on some layers only
+    (``use_sliding_window``, ``max_window_layers``) are refused, not dropped."""
+    assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
+    assert LlamaConfig.from_hf({**_LLAMA, "model_type": "qwen2", "sliding_window": 4096}).sliding_window == 0
+    with pytest.raises(NotImplementedError, match=r"qwen2 config with sliding_window=4096"):
+        LlamaConfig.from_hf({**_LLAMA, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True})
+    with pytest.raises(ValueError, match=r"sliding_window=-1 must be an int >= 0"):
+        LlamaConfig.from_hf(_LLAMA).replace(sliding_window=-1)

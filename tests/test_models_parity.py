@@ -60,6 +60,9 @@ def _hf_llama(rope="default", family="llama", seed=0):
             kw["rope_parameters"] = _LLAMA_ROPES[rope]
         hc = transformers.LlamaConfig(**kw)
         hf = transformers.LlamaForCausalLM(hc)
+    elif family == "mistral":  # a window shorter than the test's sequences
+        hc = transformers.MistralConfig(**kw, sliding_window=5)
+        hf = transformers.MistralForCausalLM(hc)
     elif family == "qwen2":
         kw.pop("head_dim")
         hc = transformers.Qwen2Config(**kw)
@@ -150,10 +153,18 @@ def test_llama_full_sequence_logits(rope):
     _full_sequence_check(hf, model)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_qwen_full_sequence_logits(family):
     hf, model = _hf_llama(family=family)
+    if family == "mistral":
+        assert model.config.sliding_window == 5
     _full_sequence_check(hf, model)
+
+
+def test_mistral_sliding_window_paged_prefill_extend_decode():
+    """Mistral's window (5 keys) through the paged cache: extend over a prefix, decode."""
+    hf, model = _hf_llama(family="mistral")
+    _paged_check(hf, model, page_size=4)
 
 
 @pytest.mark.parametrize("q_lora_rank,moe", [(None, False), (24, False), (24, True)])
