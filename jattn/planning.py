@@ -42,12 +42,21 @@ def _check_plan(metadata, kv_cache) -> None:
         )
 
 
+def _is_bucket(bs: int, buckets) -> bool:
+    """``bs`` is one of ``buckets`` (None: the powers of two)."""
+    return bs in buckets if buckets is not None else bs > 0 and bs & (bs - 1) == 0
+
+
+def _buckets_text(buckets) -> str:
+    return "the powers of two" if buckets is None else f"the buckets {tuple(buckets)}"
+
+
 def check_capture_bucket(bs, buckets) -> None:
     """SGLang's ``in_capture`` rule: a plan made while a bucket compiles must be of that
-    bucket, so ``bs`` must be one of ``buckets``."""
+    bucket, so ``bs`` must be one of ``buckets`` (None: a power of two)."""
     _check_bs(bs)
-    if bs not in buckets:
-        raise ValueError(f"in_capture: bs={bs} is not one of the buckets {tuple(buckets)}")
+    if not _is_bucket(bs, buckets):
+        raise ValueError(f"in_capture: bs={bs} is not one of {_buckets_text(buckets)}")
 
 
 def _check_bs(bs) -> int:
@@ -150,7 +159,8 @@ class _PlanningMixin:
     def init_cuda_graph_state(self, max_bs: int, **kwargs) -> tuple:
         """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
         max_bs = _positive_int(max_bs, "max_bs")
-        buckets = tuple(b for b in self.config.batch_buckets if b < max_bs) + (max_bs,)
+        base = self.config.batch_buckets or tuple(1 << i for i in range(max_bs.bit_length()))  # None: powers of two
+        buckets = tuple(b for b in base if b < max_bs) + (max_bs,)
         self._batch_buckets = buckets
         return buckets
 
@@ -159,8 +169,8 @@ class _PlanningMixin:
     ) -> DecodeMetadata:
         """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with;
         ``num_pages`` as in :meth:`init_forward_metadata` (the replays must agree)."""
-        if _check_bs(bs) not in self.batch_buckets:
-            raise ValueError(f"bs={bs} is not one of the buckets {self.batch_buckets}")
+        if not _is_bucket(_check_bs(bs), self.batch_buckets):
+            raise ValueError(f"bs={bs} is not one of {_buckets_text(self.batch_buckets)}")
         mode = ForwardMode.parse(forward_mode)
         if not mode.is_decode():
             raise ValueError(f"CUDA-graph plans are decode plans; got {mode}")

@@ -238,6 +238,7 @@ class TensorParallel:
     def shard_kv_cache(self, cache: PagedKVCache) -> PagedKVCache:
         """``cache`` placed split by head; a pool with fewer KV heads than the axis size is
         first replicated to the physical heads (head ``p`` a copy of ``p // replicas``)."""
+        _refuse_stacked(cache, "shard_kv_cache")
         hkv = cache.k[0].shape[2]
         reps = self.physical_kv_heads(hkv) // hkv
 
@@ -360,6 +361,7 @@ class TensorParallelMHABackend(_Wrapped):
         return ("tp", self.tp.mesh, self.tp.axis)
 
     def _local(self, layer: LayerSpec, kv_cache: PagedKVCache, sinks):
+        _refuse_stacked(kv_cache, "TensorParallelMHABackend")
         k_pool = kv_cache.k[layer.layer_id]
         hp = self.tp.heads(layer.num_q_heads, layer.num_kv_heads)
         if k_pool.shape[2] != hp.physical_kv_heads:
@@ -483,6 +485,16 @@ _DATA_FIELDS = (
 )
 
 
+def _refuse_stacked(cache, what: str) -> None:
+    """Tensor parallelism splits per-layer pools by head; a stacked pool (one array of all
+    layers) has another layout."""
+    if getattr(cache, "stacked", False):
+        raise ValueError(
+            f"{what}: the KV cache is stacked (one [layers, pages, ...] array); tensor parallelism takes a "
+            "per-layer cache (PagedKVCache.create(..., stacked=False))"
+        )
+
+
 def _unstack(md):
     """Inside ``shard_map``: a device's slice of a stacked plan is its own plan."""
     return dataclasses.replace(md, num_reqs=md.num_reqs.reshape(()))
@@ -533,10 +545,11 @@ class DataParallelMLABackend(_Wrapped):
                 f"{self.axis!r} (size {self.size}); build it with stack_plans"
             )
 
-    def _run(self, fn, named_args: dict):
-        """``fn(*local args)`` on every device; every argument (``{name: value}``) and output
-        split along its leading axis, whose size must be a multiple of the axis size (else a
-        message naming the argument, instead of ``shard_map``'s)."""
+    def _run(self, fn, named_args: dict, replicated: dict | None = None):
+        """``fn(*local args, *replicated args)`` on every device; every argument of
+        ``named_args`` (``{name: value}``) and every output split along its leading axis,
+        whose size must be a multiple of the axis size (else a message naming the argument,
+        instead of ``shard_map``'s); ``replicated`` ones (e.g. a rope table) whole on each."""
         for name, x in named_args.items():
             for leaf in jax.tree_util.tree_leaves(x):
                 rows = np.shape(leaf)[0] if np.ndim(leaf) else None
@@ -547,8 +560,10 @@ class DataParallelMLABackend(_Wrapped):
                         "device's rows, stacked)"
                     )
         spec = P(self.axis)
-        args = tuple(named_args.values())
-        return shard_map(fn, self.mesh, tuple(spec for _ in args), spec)(*args)
+        rep = tuple((replicated or {}).values())
+        args = tuple(named_args.values()) + rep
+        specs = tuple(spec for _ in named_args) + tuple(P() for _ in rep)
+        return shard_map(fn, self.mesh, specs, spec)(*args)
 
     def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
         """``MLABackend.save_kv`` on each device's pool (slots local to it)."""
@@ -561,14 +576,18 @@ class DataParallelMLABackend(_Wrapped):
         pool = self._run(body, args)
         return kv_cache.replace_layer(layer.layer_id, pool)
 
-    def _absorbed(self, method, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling):
+    def _absorbed(self, method, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope):
         self._check(metadata)
         local = dataclasses.replace(layer, layer_id=0)
-        names = ("k", "q_rope", "k_rope", "llama_4_scaling")
-        given = {n: x for n, x in zip(names, (k, q_rope, k_rope, llama_4_scaling)) if x is not None}
+        names = ("k", "q_rope", "k_rope", "llama_4_scaling", "positions")
+        vals = (k, q_rope, k_rope, llama_4_scaling, rope["positions"])
+        given = {n: x for n, x in zip(names, vals) if x is not None}
+        table = {} if rope["cos_sin_cache"] is None else {"cos_sin_cache": rope["cos_sin_cache"]}
 
         def body(q, pool, md, *rest):
-            kw = dict(zip(given, rest))
+            kw = dict(zip(list(given) + list(table), rest))
+            if table:
+                kw["is_neox"] = rope["is_neox"]
             out, cache = getattr(self.backend, method)(
                 q,
                 kw.pop("k", None),
@@ -581,41 +600,111 @@ class DataParallelMLABackend(_Wrapped):
             )
             return out, cache.kv[0]
 
-        out, pool = self._run(body, dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata, **given))
+        out, pool = self._run(
+            body, dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata, **given), table
+        )
         return out, kv_cache.replace_layer(layer.layer_id, pool)
 
     def forward_decode(
-        self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, q_rope=None, k_rope=None, llama_4_scaling=None
+        self,
+        q,
+        k,
+        v,
+        layer,
+        kv_cache,
+        metadata,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
     ):
+        """``MLABackend.forward_decode`` per device: the token arrays (``positions``
+        included, each device's own stacked) split, ``cos_sin_cache`` whole on every device."""
+        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
         return self._absorbed(
-            "forward_decode", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling
+            "forward_decode", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
         )
 
     def forward_draft_extend(
-        self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, q_rope=None, k_rope=None, llama_4_scaling=None
+        self,
+        q,
+        k,
+        v,
+        layer,
+        kv_cache,
+        metadata,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
     ):
+        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
         return self._absorbed(
-            "forward_draft_extend", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling
+            "forward_draft_extend",
+            q,
+            k,
+            layer,
+            kv_cache,
+            metadata,
+            save_kv_cache,
+            q_rope,
+            k_rope,
+            llama_4_scaling,
+            rope,
         )
 
     def forward_absorbed(
-        self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, q_rope=None, k_rope=None, llama_4_scaling=None
+        self,
+        q,
+        k,
+        v,
+        layer,
+        kv_cache,
+        metadata,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
     ):
+        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
         return self._absorbed(
-            "forward_absorbed", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling
+            "forward_absorbed", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
         )
 
     def forward_extend(
-        self, q, k, v, layer, metadata, q_rope=None, k_rope=None, return_lse=False, llama_4_scaling=None
+        self,
+        q,
+        k,
+        v,
+        layer,
+        metadata,
+        q_rope=None,
+        k_rope=None,
+        return_lse=False,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
     ):
         """``MLABackend.forward_extend`` (ragged non-absorbed prefill) on each device's tokens."""
         self._check(metadata)
-        names = ("q_rope", "k_rope", "llama_4_scaling")
-        given = {n: x for n, x in zip(names, (q_rope, k_rope, llama_4_scaling)) if x is not None}
+        names = ("q_rope", "k_rope", "llama_4_scaling", "positions")
+        given = {n: x for n, x in zip(names, (q_rope, k_rope, llama_4_scaling, positions)) if x is not None}
+        table = {} if cos_sin_cache is None else {"cos_sin_cache": cos_sin_cache}
 
         def body(q, k, v, md, *rest):
-            return self.backend.forward_extend(
-                q, k, v, layer, _unstack(md), return_lse=return_lse, **dict(zip(given, rest))
-            )
+            kw = dict(zip(list(given) + list(table), rest))
+            if table:
+                kw["is_neox"] = is_neox
+            return self.backend.forward_extend(q, k, v, layer, _unstack(md), return_lse=return_lse, **kw)
 
-        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata, **given))
+        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata, **given), table)

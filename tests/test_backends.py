@@ -714,6 +714,32 @@ def test_mla_init_forward_metadata_out_graph():
         be.init_forward_metadata_out_graph(3, np.arange(3), np.array([5, 9, 1]), r2p, in_capture=True)
 
 
+def test_cuda_graph_planning_with_power_of_two_buckets():
+    """``batch_buckets=None`` (powers of two, as the planners read it) serves the CUDA-graph
+    calls too: the captured sizes, the capture plan and the in_capture check."""
+    for be in (
+        MHABackend(MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, batch_buckets=None)),
+        MLABackend(
+            MLAConfig(
+                num_heads=2,
+                kv_lora_rank=8,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=4,
+                page_size=4,
+                num_pages=8,
+                batch_buckets=None,
+            )
+        ),  # fmt: skip
+    ):
+        assert be.init_forward_metadata_capture_cuda_graph(4).batch_size == 4  # before the state: any power of two
+        with pytest.raises(ValueError, match=r"in_capture: bs=3 is not one of the powers of two"):
+            be.init_forward_metadata_out_graph(3, np.arange(3), np.array([1, 2, 3]), np.ones((3, 1), np.int32),
+                                               in_capture=True)  # fmt: skip
+        assert be.init_cuda_graph_state(12) == (1, 2, 4, 8, 12)
+        assert be.init_forward_metadata_capture_cuda_graph(12).batch_size == 12
+
+
 def test_mla_pad_and_unpad_draft_extend():
     """SGLang's pad / unpad helpers: tokens first in each padded row (the rest kept),
     the inverse gives the ragged rows back; jittable; lengths that do not fit or do not

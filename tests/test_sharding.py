@@ -494,6 +494,24 @@ def check_mla_dp():
             real = int(np.asarray(p.cu_seqlens_q)[-1]) if hasattr(p, "cu_seqlens_q") else int(p.num_reqs)
             _close(hidden[r][:real], np.asarray(want)[:real], 2e-5)
     assert cache.kv[0].sharding.spec == jax.sharding.PartitionSpec("dp"), cache.kv[0].sharding
+    # the fused rope through the wrapper: unrotated q_rope / k_rope, a rope table on every
+    # device, each device's tokens at its own plan's positions (a decode over the cache above)
+    layer = model.layers[0].self_attn.spec
+    H, R, r = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    table = rng.standard_normal((64, r)).astype(np.float32)
+    plans = plans_for(2)
+    t = plans[0].num_tokens
+    q, qr = rng.standard_normal((4 * t, H, R)), rng.standard_normal((4 * t, H, r))
+    kv, kr = rng.standard_normal((4 * t, R)), rng.standard_normal((4 * t, r))
+    q, qr, kv, kr = (x.astype(np.float32) for x in (q, qr, kv, kr))
+    rope_kw = dict(q_rope=qr, k_rope=kr, cos_sin_cache=table, is_neox=True)
+    out, _ = jax.jit(lambda c, md: be.forward_decode(q, kv, None, layer, c, md, **rope_kw))(cache, stack_plans(plans))
+    out = np.asarray(out).reshape(4, t, -1)
+    for d, p in enumerate(plans):
+        sl = slice(d * t, (d + 1) * t)
+        kw = dict(rope_kw, q_rope=qr[sl], k_rope=kr[sl])
+        want, _ = ref_be.forward_decode(q[sl], kv[sl], None, layer, ref_caches[d], p, **kw)
+        _close(out[d][: int(p.num_reqs)], np.asarray(want)[: int(p.num_reqs)], 2e-5)
     try:
         stack_plans([plans[0], dataclasses.replace(plans[1], page_size=8)])
     except ValueError as e:
@@ -790,6 +808,16 @@ def test_wrappers_name_the_bad_mesh_and_axis():
         DataParallelMLABackend(None, "not a mesh", "dp")
     with pytest.raises(ValueError, match="plans is empty"):
         stack_plans([])
+    # a stacked pool is not laid out by head per layer: refused, not split on the wrong axis
+    from jattn import LayerSpec, MHABackend, MHAConfig, PagedKVCache
+    from jattn.sharding import TensorParallelMHABackend
+
+    stacked = PagedKVCache.create(num_layers=2, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8, stacked=True)
+    with pytest.raises(ValueError, match="shard_kv_cache: the KV cache is stacked"):
+        TensorParallel(mesh, "tp").shard_kv_cache(stacked)
+    be = TensorParallelMHABackend(MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=2, head_dim=8, page_size=4)), mesh)
+    with pytest.raises(ValueError, match="TensorParallelMHABackend: the KV cache is stacked"):
+        be._local(LayerSpec(1, 2, 2, 8), stacked, None)
 
 
 def test_engine_places_a_request_on_the_device_with_room_and_most_free_pages():
