@@ -56,8 +56,8 @@ def _merge_kernel(
     lb = tl.load(lse_b_ptr + rows, mask=row_ok, other=float("-inf"))
     oa = tl.load(o_a_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     ob = tl.load(o_b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    m = tl.maximum(la, lb)
-    empty = m == float("-inf")
+    m = tl.maximum(la, lb)  # (a NaN side gives the other: NaN still reaches wa / wb below)
+    empty = (la == float("-inf")) & (lb == float("-inf"))
     m = tl.where(empty, 0.0, m)
     wa = tl.exp(la - m)  # 0 for an empty side
     wb = tl.exp(lb - m)

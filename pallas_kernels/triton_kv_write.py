@@ -4,7 +4,8 @@ One program per (token, column block): it reads the token's slot from
 ``out_cache_loc`` and copies its K and V rows (``num_kv_heads * head_dim``
 elements each) into the caches at that slot. For FP8 e4m3 caches the stored value
 is ``clamp(x / scale, -448, 448)`` cast to e4m3 (the cast alone would not
-saturate). Slots outside ``[0, num_slots)`` are dropped. :func:`set_kv_buffer`
+saturate; a NaN is stored as the e4m3 NaN with its sign). Slots outside
+``[0, num_slots)`` are dropped. :func:`set_kv_buffer`
 launches it from JAX through jax-triton with the caches aliased to the outputs (in
 place inside a ``jit`` that donates the caches; XLA copies them otherwise); ``jattn.bridge.triton_native``
 launches the same source on a torch pool.
@@ -20,7 +21,19 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed
     tl = None
 
+from jattn.pallas_kernels.triton_glue import device_fn
+
 __all__ = ["set_kv_buffer", "unsupported_reason", "launch_params"]
+
+
+@device_fn
+def _store_nan_bytes(dst, xf, mask):
+    """Stores the e4m3 NaN byte (``0x7F``, sign of ``xf``) at ``dst`` where ``xf`` (f32) is
+    NaN within ``mask``; returns ``mask`` without those entries (for the value store)."""
+    nan = (xf != xf) & mask
+    sign = ((xf.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    tl.store(dst.to(tl.pointer_type(tl.uint8)), sign | 0x7F, mask=nan)
+    return mask & ~nan
 
 
 def _kv_write_kernel(
@@ -46,8 +59,13 @@ def _kv_write_kernel(
     mv = c < tl.where(ok, ROW_V, 0)
     y = tl.load(v_ptr + t.to(tl.int64) * ROW_V + c, mask=mv, other=0.0)
     if FP8:  # clamp(x / scale, -448, 448): the e4m3 cast alone does not saturate
-        x = tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(scale_ptr), -448.0), 448.0)
-        y = tl.minimum(tl.maximum(y.to(tl.float32) / tl.load(scale_ptr + 1), -448.0), 448.0)
+        xf, yf = x.to(tl.float32), y.to(tl.float32)
+        x = tl.minimum(tl.maximum(xf / tl.load(scale_ptr), -448.0), 448.0)
+        y = tl.minimum(tl.maximum(yf / tl.load(scale_ptr + 1), -448.0), 448.0)
+        # The clamp turns a NaN into +-448: a NaN is stored as the e4m3 NaN byte with its sign
+        # instead, as XLA's convert stores it (no f32 -> e4m3 conversion of a NaN relied on).
+        mk = _store_nan_bytes(kc_ptr + slot * ROW_K + c, xf, mk)
+        mv = _store_nan_bytes(vc_ptr + slot * ROW_V + c, yf, mv)
     tl.store(kc_ptr + slot * ROW_K + c, x.to(kc_ptr.dtype.element_ty), mask=mk)
     tl.store(vc_ptr + slot * ROW_V + c, y.to(vc_ptr.dtype.element_ty), mask=mv)
 

@@ -213,6 +213,9 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     lse = np.full_like(lse_a, -np.inf)
     for t in range(o_a.shape[0]):
         for h in range(o_a.shape[1]):
+            if np.isnan(lse_a[t, h]) or np.isnan(lse_b[t, h]):  # a NaN state poisons the merge
+                o[t, h], lse[t, h] = np.nan, np.nan
+                continue
             m = max(lse_a[t, h], lse_b[t, h])
             if m == -np.inf:
                 continue

@@ -102,6 +102,7 @@ def _compare_heads(name, out, lse_out):
     np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(ref), atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.isnan(lse_out), np.isnan(ref_lse))
     np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    np.testing.assert_array_equal(np.isnan(lse_out), np.isnan(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
 
@@ -133,6 +134,8 @@ def _merge_inputs(name):
     lse_b[1::5, -1] = -np.inf  # only a has keys
     lse_a[-1:, :], lse_b[-1:, :] = -np.inf, -np.inf  # neither: o = 0, lse = -inf
     lse_b[::7, h // 2] += 30.0  # one side dominates
+    if t > 4 and h > 1:  # a NaN state: NaN out and LSE, also beside an empty other side
+        lse_a[2, 1], lse_a[3, 1], lse_b[3, 1] = np.nan, np.nan, -np.inf
     return o_a, lse_a, o_b, lse_b
 
 
@@ -143,6 +146,7 @@ def _compare_merge(name, out, lse_out, atol):
     assert out.shape == ref.shape and lse_out.shape == ref_lse.shape
     np.testing.assert_allclose(out, ref, atol=atol, rtol=atol)
     np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    np.testing.assert_array_equal(np.isnan(lse_out), np.isnan(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
     assert np.all(out[-1:] == 0)  # the row with no keys on either side
@@ -187,6 +191,7 @@ def _compare(name, out, lse_out, atol):
     assert not np.isnan(out).any(), "NaN from rows past m leaked"
     np.testing.assert_allclose(out, ref, atol=atol, rtol=atol)
     np.testing.assert_array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    np.testing.assert_array_equal(np.isnan(lse_out), np.isnan(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse_out[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
     assert np.all(out[-1:, min(1, m - 1)] == 0)  # the row with no keys
