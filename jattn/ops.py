@@ -240,8 +240,9 @@ def mha_decode_with_kvcache(
       batch_invariant: a request's output bits do not depend on the batch (its size, the
         bucket, the other requests) for a given page-table width: the split-KV kernels
         take their split count from the width alone (one split per
-        ``pallas_kernels.combine.INVARIANT_SPLIT_TOKENS`` tokens) instead of from the batch. Costs speed
-        where the batch-sized choice would differ (docs/PERF.md).
+        ``pallas_kernels.combine.INVARIANT_SPLIT_TOKENS`` tokens) instead of from the batch; XLA's
+        decode runs each request by the same program. Costs speed where the batch-sized
+        choice would differ (docs/PERF.md).
 
     Returns:
       out [bs * max_seqlen_q, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)``.
@@ -295,7 +296,8 @@ def mha_decode_with_kvcache(
 
 def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
     """The split-count keyword of kernel ``impl`` for batch-invariant decode: the same for
-    every batch of this page-table width ({} for XLA's decode, which has no splits)."""
+    every batch of this page-table width (for XLA's decode, which has no splits, a fixed
+    key chunk: its default chunk shrinks as the batch grows)."""
     from jattn.pallas_kernels.combine import invariant_num_splits
 
     module = getattr(impl, "__module__", "").rsplit(".", 1)[-1]
@@ -317,6 +319,8 @@ def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
         )
         blocks = -(-width // (bsz.block_tokens * bsz.pages_per_block))
         return {"block_sizes": dataclasses.replace(bsz, num_splits=min(splits, blocks))}
+    if impl is reference.mha_decode:
+        return {"key_chunk": reference.INVARIANT_KEY_CHUNK}
     return {}
 
 

@@ -35,8 +35,16 @@ def default_softmax_scale(head_dim_qk: int) -> float:
     return 1.0 / math.sqrt(head_dim_qk)
 
 
-def _key_chunk(bs: int, num_q: int, num_q_heads: int, max_keys: int) -> int:
-    """Keys per chunk: bounded so one f32 score tile stays near 16M elements."""
+#: Keys per chunk of a batch-invariant decode (``key_chunk``): fixed, so a request's sums do
+#: not depend on the batch (the default chunk shrinks as the batch grows).
+INVARIANT_KEY_CHUNK = 256
+
+
+def _key_chunk(bs: int, num_q: int, num_q_heads: int, max_keys: int, fixed: int | None = None) -> int:
+    """Keys per chunk: bounded so one f32 score tile stays near 16M elements (``fixed``:
+    that many, whatever the batch)."""
+    if fixed is not None:
+        return max(1, min(fixed, max_keys))
     budget = max(1, (1 << 24) // max(1, bs * num_q * num_q_heads))
     chunk = 16
     while chunk * 2 <= min(budget, 1024):
@@ -60,6 +68,7 @@ def _attend(
     sinks,  # f32[Hq] or None
     scale,  # python float or f32 scalar (softmax scale, k_scale folded in)
     v_scale,  # python float or f32 scalar
+    key_chunk: int | None = None,  # keys per chunk (None: from the batch, see _key_chunk)
 ):
     """Returns (o f32[bs, nq, Hq, Dv], lse f32[bs, nq, Hq]).
 
@@ -85,7 +94,7 @@ def _attend(
     if 0 in (bs, nq, hq, span, k_flat.shape[0]):  # nothing to attend: every row is empty
         return jnp.zeros((bs, nq, hq, dim_v), jnp.float32), jnp.full((bs, nq, hq), _NEG_INF, jnp.float32)
     qf = q.astype(jnp.float32).reshape(bs, nq, hkv, group, dqk)
-    chunk = _key_chunk(bs, nq, hq, span)
+    chunk = _key_chunk(bs, nq, hq, span, key_chunk)
     num_chunks = -(-span // chunk)
     b_idx = jnp.arange(bs, dtype=jnp.int32)[:, None]
     start = start.astype(jnp.int32)[:, None]  # [bs, 1]
@@ -218,7 +227,7 @@ def _finish(o, lse, dtype, return_lse):
 _OPTS = ("is_causal", "window_left", "logit_cap", "return_lse")
 
 
-@functools.partial(jax.jit, static_argnames=("max_seqlen_q",) + _OPTS)
+@functools.partial(jax.jit, static_argnames=("max_seqlen_q", "key_chunk") + _OPTS)
 def mha_decode(
     q,  # [bs * q_len, Hq, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
@@ -235,6 +244,7 @@ def mha_decode(
     k_scale=1.0,
     v_scale=1.0,
     return_lse: bool = False,
+    key_chunk: int | None = None,  # keys per online-softmax chunk (None: from the batch)
 ):
     """Paged decode, ``max_seqlen_q`` query tokens per request (request-major).
 
@@ -250,20 +260,24 @@ def mha_decode(
     qb = q.reshape(bs, max_seqlen_q, hq, d)
     kv_len = cache_seqlens.astype(jnp.int32)
     q_pos = kv_len[:, None] - max_seqlen_q + jnp.arange(max_seqlen_q, dtype=jnp.int32)[None]
-    o, lse = _attend_paged(
-        qb,
-        k_cache,
-        v_cache,
-        page_table,
-        kv_len,
-        q_pos,
+    opts = dict(
         is_causal=is_causal,
         window_left=window_left,
         logit_cap=logit_cap,
         sinks=sinks,
         scale=scale * k_scale,
         v_scale=v_scale,
+        key_chunk=key_chunk,
     )
+    if key_chunk is None:
+        o, lse = _attend_paged(qb, k_cache, v_cache, page_table, kv_len, q_pos, **opts)
+    else:  # batch-invariant: each request by the same program, whatever the batch around it
+
+        def one(x):
+            o1, lse1 = _attend_paged(x[0][None], k_cache, v_cache, x[1][None], x[2][None], x[3][None], **opts)
+            return o1[0], lse1[0]
+
+        o, lse = jax.lax.map(one, (qb, page_table, kv_len, q_pos))
     return _finish(
         o.reshape(bs * max_seqlen_q, hq, o.shape[-1]), lse.reshape(bs * max_seqlen_q, hq), q.dtype, return_lse
     )

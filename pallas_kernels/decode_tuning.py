@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels.combine import NUM_SMS, choose_num_splits
@@ -301,9 +300,22 @@ def unsupported_reason(
         return f"window_left={window_left} must be -1 (off) or >= 0"
     if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
         return f"sinks shape {tuple(sinks.shape)} != (num_q_heads,)=({num_q_heads},)"
-    if jax.default_backend() != "gpu" and not _interpreting():
-        return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
-    return None
+    try:  # a KV block and ring that fit in shared memory (FP8 adds the converter's f16 ring)
+        choose_block_sizes(
+            batch=1,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            max_pages=1,
+            m_rows=group * max_seqlen_q,
+            kv_itemsize=kv_dt.itemsize,
+            q_itemsize=jnp.dtype(q.dtype).itemsize,
+        )
+    except NotImplementedError as e:
+        return str(e)
+    from jattn.pallas_kernels.interpret import no_gpu_reason
+
+    return no_gpu_reason()
 
 
 def auto_skip_reason(q, k_cache, v_cache, **unused) -> str | None:
@@ -320,12 +332,6 @@ def auto_skip_reason(q, k_cache, v_cache, **unused) -> str | None:
             "is correct but measured slower than xla"
         )
     return None
-
-
-def _interpreting() -> bool:
-    from jattn.pallas_kernels.interpret import interpreting
-
-    return interpreting()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +399,13 @@ def decode_config(
         q_rows, m_tiles = 64, -(-m_rows // 64)
     convert_stages = convert_stages_for(kv_itemsize, options)
     if block_sizes is not None:
+        if block_sizes.compute_wgs not in (1, 2) or m_tiles % block_sizes.compute_wgs:
+            raise ValueError(
+                f"block_sizes.compute_wgs={block_sizes.compute_wgs}: the {m_tiles} query tile(s) of 64 rows "
+                "must split evenly over the compute warpgroups (1, or 2 for an even count)"
+            )
+        if block_sizes.num_splits < 1:
+            raise ValueError(f"block_sizes.num_splits={block_sizes.num_splits} must be >= 1")
         n = block_sizes.block_tokens * block_sizes.pages_per_block * num_kv_heads
         need = smem_bytes(
             n, head_dim, kv_itemsize, q_itemsize, block_sizes.compute_wgs, block_sizes.num_stages, convert_stages

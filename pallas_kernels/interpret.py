@@ -172,3 +172,13 @@ def interpreting() -> bool:
         return isinstance(_config.pallas_tpu_interpret_mode_context_manager.value, params_cls)
     except (ImportError, AttributeError):
         return False
+
+
+def no_gpu_reason() -> str | None:
+    """Why a Mosaic GPU kernel cannot run here (no GPU, and not inside
+    :func:`gpu_interpret`), else None."""
+    import jax
+
+    if jax.default_backend() != "gpu" and not interpreting():
+        return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
+    return None

@@ -42,6 +42,15 @@ _LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
 _LOAD_TAKES_IDX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
 
 
+def fold_softmax_scale(softmax_scale, k_scale):
+    """``(softmax_scale, k_scale)`` for a kernel that takes the softmax scale as a static
+    Python number: an array (or traced) ``softmax_scale`` is folded into the traced
+    ``k_scale`` (both multiply the scores) and the static one becomes 1.0."""
+    if softmax_scale is None or isinstance(softmax_scale, (int, float)):
+        return softmax_scale, k_scale
+    return 1.0, jnp.asarray(k_scale, jnp.float32) * jnp.asarray(softmax_scale, jnp.float32)
+
+
 def plgpu_kernel(body, out, **kwargs):
     """``plgpu.kernel(body, out_type=out, **kwargs)`` under either keyword name."""
     return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)

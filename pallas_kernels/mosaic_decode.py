@@ -87,6 +87,7 @@ from jattn.pallas_kernels.decode_tuning import (
     prefer_heads_kernel,
     unsupported_reason,
 )
+from jattn.pallas_kernels.mosaic_common import fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
 
 __all__ = [
@@ -152,6 +153,7 @@ def mha_decode(
       out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
     """
     _check_plan(q, page_table, cache_seqlens, max_seqlen_q)
+    softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,

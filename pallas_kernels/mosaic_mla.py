@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
+from jattn.pallas_kernels.interpret import no_gpu_reason
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
 
 # FP8 with at most 32 query rows: V^T read from the landed e4m3 tile into registers
@@ -66,7 +67,7 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
         return f"max_seqlen_q={max_seqlen_q} (1..8)"
     if q.shape[0] == 0 or q.shape[1] == 0:
         return "no query rows or heads"
-    return None
+    return no_gpu_reason()
 
 
 #: A CTA's fixed cost in block times: the ring's fill and the output and LSE writes.

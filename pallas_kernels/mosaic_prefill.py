@@ -26,6 +26,8 @@ import jax.numpy as jnp
 
 from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.combine import NUM_SMS
+from jattn.pallas_kernels.interpret import no_gpu_reason
+from jattn.pallas_kernels.mosaic_common import fold_softmax_scale
 from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions
 from jattn.pallas_kernels.mosaic_prefill_kernel import run
 
@@ -92,7 +94,7 @@ def unsupported_reason(q, k, v, *, page_size=0, **_) -> str | None:
         return f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}"
     if page_size and page_size not in SUPPORTED_PAGE_SIZES:
         return f"page_size={page_size} (supported: {SUPPORTED_PAGE_SIZES})"
-    return None
+    return no_gpu_reason()
 
 
 def extend_unsupported_reason(q, k_cache, v_cache, **kw) -> str | None:
@@ -289,6 +291,7 @@ def mha_prefill(
     if cu_seqlens_kv is None:
         cu_seqlens_kv = cu_seqlens_q
     cu_kv = jnp.asarray(cu_seqlens_kv, jnp.int32)
+    softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
     return _attention(
         q,
         k,
@@ -341,6 +344,7 @@ def mha_extend(
       page_table: i32 ``[bs, max_pages]``; cache_seqlens: i32 ``[bs]`` (prefix + new).
       Other arguments as in :func:`mha_prefill`.
     """
+    softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
     return _attention(
         q,
         k_cache,

@@ -181,3 +181,22 @@ def test_gpu_request_bits_do_not_depend_on_the_batch(backend):
     ]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+def test_xla_request_bits_at_batches_past_the_default_chunk():
+    """XLA's decode: its default key chunk shrinks as the batch grows, and its code for a
+    batch differs from its code for one request; in this mode a request's bits are the same
+    alone and in batches of 3 and 300."""
+    rng = np.random.default_rng(7)
+    bs, hq, d, ps, width = 300, 64, 16, 16, 64  # 300 * 64 query rows: a 512-key chunk by default
+    k = rng.standard_normal((width, ps, 1, d)).astype(np.float32)
+    v = rng.standard_normal((width, ps, 1, d)).astype(np.float32)
+    pt = np.tile(np.arange(width, dtype=np.int32)[None], (bs, 1))
+    lens = rng.integers(1, width * ps + 1, bs).astype(np.int32)
+    q = (rng.standard_normal((bs, hq, d)) * 3).astype(np.float32)
+    rows = {
+        n: np.asarray(jattn.mha_decode_with_kvcache(q[:n], k, v, pt[:n], lens[:n], backend="xla", batch_invariant=True))
+        for n in (1, 3, bs)
+    }
+    np.testing.assert_array_equal(rows[1][0], rows[bs][0])
+    np.testing.assert_array_equal(rows[3], rows[bs][:3])

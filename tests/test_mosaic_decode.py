@@ -247,6 +247,12 @@ def test_errors_name_the_limit():
     q = jnp.zeros((2, 16, 64), jnp.bfloat16)
     assert "max_seqlen_q=9" in md.unsupported_reason(jnp.zeros((9, 16, 64), jnp.bfloat16), k, k, max_seqlen_q=9)
     assert "float32" in md.unsupported_reason(jnp.zeros((2, 16, 64), jnp.float32), k, k, max_seqlen_q=1)
+    # FP8 at head_dim 256 over 8 KV heads: no block and ring (with the converter's f16 ring) fit
+    k8 = jnp.zeros((4, 16, 8, 256), jnp.float8_e4m3fn)
+    msg = md.unsupported_reason(jnp.zeros((2, 16, 256), jnp.bfloat16), k8, k8, max_seqlen_q=1)
+    assert msg is not None and "fits in shared memory" in msg
+    assert "fits" not in (md.unsupported_reason(jnp.zeros((2, 16, 256), jnp.bfloat16), k8.astype(q.dtype),
+                                                k8.astype(q.dtype), max_seqlen_q=1) or "")  # fmt: skip
     with pytest.raises(NotImplementedError, match="page_size=8"):
         md.mha_decode(
             q,
@@ -633,3 +639,8 @@ def test_block_sizes_over_shared_memory_are_refused():
     assert dt.decode_config(block_sizes=plain, options=dt.KernelOptions(fp8_converter=False), **cfg).bs == plain
     conv = dt.choose_block_sizes(**kw)  # the default options: the converter's ring counted
     assert dt.decode_config(block_sizes=conv, options=dt.KernelOptions(), **cfg).convert_stages == 2
+    # two compute warpgroups need an even count of 64-row query tiles (32 rows: one tile), and a split
+    with pytest.raises(ValueError, match=r"compute_wgs=2: the 1 query tile\(s\) of 64 rows must split evenly"):
+        dt.decode_config(block_sizes=dataclasses.replace(conv, compute_wgs=2), options=dt.KernelOptions(), **cfg)
+    with pytest.raises(ValueError, match=r"num_splits=0 must be >= 1"):
+        dt.decode_config(block_sizes=dataclasses.replace(conv, num_splits=0), options=dt.KernelOptions(), **cfg)

@@ -469,3 +469,24 @@ def test_extend_with_no_pages_or_heads_on_mosaic_gives_empty_rows():
             )
             assert out.shape == q.shape and not np.asarray(out, np.float32).any()
             assert lse.shape == (5, hq) and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_array_softmax_scale_on_the_mosaic_kernels():
+    """An f32 array ``softmax_scale`` (the ops accept one) is folded into the traced score
+    scale instead of failing as an unhashable static argument: decode and prefill."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float16)
+    kc = jnp.asarray(rng.standard_normal((6, 16, 2, 64)), jnp.float16)
+    pt, sl = jnp.asarray([[1, 2], [3, 4]], jnp.int32), jnp.asarray([20, 9], jnp.int32)
+    kw = dict(softmax_scale=jnp.float32(0.2), k_scale=jnp.float32(1.5))
+    want = jattn.mha_decode_with_kvcache(q, kc, kc, pt, sl, softmax_scale=0.2, k_scale=1.5, backend="xla")
+    with gpu_interpret():
+        got = jattn.mha_decode_with_kvcache(q, kc, kc, pt, sl, backend="mosaic", **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3)
+    qp = jnp.asarray(rng.standard_normal((21, 2, 64)), jnp.float16)
+    cu = jnp.asarray([0, 13, 21], jnp.int32)
+    want = jattn.mha_prefill(qp, qp, qp, cu, max_seqlen_q=13, softmax_scale=0.2, k_scale=1.5, backend="xla")
+    with gpu_interpret():
+        got = jattn.mha_prefill(qp, qp, qp, cu, max_seqlen_q=13, backend="mosaic", **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3)
