@@ -443,7 +443,8 @@ class Engine:
         src = np.full(len(tokens), -1, np.int32)  # an extend's tokens are all on the host
         nxt, t0, compiled = self._dispatch(tokens, src, md, [[r for r, _ in items] for items in groups], bs_pad)
         self.metrics.prefill_steps += 1
-        self.metrics.prompt_tokens += sum(n for _, n in batch)
+        prefilled = sum(n for _, n in batch)
+        self.metrics.prompt_tokens += prefilled
         entries = []
         for d, items in enumerate(groups):
             for i, (r, n) in enumerate(items, start=d * bs_pad):
@@ -455,7 +456,7 @@ class Engine:
                 self.running.append(r)
                 entries.append((r, i))
         reqs = [r for r, _ in batch]
-        return InFlight("extend", nxt, entries, reqs, t0, compiled)
+        return InFlight("extend", nxt, entries, reqs, t0, compiled, prompt_tokens=prefilled)
 
     def _decode_step(self, reqs: list[Request]) -> InFlight:
         grouping = None
@@ -514,7 +515,7 @@ class Engine:
         self._last_resolve = now
         # the tokens this step adds: a request that finished after the launch drops its own
         kept = sum(1 for r, _ in f.entries if not r.done)
-        self.metrics.record_step(f.mode, dt, compiled=f.compiled, tokens=kept)
+        self.metrics.record_step(f.mode, dt, compiled=f.compiled, tokens=kept, prompt_tokens=f.prompt_tokens)
         for r, i in f.entries:
             if r.done:
                 continue

@@ -37,6 +37,7 @@ class InFlight:
     reqs: list
     t0: float
     compiled: bool
+    prompt_tokens: int = 0  # tokens an extend step prefills
     rows: dict = dataclasses.field(init=False)
 
     def __post_init__(self):

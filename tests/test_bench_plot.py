@@ -104,3 +104,29 @@ def test_decode_verify_ratios_compare_rows_of_one_run():
     ]
     lines = decode.verify_ratios(h, rows)
     assert lines == ["page 16 64x4096 q_len 4: 275.0 us against q_len 1's 250.0 (+10.0%)"]
+
+
+def test_rows_that_share_a_label_give_one_bar_per_label(tmp_path):
+    """Two rows with one label (a sweep line under its row): one value per label, the first."""
+    res = _results(tmp_path)
+    res["rows"].insert(1, list(res["rows"][0]))
+    res["rows"][1][res["header"].index("device TB/s")] = "9.99"
+    labels, data = plot.series(res)
+    assert labels == ["p64 1x4096 q1 bf16", "p64 64x4096 q1 bf16"]
+    assert data["jattn, GPU time"] == [1.22, 4.25]
+
+
+def test_page_rotations_keep_small_calls_out_of_the_l2():
+    """A call smaller than twice the L2 gets disjoint tables, enough that a cycle reads 4x
+    the L2; a larger call random tables over a pool of at least 4x the L2."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    page_bytes = 2 * 16 * 8 * 128 * 2  # K and V of a page of 16 tokens, 8 KV heads, d128, bf16
+    tables, pages = common.page_rotations(rng, 1, 256, page_bytes)  # 1 x 4096: 16.8 MB a call
+    n = tables.shape[0]
+    assert n * 256 * page_bytes >= 4 * common.L2_BYTES and pages == n * 256
+    assert len(np.unique(tables)) == tables.size and tables.max() < pages  # disjoint, in the pool
+    tables, pages = common.page_rotations(rng, 64, 256, page_bytes)  # 64 x 4096: 1 GB a call
+    assert tables.shape == (4, 64, 256) and pages >= 64 * 256
+    assert all(len(np.unique(t)) == t.size for t in tables)

@@ -364,6 +364,18 @@ def test_steady_state_never_recompiles(llama):
         eng.run()
     assert eng.metrics.compilations == n
     assert eng.metrics.generated_tokens > 0 and eng.metrics.tokens_per_s > 0
+    # no step compiled: prefill tokens/s counts every prefilled token
+    assert eng.metrics.timed_prompt_tokens == eng.metrics.prompt_tokens > 0
+
+
+def test_prefill_rate_leaves_out_compiling_steps():
+    """A compiling extend step's tokens leave the prefill rate with its time."""
+    from jattn.models.requests import EngineMetrics
+
+    m = EngineMetrics()
+    m.record_step("extend", 2.0, compiled=True, tokens=2, prompt_tokens=100)
+    m.record_step("extend", 0.5, compiled=False, tokens=1, prompt_tokens=10)
+    assert (m.timed_prompt_tokens, m.prefill_time) == (10, 0.5)
 
 
 def _smollm2_or_skip():

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         ):
             try:
                 t = common.time_rotated(fn, targs, n_hi=args.n_hi, device=True)
-                times[name] = t.device_seconds or t.seconds
+                times[name] = common.device_or_wall(t)
             except Exception as e:  # noqa: BLE001
                 times[name] = None
                 print(f"{groups}x{gs} {name}: failed {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)

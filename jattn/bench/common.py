@@ -332,9 +332,43 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
     return (n * 4 * 2) / t.seconds, "jax elementwise"
 
 
+_WALL_NOTED = []
+
+
+def device_or_wall(t) -> float:
+    """``t``'s GPU time per call, or its wall time where the device gave no clock stamps
+    (said once per process: the table's "device" columns then hold wall time)."""
+    if t.device_seconds is not None:
+        return t.device_seconds
+    if not _WALL_NOTED:
+        _WALL_NOTED.append(True)
+        print("note: no GPU clock stamps on this device; the 'device' columns hold wall time", flush=True)
+    return t.seconds
+
+
 def rotation_pages(needed_pages: int, page_bytes: int, *, min_pool_bytes: int = 4 * L2_BYTES) -> int:
     """Pool size (pages) so that rotating page tables over it defeats the L2."""
     return max(needed_pages, -(-min_pool_bytes // page_bytes))
+
+
+def page_rotations(
+    rng: np.random.Generator, bs: int, max_pages: int, page_bytes: int, *, min_rot: int = 4
+) -> tuple[np.ndarray, int]:
+    """``(tables i32[num_rot, bs, max_pages], num_pages)``: page tables for calls that take
+    them in turn, so that no call finds its pages in the L2 from an earlier call. A call that
+    reads at least twice the L2 flushes it by itself: ``min_rot`` random tables over a pool of
+    at least 4x the L2. A smaller call gets disjoint tables (one permutation of the pool cut
+    into pieces), enough of them that a cycle reads 4x the L2 (a random table per rotation
+    would share about the call's share of the pool with the next one)."""
+    need = bs * max_pages
+    call_bytes = need * page_bytes
+    if call_bytes >= 2 * L2_BYTES or need == 0:
+        num_pages = rotation_pages(need, page_bytes)
+        return random_page_tables(rng, min_rot, bs, max_pages, num_pages), num_pages
+    num_rot = max(min_rot, -(-4 * L2_BYTES // call_bytes))
+    num_pages = num_rot * need
+    perm = rng.permutation(num_pages).astype(np.int32)
+    return perm.reshape(num_rot, bs, max_pages), num_pages
 
 
 def random_page_tables(rng: np.random.Generator, num_rot: int, bs: int, max_pages: int, num_pages: int) -> np.ndarray:

@@ -30,7 +30,6 @@ from jattn.bench import common
 
 SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384))
 HQ, HKV, D = 32, 8, 128
-NUM_ROT = 4
 HEADER = (
     "page",
     "batch x len",
@@ -56,8 +55,7 @@ def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q):
     max_pages = -(-length // page_size)
     itemsize = jnp.dtype(kv_dtype).itemsize
     page_bytes = 2 * page_size * HKV * D * itemsize
-    num_pages = common.rotation_pages(bs * max_pages, page_bytes)
-    tables = common.random_page_tables(rng, NUM_ROT, bs, max_pages, num_pages)
+    tables, num_pages = common.page_rotations(rng, bs, max_pages, page_bytes)
     k = jax.random.normal(jax.random.key(1), (num_pages, page_size, HKV, D), jnp.float32)
     v = jax.random.normal(jax.random.key(2), (num_pages, page_size, HKV, D), jnp.float32)
     if kv_dtype == jnp.float8_e4m3fn:
@@ -83,7 +81,7 @@ def _jax_paged_attention(qs, k, v, tables, lens, page_size):
 
     def step(i, qs, kp, vp, tables, lens):
         return jpa.paged_attention(
-            qs[i], kp, vp, tables[i % NUM_ROT], lens, k_splits=k_splits, pages_per_compute_block=ppcb
+            qs[i], kp, vp, tables[i % len(tables)], lens, k_splits=k_splits, pages_per_compute_block=ppcb
         )
 
     return step, (qs, kp, vp, tables, lens)
@@ -108,7 +106,7 @@ def _fa3_step(fa3, q_len, splits):
             k,
             v,
             cache_seqlens=lens,
-            page_table=tables[i % NUM_ROT],
+            page_table=tables[i % len(tables)],
             is_causal=q_len > 1,
             num_splits=splits,
         )
@@ -183,13 +181,13 @@ def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
     ``(None, the error's first line)``."""
 
     def step(i, qs, k, v, tables, lens):
-        return fn(qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
+        return fn(qs[i], k, v, tables[i % len(tables)], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale)
 
     try:
         t = common.time_rotated(step, args, n_hi=n_hi, device=True)
     except Exception as e:  # noqa: BLE001 - reported in the row
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    return t.device_seconds or t.seconds, None
+    return common.device_or_wall(t), None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                 qs[i],
                 k,
                 v,
-                tables[i % NUM_ROT],
+                tables[i % len(tables)],
                 lens,
                 max_seqlen_q=q_len,
                 k_scale=kscale,
@@ -434,7 +432,15 @@ def main(argv: list[str] | None = None) -> None:
 
             def istep(i, qs, k, v, tables, lens):
                 return md.mha_decode(
-                    qs[i], k, v, tables[i % NUM_ROT], lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, **inv
+                    qs[i],
+                    k,
+                    v,
+                    tables[i % len(tables)],
+                    lens,
+                    max_seqlen_q=q_len,
+                    k_scale=kscale,
+                    v_scale=kscale,
+                    **inv,
                 )
 
             methods.append(
@@ -464,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
                     qs[lax.rem(i, nrot)],
                     k,
                     v,
-                    tables[lax.rem(i, NUM_ROT)],
+                    tables[lax.rem(i, len(tables))],
                     lens,
                     max_seqlen_q=q_len,
                     k_scale=kscale,
@@ -491,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
                 bsz_sp = dataclasses.replace(bsz, num_splits=sp)
 
                 def step_sp(i, qs, k, v, tables, lens, bsz_sp=bsz_sp):
-                    return md.mha_decode(qs[i], k, v, tables[i % NUM_ROT], lens, block_sizes=bsz_sp, options=opts)
+                    return md.mha_decode(qs[i], k, v, tables[i % len(tables)], lens, block_sizes=bsz_sp, options=opts)
 
                 try:
                     ts = common.time_rotated(step_sp, (qs, k, v, tables, lens), n_hi=n_hi)
@@ -505,14 +511,14 @@ def main(argv: list[str] | None = None) -> None:
             from jattn.bench import profile as prof
 
             qlist = [qs[i] for i in range(8)]
-            tlist = [tables[i] for i in range(NUM_ROT)]
+            tlist = [tables[i] for i in range(len(tables))]
 
             def one(q, k, v, t, lens):
                 return md.mha_decode(q, k, v, t, lens, max_seqlen_q=q_len, k_scale=kscale, v_scale=kscale, options=opts)
 
             try:
                 summ = prof.summarize(
-                    prof.profile_calls(one, [(qlist[i], k, v, tlist[i % NUM_ROT], lens) for i in range(8)])
+                    prof.profile_calls(one, [(qlist[i], k, v, tlist[i % len(tables)], lens) for i in range(8)])
                 )
                 profiles.append(
                     f"page {ps} {bs}x{L} q_len {q_len} {kvname}: "

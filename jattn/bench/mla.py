@@ -24,7 +24,6 @@ import numpy as np
 from jattn.bench import common
 
 R, W, PAGE = 512, 576, 64
-NUM_ROT = 4
 HEADER = ("row", "backend", "us (GPU)", "TB/s", "% copy", "TFLOP/s", "% matmul", "xla us", "speedup")
 SCALE = 1.0 / 192**0.5
 
@@ -83,8 +82,7 @@ def _setup(row: Row, rng, num_q: int):
     max_pages = -(-int(lens.max()) // PAGE)
     dtype = jnp.float8_e4m3fn if row.fp8 else jnp.bfloat16
     page_bytes = PAGE * W * jnp.dtype(dtype).itemsize
-    num_pages = common.rotation_pages(row.bs * max_pages, page_bytes)
-    tables = common.random_page_tables(rng, NUM_ROT, row.bs, max_pages, num_pages)
+    tables, num_pages = common.page_rotations(rng, row.bs, max_pages, page_bytes)
     kv = (jax.random.normal(jax.random.key(1), (num_pages, PAGE, W), jnp.float32) * 0.5).astype(dtype)
     qs = jax.random.normal(jax.random.key(2), (num_q, row.bs * row.q_len, row.heads, W), jnp.bfloat16)
     return qs, kv, jnp.asarray(tables), jnp.asarray(lens), lens
@@ -138,11 +136,11 @@ def time_calls(label: str, call, arrays, n_hi: int):
     qs, kv, tables, lens = arrays
 
     def step(i, qs, kv, tables, lens):
-        return call(qs[i], kv, tables[i % NUM_ROT], lens)
+        return call(qs[i], kv, tables[i % len(tables)], lens)
 
     try:
         t = common.time_rotated(step, (qs, kv, tables, lens), n_hi=n_hi, reps=3, join=False, device=True)
-        return t.device_seconds or t.seconds
+        return common.device_or_wall(t)
     except Exception as e:  # noqa: BLE001
         print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
         return None
@@ -160,7 +158,7 @@ def _profile(row: Row, arrays, kw, nbytes: float) -> str:
         return jattn.mla_decode_with_kvcache(q, kv, table, lens, backend="mosaic", **kw)
 
     try:
-        summ = prof.summarize(prof.profile_calls(one, [(qs[i], tables[i % NUM_ROT]) for i in range(8)]))
+        summ = prof.summarize(prof.profile_calls(one, [(qs[i], tables[i % len(tables)]) for i in range(8)]))
     except Exception as e:  # noqa: BLE001
         return f"{row.label}: profile failed {type(e).__name__}: {str(e)[:200]}"
     return f"{row.label}: {nbytes / (summ.span_us * 1e-6) / 1e12:.2f} TB/s over the span\n" + summ.table()

@@ -66,7 +66,7 @@ SERIES = {
     ),
     "mla": Chart(
         label=("row",),
-        ylabel="TB/s (latent cache bytes read once)",
+        ylabel="TB/s (latent read once per 64-row tile, q and out)",
         pivot="backend",
         values="TB/s",
         ceiling="copy_tbs",
@@ -110,10 +110,14 @@ def series(results: dict) -> tuple[list[str], dict[str, list[float]]]:
         for r, name in zip(rows, names):
             vals = out.setdefault(str(r[col[chart.pivot]]), [math.nan] * len(labels))
             vals[labels.index(name)] = _number(r[col[chart.values]], 0)
-    else:
+    else:  # rows that share a label (another column tells them apart) share its bar: the first kept
         for label, column, which in chart.series:
             if column in col:
-                out[label] = [_number(r[col[column]], which) if col[column] < len(r) else math.nan for r in rows]
+                vals = out[label] = [math.nan] * len(labels)
+                for r, name in zip(rows, names):
+                    v = _number(r[col[column]], which) if col[column] < len(r) else math.nan
+                    if math.isnan(vals[labels.index(name)]):
+                        vals[labels.index(name)] = v
     return labels, {k: v for k, v in out.items() if any(not math.isnan(x) for x in v)}
 
 

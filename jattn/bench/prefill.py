@@ -213,7 +213,7 @@ def triton_sweep(specs, launches) -> tuple[list[str], list[list[str]]]:
                 diff = "" if first is None else f" d={float(np.abs(o - first).max()):.1e}"
                 first = o if first is None else first
                 t = common.time_rotated(step, inp.args, n_lo=1, n_hi=4, reps=3, join=False, device=True)
-                s = t.device_seconds or t.seconds
+                s = common.device_or_wall(t)
                 row.append(f"{inp.flops / s / 1e12:.0f}{diff}" + (f" nonfinite={bad}" if bad else ""))
             except Exception as e:  # noqa: BLE001 - a launch that does not fit costs its cell
                 print(f"{spec.label} {header[len(row)]}: {type(e).__name__}: {str(e)[:300]}")
@@ -224,14 +224,17 @@ def triton_sweep(specs, launches) -> tuple[list[str], list[list[str]]]:
 
 
 def matmul_rate(n: int = 8192) -> float:
-    """bf16 matmul FLOP/s of this device (one large square product)."""
-    a = jnp.ones((n, n), jnp.bfloat16)
+    """bf16 matmul FLOP/s of this device: products of large square random matrices, a
+    different pair for each call (no elementwise pass before the product, nothing for XLA
+    to share between calls)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys]
 
-    def step(i, a):
-        return (a * (1 + i)) @ a
+    def step(i, *xs):
+        return xs[i % 4] @ xs[(i + 1) % 5]
 
-    t = common.time_rotated(step, (a,), n_lo=1, n_hi=4, reps=3, join=False, device=True)
-    return 2 * n**3 / (t.device_seconds or t.seconds)
+    t = common.time_rotated(step, xs, n_lo=1, n_hi=4, reps=3, join=False, device=True)
+    return 2 * n**3 / (common.device_or_wall(t))
 
 
 def _torch_cuda():
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         def timed(fn):
             try:
                 t = common.time_rotated(fn, inp.args, n_lo=1, n_hi=4, reps=3, join=False, device=True)
-                return t.device_seconds or t.seconds
+                return common.device_or_wall(t)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run this row
                 print(f"{spec.label}: {type(e).__name__}: {str(e)[:300]}")
                 return None
@@ -500,7 +503,7 @@ def _merge_row(rng, tokens: int = 16384, hq: int = 32, d: int = 128) -> None:
             return jattn.attn_merge_state(o_a, l_a + i, o_b, l_b, backend=backend)
 
         t = common.time_rotated(step, (o_a, l_a, o_b, l_b), n_lo=2, n_hi=12, reps=5, join=False, device=True)
-        t = dataclasses.replace(t, seconds=t.device_seconds or t.seconds)
+        t = dataclasses.replace(t, seconds=common.device_or_wall(t))
         f = functools.partial(jattn.attn_merge_state, backend=backend)
         hlo = jax.jit(f).lower(o_a, l_a, o_b, l_b).compile().as_text()
         kernels = hlo.count("kind=kLoop") + hlo.count("kind=kInput") + hlo.count("custom_call_target")

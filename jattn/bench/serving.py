@@ -226,7 +226,7 @@ def run_one(
         prompt_len=prompt_len,
         gen_len=gen_len,
         prefill_tokens_per_step=budget,
-        prefill_tok_s=m.prompt_tokens / m.prefill_time if m.prefill_time else 0.0,
+        prefill_tok_s=m.timed_prompt_tokens / m.prefill_time if m.prefill_time else 0.0,
         decode_tok_s=m.decode_tokens_per_s,
         overall_tok_s=m.generated_tokens / wall,
         total_tok_s=(m.prompt_tokens + m.generated_tokens) / wall,
