@@ -100,12 +100,16 @@ def _combine_kernel(
     b = tl.program_id(0)
     r = tl.program_id(1)
     c = tl.program_id(2)
+    if NUM_SPLITS * BS * ROWS * D > 2147483647:  # partial offsets past int32 (huge batches)
+        b = b.to(tl.int64)
     cols = c * DC + tl.arange(0, DC)
     lse_base = lse_ptr + b * ROWS_LSE + r
     o_base = o_ptr + b * (ROWS * D) + r * D + cols[None, :]
 
     # First chunk of splits.
     s = tl.arange(0, CHUNK)
+    if NUM_SPLITS * BS * ROWS * D > 2147483647:
+        s = s.to(tl.int64)
     ok = s < NUM_SPLITS
     lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
     o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
@@ -117,6 +121,8 @@ def _combine_kernel(
     # Further chunks (more than CHUNK splits), merged online.
     for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
+        if NUM_SPLITS * BS * ROWS * D > 2147483647:
+            s = s.to(tl.int64)
         ok = s < NUM_SPLITS
         lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
         o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
@@ -169,6 +175,8 @@ def _combine_heads_kernel(
     writes this layout takes none)."""
     item = tl.program_id(0)
     c = tl.program_id(1)
+    if NUM_SPLITS * BS * HKV * TILES * NT * D > 2147483647:  # partial offsets past int32
+        item = item.to(tl.int64)
     t = item % TILES
     h = (item // TILES) % HKV
     b = item // (TILES * HKV)
@@ -182,6 +190,8 @@ def _combine_heads_kernel(
 
     # First chunk of splits.
     s = tl.arange(0, CHUNK)
+    if NUM_SPLITS * BS * HKV * TILES * NT * D > 2147483647:
+        s = s.to(tl.int64)
     ok = (s[:, None] < NUM_SPLITS) & real[None, :]  # [CHUNK, NT]
     lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
     o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
@@ -193,6 +203,8 @@ def _combine_heads_kernel(
     # Further chunks (more than CHUNK splits), merged online.
     for c0 in tl.static_range(CHUNK, NUM_SPLITS, CHUNK):
         s = c0 + tl.arange(0, CHUNK)
+        if NUM_SPLITS * BS * HKV * TILES * NT * D > 2147483647:
+            s = s.to(tl.int64)
         ok = (s[:, None] < NUM_SPLITS) & real[None, :]
         lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
         o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
