@@ -456,7 +456,8 @@ def mha_prefill(
         return_lse=return_lse,
     )
     impl = None
-    if q.shape[0] and cu_seqlens_q.shape[0] > 1:  # an empty call runs on xla (empty outputs)
+    if q.shape[0] and q.shape[1] and k.shape[0] and cu_seqlens_q.shape[0] > 1:
+        # (no rows, heads, keys or requests: xla gives the empty or all-zero rows; no empty launch)
         impl = _pick(
             "mha_prefill",
             backend,

@@ -490,3 +490,18 @@ def test_array_softmax_scale_on_the_mosaic_kernels():
     with gpu_interpret():
         got = jattn.mha_prefill(qp, qp, qp, cu, max_seqlen_q=13, backend="mosaic", **kw)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_prefill_with_no_keys_on_mosaic_gives_empty_rows():
+    """``k`` / ``v`` of zero rows (every request has zero keys): the reference's zero rows and
+    ``-inf`` LSE on every backend, not a kernel over an empty array."""
+    q = jnp.ones((5, 2, 64), jnp.float16)
+    kv = jnp.ones((0, 1, 64), jnp.float16)
+    cu_q, cu_kv = jnp.asarray([0, 5], jnp.int32), jnp.asarray([0, 0], jnp.int32)
+    with gpu_interpret():
+        out, lse = jattn.mha_prefill(
+            q, kv, kv, cu_q, cu_kv, max_seqlen_q=5, max_seqlen_kv=1, is_causal=False, return_lse=True,
+            backend="mosaic",
+        )  # fmt: skip
+    assert out.shape == q.shape and not np.asarray(out, np.float32).any() and np.isneginf(np.asarray(lse)).all()
