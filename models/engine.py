@@ -186,8 +186,9 @@ class Engine:
         n = len(req.prompt)
         usable = self.allocator.num_pages - 1
         # Tokens the cache must hold before the request can make progress: the prompt, and
-        # the first generated token unless it is the last (the last one is never fed back).
-        first = n + (req.params.max_new_tokens > 1)
+        # the first generated token unless it is the last (the last one is never fed back:
+        # max_new_tokens of 1, or a prompt one short of max_context, which ends by length).
+        first = n + (req.params.max_new_tokens > 1 and n + 1 < self.config.max_context)
         if n == 0:
             self._fail(req, "empty prompt: at least one token is needed")
         elif n >= self.config.max_context:

@@ -934,3 +934,13 @@ def test_stacked_step_compiles_with_slices_in_place(monkeypatch):
     opts = step_mod.step_compiler_options(model, False)
     assert opts == {"xla_gpu_enable_command_buffer": "", **step_mod.SCAN_COMPILER_OPTIONS}
     assert opts["xla_gpu_enable_dynamic_slice_fusion"] is True
+
+
+def test_prompt_one_short_of_the_context_needs_no_page_for_a_second_token(llama):
+    """A prompt of max_context - 1 tokens ends by length after one token, which is never fed
+    back: a pool that holds just the prompt serves it (it was refused as exhausted)."""
+    prompt = _prompts(lens=(16,))[0]
+    eng = _engine(llama, page_size=4, num_pages=5, max_context=17)  # 4 usable pages: 16 tokens
+    r = eng.generate([prompt], SamplingParams(max_new_tokens=5))[0]
+    assert r.finish_reason == "length" and len(r.output_tokens) == 1
+    assert r.output_tokens == _solo(llama, prompt, SamplingParams(max_new_tokens=1))
