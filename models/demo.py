@@ -65,7 +65,7 @@ def load_model(args):
         from tokenizers import Tokenizer
 
         model = loading.from_pretrained(args.hf, **over)
-        tok = _HFDirTokenizer(Tokenizer.from_file(os.path.join(args.hf, "tokenizer.json")))
+        tok = _HFDirTokenizer(Tokenizer.from_file(os.path.join(args.hf, "tokenizer.json")), _hf_eos_ids(args.hf))
         return model, tok, f"{model.config.name} from {args.hf}"
     path = args.gguf
     if path is None and args.model in ("auto", "smollm2"):
@@ -99,10 +99,26 @@ def load_model(args):
     return model, ByteTokenizer(), f"{cfg.name} (random weights)"
 
 
+def _hf_eos_ids(path: str) -> tuple[int, ...]:
+    """The model's own end tokens: ``eos_token_id`` (an int or a list) of the directory's
+    ``generation_config.json``, else of its ``config.json``."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(path, name)
+        if os.path.exists(f):
+            with open(f) as fh:
+                eos = json.load(fh).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
 class _HFDirTokenizer:
-    def __init__(self, tk):
+    def __init__(self, tk, eos_ids=()):
         self._tk = tk
-        self.eos_token_id = None
+        self._eos = tuple(eos_ids)
+        self.eos_token_id = self._eos[0] if self._eos else None
 
     def encode(self, text):
         return self._tk.encode(text, add_special_tokens=False).ids
@@ -114,8 +130,9 @@ class _HFDirTokenizer:
         return self.encode(user)
 
     def stop_ids(self):
+        """The model's end tokens (its config's ``eos_token_id``) and the usual end-of-turn ones."""
         ids = [self._tk.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>")]
-        return tuple(i for i in ids if i is not None)
+        return tuple(dict.fromkeys(self._eos + tuple(i for i in ids if i is not None)))
 
 
 def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:

@@ -98,3 +98,22 @@ def test_sliding_windows_are_kept_or_refused():
         LlamaConfig.from_hf({**_LLAMA, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True})
     with pytest.raises(ValueError, match=r"sliding_window=-1 must be an int >= 0"):
         LlamaConfig.from_hf(_LLAMA).replace(sliding_window=-1)
+
+
+def test_hf_directory_end_tokens_come_from_its_config(tmp_path):
+    """``generate --hf DIR`` stops at the model's own ``eos_token_id`` (Llama 3 base:
+    ``<|end_of_text|>``), read from generation_config.json before config.json."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models
+
+    from jattn.models.demo import _hf_eos_ids, _HFDirTokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert _hf_eos_ids(str(tmp_path)) == (3,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert _hf_eos_ids(str(tmp_path)) == (128001, 128009)
+    tok = _HFDirTokenizer(Tokenizer(models.BPE()), _hf_eos_ids(str(tmp_path)))
+    assert tok.stop_ids()[:2] == (128001, 128009) and tok.eos_token_id == 128001
+    assert _hf_eos_ids(str(tmp_path / "missing")) == ()
