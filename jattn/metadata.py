@@ -148,15 +148,22 @@ class DecodeMetadata(_PagedPlan):
         ``seq_lens`` i32[bs] (new tokens included) replaces ``cache_seqlens`` for rows
         ``< num_reqs`` (default: the plan's ``num_reqs``); positions and write slots of
         those rows are re-derived from the page table, which must already hold their
-        pages. Rows ``>= num_reqs`` keep length 0 and write to the dummy page.
+        pages. Rows ``>= num_reqs`` keep length 0 and write to the dummy page. Concrete
+        lengths outside ``[0, max_pages * page_size]`` are refused; traced ones there write
+        nothing (their slot would be another token's).
         """
         bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
+        cap = self.page_table.shape[1] * ps
+        c = _concrete_array(seq_lens)
+        if c is not None and c.size and (c.min() < 0 or c.max() > cap):
+            b = int(np.flatnonzero((c < 0) | (c > cap))[0])
+            raise ValueError(f"seq_lens[{b}]={int(c.reshape(-1)[b])} must be in [0, {cap}] (the page table's tokens)")
         num_reqs = self.num_reqs if num_reqs is None else num_reqs
         real = jnp.arange(bs) < num_reqs
         sl = jnp.asarray(seq_lens, jnp.int32).reshape(-1)[:bs]
         lens = jnp.where(real, jnp.pad(sl, (0, bs - sl.shape[0])), 0)
         pos = lens[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None, :]
-        ok = real[:, None] & (pos >= 0)
+        ok = real[:, None] & (pos >= 0) & (pos < cap)
         pos = jnp.where(ok, pos, 0)
         page = jnp.take_along_axis(self.page_table, jnp.clip(pos // ps, 0, self.page_table.shape[1] - 1), axis=1)
         loc = jnp.where(ok, page * ps + pos % ps, DUMMY_PAGE * ps)
@@ -218,6 +225,14 @@ def _with_page_offset(md, offset, num_pages: int):
         # An unchecked plan stays unchecked: the shift does not bound its page ids.
         num_pages=None if md.num_pages is None else num_pages,
     )
+
+
+def _concrete_array(x) -> np.ndarray | None:
+    """``x`` as a numpy array, or None while it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def _concrete_int(x) -> int | None:

@@ -339,6 +339,13 @@ def test_plans_record_the_page_bound_they_were_checked_against():
     assert tree(a) == tree(b) and tree(a) != tree(c)
     # with_seq_lens (the DFLASH fill) keeps it
     assert a.with_seq_lens(np.array([4, 8])).num_pages == 8
+    # lengths past the page table or negative: refused; under jit, no write lands
+    cap = a.page_table.shape[1] * 4
+    for bad in ([4, cap + 1], [-1, 4]):
+        with pytest.raises(ValueError, match=rf"seq_lens\[\d\]=.* must be in \[0, {cap}\]"):
+            a.with_seq_lens(np.array(bad))
+    traced = jax.jit(lambda lens: a.with_seq_lens(lens))(np.array([4, cap + 1], np.int32))
+    assert int(traced.out_cache_loc[1]) == 0  # the dummy page, not another token's slot
     # with_page_offset: the shifted plan stays inside the larger pool, or is refused
     assert a.with_page_offset(8, 16).num_pages == 16 and int(a.with_page_offset(8, 16).page_table[1, 2]) == 14
     for off in (-1, 9):
