@@ -368,3 +368,16 @@ def test_gpu_bridge_native_equals_jax_triton_and_replays_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     np.testing.assert_array_equal(gout.float().cpu().numpy(), out.float().cpu().numpy())
+
+
+def test_refuses_a_query_tile_over_shared_memory():
+    """Many query rows per KV head (an MQA model's 128 heads, 8-token verify) need a q tile
+    past shared memory: refused with the reason (auto falls back) instead of a failed launch."""
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels import triton_decode as td
+
+    k = jnp.zeros((4, 16, 1, 128), jnp.bfloat16)
+    msg = td.unsupported_reason(jnp.zeros((8, 128, 128), jnp.bfloat16), k, k, max_seqlen_q=8)
+    assert msg is not None and "1024 query rows per KV head" in msg and "shared memory" in msg
+    assert td.unsupported_reason(jnp.zeros((8, 32, 128), jnp.bfloat16), k, k, max_seqlen_q=8) is None
