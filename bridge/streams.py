@@ -106,7 +106,7 @@ def _launch_is_synchronous(device, stream_ptr: int) -> bool:
 def _jax_device_of(device: torch.device):
     """The local JAX GPU device of torch CUDA device ``device`` (its CUDA ordinal)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    for d in jax.local_devices(backend="gpu"):
+    for d in jax.local_devices():  # the default backend: the GPU here
         if getattr(d, "local_hardware_id", d.id) == index:
             return d
     raise ValueError(f"no local JAX GPU device for torch device {device} (CUDA ordinal {index})")
