@@ -86,8 +86,9 @@ def main():
                 row += n
             x = out  # the next layer's input (an engine would apply o_proj, MLP, ...)
 
-    # On a GPU with sync="stream" (the default there) the engine can run its torch work on
-    # XLA's compute stream: one stream orders torch and jattn, and no fences are made.
+    # On a GPU with sync="stream" (what the default "auto" picks where a one-time check passes)
+    # the engine can run its torch work on XLA's compute stream: one stream orders torch and
+    # jattn, and no fences are made.
     shared = torch.cuda.stream(backend.stream) if backend.stream is not None else contextlib.nullcontext()
     with shared:
         step(ForwardMode.EXTEND, prompt_lens)

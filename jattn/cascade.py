@@ -242,7 +242,8 @@ def cascade_decode(
         the largest that keeps ``chunk * max_seqlen_q <= 8``). Giving it selects the
         ``"decode"`` pass.
       prefix_pass: ``"decode"``, ``"extend"`` or None (decode for groups of at most
-        8 query rows, else extend); see the module docstring.
+        8 query rows that pack into fewer than 32 rows per KV head, else extend); see the
+        module docstring.
       prefix_splits: page ranges per group prefix for the extend pass (None:
         :func:`prefix_split_count`).
       Other arguments as in ``jattn.mha_decode_with_kvcache`` (causal within the suffix).

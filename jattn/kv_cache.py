@@ -150,8 +150,8 @@ def _merge_layers(pool):
 
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(_Pools):
-    """MHA/GQA paged cache: per-layer ``k[i]``, ``v[i]`` of shape
-    ``[num_pages, page_size, num_kv_heads, head_dim]``.
+    """MHA/GQA paged cache: per-layer ``k[i]`` of shape ``[num_pages, page_size, num_kv_heads,
+    head_dim]`` and ``v[i]`` of ``[..., head_dim_v]``.
 
     The cache holds data only: FP8 scales are the layer's (``LayerSpec.k_scale`` /
     ``v_scale``), passed to the writes and the reads by the backend.

@@ -1,10 +1,12 @@
 """Public attention ops with backend dispatch.
 
-Every op takes ``backend=None`` (auto) or a name from :data:`BACKENDS`. Auto tries
-``mosaic`` (Hopper GPUs), then ``triton``, then ``xla`` (the plain-JAX reference, which
-serves every call), skipping a kernel that cannot serve the call or that was measured
-slower than ``xla`` for its shapes. A named backend that cannot serve the call raises
-``NotImplementedError`` naming what is missing; it never falls back silently.
+Every op but ``set_mla_kv_buffer`` takes ``backend=None`` (auto) or a name from
+:data:`BACKENDS`. Auto tries ``mosaic`` (Hopper GPUs), then ``triton``, then ``xla`` (the
+plain-JAX reference, which serves every call), skipping a kernel that cannot serve the call
+or that was measured slower than ``xla`` for its shapes. A named backend that cannot serve
+the call raises ``NotImplementedError`` naming what is missing; it never falls back
+silently. (A call with nothing to compute, no rows, heads or pages, gives its empty or
+all-zero result from the reference whatever the backend: the kernels have no empty launch.)
 What each op computes (masks, window, cap, sinks, FP8, LSE) is in docs/SEMANTICS.md.
 
 Shapes and dtypes are checked at trace time with errors that name the argument;
