@@ -41,7 +41,7 @@ from jattn import ops
 from jattn.checks import _is_int
 from jattn.config import LayerSpec
 from jattn.kv_cache import MLAKVCache, PagedKVCache
-from jattn.metadata import DecodeMetadata, ExtendMetadata
+from jattn.plan_stack import stack_plans
 
 __all__ = [
     "DataParallelMLABackend",
@@ -422,69 +422,6 @@ class TensorParallelMHABackend(_Wrapped):
         )
 
 
-# ----------------------------------------------------------------------------- data parallel
-
-
-def stack_plans(plans):
-    """One plan for data parallelism: the per-device plans (one per device of the axis,
-    in mesh order, all ``DecodeMetadata`` or all ``ExtendMetadata``, planned with the same
-    buckets so that their arrays have the same shapes) concatenated along their leading
-    axis (``num_reqs`` becomes ``i32[n]``). Page ids and slots stay local to each device's
-    pool. Static fields must agree, except an extend's ``has_prefix`` (True if any is) and
-    ``max_seqlen_q`` (the largest: a bound). ``positions`` comes out flat, as a model reads it;
-    a cascade plan's ``prefix_pages`` (data, per device) is concatenated like the other arrays."""
-    plans = list(plans)
-    if not plans:
-        raise ValueError("stack_plans: plans is empty (one plan per device of the data-parallel axis)")
-    cls = type(plans[0])
-    if cls not in (DecodeMetadata, ExtendMetadata) or any(type(p) is not cls for p in plans):
-        raise TypeError(
-            "stack_plans: plans must all be DecodeMetadata or all ExtendMetadata, got "
-            f"{[type(p).__name__ for p in plans]}"
-        )
-    statics = {}
-    fields = [f.name for f in dataclasses.fields(cls)]
-    for name in sorted(fields, key=lambda f: f in _DATA_FIELDS):  # statics first: group_size before prefix_pages
-        vals = [getattr(p, name) for p in plans]
-        if name in _DATA_FIELDS:
-            shapes = {np.shape(x) for x in vals}
-            if len(shapes) != 1:
-                raise ValueError(
-                    f"stack_plans: {name} has shapes {sorted(shapes)} across the plans; plan every device "
-                    "with the same batch_buckets, token_buckets and max_pages (one bucket each)"
-                )
-            continue
-        if cls is ExtendMetadata and name == "has_prefix":
-            statics[name] = any(vals)
-        elif cls is ExtendMetadata and name == "max_seqlen_q":
-            statics[name] = max(vals)
-        elif any(x != vals[0] for x in vals):
-            raise ValueError(f"stack_plans: the static field {name} differs across the plans: {vals}")
-        else:
-            statics[name] = vals[0]
-    data = {
-        name: None
-        if getattr(plans[0], name) is None  # a plain plan's prefix_pages (group_size 1 in every plan)
-        else np.concatenate([np.asarray(getattr(p, name)).reshape(-1, *np.shape(getattr(p, name))[1:]) for p in plans])
-        for name in _DATA_FIELDS
-        if name in fields
-    }
-    return cls(**data, **statics)
-
-
-# The array fields (split along the axis inside shard_map); prefix_pages: a cascade plan's, per device.
-_DATA_FIELDS = (
-    "page_table",
-    "cache_seqlens",
-    "prefix_lens",
-    "cu_seqlens_q",
-    "out_cache_loc",
-    "positions",
-    "num_reqs",
-    "prefix_pages",
-)
-
-
 def _refuse_stacked(cache, what: str) -> None:
     """Tensor parallelism splits per-layer pools by head; a stacked pool (one array of all
     layers) has another layout."""
@@ -495,9 +432,43 @@ def _refuse_stacked(cache, what: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- data parallel
+
+
 def _unstack(md):
     """Inside ``shard_map``: a device's slice of a stacked plan is its own plan."""
     return dataclasses.replace(md, num_reqs=md.num_reqs.reshape(()))
+
+
+def _absorbed_method(name: str):
+    """``DataParallelMLABackend.<name>``: ``MLABackend.<name>`` on every device, the token
+    arrays (``positions`` included, each device's own, stacked) split, ``cos_sin_cache``
+    whole on every device."""
+
+    def method(
+        self,
+        q,
+        k,
+        v,
+        layer,
+        kv_cache,
+        metadata,
+        save_kv_cache=True,
+        q_rope=None,
+        k_rope=None,
+        llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
+    ):
+        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
+        return self._absorbed(
+            name, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
+        )
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``MLABackend.{name}`` on each device's requests, pool and plan."
+    return method
 
 
 class DataParallelMLABackend(_Wrapped):
@@ -605,80 +576,9 @@ class DataParallelMLABackend(_Wrapped):
         )
         return out, kv_cache.replace_layer(layer.layer_id, pool)
 
-    def forward_decode(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        kv_cache,
-        metadata,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        llama_4_scaling=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ):
-        """``MLABackend.forward_decode`` per device: the token arrays (``positions``
-        included, each device's own stacked) split, ``cos_sin_cache`` whole on every device."""
-        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
-        return self._absorbed(
-            "forward_decode", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
-        )
-
-    def forward_draft_extend(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        kv_cache,
-        metadata,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        llama_4_scaling=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ):
-        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
-        return self._absorbed(
-            "forward_draft_extend",
-            q,
-            k,
-            layer,
-            kv_cache,
-            metadata,
-            save_kv_cache,
-            q_rope,
-            k_rope,
-            llama_4_scaling,
-            rope,
-        )
-
-    def forward_absorbed(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        kv_cache,
-        metadata,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        llama_4_scaling=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ):
-        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
-        return self._absorbed(
-            "forward_absorbed", q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
-        )
+    forward_decode = _absorbed_method("forward_decode")
+    forward_draft_extend = _absorbed_method("forward_draft_extend")
+    forward_absorbed = _absorbed_method("forward_absorbed")
 
     def forward_extend(
         self,
