@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         kscale = 0.5 if kvname == "fp8" else 1.0
 
-        def step(i, qs, k, v, tables, lens, options=opts):
+        def step(i, qs, k, v, tables, lens, options=opts, **extra):
             return md.mha_decode(
                 qs[i],
                 k,
@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
                 k_scale=kscale,
                 v_scale=kscale,
                 options=options,
+                **extra,
             )
 
         # the call runs the per-KV-head kernel where mosaic_decode routes it (splits column: "h" + its count)
@@ -430,18 +431,7 @@ def main(argv: list[str] | None = None) -> None:
 
             inv = ops._invariant_splits(md.mha_decode, qs[0], k, tables[0], q_len)
 
-            def istep(i, qs, k, v, tables, lens):
-                return md.mha_decode(
-                    qs[i],
-                    k,
-                    v,
-                    tables[i % len(tables)],
-                    lens,
-                    max_seqlen_q=q_len,
-                    k_scale=kscale,
-                    v_scale=kscale,
-                    **inv,
-                )
+            istep = functools.partial(step, options=md.KernelOptions(), **inv)  # the default options
 
             methods.append(
                 (
