@@ -10,6 +10,7 @@ import types
 import pytest
 
 import jattn.demo
+import jattn.dispatch
 import jattn.ops
 from jattn.__main__ import main
 
@@ -42,9 +43,9 @@ def test_op_backend_follows_the_dispatch(monkeypatch):
     assert jattn.ops.op_backend("mha_extend", "xla") == ("xla", None)
     assert jattn.ops.op_backend("mla_decode", "mosaic") == ("mosaic", None)  # interpreted here
     assert jattn.ops.op_backend("mha_prefill", "mosaic") == ("mosaic", None)
-    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
+    monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "hopper")
     assert jattn.ops.op_backend("mha_decode") == ("mosaic", None)
-    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
+    monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "ampere")
     name, why = jattn.ops.op_backend("mha_decode", "mosaic")
     assert name == "xla" and "Hopper" in why
     with pytest.raises(ValueError, match="must be one of"):
@@ -58,7 +59,7 @@ def test_auto_follows_the_measured_order(monkeypatch):
     from jattn.pallas_kernels import triton_glue
 
     monkeypatch.setattr(triton_glue, "available", lambda: True)
-    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "hopper")
+    monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "hopper")
     got = {op: jattn.ops.op_backend(op)[0] for op in jattn.ops.OPS}
     assert got == {
         "mha_decode": "mosaic",
@@ -69,7 +70,7 @@ def test_auto_follows_the_measured_order(monkeypatch):
         "set_kv_buffer": "xla",
         "set_mla_kv_buffer": "xla",
     }
-    monkeypatch.setattr(jattn.ops, "device_kind", lambda: "ampere")
+    monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "ampere")
     got = {op: jattn.ops.op_backend(op)[0] for op in jattn.ops.OPS}
     assert [op for op, b in got.items() if b == "triton"] == ["mha_decode", "mha_extend", "mha_prefill", "mla_decode"]
     monkeypatch.setattr(triton_glue, "available", lambda: False)  # no jax-triton: XLA
@@ -83,13 +84,13 @@ def test_named_backend_is_a_preference(monkeypatch):
     assert jattn.demo.choose_backend("xla") == ("xla", None)
     backend, note = jattn.demo.choose_backend("mosaic")  # on this CPU
     assert backend is None and "every op runs on xla" in note and "\n" not in note
-    for target in (jattn.ops, jattn.demo):
+    for target in (jattn.dispatch, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "hopper")
     # every MHA op has a mosaic kernel: the loop runs on mosaic, nothing to announce
     assert jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS) == ("mosaic", None)
     # and so has every MLA op (absorbed decode, the 192/128 prefill)
     assert jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS) == ("mosaic", None)
-    for target in (jattn.ops, jattn.demo):
+    for target in (jattn.dispatch, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
     backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
     assert backend is None and note == (

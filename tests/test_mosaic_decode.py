@@ -266,7 +266,7 @@ def test_errors_name_the_limit():
 def test_auto_dispatch_skips_measured_slow_shapes(monkeypatch):
     """Auto picks mosaic on Hopper only where it was measured faster than xla; an
     explicit backend="mosaic" still runs the kernel."""
-    from jattn import ops
+    from jattn import dispatch, ops
 
     q = jnp.zeros((2, 9, 64), jnp.bfloat16)
     k3 = jnp.zeros((4, 16, 3, 64), jnp.bfloat16)
@@ -274,7 +274,7 @@ def test_auto_dispatch_skips_measured_slow_shapes(monkeypatch):
     q8 = jnp.zeros((2, 16, 64), jnp.bfloat16)
     assert "num_kv_heads=3" in md.auto_skip_reason(q, k3, k3)
     assert md.auto_skip_reason(q8, k8, k8) is None
-    monkeypatch.setattr(ops, "device_kind", lambda: "hopper")
+    monkeypatch.setattr(dispatch, "device_kind", lambda: "hopper")
     monkeypatch.setattr(md, "unsupported_reason", lambda *a, **k: None)
     table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
     picked = []
