@@ -104,14 +104,10 @@ def to_jax_input(t: torch.Tensor, name: str) -> jax.Array:
     t = t.detach().contiguous()
     if t.numel() and t.data_ptr() % alignment(_platform_of(t)):
         t = t.clone()
-    check_shareable(t, name)
-    try:
-        return jax.dlpack.from_dlpack(t, copy=False)
-    except (ValueError, RuntimeError) as e:
-        raise BridgeError(f"JAX refused a zero-copy view of {name}: {e}") from e
+    return to_jax(t, name=name)
 
 
-def to_jax(t: torch.Tensor, *, copy: bool = False) -> jax.Array:
+def to_jax(t: torch.Tensor, *, copy: bool = False, name: str = "tensor") -> jax.Array:
     """A JAX array viewing the memory of torch tensor ``t`` (no copy).
 
     Args:
@@ -120,6 +116,7 @@ def to_jax(t: torch.Tensor, *, copy: bool = False) -> jax.Array:
       copy: ``True`` makes an explicit copy first (``t.contiguous().clone()``), so
         strided or misaligned tensors can be converted; the result then shares
         nothing with ``t``. Never use it on a KV pool.
+      name: what the errors call ``t`` (the argument it came from).
 
     Returns:
       jax.Array on the device of ``t``. Writes by torch to ``t`` are visible to
@@ -130,13 +127,13 @@ def to_jax(t: torch.Tensor, *, copy: bool = False) -> jax.Array:
     """
     if copy:
         if not isinstance(t, torch.Tensor):
-            raise BridgeError(f"tensor must be a torch.Tensor, got {type(t).__name__}")
+            raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         t = t.detach().contiguous().clone()
-    check_shareable(t)
+    check_shareable(t, name)
     try:
         return jax.dlpack.from_dlpack(t.detach(), copy=False)
     except (ValueError, RuntimeError) as e:  # JAX's own refusal (e.g. an alignment it needs)
-        raise BridgeError(f"JAX refused a zero-copy view of the tensor: {e}") from e
+        raise BridgeError(f"JAX refused a zero-copy view of {name}: {e}") from e
 
 
 def to_torch(a: jax.Array, *, copy: bool = False) -> torch.Tensor:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import _check_causal, first_page_outside
+from jattn.checks import _check_causal, _concrete, first_page_outside
 from jattn.plan_inputs import (
     _as_int_array,
     _check_i32,
@@ -154,7 +154,7 @@ class DecodeMetadata(_PagedPlan):
         """
         bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
         cap = self.page_table.shape[1] * ps
-        c = _concrete_array(seq_lens)
+        c = _concrete(seq_lens)
         if c is not None and c.size and (c.min() < 0 or c.max() > cap):
             b = int(np.flatnonzero((c < 0) | (c > cap))[0])
             raise ValueError(f"seq_lens[{b}]={int(c.reshape(-1)[b])} must be in [0, {cap}] (the page table's tokens)")
@@ -225,14 +225,6 @@ def _with_page_offset(md, offset, num_pages: int):
         # An unchecked plan stays unchecked: the shift does not bound its page ids.
         num_pages=None if md.num_pages is None else num_pages,
     )
-
-
-def _concrete_array(x) -> np.ndarray | None:
-    """``x`` as a numpy array, or None while it is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _concrete_int(x) -> int | None:

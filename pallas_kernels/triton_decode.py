@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jattn.dispatch import device_kind
 from jattn.pallas_kernels.combine import wave_splits
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
@@ -152,37 +153,30 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, **_) -> str | Non
         return f"max_seqlen_q={max_seqlen_q} (1..{MAX_Q_LEN})"
     if q.shape[1] % k_cache.shape[2]:
         return f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}"
-    rows = max_seqlen_q * (q.shape[1] // k_cache.shape[2])
-    block_m = max(16, 1 << max(0, (rows - 1).bit_length()))
+    group = q.shape[1] // k_cache.shape[2]
     # the q tile and the K/V blocks in q's dtype (Triton 3.6 for sm_90, two stages: 16.5 KB
-    # beside a bf16 q tile)
-    need = jnp.dtype(q.dtype).itemsize * (block_m * d + 8448)
-    if need > _smem_limit():
+    # beside a bf16 q tile); a program may take 227 KB on Hopper, 99 KB on sm86 / sm89 (an
+    # A100 has more, not counted on)
+    need = jnp.dtype(q.dtype).itemsize * (_block_m(max_seqlen_q * group) * d + 8448)
+    limit = 232448 if device_kind() == "hopper" else 101376
+    if need > limit:
         return (
-            f"{rows} query rows per KV head (q_len {max_seqlen_q} x group {q.shape[1] // k_cache.shape[2]}) "
-            f"at head_dim {d}: about {need} bytes of shared memory, over this GPU's {_smem_limit()}"
+            f"{max_seqlen_q * group} query rows per KV head (q_len {max_seqlen_q} x group {group}) "
+            f"at head_dim {d}: about {need} bytes of shared memory, over this GPU's {limit}"
         )
     return None
 
 
-def _smem_limit() -> int:
-    """Shared memory a program may take: 227 KB on Hopper, 99 KB elsewhere (sm86 / sm89;
-    an A100 has more, not counted on)."""
-    import jax
-
-    if jax.default_backend() == "gpu":
-        cc = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-        if int(cc.split(".")[0]) >= 9:
-            return 232448
-    return 101376
+def _block_m(rows: int) -> int:
+    """BLOCK_M for ``rows`` query rows of a KV head: a power of two, at least 16 (the mma's rows)."""
+    return max(16, 1 << max(0, (rows - 1).bit_length()))
 
 
 def launch_params(bs: int, hq: int, hkv: int, d: int, q_len: int, max_tokens: int, num_splits: int | None = None):
     """``(grid, constexprs)`` apart from the array shapes: BLOCK_M covers a KV head's
     ``q_len * group`` rows (at least 16, the mma's rows); splits so that about two
     waves of programs cover the SMs, each split at least 256 tokens."""
-    m = q_len * (hq // hkv)
-    block_m = max(16, 1 << max(0, (m - 1).bit_length()))
+    block_m = _block_m(q_len * (hq // hkv))
     block_n = 64 if d <= 128 else 32
     if num_splits is None:
         num_splits = wave_splits(bs * hkv, max_tokens // 256)

@@ -115,9 +115,9 @@ def series(results: dict) -> tuple[list[str], dict[str, list[float]]]:
             if column in col:
                 vals = out[label] = [math.nan] * len(labels)
                 for r, name in zip(rows, names):
-                    v = _number(r[col[column]], which) if col[column] < len(r) else math.nan
-                    if math.isnan(vals[labels.index(name)]):
-                        vals[labels.index(name)] = v
+                    j = labels.index(name)
+                    if math.isnan(vals[j]):
+                        vals[j] = _number(r[col[column]], which) if col[column] < len(r) else math.nan
     return labels, {k: v for k, v in out.items() if any(not math.isnan(x) for x in v)}
 
 

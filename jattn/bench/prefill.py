@@ -234,7 +234,7 @@ def matmul_rate(n: int = 8192) -> float:
         return xs[i % 4] @ xs[(i + 1) % 5]
 
     t = common.time_rotated(step, xs, n_lo=1, n_hi=4, reps=3, join=False, device=True)
-    return 2 * n**3 / (common.device_or_wall(t))
+    return 2 * n**3 / common.device_or_wall(t)
 
 
 def _torch_cuda():
