@@ -116,20 +116,25 @@ def _check_cu_seqlens(cu, name: str, rows: int, rows_name: str, max_seqlen: int,
             )
 
 
-def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
-    _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim]")
+def _check_kv_caches(k_cache, v_cache) -> None:
+    """Paged K and V caches: 4-D, one KV dtype, the same pages, page size and heads."""
     _check_ndim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]")
     _check_ndim(v_cache, "v_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim_v]")
-    _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
-    _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
-    _check_dtype(q, "q", Q_DTYPES)
     _check_dtype(k_cache, "k_cache", KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
-    _check_int(page_table, "page_table")
-    _check_int(cache_seqlens, "cache_seqlens")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages/heads")
+
+
+def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
+    _check_ndim(q, "q", 3, "[tokens, num_q_heads, head_dim]")
+    _check_kv_caches(k_cache, v_cache)
+    _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
+    _check_ndim(cache_seqlens, "cache_seqlens", 1, "[batch]")
+    _check_dtype(q, "q", Q_DTYPES)
+    _check_int(page_table, "page_table")
+    _check_int(cache_seqlens, "cache_seqlens")
     if q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"q head_dim={q.shape[2]} must equal k_cache head_dim={k_cache.shape[3]}")
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]

@@ -31,6 +31,7 @@ from jattn.checks import (
     _check_cu_seqlens,
     _check_dtype,
     _check_int,
+    _check_kv_caches,
     _check_lengths,
     _check_max_seqlen,
     _check_ndim,
@@ -457,13 +458,7 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     update is in place. backend: None or ``"xla"`` (one XLA scatter), or ``"triton"`` (the
     Triton write through jax-triton, the source the torch bridge launches natively).
     """
-    _check_ndim(k_cache, "k_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim]")
-    _check_ndim(v_cache, "v_cache", 4, "[num_pages, page_size, num_kv_heads, head_dim_v]")
-    _check_dtype(k_cache, "k_cache", _KV_DTYPES)
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages/heads")
+    _check_kv_caches(k_cache, v_cache)
     for x, name in ((k, "k"), (v, "v")):
         _check_ndim(x, name, 3, "[tokens, num_kv_heads, head_dim]")
     _check_int(out_cache_loc, "out_cache_loc")
