@@ -461,10 +461,8 @@ def _absorbed_method(name: str):
         is_neox=False,
         positions=None,
     ):
-        rope = dict(cos_sin_cache=cos_sin_cache, is_neox=is_neox, positions=positions)
-        return self._absorbed(
-            name, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope
-        )
+        split = dict(k=k, q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
+        return self._absorbed(name, q, layer, kv_cache, metadata, save_kv_cache, split, cos_sin_cache, is_neox)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"``MLABackend.{name}`` on each device's requests, pool and plan."
@@ -516,12 +514,16 @@ class DataParallelMLABackend(_Wrapped):
                 f"{self.axis!r} (size {self.size}); build it with stack_plans"
             )
 
-    def _run(self, fn, named_args: dict, replicated: dict | None = None):
-        """``fn(*local args, *replicated args)`` on every device; every argument of
-        ``named_args`` (``{name: value}``) and every output split along its leading axis,
+    def _run(self, fn, named_args: dict, optional=None, replicated=None, static=None):
+        """``fn(*local args, **local optional args)`` on every device. Every argument of
+        ``named_args`` (``{name: value}``, passed by position) and of ``optional`` (by
+        keyword, left out where None), and every output, is split along its leading axis,
         whose size must be a multiple of the axis size (else a message naming the argument,
-        instead of ``shard_map``'s); ``replicated`` ones (e.g. a rope table) whole on each."""
-        for name, x in named_args.items():
+        instead of ``shard_map``'s); ``replicated`` arguments (a rope table; left out where
+        None) reach every device whole, ``static`` ones as they are, both by keyword."""
+        split = {**named_args, **{k: v for k, v in (optional or {}).items() if v is not None}}
+        whole = {k: v for k, v in (replicated or {}).items() if v is not None}
+        for name, x in split.items():
             for leaf in jax.tree_util.tree_leaves(x):
                 rows = np.shape(leaf)[0] if np.ndim(leaf) else None
                 if rows is None or rows % self.size:
@@ -530,11 +532,15 @@ class DataParallelMLABackend(_Wrapped):
                         f"devices of mesh axis {self.axis!r}, so it must be a multiple of {self.size} (each "
                         "device's rows, stacked)"
                     )
+        n = len(named_args)
+        keywords = list(split)[n:] + list(whole)
+
+        def body(*args):
+            return fn(*args[:n], **dict(zip(keywords, args[n:])), **(static or {}))
+
         spec = P(self.axis)
-        rep = tuple((replicated or {}).values())
-        args = tuple(named_args.values()) + rep
-        specs = tuple(spec for _ in named_args) + tuple(P() for _ in rep)
-        return shard_map(fn, self.mesh, specs, spec)(*args)
+        specs = tuple(spec for _ in split) + tuple(P() for _ in whole)
+        return shard_map(body, self.mesh, specs, spec)(*split.values(), *whole.values())
 
     def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
         """``MLABackend.save_kv`` on each device's pool (slots local to it)."""
@@ -547,33 +553,20 @@ class DataParallelMLABackend(_Wrapped):
         pool = self._run(body, args)
         return kv_cache.replace_layer(layer.layer_id, pool)
 
-    def _absorbed(self, method, q, k, layer, kv_cache, metadata, save_kv_cache, q_rope, k_rope, llama_4_scaling, rope):
+    def _absorbed(self, method, q, layer, kv_cache, metadata, save_kv_cache, split, cos_sin_cache, is_neox):
+        """``MLABackend.<method>`` on every device: ``split`` the optional token arrays
+        (``k`` among them), the rope table whole on each device."""
         self._check(metadata)
         local = dataclasses.replace(layer, layer_id=0)
-        names = ("k", "q_rope", "k_rope", "llama_4_scaling", "positions")
-        vals = (k, q_rope, k_rope, llama_4_scaling, rope["positions"])
-        given = {n: x for n, x in zip(names, vals) if x is not None}
-        table = {} if rope["cos_sin_cache"] is None else {"cos_sin_cache": rope["cos_sin_cache"]}
 
-        def body(q, pool, md, *rest):
-            kw = dict(zip(list(given) + list(table), rest))
-            if table:
-                kw["is_neox"] = rope["is_neox"]
-            out, cache = getattr(self.backend, method)(
-                q,
-                kw.pop("k", None),
-                None,
-                local,
-                MLAKVCache((pool,), kv_cache.kv_lora_rank),
-                _unstack(md),
-                save_kv_cache,
-                **kw,
-            )
+        def body(q, pool, md, k=None, **kw):
+            cache = MLAKVCache((pool,), kv_cache.kv_lora_rank)
+            out, cache = getattr(self.backend, method)(q, k, None, local, cache, _unstack(md), save_kv_cache, **kw)
             return out, cache.kv[0]
 
-        out, pool = self._run(
-            body, dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata, **given), table
-        )
+        args = dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata)
+        rope = dict(cos_sin_cache=cos_sin_cache)
+        out, pool = self._run(body, args, split, rope, dict(is_neox=is_neox))
         return out, kv_cache.replace_layer(layer.layer_id, pool)
 
     forward_decode = _absorbed_method("forward_decode")
@@ -597,14 +590,10 @@ class DataParallelMLABackend(_Wrapped):
     ):
         """``MLABackend.forward_extend`` (ragged non-absorbed prefill) on each device's tokens."""
         self._check(metadata)
-        names = ("q_rope", "k_rope", "llama_4_scaling", "positions")
-        given = {n: x for n, x in zip(names, (q_rope, k_rope, llama_4_scaling, positions)) if x is not None}
-        table = {} if cos_sin_cache is None else {"cos_sin_cache": cos_sin_cache}
 
-        def body(q, k, v, md, *rest):
-            kw = dict(zip(list(given) + list(table), rest))
-            if table:
-                kw["is_neox"] = is_neox
+        def body(q, k, v, md, **kw):
             return self.backend.forward_extend(q, k, v, layer, _unstack(md), return_lse=return_lse, **kw)
 
-        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata, **given), table)
+        split = dict(q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
+        rope, static = dict(cos_sin_cache=cos_sin_cache), dict(is_neox=is_neox)
+        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata), split, rope, static)
