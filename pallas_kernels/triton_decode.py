@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.dispatch import device_kind
+from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.combine import wave_splits
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
@@ -71,6 +72,7 @@ def _decode_kernel(
     WINDOW: tl.constexpr,  # -1: off
     LOGIT_CAP: tl.constexpr,  # 0: off
     PARTIAL: tl.constexpr,  # some key is seen by some rows of a request and not others
+    DOT_PREC: tl.constexpr = "tf32",  # tl.dot input precision: "ieee" for f32 operands
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -104,7 +106,7 @@ def _decode_kernel(
         page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
         kv_off = ((page.to(tl.int64) * PAGE + tok % PAGE) * HKV + kvh) * D
         k = tl.load(k_ptr + kv_off[:, None] + cols[None, :], mask=tok_ok[:, None], other=0.0)
-        x = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale
         if LOGIT_CAP > 0:
             xc = x * (1.0 / (LOGIT_CAP * 1.4426950408889634))
             e = tl.exp(-2.0 * tl.abs(xc))
@@ -126,7 +128,7 @@ def _decode_kernel(
             v = tl.where(finite, v, 0.0)
             hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
             l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -199,6 +201,7 @@ def _constexprs(q, k_cache, page_table, *, q_len, is_causal, window_left, logit_
         WINDOW=int(window_left),
         LOGIT_CAP=float(logit_cap),
         PARTIAL=bool((is_causal and q_len > 1) or window_left >= 0),
+        DOT_PREC=triton_glue.dot_precision(q.dtype),
         **params,
     )
 
@@ -224,7 +227,6 @@ def _mha_decode(
     return_lse,
     num_splits,
 ):
-    from jattn.pallas_kernels import triton_glue
     from jattn.pallas_kernels.combine import combine_splits
 
     bs = page_table.shape[0]

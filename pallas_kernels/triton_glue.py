@@ -27,7 +27,28 @@ import functools
 import os
 from typing import Any, Callable
 
-__all__ = ["jax_triton", "available", "capability", "jit", "triton_call", "interpreter_env", "launch_interpreted"]
+__all__ = [
+    "jax_triton",
+    "available",
+    "capability",
+    "dot_precision",
+    "jit",
+    "triton_call",
+    "interpreter_env",
+    "launch_interpreted",
+]
+
+
+def dot_precision(dtype) -> str:
+    """The ``input_precision`` of a kernel's ``tl.dot`` products for operands of ``dtype``
+    (a JAX, numpy or torch dtype): ``"ieee"`` (full f32 products) for f32, where Triton's
+    default on sm80+ would be TF32, whose 10-bit mantissa breaks the f32 contract of
+    docs/SEMANTICS.md; ``"tf32"`` (the default, which 16-bit and FP8 operands ignore)
+    otherwise."""
+    import numpy as np  # noqa: PLC0415
+
+    name = str(dtype) if str(dtype).startswith("torch.") else "torch." + np.dtype(dtype).name
+    return "ieee" if name == "torch.float32" else "tf32"
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.combine import wave_splits
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
@@ -63,6 +64,7 @@ def _mla_kernel(
     SWAP: tl.constexpr = 0,  # 0: S = Q K^T; 1: S^T = K Q^T; 2: S^T = K Q^T and O^T = V^T P^T
     FP8_MATH: tl.constexpr = 0,  # FP8 rows: 0 upcast to q's dtype; 1 to f16; 2 FP8 Q K^T, f16 P V
     PREFETCH: tl.constexpr = 0,  # 1: load the next block's rows into registers before this block's dots
+    DOT_PREC: tl.constexpr = "tf32",  # tl.dot input precision: "ieee" for f32 operands
 ):
     b = tl.program_id(0)
     mt = tl.program_id(1)
@@ -150,13 +152,15 @@ def _mla_kernel(
             k_pe = k_pe_l
         v = k_nope.to(cdt)
         if SWAP == 0:
-            x = tl.dot(q_nope, tl.trans(k_nope.to(kdt))) + tl.dot(q_pe, tl.trans(k_pe.to(kdt)))
+            x = tl.dot(q_nope, tl.trans(k_nope.to(kdt)), input_precision=DOT_PREC)
+            x += tl.dot(q_pe, tl.trans(k_pe.to(kdt)), input_precision=DOT_PREC)
             x = x * row_scale[:, None]
             vis = tok_ok[None, :] & (tok[None, :] <= last[:, None])
             x = tl.where(vis, x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, axis=1))
         else:  # the tokens are the MMA rows of the score dot
-            x = tl.dot(k_nope.to(kdt), qt_nope) + tl.dot(k_pe.to(kdt), qt_pe)
+            x = tl.dot(k_nope.to(kdt), qt_nope, input_precision=DOT_PREC)
+            x += tl.dot(k_pe.to(kdt), qt_pe, input_precision=DOT_PREC)
             x = x * row_scale[None, :]
             vis = tok_ok[:, None] & (tok[:, None] <= last[None, :])
             x = tl.where(vis, x, float("-inf"))
@@ -168,14 +172,14 @@ def _mla_kernel(
         if SWAP == 0:
             p = tl.exp2(x - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v, input_precision=DOT_PREC)
         else:
             p = tl.exp2(x - m_use[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
             if SWAP == 1:
-                acc = acc * alpha[:, None] + tl.dot(tl.trans(p.to(cdt)), v)
+                acc = acc * alpha[:, None] + tl.dot(tl.trans(p.to(cdt)), v, input_precision=DOT_PREC)
             else:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(cdt))
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(cdt), input_precision=DOT_PREC)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -293,6 +297,7 @@ def constexprs(q, kv_cache, page_table, *, kv_lora_rank, q_len, is_causal, param
         NUM_PAGES=num_pages,
         Q_LEN=q_len,
         CAUSAL=bool(is_causal and q_len > 1),
+        DOT_PREC=triton_glue.dot_precision(q.dtype),
         **params,
     )
 
@@ -317,7 +322,6 @@ def _mla_decode(
     v_scale_one,
     tuning,
 ):
-    from jattn.pallas_kernels import triton_glue
     from jattn.pallas_kernels.combine import combine_splits
 
     bs, h = page_table.shape[0], q.shape[1]

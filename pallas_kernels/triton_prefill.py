@@ -55,7 +55,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn.pallas_kernels import prefill_plan
+from jattn.pallas_kernels import prefill_plan, triton_glue
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
@@ -103,6 +103,7 @@ def _prefill_kernel(
     LOGIT_CAP: tl.constexpr,  # 0: off
     HAS_SINKS: tl.constexpr,
     PARTIAL: tl.constexpr,  # a key inside the request may be seen by some rows and not others
+    DOT_PREC: tl.constexpr = "tf32",  # tl.dot input precision: "ieee" for f32 operands
 ):
     tid = tl.program_id(0)
     h = tl.program_id(1)
@@ -211,13 +212,13 @@ def _prefill_kernel(
                     k_a = tl.load(k_a_ptrs)
                 else:
                     k_a = tl.load(k_a_ptrs, mask=tok_ok[:, None], other=0.0)
-                x = tl.dot(q_a, tl.trans(k_a.to(q_a.dtype)))
+                x = tl.dot(q_a, tl.trans(k_a.to(q_a.dtype)), input_precision=DOT_PREC)
                 if DB > 0:
                     if PHASE == 1:
                         k_b = tl.load(k_b_ptrs)
                     else:
                         k_b = tl.load(k_b_ptrs, mask=tok_ok[:, None], other=0.0)
-                    x += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)))
+                    x += tl.dot(q_b, tl.trans(k_b.to(q_b.dtype)), input_precision=DOT_PREC)
                 # The unmasked loop without a logit cap scales the row maximum rather than
                 # every score (scale > 0), and folds the scale into the exponent (an FMA).
                 sc = scale
@@ -255,7 +256,7 @@ def _prefill_kernel(
                         v = tl.where(finite, v, 0.0)
                         hit = tl.max(tl.where(vis & (bad[None, :] > 0), 1.0, 0.0), axis=1)
                         l_i = l_i + tl.where(hit > 0, float("nan"), 0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q_a.dtype), v, input_precision=DOT_PREC)
                 m_i = m_new
 
     empty = l_i == 0.0
@@ -381,6 +382,7 @@ def _constexprs(q, k, v, page_table, *, paged, is_causal, window_left, logit_cap
         LOGIT_CAP=float(logit_cap),
         HAS_SINKS=bool(has_sinks),
         PARTIAL=bool(causal or window_left >= 0),
+        DOT_PREC=triton_glue.dot_precision(q.dtype),
     )
 
 
@@ -418,7 +420,6 @@ def _attention(
     num_warps,
     num_stages,
 ):
-    from jattn.pallas_kernels import triton_glue
 
     t, hq, _ = q.shape
     dv = v.shape[-1]
