@@ -48,18 +48,21 @@ class TorchMLAMultiStepDraftBackend:
             TorchMLABackend(config, token_to_kv_pool, **bridge_kwargs) for _ in range(self.num_steps)
         )
 
-    def init_forward_metadata(self, bs: int, req_pool_indices, seq_lens, req_to_page, **kwargs) -> None:
+    def init_forward_metadata(self, bs: int, req_pool_indices, seq_lens, req_to_page=None, **kwargs) -> None:
         """Plans the draft loop: step ``i`` gets lengths ``seq_lens + i`` (padding rows,
         length 0, stay 0). ``seq_lens`` int[>= bs] counts each request's first draft
-        token; ``req_to_page`` rows must hold the pages of the last step's length."""
+        token; ``req_to_page`` (or ``req_to_token_pages``) rows must hold the pages of the
+        last step's length."""
         self.init_forward_metadata_out_graph(bs, req_pool_indices, seq_lens, req_to_page, **kwargs)
 
     def init_forward_metadata_out_graph(
-        self, bs: int, req_pool_indices, seq_lens, req_to_page, in_capture: bool = False, **kwargs
+        self, bs: int, req_pool_indices, seq_lens, req_to_page=None, in_capture: bool = False, **kwargs
     ) -> None:
         """Every step's plan outside the captured graph, as :meth:`init_forward_metadata`
         (``in_capture``: ``bs`` must be a bucket, and the plans are kept as the bucket's
         capture plans)."""
+        if req_to_page is None:
+            req_to_page = kwargs.pop("req_to_token_pages", None)
         rpi, sl, r2p = _host(req_pool_indices), _host(seq_lens), _host(req_to_page)
         self._core.init_forward_metadata(bs, rpi, sl, r2p)  # checks seq_lens and the loop's slots
         sl = sl[: int(bs)].astype(np.int64)
@@ -84,13 +87,19 @@ class TorchMLAMultiStepDraftBackend:
         return buckets
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, *args, **kwargs) -> None:
-        """An all-padding plan of bucket ``bs`` in every step's backend (compile with it)."""
+        """An all-padding plan of bucket ``bs`` in every step's backend (compile with it);
+        ``num_pages`` (the pool's page count) passes on to each, as in
+        :meth:`jattn.bridge.TorchMLABackend.init_forward_metadata_capture_cuda_graph`."""
         for be in self.attn_backends:
-            be.init_forward_metadata_capture_cuda_graph(bs, forward_mode=ForwardMode.DECODE)
+            be.init_forward_metadata_capture_cuda_graph(
+                bs, forward_mode=ForwardMode.DECODE, num_pages=kwargs.get("num_pages")
+            )
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, req_to_page=None, **kwargs):
         """New values into the bucket of ``bs`` for every step (no retrace)."""
-        self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page)
+        if req_to_page is None:
+            req_to_page = kwargs.get("req_to_token_pages")
+        self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, num_pages=kwargs.get("num_pages"))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """0, as :meth:`jattn.bridge.TorchMLABackend.get_cuda_graph_seq_len_fill_value`."""

@@ -101,9 +101,11 @@ class MHABackend(_PlanningMixin):
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
         kc, vc = kv_cache.layer(layer.layer_id)
         opts = self.attention_options(layer, is_fp8(kv_cache.dtype))
-        if metadata.group_size > 1 and layer.sliding_window_size < 0 and not layer.non_causal:
-            # A cascade plan: each group's shared prefix is read once (windowed layers
-            # take the plain decode over the same full rows).
+        cascaded = metadata.group_size > 1 and not self.config.batch_invariant
+        if cascaded and layer.sliding_window_size < 0 and not layer.non_causal:
+            # A cascade plan: each group's shared prefix is read once (windowed layers, and
+            # a batch-invariant config, whose bits may not follow the grouping, take the
+            # plain decode over the same full rows).
             g = metadata.group_size
             tables = cascade.cascade_tables(
                 metadata.page_table,

@@ -152,6 +152,44 @@ def test_backend_config_turns_the_mode_on(monkeypatch):
     assert seen == [True, False]
 
 
+def test_backend_config_takes_the_plain_decode_on_a_cascade_plan(monkeypatch):
+    """A cascade plan on a batch-invariant backend: its decode runs the plain, invariant
+    op (the cascade's prefix pass would tie a request's bits to its group), and a
+    request's bits are those of it planned alone."""
+    import jax.numpy as jnp
+
+    from jattn import LayerSpec, MHABackend, MHAConfig, PagedKVCache, cascade
+    from jattn.metadata import plan_decode
+
+    monkeypatch.setattr(combine, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    cascades = []
+    real = cascade.cascade_decode
+    monkeypatch.setattr(cascade, "cascade_decode", lambda *a, **k: cascades.append(1) or real(*a, **k))
+    q, k, v, table, lens = _inputs(np.float32)
+    table = table + 1  # the planner keeps page 0 for padding rows
+    k, v = np.concatenate([k[:1], k]), np.concatenate([v[:1], v])
+    cache = PagedKVCache(k=(jnp.asarray(np.nan_to_num(k)),), v=(jnp.asarray(np.nan_to_num(v)),))
+    rows = [3, 1]  # requests 3 and 1 share their first page: one group of 2
+    pt = table[rows].copy()
+    pt[1, 0] = pt[0, 0]
+    sl = lens[rows] + np.array([0, PS])  # request 1 reads past the shared page
+    layer = LayerSpec(0, HQ, HKV, D)
+    kw = dict(page_size=PS, batch_buckets=(2,), num_pages=k.shape[0])
+    grouped = plan_decode(sl, page_table=pt, group_size=2, prefix_pages=np.array([1]), **kw)
+    got = {}
+    for flag in (True, False):
+        cfg = MHAConfig(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, batch_invariant=flag)
+        out, _ = MHABackend(cfg).forward_decode(jnp.asarray(q[:2]), None, None, layer, cache, grouped, False)
+        got[flag] = np.asarray(out)
+    assert len(cascades) == 1  # the batch-invariant backend took none
+    cfg = MHAConfig(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, batch_invariant=True)
+    for i in range(2):
+        alone = plan_decode(sl[i : i + 1], page_table=pt[i : i + 1], **dict(kw, batch_buckets=(1,)))
+        want, _ = MHABackend(cfg).forward_decode(jnp.asarray(q[i : i + 1]), None, None, layer, cache, alone, False)
+        np.testing.assert_array_equal(got[True][i], np.asarray(want)[0])
+    np.testing.assert_allclose(got[False], got[True], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])
 def test_gpu_request_bits_do_not_depend_on_the_batch(backend):

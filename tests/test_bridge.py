@@ -555,6 +555,45 @@ def test_mla_multistep_draft_loop():
         TorchMLAMultiStepDraftBackend(cfg, pool, topk=2, speculative_num_steps=3)
 
 
+def test_mla_multistep_passes_num_pages_and_req_to_token_pages_on():
+    """Without ``config.num_pages`` the multi-step backend forwards the capture's and the
+    plans' ``num_pages`` to every step, and takes the table as ``req_to_token_pages`` too,
+    as :class:`TorchMLABackend` does."""
+    from jattn.bridge import TorchMLAMultiStepDraftBackend
+
+    R, r, H, ps, NP = 64, 16, 4, 8, 32
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=r,
+        v_head_dim=32,
+        page_size=ps,
+        context_len=64,
+        num_pages=None,
+        batch_buckets=(4,),
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=NP, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.bfloat16, device=DEV
+    )
+    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+    ms = TorchMLAMultiStepDraftBackend(cfg, pool, topk=1, speculative_num_steps=3)
+    ms.init_cuda_graph_state(4)
+    ms.init_forward_metadata_capture_cuda_graph(4, num_pages=NP)
+    for i in range(ms.num_steps):
+        out = ms.forward_decode(i, rand(4, H * R), rand(4, R), None, layer, None, False, q_rope=rand(4, H * r))
+        assert out.shape == (4, H * R)
+    r2p = (torch.arange(4 * 8, dtype=torch.int32).reshape(4, 8) + 1) % NP
+    rpi, lens = torch.arange(3, dtype=torch.int32), torch.tensor([5, 9, 0])
+    ms.init_forward_metadata(3, rpi, lens, None, num_pages=NP, req_to_token_pages=r2p)
+    ms.init_forward_metadata_replay_cuda_graph(3, rpi, lens, req_to_token_pages=r2p, num_pages=NP)
+    for i in range(ms.num_steps):
+        ms.forward_decode(i, rand(3, H * R), rand(3, R), None, layer, None, False, q_rope=rand(3, H * r))
+    ms.init_forward_metadata(3, rpi, lens, r2p)  # no bound at all: refused when read
+    with pytest.raises(ValueError, match="num_pages is None"):
+        ms.forward_decode(0, rand(3, H * R), rand(3, R), None, layer, None, False, q_rope=rand(3, H * r))
+
+
 def test_mla_pad_and_unpad_draft_extend_on_torch():
     """The torch helpers match the JAX ones; pad writes in place."""
     _, be, _ = _small_mla(2, 32, 16, 32)

@@ -4,8 +4,9 @@ Triton's ``tl.dot`` rounds f32 operands to TF32 (a 10-bit mantissa) on sm80+ unl
 otherwise, which would break the f32 contract of docs/SEMANTICS.md without any error. The
 kernels take the ``input_precision`` of their dots from ``triton_glue.dot_precision``.
 CPU: every ``tl.dot`` of the three kernel sources passes it, and each launch's constexprs
-ask for ``"ieee"`` on f32 queries only. GPU (marker ``gpu``): f32 decode, ragged prefill
-and MLA decode against the f32 reference at a tolerance TF32 products miss by about 100x.
+ask for ``"ieee"`` on f32 queries only. GPU (marker ``gpu``): f32 decode and MLA decode
+against the f32 reference at a tolerance TF32 products miss (the prefill kernel takes bf16 and
+fp16 queries only).
 """
 
 from __future__ import annotations
@@ -100,25 +101,6 @@ def test_gpu_f32_decode_is_full_precision(q_len):
     kw = dict(max_seqlen_q=q_len, is_causal=True, return_lse=True)
     out, lse = jattn.mha_decode_with_kvcache(*args, backend="triton", **kw)
     want, want_lse = reference.mha_decode(*args, **kw)
-    _close(out, want, lse, want_lse, slice(None))
-
-
-@pytest.mark.gpu
-def test_gpu_f32_prefill_is_full_precision():
-    import jattn
-    from jattn import reference
-
-    _skip_without_triton()
-    rng = np.random.default_rng(2)
-    q_lens = [97, 1, 0, 300]
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    t = int(cu[-1])
-    q = (rng.standard_normal((t, 8, 128)) * 3).astype(np.float32)
-    k, v = (rng.standard_normal((t, 2, 128)).astype(np.float32) for _ in range(2))
-    args = tuple(jnp.asarray(a) for a in (q, k, v, cu))
-    kw = dict(max_seqlen_q=max(q_lens), is_causal=True, return_lse=True)
-    out, lse = jattn.mha_prefill(*args, backend="triton", **kw)
-    want, want_lse = reference.mha_prefill(*args, **kw)
     _close(out, want, lse, want_lse, slice(None))
 
 

@@ -295,6 +295,8 @@ def _gpu_args(name, fp8):
     f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
     args = (jnp.asarray(f32(q), jnp.bfloat16), jnp.asarray(f32(k), kd), jnp.asarray(f32(v), kd))
     opts = _options(c, None if sinks is None else jnp.asarray(sinks))
+    if c.softmax_scale is not None:  # the ops take scales > 0 only; the kernel's own launch
+        opts["softmax_scale"] = abs(c.softmax_scale)  # runs the negative one (interpreted)
     opts.update(return_lse=True, max_seqlen_q=max(c.q_lens))
     if c.kind == "prefill":
         kv_lens = c.q_lens if c.kv_lens is None else c.kv_lens
