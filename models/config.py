@@ -365,6 +365,11 @@ class DeepseekConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # The router: V3's sigmoid scores with a correction bias and top-2-sum group scores
+    # ("sigmoid", "noaux_tc"), or V2's softmax scores, greedy or by group maxima ("softmax",
+    # "greedy" / "group_limited_greedy").
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     dtype: str = "float32"
     param_dtype: str = "float32"
     name: str = "deepseek"
@@ -372,6 +377,12 @@ class DeepseekConfig:
     def __post_init__(self):
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        methods = {"sigmoid": ("noaux_tc",), "softmax": ("greedy", "group_limited_greedy")}
+        if self.topk_method not in methods.get(self.scoring_func, ()):
+            raise ValueError(
+                f"scoring_func={self.scoring_func!r} with topk_method={self.topk_method!r} is not a supported "
+                f"router (sigmoid: noaux_tc; softmax: greedy or group_limited_greedy)"
+            )
         if self.first_k_dense_replace < self.num_layers and self.n_routed_experts <= 0:
             raise ValueError("MoE layers need n_routed_experts > 0 (or first_k_dense_replace=num_layers)")
 
@@ -506,6 +517,8 @@ class DeepseekConfig:
             n_group=1,
             topk_group=1,
             norm_topk_prob=False,
+            scoring_func="softmax",
+            topk_method="greedy",
             name="DeepSeek-V2-Lite",
         )
         base.update(kw)
@@ -516,6 +529,7 @@ class DeepseekConfig:
         d = dict(d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        v2 = d.get("model_type") == "deepseek_v2"  # its configs leave the softmax router implicit
         out = dict(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -543,6 +557,8 @@ class DeepseekConfig:
             topk_group=d.get("topk_group", 1) or 1,
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            scoring_func=d.get("scoring_func") or ("softmax" if v2 else "sigmoid"),
+            topk_method=d.get("topk_method") or ("greedy" if v2 else "noaux_tc"),
             name=d.get("_name_or_path") or d.get("model_type", "deepseek"),
         )
         out.update(kw)

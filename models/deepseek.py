@@ -29,6 +29,11 @@ from jattn.models.attention import is_decode, ragged_prefill
 from jattn.models.config import DeepseekConfig
 from jattn.models.layers import CausalLM, DecoderBlock, Linear, MoE, RMSNorm, SwiGLU, apply_rope
 
+# The epsilon of the latent norms (q_a_layernorm, kv_a_layernorm): Hugging Face's DeepSeek
+# V2 and V3 build them with RMSNorm's default, whatever the config's rms_norm_eps (which
+# the released checkpoints set to the same 1e-6).
+LATENT_NORM_EPS = 1e-6
+
 
 def default_mla_backend(cfg: DeepseekConfig, page_size: int = 64, kernel_backend: str | None = None) -> MLABackend:
     return MLABackend(
@@ -60,10 +65,10 @@ class MLAttention(nnx.Module):
         else:
             self.q_proj = None
             self.q_a_proj = Linear(h, cfg.q_lora_rank, use_bias=cfg.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, param_dtype=pdt)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt)
             self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, **kw)
         self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, use_bias=cfg.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, param_dtype=pdt)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=LATENT_NORM_EPS, param_dtype=pdt)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), **kw)
         self.o_proj = Linear(nh * cfg.v_head_dim, h, use_bias=cfg.attention_bias, **kw)
         self.cfg = cfg
@@ -132,6 +137,8 @@ class DeepseekBlock(DecoderBlock):
                 topk_group=cfg.topk_group,
                 norm_topk_prob=cfg.norm_topk_prob,
                 routed_scaling_factor=cfg.routed_scaling_factor,
+                scoring_func=cfg.scoring_func,
+                topk_method=cfg.topk_method,
                 dtype=dt,
                 param_dtype=pdt,
                 std=std,

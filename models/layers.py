@@ -184,6 +184,8 @@ class MoE(nnx.Module):
         topk_group: int,
         norm_topk_prob: bool,
         routed_scaling_factor: float,
+        scoring_func: str = "sigmoid",
+        topk_method: str = "noaux_tc",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         std: float = 0.02,
@@ -191,7 +193,8 @@ class MoE(nnx.Module):
     ):
         init = _init(std)
         self.gate_weight = nnx.Param(init(rngs.params(), (num_experts, dim), jnp.float32))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        sigmoid = scoring_func == "sigmoid"  # V3's router has a correction bias, V2's none
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if sigmoid else None
         self.w_gate = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (num_experts, dim, hidden), param_dtype))
         self.w_down = nnx.Param(init(rngs.params(), (num_experts, hidden, dim), param_dtype))
@@ -203,20 +206,29 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.scoring_func, self.topk_method = scoring_func, topk_method
         self.dtype = dtype
 
     def route(self, x):
-        """Dense combine weights f32[T, E] (zero for unselected experts)."""
+        """Dense combine weights f32[T, E] (zero for unselected experts). The experts are
+        the ``top_k`` best choice scores within the ``topk_group`` best groups: V3
+        (sigmoid) chooses by score plus correction bias, a group by its top two; V2
+        (softmax) by score, a group by its best (``group_limited_greedy``) or with no
+        groups (``greedy``). The weights are the scores of the chosen experts."""
         t = x.shape[0]
         e, g = self.num_experts, self.n_group
-        scores = jax.nn.sigmoid(jnp.einsum("td,ed->te", x.astype(jnp.float32), self.gate_weight[...]))
-        choice = scores + self.e_score_correction_bias[...][None]
-        grouped = choice.reshape(t, g, e // g)
-        group_score = jax.lax.top_k(grouped, min(2, e // g))[0].sum(-1)  # [T, G]
-        _, gidx = jax.lax.top_k(group_score, self.topk_group)
-        gmask = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], gidx].set(True)
-        emask = jnp.repeat(gmask, e // g, axis=1)
-        choice = jnp.where(emask, choice, -jnp.inf)
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.gate_weight[...])
+        if self.scoring_func == "softmax":
+            scores = choice = jax.nn.softmax(logits, axis=-1)
+            grouped = None if self.topk_method == "greedy" else choice.reshape(t, g, e // g).max(-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias[...][None]
+            grouped = jax.lax.top_k(choice.reshape(t, g, e // g), min(2, e // g))[0].sum(-1)  # [T, G]
+        if grouped is not None:
+            _, gidx = jax.lax.top_k(grouped, self.topk_group)
+            gmask = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], gidx].set(True)
+            choice = jnp.where(jnp.repeat(gmask, e // g, axis=1), choice, -jnp.inf)
         _, idx = jax.lax.top_k(choice, self.top_k)  # [T, k]
         w = jnp.take_along_axis(scores, idx, axis=1)
         if self.norm_topk_prob:

@@ -84,9 +84,10 @@ def _hf_llama(rope="default", family="llama", seed=0):
     return hf, llama_from_hf(cfg, hf.state_dict())
 
 
-def _hf_deepseek(q_lora_rank, moe=False, seed=0):
+def _hf_deepseek(q_lora_rank, moe=False, seed=0, version=3, **extra):
     torch.manual_seed(seed)
-    hc = transformers.DeepseekV3Config(
+    make = transformers.DeepseekV3Config if version == 3 else transformers.DeepseekV2Config
+    hc = make(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -118,9 +119,10 @@ def _hf_deepseek(q_lora_rank, moe=False, seed=0):
             "rope_theta": 10000.0,
         },
         attn_implementation="eager",
+        **extra,
     )
-    hf = transformers.DeepseekV3ForCausalLM(hc).eval()
-    if moe:
+    hf = (transformers.DeepseekV3ForCausalLM if version == 3 else transformers.DeepseekV2ForCausalLM)(hc).eval()
+    if moe and version == 3:
         with torch.no_grad():
             for n, b in list(hf.named_buffers()) + list(hf.named_parameters()):
                 if "e_score_correction_bias" in n:
@@ -170,6 +172,17 @@ def test_mistral_sliding_window_paged_prefill_extend_decode():
 @pytest.mark.parametrize("q_lora_rank,moe", [(None, False), (24, False), (24, True)])
 def test_deepseek_full_sequence_logits(q_lora_rank, moe):
     hf, model = _hf_deepseek(q_lora_rank, moe)
+    _full_sequence_check(hf, model)
+
+
+@pytest.mark.parametrize("version,topk_method", [(2, "greedy"), (2, "group_limited_greedy"), (3, None)])
+def test_deepseek_routers_and_norm_eps(version, topk_method):
+    """V2's softmax router (greedy, and by group maxima over two groups) and V3's, with an
+    rms_norm_eps far from the latent norms' own 1e-6 (Hugging Face keeps theirs at 1e-6)."""
+    extra = dict(rms_norm_eps=0.3) | (dict(topk_method=topk_method) if topk_method else {})
+    hf, model = _hf_deepseek(24, moe=True, version=version, **extra)
+    cfg = model.config
+    assert (cfg.scoring_func, cfg.rms_norm_eps) == ("softmax" if version == 2 else "sigmoid", 0.3)
     _full_sequence_check(hf, model)
 
 
@@ -272,3 +285,9 @@ def test_greedy_generation_matches_hf(arch):
         assert r.status == "finished", r.error
         assert r.output_tokens == _hf_greedy(hf, p, 7)
     assert engine.allocator.num_free == engine.allocator.num_pages - 1
+
+
+def test_deepseek_router_pairs_are_checked():
+    with pytest.raises(ValueError, match="scoring_func='softmax' with topk_method='noaux_tc'"):
+        DeepseekConfig.tiny(scoring_func="softmax", topk_method="noaux_tc")
+    assert DeepseekConfig.deepseek_v2_lite().scoring_func == "softmax"
