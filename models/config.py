@@ -68,19 +68,31 @@ class RopeScaling:
 
 def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
     """The window a Hugging Face Llama-family config applies to every layer (0: none).
-    Mistral applies ``sliding_window`` where it is set; Qwen 2/3 only with
-    ``use_sliding_window``, and then only from layer ``max_window_layers`` on, which the
-    uniform layers here do not model: refused rather than ignored."""
+    Mistral applies ``sliding_window`` where it is set. Qwen 2/3 apply it to the layers
+    that ``layer_types`` marks ``sliding_attention`` (older configs: with
+    ``use_sliding_window``, from layer ``max_window_layers`` on): all of them or none is
+    served here; a mix, which the uniform layers here do not model, is refused rather
+    than ignored."""
     w = d.get("sliding_window")
     if not w:
         return 0
     if model_type == "mistral":
         return int(w)
-    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-        return 0
+    if model_type in ("qwen2", "qwen3"):
+        n = int(d.get("num_hidden_layers") or 0)
+        kinds = d.get("layer_types") or [
+            "sliding_attention" if d.get("use_sliding_window") and i >= d.get("max_window_layers", 28) else "full"
+            for i in range(n)
+        ]
+        windowed = {k == "sliding_attention" for k in kinds}
+        if windowed <= {False}:
+            return 0
+        if windowed == {True}:
+            return int(w)
     raise NotImplementedError(
-        f"{model_type} config with sliding_window={w} (use_sliding_window={d.get('use_sliding_window')}) "
-        "is not supported: only windows on every layer (Mistral) are"
+        f"{model_type} config with sliding_window={w} (use_sliding_window={d.get('use_sliding_window')}, "
+        f"max_window_layers={d.get('max_window_layers')}) is not supported: only a window on every layer or "
+        "on none is"
     )
 
 

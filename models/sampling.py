@@ -83,6 +83,16 @@ def wrap_seed(seed: int) -> int:
     return (int(seed) + _INT32) % (2 * _INT32) - _INT32
 
 
+def top_p_keep(sorted_logits, top_p):
+    """bool[B, V]: the tokens (logits f32[B, V] sorted in descending order) inside each
+    row's nucleus ``top_p`` f32[B]: those whose preceding probability mass is below it.
+    The top token is always kept, and ``top_p = 1`` keeps every token (the f32 mass before
+    a tail token can round to 1)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    return (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+
+
 def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):
     """Next tokens i32[B] from logits f32[B, V]; per-row temperature f32[B] (0 = greedy),
     top_p f32[B], seeds / counters i32[B] (key = fold_in(key(seed), counter))."""
@@ -93,10 +103,7 @@ def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: b
     scaled = logits / t
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    keep = (cum - probs) < top_p[:, None]  # the top token is always kept
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    sorted_logits = jnp.where(top_p_keep(sorted_logits, top_p), sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -89,13 +89,21 @@ def test_gguf_pre_tokenizers_split_digits_as_their_models_do():
 
 
 def test_sliding_windows_are_kept_or_refused():
-    """Mistral's window applies to every layer; Qwen's windows on some layers only
-    (``use_sliding_window``, ``max_window_layers``) are refused, not dropped."""
+    """Mistral's window applies to every layer; Qwen's to the layers from
+    ``max_window_layers`` on (or as ``layer_types`` says), as Hugging Face applies them:
+    every layer or none is served, windows on some layers only are refused, not dropped."""
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
-    assert LlamaConfig.from_hf({**_LLAMA, "model_type": "qwen2", "sliding_window": 4096}).sliding_window == 0
-    with pytest.raises(NotImplementedError, match=r"qwen2 config with sliding_window=4096"):
-        LlamaConfig.from_hf({**_LLAMA, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True})
+    qwen = {**_LLAMA, "model_type": "qwen2", "sliding_window": 4096}
+    assert LlamaConfig.from_hf(qwen).sliding_window == 0  # no use_sliding_window
+    on = {**qwen, "use_sliding_window": True}
+    assert LlamaConfig.from_hf(on).sliding_window == 0  # max_window_layers 28 >= 2 layers: none
+    assert LlamaConfig.from_hf({**on, "max_window_layers": 0}).sliding_window == 4096
+    assert LlamaConfig.from_hf({**qwen, "layer_types": ["sliding_attention"] * 2}).sliding_window == 4096
+    with pytest.raises(NotImplementedError, match=r"qwen2 config with sliding_window=4096 .* max_window_layers=1"):
+        LlamaConfig.from_hf({**on, "max_window_layers": 1})
+    with pytest.raises(NotImplementedError, match=r"only a window on every layer or on none"):
+        LlamaConfig.from_hf({**qwen, "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match=r"sliding_window=-1 must be an int >= 0"):
         LlamaConfig.from_hf(_LLAMA).replace(sliding_window=-1)
 

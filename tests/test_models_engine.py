@@ -350,6 +350,18 @@ def test_sampling_seeded_and_batch_independent(llama):
     assert d[0].output_tokens == greedy
 
 
+def test_top_p_one_keeps_every_token():
+    """top_p = 1 samples from the whole distribution: tail tokens after a head whose f32
+    probability rounds to 1 stay in (a smaller top_p cuts them)."""
+    import jax.numpy as jnp
+
+    from jattn.models.sampling import top_p_keep
+
+    logits = jnp.asarray([[3.0, 0.0, -20.0, -25.0]] * 2, jnp.float32)  # the last two: < 1e-9 of the head
+    keep = np.asarray(top_p_keep(logits, jnp.asarray([1.0, 0.999], jnp.float32)))
+    np.testing.assert_array_equal(keep, [[True] * 4, [True, True, False, False]])
+
+
 def test_steady_state_never_recompiles(llama):
     eng = _engine(llama)
     eng.warmup(batch_sizes=(1, 2, 4), prompt_len=8)

@@ -67,9 +67,13 @@ def _hf_llama(rope="default", family="llama", seed=0):
         kw.pop("head_dim")
         hc = transformers.Qwen2Config(**kw)
         hf = transformers.Qwen2ForCausalLM(hc)
-    else:
+    elif family == "qwen3":
         hc = transformers.Qwen3Config(**kw)
         hf = transformers.Qwen3ForCausalLM(hc)
+    else:  # "qwen3-window": Qwen's window on every layer (max_window_layers 0)
+        hc = transformers.Qwen3Config(**kw, use_sliding_window=True, sliding_window=5, max_window_layers=0)
+        hf = transformers.Qwen3ForCausalLM(hc)
+        family = "qwen3"
     hf.eval()
     if family != "llama":  # make biases / norm weights non-trivial
         with torch.no_grad():
@@ -155,10 +159,10 @@ def test_llama_full_sequence_logits(rope):
     _full_sequence_check(hf, model)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3-window"])
 def test_qwen_full_sequence_logits(family):
     hf, model = _hf_llama(family=family)
-    if family == "mistral":
+    if family in ("mistral", "qwen3-window"):
         assert model.config.sliding_window == 5
     _full_sequence_check(hf, model)
 
