@@ -59,6 +59,20 @@ def _padded(rows, pad, q, table, lens):
     return qq, pt, sl
 
 
+def _batch_dependent_defaults(monkeypatch):
+    """Default split counts (Mosaic) and key chunks (XLA) that change with the batch at these
+    small widths, as they do at serving widths: 2 splits / 128-key chunks alone, 1 split /
+    32-key chunks in a batch. The batch-invariant mode must override both."""
+    from jattn import reference
+    from jattn.pallas_kernels import decode_tuning
+
+    monkeypatch.setattr(decode_tuning, "choose_num_splits", lambda batch, m, blocks, *a: 1 if batch > 1 else 2)
+    real = reference._key_chunk
+    monkeypatch.setattr(
+        reference, "_key_chunk", lambda bs, nq, hq, n, fixed=None: real(bs, nq, hq, n, fixed or (32 if bs > 1 else 128))
+    )
+
+
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
 def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
     import contextlib
@@ -72,20 +86,31 @@ def test_request_bits_do_not_depend_on_the_batch(backend, monkeypatch):
     ctx = gpu_interpret if backend == "mosaic" and not on_gpu() else contextlib.nullcontext
 
     monkeypatch.setattr(combine, "INVARIANT_SPLIT_TOKENS", SPLIT_TOKENS)
+    _batch_dependent_defaults(monkeypatch)
     q, k, v, table, lens = _inputs(np.float32)
     kj, vj = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
     got = {}
+    lse_off = {}  # request 2's LSE bits without the mode, by batch
     for rows, pad in _batches(small=backend == "mosaic" and not on_gpu()):
         qq, pt, sl = _padded(rows, pad, q, table, lens)
         qb, ptj, slj = jnp.asarray(qq, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(sl)
         with ctx():
-            out = jattn.mha_decode_with_kvcache(qb, kj, vj, ptj, slj, backend=backend, batch_invariant=True)
-        out = np.asarray(out, np.float32)
+            out, lse = jattn.mha_decode_with_kvcache(
+                qb, kj, vj, ptj, slj, backend=backend, batch_invariant=True, return_lse=True
+            )
+            if 2 in rows and len(lse_off) < 2:
+                lse_off[len(rows)] = np.asarray(
+                    jattn.mha_decode_with_kvcache(qb, kj, vj, ptj, slj, backend=backend, return_lse=True)[1]
+                )[rows.index(2)]
+        out, lse = np.asarray(out, np.float32), np.asarray(lse)
         for i, b in enumerate(rows):
             if b in got:
-                np.testing.assert_array_equal(out[i], got[b], err_msg=f"request {b} in batch {rows}")
-            got[b] = out[i]
-    assert len(got) == 5 and all(np.isfinite(x).all() for x in got.values()) and not got[0].any()  # len 0: 0
+                np.testing.assert_array_equal(out[i], got[b][0], err_msg=f"request {b} in batch {rows}")
+                np.testing.assert_array_equal(lse[i], got[b][1], err_msg=f"request {b}'s LSE in batch {rows}")
+            got[b] = out[i], lse[i]
+    assert len(got) == 5 and all(np.isfinite(x).all() for x, _ in got.values()) and not got[0][0].any()  # len 0: 0
+    a, b = lse_off.values()
+    assert not np.array_equal(a, b), "without the mode the defaults gave the same bits: the test could not fail"
 
 
 def test_mosaic_split_count_follows_the_batch_unless_invariant(monkeypatch):
@@ -105,8 +130,12 @@ def run_interpreted(name: str, path: str) -> None:
 
     from jattn.bridge import triton_native
 
+    from jattn.pallas_kernels import triton_decode
+
+    combine.INVARIANT_SPLIT_TOKENS = SPLIT_TOKENS
     q, k, v, table, lens = _inputs(np.float16)
-    splits = -(-WIDTH * PS // SPLIT_TOKENS)
+    splits = jattn.ops._invariant_splits(triton_decode.mha_decode, q, k, table, 1)["num_splits"]  # the op's
+    assert splits == -(-WIDTH * PS // SPLIT_TOKENS)
     res = {}
     for j, (rows, pad) in enumerate(_batches()):
         qq, pt, sl = _padded(rows, pad, q, table, lens)
@@ -127,6 +156,26 @@ def test_interpreted_triton_request_bits_do_not_depend_on_the_batch(tmp_path_fac
                 np.testing.assert_array_equal(out[i], got[b], err_msg=f"request {b} in batch {rows.tolist()}")
             got[b] = out[i]
     assert all(np.isfinite(x).all() for x in got.values())
+
+
+def test_triton_split_count_follows_the_batch_unless_invariant():
+    """At a serving width the Triton decode's default split count changes with the batch;
+    the batch-invariant one (what the interpreted test launches) does not."""
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels import triton_decode
+
+    width = 4096
+    default = {bs: triton_decode.launch_params(bs, 32, 8, 128, 1, width)[1]["SPLITS"] for bs in (1, 8, 64)}
+    assert len(set(default.values())) > 1, default
+    k = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
+    pick = {
+        bs: jattn.ops._invariant_splits(
+            triton_decode.mha_decode, jnp.zeros((bs, 32, 128)), k, jnp.zeros((bs, width // 16), jnp.int32), 1
+        )
+        for bs in (1, 8, 64)
+    }
+    assert len({p["num_splits"] for p in pick.values()}) == 1
 
 
 def test_backend_config_turns_the_mode_on(monkeypatch):

@@ -1112,6 +1112,32 @@ def _run_mosaic(c):
     _check(out, truth, tol=tol, lse=lse, truth_lse=truth_lse, name="mosaic out")
 
 
+# A plain bf16 decode of real lengths through jattn's dispatch (no forced split count).
+PLAIN_DECODE = dict(
+    big=False,
+    hkv=2,
+    hq=8,
+    d=64,
+    dv=64,
+    page_size=16,
+    q_len=1,
+    is_causal=True,
+    share=False,
+    kv="bf16",
+    q="bf16",
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=False,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    traced_scales=False,
+    return_lse=True,
+    splits=0,
+    overlap_qk=True,
+)
+
+
 @needs_interp
 @SLOW
 @given(mosaic_cases())
@@ -1137,9 +1163,11 @@ def _run_mosaic(c):
         seed=8,
     )
 )
+@example(c=dict(PLAIN_DECODE, lens=[57, 1], seed=3))  # the kernel's own split count and combine
 def test_mosaic_decode_interpreted(c):
     if on_gpu():
         pytest.skip("the interpreted kernel runs on the CPU; test_mosaic_decode_gpu runs it compiled")
+    assume(sum(c["lens"]) > 0)  # a drawn all-empty batch writes zeros only (the XLA properties cover it)
     with gpu_interpret():
         _run_mosaic(c)
 
@@ -1266,9 +1294,32 @@ def _run_mosaic_prefill(c):
 @needs_interp
 @settings(SLOW, max_examples=max(2, EXAMPLES // 2))
 @given(prefill_kernel_cases())
+@example(
+    c=dict(
+        big=False,
+        paged=True,
+        page_size=16,
+        hkv=2,
+        hq=4,
+        d=64,
+        dv=64,
+        q_lens=[9, 0, 30],
+        kv_lens=[9 + 40, 5, 30 + 17],
+        pad_tokens=3,
+        is_causal=True,
+        window_left=-1,
+        logit_cap=0.0,
+        sinks=True,
+        softmax_scale=None,
+        q="f16",
+        return_lse=True,
+        seed=4,
+    )
+)
 def test_mosaic_prefill_interpreted(c):
     if on_gpu():
         pytest.skip("the interpreted kernel runs on the CPU; test_mosaic_prefill_gpu runs it compiled")
+    assume(sum(c["q_lens"]) > 0)
     with gpu_interpret():
         _run_mosaic_prefill(c)
 
@@ -1355,7 +1406,8 @@ def _run_combine(c, use_kernel: bool):
 @given(combine_cases())
 def test_combine_splits_xla(c):
     """The split merge as XLA ops (what the interpreted kernel and GPUs without jax-triton
-    use); an empty split's partial output is never read."""
+    use), with empty splits (LSE -inf, whose weight is 0: the kernels write their partial
+    output as 0, which the merge multiplies by that weight)."""
     if on_gpu():
         pytest.skip("test_combine_triton_gpu covers the GPU")
     _run_combine(c, use_kernel=False)
@@ -1458,6 +1510,7 @@ def _run_mosaic_poisoned(c):
 @needs_interp
 @settings(SLOW, max_examples=max(1, EXAMPLES // 4))
 @given(poison_cases(kernel=True))
+@example(c=dict(PLAIN_DECODE, lens=[40, 23], q_len=3, window_left=-1, poison=np.nan, poison_k=False, seed=6))
 def test_masked_keys_contribute_nothing_mosaic_interpreted(c):
     if on_gpu():
         pytest.skip("the interpreted kernel runs on the CPU")

@@ -91,11 +91,12 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
     )
 
 
-# The options these tests run with: the defaults, except that FP8 calls stay on this
-# kernel (its converter and in-chain upcast); the per-KV-head kernel's FP8 path, which
-# KernelOptions.fp8_heads sends FP8 decode to by default, is tested in
+# The options these tests run with: the defaults, except that every call stays on this
+# (all-heads) kernel: FP8 calls (its converter and in-chain upcast) and multi-token calls
+# of 64 query rows or more, which KernelOptions.fp8_heads and heads_kernel send to the
+# per-KV-head kernel by default; that kernel and the routing are tested in
 # tests/test_mosaic_decode_heads.py.
-BASE = md.KernelOptions(fp8_heads=False)
+BASE = md.KernelOptions(fp8_heads=False, heads_kernel=False)
 
 
 def _block_sizes(c: Case, k, table, options: md.KernelOptions):
@@ -206,6 +207,22 @@ def test_interpreted_other_option_setting(option, name):
     if on_gpu():
         pytest.skip("interpreter tests run on the CPU")
     _check(CPU_CASES[name], interpret=True, options=_flipped(option))
+
+
+def test_every_case_runs_the_all_heads_kernel():
+    """No case of this file reaches the per-KV-head kernel under BASE (its own tests cover
+    it: mha_decode asks heads_kernel_for only with heads_kernel on and no explicit
+    block sizes), while the default options would send the two-tile verify cases there."""
+    assert not BASE.heads_kernel and not BASE.fp8_heads
+    cases = {**CPU_CASES, **GPU_CASES, **{n: c for n, (c, _) in POISON_CPU.items()}}
+    routed = set()
+    for name, c in cases.items():
+        q = jnp.zeros((len(c.lens) * c.q_len, c.hq, c.d), jnp.dtype(c.dtype))
+        k = jnp.zeros((4, c.page_size, c.hkv, c.d), FP8 if c.kv == "fp8" else q.dtype)
+        args = (q, k, k, c.q_len, c.window_left, c.logit_cap, None, c.softmax_scale, 1.0, 1.0)
+        if not c.splits and md.heads_kernel_for(*args, is_causal=c.causal) is not None:
+            routed.add(name)
+    assert {"verify_qlen4_two_wgs", "page128_qlen8_two_tiles", "qlen4_verify", "qlen8_noncausal"} <= routed
 
 
 def test_options_are_static_and_hashable():
