@@ -129,7 +129,6 @@ def run_interpreted(name: str, path: str) -> None:
     import torch
 
     from jattn.bridge import triton_native
-
     from jattn.pallas_kernels import triton_decode
 
     combine.INVARIANT_SPLIT_TOKENS = SPLIT_TOKENS
