@@ -210,9 +210,8 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
                 continue
             K = torch.cat(kv_hist[layer.layer_id][r][0]).float() if L else torch.zeros(0, hkv, d)
             V = torch.cat(kv_hist[layer.layer_id][r][1]).float() if L else torch.zeros(0, hkv, d)
-            if kv_dtype == torch.float8_e4m3fn:  # the reference reads what the pool holds
-                K = gather(pool.get_key_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.k_scale
-                V = gather(pool.get_value_buffer(layer.layer_id), eng.pages[r], L, ps) * layer.v_scale
+            if kv_dtype == torch.float8_e4m3fn:  # the attention over the quantised history
+                K, V = fp8_round(K, layer.k_scale), fp8_round(V, layer.v_scale)
             exp = ref_attention(
                 q[row : row + n_new].float().cpu().view(n_new, hq, d),
                 K,
@@ -274,17 +273,25 @@ def _run_mha_engine(kv_dtype, *, kv_writer="auto", window=-1, cap=0.0, with_sink
             out = be.forward_decode(q, k, v, layer, None, pool, 3, save_kv_cache=True, sinks=sinks)
             assert out.shape == (3, hq * d)
             check(out, q, layer, [1, 1, 1], lens)
-    # the pool was written in place: same buffers, holding the K/V the engine produced
+    # the pool was written in place: same buffers, holding the K and V the engine produced
+    # (quantised with each one's own scale)
     for i in range(2):
         assert (pool.get_key_buffer(i).data_ptr(), pool.get_value_buffer(i).data_ptr()) == ptrs[i]
         for r, L in enumerate(lens):
-            K = gather(pool.get_key_buffer(i), eng.pages[r], L, ps)
-            want = torch.cat(kv_hist[i][r][0]).float()
-            if kv_dtype == torch.float8_e4m3fn:
-                want = (want / layers[i].k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-            torch.testing.assert_close(K, want)
-    # the dummy page only ever takes padded rows' writes; real pages are untouched by padding
+            for buf, hist, sc in (
+                (pool.get_key_buffer(i), 0, layers[i].k_scale),
+                (pool.get_value_buffer(i), 1, layers[i].v_scale),
+            ):
+                want = torch.cat(kv_hist[i][r][hist]).float()
+                if kv_dtype == torch.float8_e4m3fn:
+                    want = fp8_round(want, sc) / sc
+                torch.testing.assert_close(gather(buf, eng.pages[r], L, ps), want)
     return be
+
+
+def fp8_round(x, scale):
+    """``x`` as an FP8 pool holds it at ``scale`` (the write's rule), read back times ``scale``."""
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -479,19 +486,22 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
         row = 0
         for rr, n in enumerate(news):
             kv = torch.cat(hist[rr])
-            if kv_dtype == torch.float8_e4m3fn:
-                kv = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[rr], lens[rr], ps) * kscale
+            if kv_dtype == torch.float8_e4m3fn:  # the attention over the quantised history
+                kv = fp8_round(kv, kscale)
             qq = torch.cat([q[row : row + n].view(n, H, R), qr[row : row + n].view(n, H, r)], -1).float().cpu()
             exp = mla_ref(qq, kv, n, R, scale)
             tol = 8e-2 if kv_dtype == torch.float8_e4m3fn else 3e-2
             torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, R), exp, atol=tol, rtol=tol)
             row += n
     assert pool.get_key_buffer(0).data_ptr() == ptr
-    got = gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[1], lens[1], ps)
-    want = torch.cat(hist[1])
-    if kv_dtype == torch.float8_e4m3fn:
-        want = (want / kscale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    torch.testing.assert_close(got, want)
+    for rr, hist_r in enumerate(hist):  # every request's latent rows, as the pool holds them
+        if lens[rr]:
+            want = torch.cat(hist_r)
+            if kv_dtype == torch.float8_e4m3fn:
+                want = fp8_round(want, kscale) / kscale
+            torch.testing.assert_close(
+                gather(pool.get_key_buffer(0).view(-1, R + r), eng.pages[rr], lens[rr], ps), want
+            )
 
 
 def test_mla_multistep_draft_loop():
@@ -652,6 +662,10 @@ def test_mla_ragged_prefill_with_lse():
         )
         exp = ref_attention(q, k, v[row : row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale)
         torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        scores = torch.einsum("nhd,lhd->nhl", q, k) * cfg.softmax_scale
+        causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # [query, key]
+        want_lse = torch.logsumexp(scores.masked_fill(~causal[:, None, :], -float("inf")), -1)  # natural log
+        torch.testing.assert_close(lse[row : row + n].float().cpu(), want_lse, atol=2e-2, rtol=2e-3)
         row += n
     with pytest.raises(ValueError, match="save_kv_cache"):
         be.forward_extend(qn, kn, v, layer, save_kv_cache=True, q_rope=qr, k_rope=kr)

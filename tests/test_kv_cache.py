@@ -63,7 +63,20 @@ def test_unflat_needs_the_flat_views_shape():
         ValueError, match=r"flat.k has shape \(4, 8, 1, 8\); the flat view of this cache is \(8, 4, 1, 8\)"
     ):
         cache.unflat(other)
-    assert cache.unflat(cache.flat()).k[0].shape == cache.k[0].shape
+    rng = np.random.default_rng(0)
+    full = PagedKVCache(
+        k=tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in cache.k),
+        v=tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in cache.v),
+        stacked=True,
+    )
+    flat = full.flat()
+    pages = full.k[0].shape[1]
+    for layer in range(2):  # layer-major pages: layer i's page p is flat page i * pages + p
+        np.testing.assert_array_equal(flat.k[0][layer * pages : (layer + 1) * pages], full.k[0][layer])
+        np.testing.assert_array_equal(flat.v[0][layer * pages : (layer + 1) * pages], full.v[0][layer])
+    back = full.unflat(flat)
+    for a, b in zip(back.k + back.v, full.k + full.v):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_create_and_dtype_arguments():
