@@ -154,11 +154,34 @@ class DecodeMetadata(_PagedPlan):
         """
         bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
         cap = self.page_table.shape[1] * ps
+        shape = getattr(seq_lens, "shape", None)
+        dtype = getattr(seq_lens, "dtype", None)
+        if shape is None or len(shape) != 1 or shape[0] > bs or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(
+                f"seq_lens must be an int array [n <= batch_size={bs}], got "
+                f"{type(seq_lens).__name__} {getattr(dtype, 'name', dtype)}{list(shape) if shape is not None else ''}"
+            )
         c = _concrete(seq_lens)
         if c is not None and c.size and (c.min() < 0 or c.max() > cap):
             b = int(np.flatnonzero((c < 0) | (c > cap))[0])
             raise ValueError(f"seq_lens[{b}]={int(c.reshape(-1)[b])} must be in [0, {cap}] (the page table's tokens)")
         num_reqs = self.num_reqs if num_reqs is None else num_reqs
+        nr = _concrete(num_reqs)
+        if nr is not None and not (nr.ndim == 0 and jnp.issubdtype(nr.dtype, jnp.integer) and 0 <= nr <= shape[0]):
+            raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, len(seq_lens)={shape[0]}]")
+        table = _concrete(self.page_table)
+        if c is not None and nr is not None and table is not None:
+            # the rows' pages must be in the table: the planner fills the columns past a
+            # request's pages with the dummy page, which padded rows write
+            need = -(-c[: int(nr)].astype(np.int64) // ps)
+            cols = np.arange(table.shape[1])[None, :] < need[:, None]
+            bad = cols & (table[: int(nr)] == DUMMY_PAGE)
+            if bad.any():
+                b, i = (int(x[0]) for x in np.nonzero(bad))
+                raise ValueError(
+                    f"seq_lens[{b}]={int(c[b])} reaches page_table[{b}, {i}], the reserved dummy page "
+                    f"{DUMMY_PAGE}: plan with the longest length the plan will take (its pages), then shorten it"
+                )
         real = jnp.arange(bs) < num_reqs
         sl = jnp.asarray(seq_lens, jnp.int32).reshape(-1)[:bs]
         lens = jnp.where(real, jnp.pad(sl, (0, bs - sl.shape[0])), 0)

@@ -249,7 +249,8 @@ class _PlanningMixin:
         """
         if metadata.forward_mode is not ForwardMode.DRAFT_BLOCK:
             raise ValueError(f"fill_block_decode_seq_lens needs a DRAFT_BLOCK plan, got {metadata.forward_mode}")
-        lens = jnp.clip(jnp.asarray(block_seq_lens, jnp.int32), self.config.spec_num_tokens, self.config.context_len)
+        lens = jnp.asarray(block_seq_lens, jnp.int32)[: metadata.batch_size]
+        lens = jnp.clip(lens, self.config.spec_num_tokens, self.config.context_len)
         return metadata.with_seq_lens(lens, bs)
 
     def support_kv_cache_prewrite(self, forward_mode: ForwardMode | None = None) -> bool:

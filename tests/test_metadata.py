@@ -346,6 +346,26 @@ def test_plans_record_the_page_bound_they_were_checked_against():
             a.with_seq_lens(np.array(bad))
     traced = jax.jit(lambda lens: a.with_seq_lens(lens))(np.array([4, cap + 1], np.int32))
     assert int(traced.out_cache_loc[1]) == 0  # the dummy page, not another token's slot
+    # lengths that are not one int per request, and request counts outside them: refused
+    for bad, msg in (
+        ([4, 8], r"seq_lens must be an int array \[n <= batch_size=2\], got list"),
+        (np.array([4.5, 8.0]), r"got ndarray float64\[2\]"),
+        (np.array([[4, 8]]), r"got ndarray int64\[1, 2\]"),
+        (np.array([4, 8, 1]), r"got ndarray int64\[3\]"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            a.with_seq_lens(bad)
+    for nr in (-1, 3, 1.0):
+        with pytest.raises(ValueError, match=rf"num_reqs={nr!r} must be an int in \[0, len\(seq_lens\)=2\]"):
+            a.with_seq_lens(np.array([4, 8]), nr)
+    with pytest.raises(ValueError, match=r"num_reqs=2 must be an int in \[0, len\(seq_lens\)=1\]"):
+        a.with_seq_lens(np.array([4]), 2)  # a request would be emptied silently
+    # a length reaching a column the planner gave the dummy page: two requests would write
+    # (and read back) the slot padded rows write
+    tight = jattn.plan_decode([4, 4], page_size=4, page_table=[[3, 2], [4, 5]], max_pages=2)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=5 reaches page_table\[0, 1\], the reserved dummy page 0"):
+        tight.with_seq_lens(np.array([5, 5]))
+    assert int(tight.with_seq_lens(np.array([4, 3])).out_cache_loc[1]) == 4 * 4 + 2
     # with_page_offset: the shifted plan stays inside the larger pool, or is refused
     assert a.with_page_offset(8, 16).num_pages == 16 and int(a.with_page_offset(8, 16).page_table[1, 2]) == 14
     for off in (-1, 9):
