@@ -336,8 +336,8 @@ class _BridgeBase(_InputChecks, _PoolViews):
         skey = (key, rows, width, dtype)
         ent = self._stage.get(skey)
         if ent is None:
-            if dtype not in SUPPORTED_DTYPES:
-                raise BridgeError(f"input dtype {dtype} is not supported")
+            if dtype not in SUPPORTED_DTYPES or not dtype.is_floating_point:
+                raise BridgeError(f"q.dtype={dtype} is not supported (the step's inputs are staged in q's dtype)")
             t = torch.zeros(rows, width, dtype=dtype, device=self.device)
             ent = self._stage[skey] = (t, jax.dlpack.from_dlpack(t, copy=False))
         if n > rows:

@@ -82,6 +82,11 @@ def check_shareable(t: torch.Tensor, name: str = "tensor") -> None:
             f"{name} is on {t.device} but JAX's default backend is {backend!r}: a zero-copy view "
             "needs both on the same device"
         )
+    if t.is_neg() or t.is_conj():
+        raise BridgeError(
+            f"{name} is a lazily negated or conjugated view (torch's neg/conj bit): its memory holds the "
+            "other sign; call .resolve_neg() / .resolve_conj() first (or pass copy=True)"
+        )
     if not t.is_contiguous():
         raise BridgeError(
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: JAX "
@@ -101,7 +106,7 @@ def to_jax_input(t: torch.Tensor, name: str) -> jax.Array:
     tensor), so such inputs are read correctly rather than refused. Not for KV pools."""
     if not isinstance(t, torch.Tensor):
         raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    t = t.detach().contiguous()
+    t = t.detach().resolve_neg().resolve_conj().contiguous()
     if t.numel() and t.data_ptr() % alignment(_platform_of(t)):
         t = t.clone()
     return to_jax(t, name=name)
@@ -128,7 +133,7 @@ def to_jax(t: torch.Tensor, *, copy: bool = False, name: str = "tensor") -> jax.
     if copy:
         if not isinstance(t, torch.Tensor):
             raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        t = t.detach().contiguous().clone()
+        t = t.detach().resolve_neg().resolve_conj().contiguous().clone()
     check_shareable(t, name)
     try:
         return jax.dlpack.from_dlpack(t.detach(), copy=False)

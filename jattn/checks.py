@@ -19,7 +19,14 @@ def _check_dtype(x, name, allowed):
         raise TypeError(f"{name}.dtype={x.dtype} must be one of {names}")
 
 
+def _check_float(x, name):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}.dtype={x.dtype} must be a float dtype")
+
+
 def _check_ndim(x, name, ndim, layout):
+    if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
 
@@ -51,6 +58,10 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
         raise ValueError(f"logit_cap={logit_cap!r} must be a finite Python number >= 0 (0 disables it)")
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
+    s = None if sinks is None else _concrete(sinks)
+    if s is not None and not np.isfinite(s.astype(np.float32)).all():
+        h = int(np.flatnonzero(~np.isfinite(s.astype(np.float32)))[0])
+        raise ValueError(f"sinks[{h}]={s[h].item()!r} must be finite (a sink's logit)")
     _check_causal(is_causal)
 
 
@@ -70,15 +81,16 @@ def _check_scale(value, name: str, *, optional: bool = False) -> None:
     """A scale is a Python number or a scalar array; where concrete, finite and > 0."""
     if value is None and optional:
         return
-    if value is None or isinstance(value, bool) or jnp.ndim(value) != 0:
+    number = isinstance(value, numbers.Real) or hasattr(value, "dtype")
+    if value is None or isinstance(value, bool) or not number or jnp.ndim(value) != 0:
         raise ValueError(f"{name} must be a Python number or a scalar array, got {value!r:.80}")
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(np.float64)):
         # A bf16 / f16 scale would round the softmax scale it multiplies; an integer one is a slip.
         raise TypeError(f"{name}.dtype={dtype} must be float32 (or a Python number)")
     v = _concrete(value)
-    if v is not None and not (np.isfinite(v) and v > 0):
-        raise ValueError(f"{name}={v.item()!r} must be finite and > 0")
+    if v is not None and not (np.isfinite(v) and 0 < v <= np.finfo(np.float32).max):
+        raise ValueError(f"{name}={v.item()!r} must be finite and > 0 (in float32)")
 
 
 def _check_scales(**scales) -> None:
@@ -125,6 +137,8 @@ def _check_kv_caches(k_cache, v_cache) -> None:
         raise TypeError(f"v_cache.dtype={v_cache.dtype} must equal k_cache.dtype={k_cache.dtype}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in pages/heads")
+    if k_cache.shape[3] == 0 or v_cache.shape[3] == 0:
+        raise ValueError(f"head dims must be > 0: k_cache {k_cache.shape}, v_cache {v_cache.shape}")
 
 
 def _check_paged(q, k_cache, v_cache, page_table, cache_seqlens):
@@ -216,6 +230,8 @@ def _check_prefill(
         raise ValueError(f"k {k.shape} and v {v.shape} differ in tokens/heads")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q head_dim_qk={q.shape[2]} must equal k head_dim_qk={k.shape[2]}")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ValueError(f"head dims must be > 0: q {q.shape}, v {v.shape}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"num_q_heads={q.shape[1]} must be divisible by num_kv_heads={k.shape[1]}")
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")

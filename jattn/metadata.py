@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import _check_causal, _concrete, first_page_outside
+from jattn.checks import _check_causal, _concrete, _is_int, first_page_outside
 from jattn.plan_inputs import (
     _as_int_array,
     _check_i32,
@@ -320,6 +320,8 @@ def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) ->
 def _width(seq_lens, page_size, max_pages):
     need = int((-(-seq_lens // page_size)).max(initial=1))
     if max_pages is not None:
+        if not _is_int(max_pages) or max_pages < 1:
+            raise ValueError(f"max_pages={max_pages!r} must be an int >= 1 (a plan's page table has a column)")
         if max_pages < need:
             raise ValueError(f"max_pages={max_pages} is less than the {need} pages a request needs")
         return max_pages

@@ -30,6 +30,7 @@ from jattn.checks import (
     _check_causal,
     _check_cu_seqlens,
     _check_dtype,
+    _check_float,
     _check_int,
     _check_kv_caches,
     _check_lengths,
@@ -461,6 +462,7 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     _check_kv_caches(k_cache, v_cache)
     for x, name in ((k, "k"), (v, "v")):
         _check_ndim(x, name, 3, "[tokens, num_kv_heads, head_dim]")
+        _check_float(x, name)
     _check_int(out_cache_loc, "out_cache_loc")
     _check_ndim(out_cache_loc, "out_cache_loc", 1, "[tokens]")
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -489,6 +491,10 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     _check_int(out_cache_loc, "out_cache_loc")
     _check_ndim(out_cache_loc, "out_cache_loc", 1, "[tokens]")
     _check_scale(kv_scale, "kv_scale", optional=True)
+    for x, name in ((c_kv, "c_kv"), (k_pe, "k_pe")):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array [tokens, width] or [tokens, 1, width], got {type(x).__name__}")
+        _check_float(x, name)
     t = out_cache_loc.shape[0]
     rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))
     if not rows_ok or c_kv.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:

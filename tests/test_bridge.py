@@ -30,6 +30,7 @@ from jattn.bridge import (
     to_jax,
     to_torch,
 )
+from jattn.bridge.convert import to_jax_input
 from jattn.bridge.pool import layer_spec
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -153,10 +154,17 @@ def test_conversion_errors_and_explicit_copy():
     z = torch.zeros(64, dtype=torch.bfloat16, device=DEV)[1:]
     with pytest.raises(BridgeError, match="aligned"):
         to_jax(z)
-    with pytest.raises(BridgeError, match="dtype"):
-        to_jax(torch.zeros(4, dtype=torch.int64, device=DEV))
-    with pytest.raises(BridgeError):
-        to_jax(np.zeros(4))
+    with pytest.raises(BridgeError, match=r"x\.dtype=torch\.int64 cannot be shared"):
+        to_jax(torch.zeros(4, dtype=torch.int64, device=DEV), name="x")
+    with pytest.raises(BridgeError, match=r"x must be a torch\.Tensor, got ndarray"):
+        to_jax(np.zeros(4), name="x")
+    # torch's lazy negation: the memory holds the other sign, so a view would read it wrongly
+    neg = torch.arange(4.0, device=DEV)._neg_view()
+    assert neg.is_neg() and neg.is_contiguous()
+    with pytest.raises(BridgeError, match=r"x is a lazily negated or conjugated view"):
+        to_jax(neg, name="x")
+    np.testing.assert_array_equal(np.asarray(to_jax(neg, copy=True)), [-0.0, -1.0, -2.0, -3.0])
+    np.testing.assert_array_equal(np.asarray(to_jax_input(neg, "x")), [-0.0, -1.0, -2.0, -3.0])
 
 
 def test_torch_sees_pool_view():
@@ -327,6 +335,8 @@ def test_mha_views_are_persistent_and_zero_copy():
     assert stages.keys() == be._stage.keys()
     (fn,) = be._fns.values()
     assert fn._cache_size() == 1  # new values, same bucket: no retrace
+    with pytest.raises(BridgeError, match=r"q\.dtype=torch\.float64 is not supported"):
+        be.forward_decode(rand(2, 128).double(), None, None, layer, None, pool, 2, save_kv_cache=False)
 
 
 def test_torch_write_then_jattn_read():

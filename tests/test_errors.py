@@ -107,6 +107,22 @@ SHAPE_CASES = [
         r"page_table\[1, 1\]=4 out of range \[0, 4\)",
     ),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
+    ("sinks-nan", dict(sinks=jnp.array([0.0, 1.0, jnp.nan, 2.0], F32)), ValueError, r"sinks\[2\]=nan must be finite"),
+    ("list-lengths", dict(cache_seqlens=[3, 3]), TypeError, r"cache_seqlens must be an array \[batch\], got list"),
+    ("list-q", dict(q=[[[1.0] * 8] * 4] * 2), TypeError, r"q must be an array \[tokens, num_q_heads, head_dim\]"),
+    (
+        "head-dim-0",
+        dict(q=jnp.ones((2, 4, 0), F32), k_cache=jnp.ones((4, 4, 2, 0), F32), v_cache=jnp.ones((4, 4, 2, 0), F32)),
+        ValueError,
+        r"head dims must be > 0",
+    ),
+    ("v-scale-past-f32", dict(v_scale=1e39), ValueError, r"v_scale=1e\+39 must be finite and > 0 \(in float32\)"),
+    (
+        "softmax-scale-str",
+        dict(softmax_scale="0.3"),
+        ValueError,
+        r"softmax_scale must be a Python number or a scalar array, got '0\.3'",
+    ),
     ("window", dict(window_left=-2), ValueError, r"window_left=-2 must be an int >= -1"),
     ("logit_cap", dict(logit_cap=-1.0), ValueError, r"logit_cap=-1.0 must be a finite Python number >= 0"),
     ("unknown-backend", dict(backend="cuda"), ValueError, r"backend='cuda' must be one of"),
@@ -406,6 +422,13 @@ def test_kv_writes_check_caches_and_scales_as_the_reads_do():
             jattn.set_kv_buffer(f8, f8, loc, k, k, k_scale=bad)
     with pytest.raises(ValueError, match=r"v_scale must be a Python number or a scalar array"):
         jattn.set_kv_buffer(f8, f8, loc, k, k, v_scale=jnp.ones((8,), F32))
+    with pytest.raises(TypeError, match=r"k\.dtype=int32 must be a float dtype"):  # was cast and written
+        jattn.set_kv_buffer(f8, f8, loc, k.astype(jnp.int32), k)
+    latent = jnp.zeros((4, 4, 24), F32)
+    with pytest.raises(TypeError, match=r"k_pe\.dtype=bool must be a float dtype"):
+        jattn.set_mla_kv_buffer(latent, loc, jnp.ones((3, 16), F32), jnp.ones((3, 8), bool))
+    with pytest.raises(TypeError, match=r"c_kv must be an array"):
+        jattn.set_mla_kv_buffer(latent, loc, [[1.0] * 16] * 3, jnp.ones((3, 8), F32))
     with pytest.raises(TypeError, match=r"k_scale\.dtype=bfloat16 must be float32"):
         jattn.set_kv_buffer(f8, f8, loc, k, k, k_scale=jnp.asarray(0.5, jnp.bfloat16))
     with pytest.raises(TypeError, match=r"k_cache\.dtype=int32 must be one of"):
@@ -560,6 +583,12 @@ PLAN_CASES = [
         lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=[[1, 0, 3], [4, 5, 6]]),
         ValueError,
         r"page_table\[0, 1\] is the reserved dummy page",
+    ),
+    (
+        "decode-max-pages-float",
+        lambda: jattn.plan_decode([5], page_size=4, page_table=[[1, 2]], max_pages=2.0),
+        ValueError,
+        r"max_pages=2\.0 must be an int >= 1",
     ),
     (
         "extend-token-bucket",
