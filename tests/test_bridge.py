@@ -1169,12 +1169,15 @@ _R2P = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
 
 
 def _decode_fixture(seed=0, num_pages=16, layers=1):
-    """A 2-request decode plan over a random bf16 pool (4/2 heads x 32, page 4); returns
-    the backend, the pool, the layers, q and a generator."""
+    """A 2-request decode plan over a bf16 pool (4/2 heads x 32, page 4) holding random
+    values in the requests' slots and NaN everywhere else; returns the backend, the pool,
+    the layers, q and a generator."""
     g = torch.Generator().manual_seed(seed)
     cfg, pool = mha_setup(num_pages=num_pages, layers=layers)
+    slots = torch.tensor([int(_R2P[b, t // 4]) * 4 + t % 4 for b, n in enumerate((9, 5)) for t in range(n)])
     for b in pool.k_buffer + pool.v_buffer:
-        b.copy_(torch.randn(b.shape, generator=g))
+        b.fill_(float("nan"))
+        b[slots.to(b.device)] = torch.randn((len(slots),) + tuple(b.shape[1:]), generator=g).to(b.dtype).to(b.device)
     be = TorchMHABackend(cfg)
     be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([9, 5]), _R2P, ForwardMode.DECODE)
     q = torch.randn(2, 128, generator=g).to(torch.bfloat16).to(DEV)

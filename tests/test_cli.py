@@ -286,9 +286,11 @@ def test_bench_serving_parallel_sample_rows_on_cpu(tmp_path, capsys):
     assert all(r["shared_prompt_tokens"] == 2 * 32 for r in rows)  # 2 prompts, 2 whole pages of 16 each
     assert all(r["overlap"] is True and r["fused_projections"] is True for r in rows)
     assert "[2 samples, cascade off] [overlap on] [fused on]" in capsys.readouterr().out
+    capsys.readouterr()
     for bad in (["--cascade", "sometimes"], ["--overlap", "maybe"], ["--fuse-projections", "yes"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as e:
             main(["bench", "serving", "--cpu", "--models", "tiny"] + bad)
+        assert e.value.code == 2 and bad[0] in capsys.readouterr().err  # argparse names the option
 
 
 def test_bench_serving_gen_lens_rows_on_cpu(tmp_path, capsys):
@@ -303,8 +305,9 @@ def test_bench_serving_gen_lens_rows_on_cpu(tmp_path, capsys):
     assert [r["gen_len"] for r in rows] == [3, 7] and all(r["recompiles_in_timed_run"] == 0 for r in rows)
     text = capsys.readouterr().out
     assert "prompt=24 [gen 3]" in text and "prompt=24 [gen 7]" in text
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         main(argv + ["--gen-len", "0"])
+    assert e.value.code == 2 and "--gen-len" in capsys.readouterr().err
 
 
 def test_bench_serving_estimate_of_the_long_context_rows():
