@@ -59,9 +59,10 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
     s = None if sinks is None else _concrete(sinks)
-    if s is not None and not np.isfinite(s.astype(np.float32)).all():
-        h = int(np.flatnonzero(~np.isfinite(s.astype(np.float32)))[0])
-        raise ValueError(f"sinks[{h}]={s[h].item()!r} must be finite (a sink's logit)")
+    bad = None if s is None else np.isnan(s.astype(np.float32)) | (s.astype(np.float32) == np.inf)
+    if bad is not None and bad.any():
+        h = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"sinks[{h}]={s[h].item()!r} must be a finite logit or -inf (no sink)")
     _check_causal(is_causal)
 
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import _check_causal, _concrete, _is_int, first_page_outside
+from jattn.checks import _check_causal, _concrete, first_page_outside
 from jattn.plan_inputs import (
     _as_int_array,
     _check_i32,
@@ -143,14 +144,17 @@ class DecodeMetadata(_PagedPlan):
         return self.out_cache_loc.shape[0]
 
     def with_seq_lens(self, seq_lens, num_reqs=None) -> "DecodeMetadata":
-        """The same plan with new per-request lengths (jittable: no host work, no retrace).
+        """The same plan with new per-request lengths (jittable, no retrace).
 
         ``seq_lens`` i32[bs] (new tokens included) replaces ``cache_seqlens`` for rows
         ``< num_reqs`` (default: the plan's ``num_reqs``); positions and write slots of
         those rows are re-derived from the page table, which must already hold their
         pages. Rows ``>= num_reqs`` keep length 0 and write to the dummy page. Concrete
         lengths outside ``[0, max_pages * page_size]`` are refused; traced ones there write
-        nothing (their slot would be another token's).
+        nothing (their slot would be another token's). Host (numpy) lengths are also checked
+        against the page table: a length reaching a column the planner filled with the
+        dummy page is refused (a device copy of the table comes back for that check; device
+        lengths skip it).
         """
         bs, n, ps = self.batch_size, self.max_seqlen_q, self.page_size
         cap = self.page_table.shape[1] * ps
@@ -165,11 +169,17 @@ class DecodeMetadata(_PagedPlan):
         if c is not None and c.size and (c.min() < 0 or c.max() > cap):
             b = int(np.flatnonzero((c < 0) | (c > cap))[0])
             raise ValueError(f"seq_lens[{b}]={int(c.reshape(-1)[b])} must be in [0, {cap}] (the page table's tokens)")
+        nr = None
+        if num_reqs is not None:
+            nr = _concrete(num_reqs)
+            if nr is not None and not (nr.ndim == 0 and jnp.issubdtype(nr.dtype, jnp.integer) and 0 <= nr <= shape[0]):
+                raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, len(seq_lens)={shape[0]}]")
         num_reqs = self.num_reqs if num_reqs is None else num_reqs
-        nr = _concrete(num_reqs)
-        if nr is not None and not (nr.ndim == 0 and jnp.issubdtype(nr.dtype, jnp.integer) and 0 <= nr <= shape[0]):
-            raise ValueError(f"num_reqs={num_reqs!r} must be an int in [0, len(seq_lens)={shape[0]}]")
-        table = _concrete(self.page_table)
+        if isinstance(seq_lens, np.ndarray):  # host lengths: a host call, which may read the plan back
+            nr = _concrete(num_reqs) if nr is None else nr
+            table = _concrete(self.page_table)
+        else:  # device lengths (a step of a multi-step plan): no device-to-host copy of the plan
+            table = None
         if c is not None and nr is not None and table is not None:
             # the rows' pages must be in the table: the planner fills the columns past a
             # request's pages with the dummy page, which padded rows write
@@ -320,7 +330,12 @@ def _slots(pt: np.ndarray, rows: np.ndarray, pos: np.ndarray, page_size: int) ->
 def _width(seq_lens, page_size, max_pages):
     need = int((-(-seq_lens // page_size)).max(initial=1))
     if max_pages is not None:
-        if not _is_int(max_pages) or max_pages < 1:
+        ok = not isinstance(max_pages, (bool, np.bool_))
+        try:
+            max_pages = operator.index(max_pages) if ok else max_pages  # an int, numpy int or 0-d int array
+        except TypeError:
+            ok = False
+        if not ok or max_pages < 1:
             raise ValueError(f"max_pages={max_pages!r} must be an int >= 1 (a plan's page table has a column)")
         if max_pages < need:
             raise ValueError(f"max_pages={max_pages} is less than the {need} pages a request needs")

@@ -79,10 +79,11 @@ def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
     if model_type == "mistral":
         return int(w)
     if model_type in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window"):  # Hugging Face drops the window then, whatever else says
+            return 0
         n = int(d.get("num_hidden_layers") or 0)
         kinds = d.get("layer_types") or [
-            "sliding_attention" if d.get("use_sliding_window") and i >= d.get("max_window_layers", 28) else "full"
-            for i in range(n)
+            "sliding_attention" if i >= d.get("max_window_layers", 28) else "full" for i in range(n)
         ]
         windowed = {k == "sliding_attention" for k in kinds}
         if windowed <= {False}:
@@ -567,7 +568,7 @@ class DeepseekConfig:
             num_experts_per_tok=d.get("num_experts_per_tok", 0) or 0,
             n_group=d.get("n_group", 1) or 1,
             topk_group=d.get("topk_group", 1) or 1,
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", not v2)),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             scoring_func=d.get("scoring_func") or ("softmax" if v2 else "sigmoid"),
             topk_method=d.get("topk_method") or ("greedy" if v2 else "noaux_tc"),

@@ -214,7 +214,9 @@ class MoE(nnx.Module):
         the ``top_k`` best choice scores within the ``topk_group`` best groups: V3
         (sigmoid) chooses by score plus correction bias, a group by its top two; V2
         (softmax) by score, a group by its best (``group_limited_greedy``) or with no
-        groups (``greedy``). The weights are the scores of the chosen experts."""
+        groups (``greedy``). The weights are the scores of the chosen experts, divided by
+        their sum with ``norm_topk_prob`` (V3 only: Hugging Face's V2 router ignores it),
+        times ``routed_scaling_factor``."""
         t = x.shape[0]
         e, g = self.num_experts, self.n_group
         logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.gate_weight[...])
@@ -231,7 +233,7 @@ class MoE(nnx.Module):
             choice = jnp.where(jnp.repeat(gmask, e // g, axis=1), choice, -jnp.inf)
         _, idx = jax.lax.top_k(choice, self.top_k)  # [T, k]
         w = jnp.take_along_axis(scores, idx, axis=1)
-        if self.norm_topk_prob:
+        if self.norm_topk_prob and self.scoring_func == "sigmoid":  # V2's router never normalises
             w = w / (w.sum(-1, keepdims=True) + 1e-20)
         w = w * self.routed_scaling_factor
         return jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], idx].set(w)

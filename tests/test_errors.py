@@ -107,7 +107,8 @@ SHAPE_CASES = [
         r"page_table\[1, 1\]=4 out of range \[0, 4\)",
     ),
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
-    ("sinks-nan", dict(sinks=jnp.array([0.0, 1.0, jnp.nan, 2.0], F32)), ValueError, r"sinks\[2\]=nan must be finite"),
+    ("sinks-nan", dict(sinks=jnp.array([0.0, 1.0, jnp.nan, 2.0], F32)), ValueError, r"sinks\[2\]=nan must be a finite"),
+    ("sinks-inf", dict(sinks=jnp.array([0.0, jnp.inf, 1.0, 2.0], F32)), ValueError, r"sinks\[1\]=inf must be a finite"),
     ("list-lengths", dict(cache_seqlens=[3, 3]), TypeError, r"cache_seqlens must be an array \[batch\], got list"),
     ("list-q", dict(q=[[[1.0] * 8] * 4] * 2), TypeError, r"q must be an array \[tokens, num_q_heads, head_dim\]"),
     (
@@ -139,6 +140,15 @@ SHAPE_CASES = [
 def test_decode_bad_inputs(over, exc, msg):
     with pytest.raises(exc, match=msg):
         _decode(**over)
+
+
+def test_minus_inf_sinks_and_integer_like_bounds_are_accepted():
+    """A sink of -inf is no sink for that head; max_pages may be any integer scalar."""
+    minus = jnp.array([-jnp.inf, 0.5, -jnp.inf, 1.0], F32)
+    plain = jnp.array([-1e30, 0.5, -1e30, 1.0], F32)
+    np.testing.assert_array_equal(np.asarray(_decode(sinks=minus)), np.asarray(_decode(sinks=plain)))
+    for mp in (np.int64(2), np.array(2), jnp.int32(2)):
+        assert jattn.plan_decode([5], page_size=4, page_table=[[1, 2]], max_pages=mp).page_table.shape == (1, 2)
 
 
 def _extend(**kw):

@@ -366,6 +366,7 @@ def test_plans_record_the_page_bound_they_were_checked_against():
     with pytest.raises(ValueError, match=r"seq_lens\[0\]=5 reaches page_table\[0, 1\], the reserved dummy page 0"):
         tight.with_seq_lens(np.array([5, 5]))
     assert int(tight.with_seq_lens(np.array([4, 3])).out_cache_loc[1]) == 4 * 4 + 2
+
     # with_page_offset: the shifted plan stays inside the larger pool, or is refused
     assert a.with_page_offset(8, 16).num_pages == 16 and int(a.with_page_offset(8, 16).page_table[1, 2]) == 14
     for off in (-1, 9):
@@ -373,6 +374,22 @@ def test_plans_record_the_page_bound_they_were_checked_against():
             a.with_page_offset(off, 16)
     # an unchecked plan stays unchecked: shifting it bounds nothing
     assert jattn.plan_decode([20, 5], page_size=16, page_table=pt).with_page_offset(3, 100).num_pages is None
+
+
+def test_with_seq_lens_on_device_lengths_reads_no_plan_back(monkeypatch):
+    """A multi-step plan's steps (device lengths, per layer when eager) copy nothing of the
+    plan to the host; host lengths may read the page table back for their check."""
+    import jattn.metadata as meta
+
+    seen = []
+    real = meta._concrete
+    monkeypatch.setattr(meta, "_concrete", lambda x: seen.append(np.shape(x)) or real(x))
+    plan = jattn.plan_decode([4, 9], page_size=4, page_table=[[3, 2, 1], [4, 5, 6]], num_pages=8)
+    plan.with_seq_lens(jnp.asarray([4, 8], jnp.int32))
+    assert plan.page_table.shape not in seen and () not in seen
+    seen.clear()
+    plan.with_seq_lens(np.array([4, 8]))
+    assert plan.page_table.shape in seen
 
 
 def test_plan_prefix_chunks_checks_page_ids():

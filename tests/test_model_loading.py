@@ -99,11 +99,13 @@ def test_sliding_windows_are_kept_or_refused():
     on = {**qwen, "use_sliding_window": True}
     assert LlamaConfig.from_hf(on).sliding_window == 0  # max_window_layers 28 >= 2 layers: none
     assert LlamaConfig.from_hf({**on, "max_window_layers": 0}).sliding_window == 4096
-    assert LlamaConfig.from_hf({**qwen, "layer_types": ["sliding_attention"] * 2}).sliding_window == 4096
+    assert LlamaConfig.from_hf({**on, "layer_types": ["sliding_attention"] * 2}).sliding_window == 4096
+    # without use_sliding_window transformers drops the window, whatever layer_types says
+    assert LlamaConfig.from_hf({**qwen, "layer_types": ["sliding_attention"] * 2}).sliding_window == 0
     with pytest.raises(NotImplementedError, match=r"qwen2 config with sliding_window=4096 .* max_window_layers=1"):
         LlamaConfig.from_hf({**on, "max_window_layers": 1})
     with pytest.raises(NotImplementedError, match=r"only a window on every layer or on none"):
-        LlamaConfig.from_hf({**qwen, "layer_types": ["full_attention", "sliding_attention"]})
+        LlamaConfig.from_hf({**on, "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match=r"sliding_window=-1 must be an int >= 0"):
         LlamaConfig.from_hf(_LLAMA).replace(sliding_window=-1)
 

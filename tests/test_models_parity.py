@@ -183,11 +183,16 @@ def test_deepseek_full_sequence_logits(q_lora_rank, moe):
 def test_deepseek_routers_and_norm_eps(version, topk_method):
     """V2's softmax router (greedy, and by group maxima over two groups) and V3's, with an
     rms_norm_eps far from the latent norms' own 1e-6 (Hugging Face keeps theirs at 1e-6)."""
-    extra = dict(rms_norm_eps=0.3) | (dict(topk_method=topk_method) if topk_method else {})
+    extra = dict(rms_norm_eps=0.3, routed_scaling_factor=2.5)
+    if version == 2:  # norm_topk_prob: Hugging Face's V2 router ignores it
+        extra |= dict(topk_method=topk_method, norm_topk_prob=True)
     hf, model = _hf_deepseek(24, moe=True, version=version, **extra)
     cfg = model.config
     assert (cfg.scoring_func, cfg.rms_norm_eps) == ("softmax" if version == 2 else "sigmoid", 0.3)
     _full_sequence_check(hf, model)
+    if version == 2:  # a V2 config.json without the key: transformers' default, off
+        d = {k: v for k, v in hf.config.to_dict().items() if k != "norm_topk_prob"}
+        assert DeepseekConfig.from_hf(d).norm_topk_prob is False
 
 
 def _paged_check(hf, model, page_size, *, prompt_lens=(5, 11, 1), chunk=(3, 0, 0), decode_steps=4, seed=0):
