@@ -66,7 +66,7 @@ from .checks import _InputChecks
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
 from .native import NativePlans
 from .pool import layer_spec
-from .state import _Bounded, _host, _LayerEntry, _Param, _ref, _slim, _View
+from .state import _Bounded, _host, _LayerEntry, _Param, _ref, _req_to_page, _slim, _View
 from .streams import StreamSync
 from .views import _PoolViews
 
@@ -261,8 +261,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         (CPU) tensors avoid a device sync. ``num_pages``: the KV pool's page count, the
         bound the page ids are checked against when ``config.num_pages`` is None.
         """
-        if req_to_page is None:
-            req_to_page = kwargs.pop("req_to_token_pages", None)
+        req_to_page = _req_to_page(req_to_page, kwargs)
         if kwargs.get("flat_block_tables"):
             raise NotImplementedError(
                 "flat_block_tables (tokenspeed's per-group flat cache tables) are not supported: pass the "

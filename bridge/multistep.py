@@ -19,7 +19,7 @@ from jattn.metadata import ForwardMode
 from jattn.multistep import MLAMultiStepDraftBackend
 
 from .mla import TorchMLABackend
-from .state import _host
+from .state import _host, _req_to_page
 
 __all__ = ["TorchMLAMultiStepDraftBackend"]
 
@@ -61,8 +61,7 @@ class TorchMLAMultiStepDraftBackend:
         """Every step's plan outside the captured graph, as :meth:`init_forward_metadata`
         (``in_capture``: ``bs`` must be a bucket, and the plans are kept as the bucket's
         capture plans)."""
-        if req_to_page is None:
-            req_to_page = kwargs.pop("req_to_token_pages", None)
+        req_to_page = _req_to_page(req_to_page, kwargs)
         rpi, sl, r2p = _host(req_pool_indices), _host(seq_lens), _host(req_to_page)
         self._core.init_forward_metadata(bs, rpi, sl, r2p)  # checks seq_lens and the loop's slots
         sl = sl[: int(bs)].astype(np.int64)
@@ -97,8 +96,7 @@ class TorchMLAMultiStepDraftBackend:
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, req_to_page=None, **kwargs):
         """New values into the bucket of ``bs`` for every step (no retrace)."""
-        if req_to_page is None:
-            req_to_page = kwargs.get("req_to_token_pages")
+        req_to_page = _req_to_page(req_to_page, kwargs)
         self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, num_pages=kwargs.get("num_pages"))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -19,6 +19,13 @@ from jattn.backends import LayerSpec
 __all__ = ["_Bounded", "_LayerEntry", "_Param", "_Plan", "_PoolState", "_View", "_host", "_ref", "_slim"]
 
 
+def _req_to_page(req_to_page, kwargs: dict):
+    """The request-to-page table of a planning call: ``req_to_page``, else the
+    ``req_to_token_pages`` keyword (SGLang's name for it), which is taken out of ``kwargs``."""
+    alias = kwargs.pop("req_to_token_pages", None)
+    return alias if req_to_page is None else req_to_page
+
+
 def _host(x):
     """numpy view of a host value (torch CPU/GPU tensor, list, numpy)."""
     if x is None:

@@ -24,9 +24,13 @@ def _check_float(x, name):
         raise TypeError(f"{name}.dtype={x.dtype} must be a float dtype")
 
 
-def _check_ndim(x, name, ndim, layout):
+def _check_array(x, name, layout):
     if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
+
+
+def _check_ndim(x, name, ndim, layout):
+    _check_array(x, name, layout)
     if x.ndim != ndim:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
 
@@ -59,7 +63,8 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
     s = None if sinks is None else _concrete(sinks)
-    bad = None if s is None else np.isnan(s.astype(np.float32)) | (s.astype(np.float32) == np.inf)
+    s32 = None if s is None else s.astype(np.float32)
+    bad = None if s is None else np.isnan(s32) | (s32 == np.inf)
     if bad is not None and bad.any():
         h = int(np.flatnonzero(bad)[0])
         raise ValueError(f"sinks[{h}]={s[h].item()!r} must be a finite logit or -inf (no sink)")

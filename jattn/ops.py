@@ -26,6 +26,7 @@ from jattn.checks import BACKENDS as BACKENDS  # re-exported: the public backend
 from jattn.checks import KV_DTYPES as _KV_DTYPES
 from jattn.checks import Q_DTYPES as _Q_DTYPES
 from jattn.checks import (
+    _check_array,
     _check_backend,
     _check_causal,
     _check_cu_seqlens,
@@ -492,8 +493,7 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     _check_ndim(out_cache_loc, "out_cache_loc", 1, "[tokens]")
     _check_scale(kv_scale, "kv_scale", optional=True)
     for x, name in ((c_kv, "c_kv"), (k_pe, "k_pe")):
-        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array [tokens, width] or [tokens, 1, width], got {type(x).__name__}")
+        _check_array(x, name, "[tokens, width] or [tokens, 1, width]")
         _check_float(x, name)
     t = out_cache_loc.shape[0]
     rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))

@@ -514,6 +514,27 @@ def test_mla_decode_verify_draft_extend(kv_dtype):
             )
 
 
+def _draft_mla(num_pages):
+    """The multi-step draft tests' MLA config (latent 64 + 16, 4 heads, pages of 8,
+    ``config.num_pages=num_pages``), a bf16 pool of 32 pages and its layer."""
+    R, r, H, ps = 64, 16, 4, 8
+    cfg = MLAConfig(
+        num_heads=H,
+        kv_lora_rank=R,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=r,
+        v_head_dim=32,
+        page_size=ps,
+        context_len=64,
+        num_pages=num_pages,
+        batch_buckets=(4,),
+    )
+    pool = TorchMLAKVPool(
+        num_layers=1, num_pages=32, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.bfloat16, device=DEV
+    )
+    return cfg, pool, AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+
+
 def test_mla_multistep_draft_loop():
     """SGLang's multi-step draft backend on a torch pool: step i of a chain draft sees its
     history plus the draft tokens of steps 0..i (written by the loop itself); a padding
@@ -523,21 +544,7 @@ def test_mla_multistep_draft_loop():
     rng = np.random.default_rng(6)
     torch.manual_seed(6)
     R, r, H, ps, steps = 64, 16, 4, 8, 3
-    cfg = MLAConfig(
-        num_heads=H,
-        kv_lora_rank=R,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=r,
-        v_head_dim=32,
-        page_size=ps,
-        context_len=64,
-        num_pages=32,
-        batch_buckets=(4,),
-    )
-    pool = TorchMLAKVPool(
-        num_layers=1, num_pages=32, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.bfloat16, device=DEV
-    )
-    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+    cfg, pool, layer = _draft_mla(num_pages=32)
     ms = TorchMLAMultiStepDraftBackend(cfg, pool, topk=1, speculative_num_steps=steps + 1)
     assert ms.num_steps == steps and len(ms.attn_backends) == steps
     eng = Engine(3, 8, ps, rng, 32)
@@ -581,22 +588,8 @@ def test_mla_multistep_passes_num_pages_and_req_to_token_pages_on():
     as :class:`TorchMLABackend` does."""
     from jattn.bridge import TorchMLAMultiStepDraftBackend
 
-    R, r, H, ps, NP = 64, 16, 4, 8, 32
-    cfg = MLAConfig(
-        num_heads=H,
-        kv_lora_rank=R,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=r,
-        v_head_dim=32,
-        page_size=ps,
-        context_len=64,
-        num_pages=None,
-        batch_buckets=(4,),
-    )
-    pool = TorchMLAKVPool(
-        num_layers=1, num_pages=NP, page_size=ps, kv_lora_rank=R, qk_rope_head_dim=r, dtype=torch.bfloat16, device=DEV
-    )
-    layer = AttentionLayer(0, H, 1, R + r, v_head_dim=R)
+    R, r, H, NP = 64, 16, 4, 32
+    cfg, pool, layer = _draft_mla(num_pages=None)
     ms = TorchMLAMultiStepDraftBackend(cfg, pool, topk=1, speculative_num_steps=3)
     ms.init_cuda_graph_state(4)
     ms.init_forward_metadata_capture_cuda_graph(4, num_pages=NP)
