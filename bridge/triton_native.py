@@ -31,6 +31,7 @@ __all__ = [
     "prefill",
     "prefill_tile_plan",
     "set_kv_buffer",
+    "set_mla_kv_buffer",
 ]
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -50,6 +51,10 @@ def _check(t, name, dtypes, ndim, device):
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: the kernels "
             "address rows by the dense layout"
         )
+
+
+def _desc(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _scalars(device, *values) -> torch.Tensor:
@@ -479,3 +484,47 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
         num_stages=1,
     )
     return k_cache, v_cache
+
+
+def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
+    """``jattn.set_mla_kv_buffer`` on a torch latent pool, in place: the Triton latent write
+    (FP8 quantisation fused) launched natively. Cache ``[pages, page_size, R + r]``, c_kv
+    ``[T, R]`` or ``[T, 1, R]``, k_pe ``[T, r]`` or ``[T, 1, r]``, int32
+    ``out_cache_loc [T]``; slots outside the pool are dropped."""
+    from jattn.pallas_kernels import triton_glue, triton_kv_write, triton_mla_kv_write
+
+    dev = kv_cache.device
+    _check(kv_cache, "kv_cache", (kv_cache.dtype,), 3, dev)
+    _check(out_cache_loc, "out_cache_loc", (torch.int32,), 1, dev)
+    t = out_cache_loc.shape[0]
+    widths = []
+    for name, x in (("c_kv", c_kv), ("k_pe", k_pe)):
+        if not isinstance(x, torch.Tensor) or x.ndim not in (2, 3):
+            raise BridgeError(f"{name} must be a torch.Tensor [{t}, width] or [{t}, 1, width], got {_desc(x)}")
+        _check(x, name, (x.dtype,), x.ndim, dev)
+        if not x.is_floating_point() or x.shape[0] != t or (x.ndim == 3 and x.shape[1] != 1):
+            raise BridgeError(f"{name} {tuple(x.shape)} must be float rows [{t}, width] or [{t}, 1, width]")
+        widths.append(x.shape[-1])
+    if sum(widths) != kv_cache.shape[2]:
+        raise BridgeError(
+            f"c_kv {tuple(c_kv.shape)} + k_pe {tuple(k_pe.shape)} must give rows of width {kv_cache.shape[2]}"
+        )
+    if t == 0:
+        return kv_cache
+    num_pages, page, w = kv_cache.shape
+    nblk, block = triton_kv_write.launch_params(w, w)
+    triton_glue.jit(triton_mla_kv_write._mla_kv_write_kernel)[(t, nblk)](
+        c_kv,
+        k_pe,
+        out_cache_loc,
+        _scalars(dev, 1.0 if kv_scale is None else kv_scale),
+        kv_cache,
+        NUM_SLOTS=num_pages * page,
+        R=widths[0],
+        RPE=widths[1],
+        BLOCK=block,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
+        num_stages=1,
+    )
+    return kv_cache

@@ -120,6 +120,7 @@ KERNELS = {
         "mla_decode": "triton_mla",
         "attn_merge_state": "merge_state",  # dispatched by _merge_impl
         "set_kv_buffer": "triton_kv_write",
+        "set_mla_kv_buffer": "triton_mla_kv_write",
     },
 }
 OPS = (

@@ -1,12 +1,13 @@
 """Public attention ops with backend dispatch.
 
-Every op but ``set_mla_kv_buffer`` takes ``backend=None`` (auto) or a name from
+Every op takes ``backend=None`` (auto) or a name from
 :data:`BACKENDS`. Auto tries ``mosaic`` (Hopper GPUs), then ``triton``, then ``xla`` (the
 plain-JAX reference, which serves every call), skipping a kernel that cannot serve the call
 or that was measured slower than ``xla`` for its shapes. A named backend that cannot serve
 the call raises ``NotImplementedError`` naming what is missing; it never falls back
-silently. (A call with nothing to compute, no rows, heads or pages, gives its empty or
-all-zero result from the reference whatever the backend: the kernels have no empty launch.)
+silently. (A call with nothing to compute, no rows, heads, pages or tokens to write, gives
+its empty or all-zero result, or the caches as they are, whatever the backend: the kernels
+have no empty launch.)
 What each op computes (masks, window, cap, sinks, FP8, LSE) is in docs/SEMANTICS.md.
 
 Shapes and dtypes are checked at trace time with errors that name the argument;
@@ -474,6 +475,9 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
         raise ValueError(f"k rows {k.shape[1:]} must match k_cache's [num_kv_heads, head_dim] {k_cache.shape[2:]}")
     if v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"v rows {v.shape[1:]} must match v_cache's {v_cache.shape[2:]}")
+    if out_cache_loc.shape[0] == 0:  # no tokens: the caches as they are on every backend (no empty launch)
+        _check_backend(backend)
+        return k_cache, v_cache
     kw = dict(k_scale=k_scale, v_scale=v_scale)
     impl = _pick("set_kv_buffer", backend, None, None, k_cache, v_cache, out_cache_loc, k, v, **kw)
     if impl is not None:
@@ -481,11 +485,16 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
     return reference.set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, k_scale, v_scale)
 
 
-def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
+def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None, backend=None):
     """Writes latent rows ``[c_kv, k_pe]`` at ``out_cache_loc``; returns the cache.
 
     kv_cache: [num_pages, page_size, R + r]; out_cache_loc: i32[T]; c_kv: [T, R] or
-    [T, 1, R]; k_pe: [T, r] or [T, 1, r]. FP8 caches store ``clamp(row / kv_scale, -448, 448)``.
+    [T, 1, R]; k_pe: [T, r] or [T, 1, r] (any float dtype). FP8 caches store
+    ``clamp(row / kv_scale, -448, 448)``; other caches store the row cast to their dtype.
+    Slots outside ``[0, num_pages * page_size)`` are dropped. Under ``jit`` with the cache
+    donated the update is in place. backend: None or ``"xla"`` (one XLA scatter), or
+    ``"triton"`` (the Triton write through jax-triton, the source the torch bridge
+    launches natively).
     """
     _check_ndim(kv_cache, "kv_cache", 3, "[num_pages, page_size, R + r]")
     _check_dtype(kv_cache, "kv_cache", _KV_DTYPES)
@@ -499,4 +508,10 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))
     if not rows_ok or c_kv.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}")
+    if t == 0:  # no tokens: the cache as it is on every backend (no empty launch)
+        _check_backend(backend)
+        return kv_cache
+    impl = _pick("set_mla_kv_buffer", backend, None, None, kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=kv_scale)
+    if impl is not None:
+        return impl(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=kv_scale)
     return reference.set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, kv_scale)

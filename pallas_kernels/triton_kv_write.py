@@ -36,6 +36,21 @@ def _store_nan_bytes(dst, xf, mask):
     return mask & ~nan
 
 
+@device_fn
+def store_row(dst, x, mask, scale, FP8: tl.constexpr):
+    """Stores ``x`` at ``dst`` where ``mask``, in the cache's dtype. ``FP8``: the stored
+    value is ``clamp(x / scale, -448, 448)`` (the e4m3 cast alone does not saturate, and
+    the clamp would turn a NaN into +-448: a NaN is stored as the e4m3 NaN byte with its
+    sign instead, as XLA's convert stores it). Otherwise ``x`` is cast (``scale`` unused)."""
+    if FP8:
+        xf = x.to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(xf, scale), -448.0), 448.0)
+        mask = _store_nan_bytes(dst, xf, mask)
+        tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
 def _kv_write_kernel(
     k_ptr,  # [T, ROW_K] new K rows
     v_ptr,  # [T, ROW_V]
@@ -58,24 +73,14 @@ def _kv_write_kernel(
     x = tl.load(k_ptr + t.to(tl.int64) * ROW_K + c, mask=mk, other=0.0)
     mv = c < tl.where(ok, ROW_V, 0)
     y = tl.load(v_ptr + t.to(tl.int64) * ROW_V + c, mask=mv, other=0.0)
-    if FP8:  # clamp(x / scale, -448, 448): the e4m3 cast alone does not saturate
-        xf, yf = x.to(tl.float32), y.to(tl.float32)
-        x = tl.minimum(tl.maximum(xf / tl.load(scale_ptr), -448.0), 448.0)
-        y = tl.minimum(tl.maximum(yf / tl.load(scale_ptr + 1), -448.0), 448.0)
-        # The clamp turns a NaN into +-448: a NaN is stored as the e4m3 NaN byte with its sign
-        # instead, as XLA's convert stores it (no f32 -> e4m3 conversion of a NaN relied on).
-        mk = _store_nan_bytes(kc_ptr + slot * ROW_K + c, xf, mk)
-        mv = _store_nan_bytes(vc_ptr + slot * ROW_V + c, yf, mv)
-    tl.store(kc_ptr + slot * ROW_K + c, x.to(kc_ptr.dtype.element_ty), mask=mk)
-    tl.store(vc_ptr + slot * ROW_V + c, y.to(vc_ptr.dtype.element_ty), mask=mv)
+    store_row(kc_ptr + slot * ROW_K + c, x, mk, tl.load(scale_ptr), FP8)
+    store_row(vc_ptr + slot * ROW_V + c, y, mv, tl.load(scale_ptr + 1), FP8)
 
 
 def unsupported_reason(k_cache, v_cache, out_cache_loc, k, v, **_) -> str | None:
     """None when the kernel can serve this ``set_kv_buffer`` call, else a one-line reason."""
     if k_cache.dtype != v_cache.dtype:
         return f"k_cache dtype {k_cache.dtype} differs from v_cache's {v_cache.dtype}"
-    if k.shape[0] == 0:
-        return "no tokens"
     return None
 
 

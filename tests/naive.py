@@ -252,7 +252,7 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     page_size = kv.shape[1]
     c_kv, k_pe = f64(c_kv), f64(k_pe)
     t_total = len(np.asarray(out_cache_loc))
-    c_kv, k_pe = c_kv.reshape(t_total, -1), k_pe.reshape(t_total, -1)
+    c_kv, k_pe = c_kv.reshape(t_total, c_kv.shape[-1]), k_pe.reshape(t_total, k_pe.shape[-1])
     for t, slot in enumerate(np.asarray(out_cache_loc)):
         row = np.concatenate([c_kv[t], k_pe[t]])
         p, off = int(slot) // page_size, int(slot) % page_size
