@@ -59,7 +59,7 @@ def _info() -> int:
         elif kernels and kind == "cpu":
             note = f"{' / '.join(kernels)} kernel: needs a GPU (runs on the CPU only interpreted, for tests)"
         elif kernels:
-            note = "; ".join(op_backend(op, b)[1] or f"{b} kernel: not picked here" for b in kernels)
+            note = "; ".join(op_backend(op, b)[1] or f"{b} kernel: on request (backend={b!r})" for b in kernels)
         else:
             note = "plain JAX (no kernel yet)"
         print(f"  {_OP_LABELS[op].ljust(w)}  {picked:6s}  {note}")
