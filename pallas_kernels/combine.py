@@ -402,13 +402,15 @@ class HeadsLayout:
         g = self.group
         if values:
             x = jnp.swapaxes(x, -3, -2)  # [*lead, hkv, D, tiles, N]
-        x = x.reshape(*x.shape[:-2], -1)[..., : q_len * g]  # [*lead, hkv, (D,) q_len * g]
+        # explicit sizes throughout: a -1 is ambiguous when a leading axis is 0 (no requests)
+        x = x.reshape(*x.shape[:-2], self.tiles * self.width)[..., : q_len * g]  # [*lead, hkv, (D,) q_len * g]
         x = x.reshape(*x.shape[:-1], q_len, g)
+        rows = self.kv_heads * g
         if values:  # [*lead, hkv, D, q_len, g] -> [*lead, q_len, hkv, g, D]
             x = jnp.moveaxis(jnp.moveaxis(x, -3, -1), -3, -4)
-            return x.reshape(*x.shape[:-4], -1, x.shape[-1])
+            return x.reshape(*x.shape[:-4], q_len * rows, x.shape[-1])
         x = jnp.moveaxis(x, -2, -3)  # [*lead, q_len, hkv, g]
-        return x.reshape(*x.shape[:-3], -1)
+        return x.reshape(*x.shape[:-3], q_len * rows)
 
 
 def combine_splits(

@@ -39,6 +39,8 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed: XLA only
     tl = None
 
+_INT32_MAX = 2**31 - 1
+
 __all__ = ["pow2_scale", "query_tiles", "query_rows", "tiles_launch", "query_rows_e4m3", "rows_launch", "E4M3_MAX"]
 
 E4M3_MAX = 448.0
@@ -119,10 +121,13 @@ def _tiles_kernel(
     TILES: tl.constexpr,
     NT: tl.constexpr,
     D: tl.constexpr,
+    I64: tl.constexpr,  # offsets past int32 (huge batches)
 ):
     """One item (request b, KV head h, tile t) per program: ``program_id = (b * HKV + h) *
     TILES + t``."""
     item = tl.program_id(0)
+    if I64:
+        item = item.to(tl.int64)
     t = item % TILES
     bh = item // TILES  # b * HKV + h
     hkv = HQ // G
@@ -146,7 +151,9 @@ def _tiles_kernel(
 def tiles_launch(q_shape, hkv: int, q_len: int, tiles: int, width: int):
     """``(grid, constexprs)`` of :func:`_tiles_kernel` for a query of ``q_shape``."""
     rows, hq, d = q_shape
-    return (rows // q_len * hkv * tiles,), dict(HQ=hq, G=hq // hkv, Q_LEN=q_len, TILES=tiles, NT=width, D=d)
+    items = rows // q_len * hkv * tiles
+    i64 = max(rows * hq * d, items * width * d) > _INT32_MAX
+    return (items,), dict(HQ=hq, G=hq // hkv, Q_LEN=q_len, TILES=tiles, NT=width, D=d, I64=i64)
 
 
 def _tiles_triton(q, hkv: int, q_len: int, tiles: int, width: int):
@@ -212,11 +219,15 @@ def _rows_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,  # W rounded up to a power of two
     R: tl.constexpr,  # rows per program
+    I64: tl.constexpr,  # offsets past int32 (huge batches)
 ):
     """``R`` rows of one request per program: ``program_id = b * cdiv(TILE_ROWS, R) + block``."""
     per = (TILE_ROWS + R - 1) // R
-    b = tl.program_id(0) // per
-    rows = (tl.program_id(0) % per) * R + tl.arange(0, R)
+    pid = tl.program_id(0)
+    if I64:
+        pid = pid.to(tl.int64)
+    b = pid // per
+    rows = (pid % per) * R + tl.arange(0, R)
     cols = tl.arange(0, WP)
     real = rows < M_ROWS
     inside = cols < W
@@ -244,7 +255,8 @@ def rows_launch(q_shape, m_rows8: int, tile_rows: int):
     wp = 1 << max(0, (w - 1).bit_length())
     r = max(1, min(64, 8192 // wp))
     per = -(-tile_rows // r)
-    params = dict(M_ROWS=m_rows, M_ROWS8=m_rows8, TILE_ROWS=tile_rows, W=w, WP=wp, R=r)
+    i64 = bs * max(m_rows8, tile_rows) * wp > _INT32_MAX
+    params = dict(M_ROWS=m_rows, M_ROWS8=m_rows8, TILE_ROWS=tile_rows, W=w, WP=wp, R=r, I64=i64)
     return (bs * per,), params, 4
 
 

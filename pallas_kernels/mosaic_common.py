@@ -33,6 +33,7 @@ __all__ = [
     "load_layout",
     "split_blocks",
     "drain_free_barriers",
+    "check_plan",
 ]
 
 _KERNEL_PARAMS = inspect.signature(plgpu.kernel).parameters
@@ -131,3 +132,12 @@ def drain_free_barriers(count, num_stages: int, *free_barriers) -> None:
             last = lax.rem(count - 1 - j, jnp.int32(num_stages))
             for bar in free_barriers:
                 plgpu.barrier_wait(bar.at[last])
+
+
+def check_plan(q, page_table, cache_seqlens, max_seqlen_q: int) -> None:
+    """The page table and lengths must describe ``q``'s batch (``rows / max_seqlen_q``)."""
+    batch = q.shape[0] // max(1, max_seqlen_q)
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")

@@ -87,7 +87,7 @@ from jattn.pallas_kernels.decode_tuning import (
     prefer_heads_kernel,
     unsupported_reason,
 )
-from jattn.pallas_kernels.mosaic_common import fold_softmax_scale
+from jattn.pallas_kernels.mosaic_common import check_plan, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
 
 __all__ = [
@@ -152,7 +152,10 @@ def mha_decode(
 
       out = mha_decode(q, k_cache, v_cache, page_table, lens)  # GPU
     """
-    _check_plan(q, page_table, cache_seqlens, max_seqlen_q)
+    check_plan(q, page_table, cache_seqlens, max_seqlen_q)
+    if page_table.shape[0] == 0 or q.shape[1] == 0:  # nothing to compute: no launch
+        out = jnp.zeros((q.shape[0], q.shape[1], v_cache.shape[-1]), q.dtype)
+        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
     softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(
@@ -199,15 +202,6 @@ def mha_decode(
         block_sizes=block_sizes,
         options=options,
     )
-
-
-def _check_plan(q, page_table, cache_seqlens, max_seqlen_q):
-    """The page table and lengths must describe ``q``'s batch (``rows / max_seqlen_q``)."""
-    batch = q.shape[0] // max(1, max_seqlen_q)
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table shape {page_table.shape} != (bs={batch}, max_pages)")
-    if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens shape {cache_seqlens.shape} != ({batch},)")
 
 
 def heads_kernel_for(

@@ -323,6 +323,26 @@ def test_combine_splits_heads_layout(name, use_kernel):
     _compare_heads(name, out, lse_out)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_combine_splits_heads_layout_with_no_requests(splits):
+    """An empty batch in the heads layout: empty outputs of the usual shapes (the layout
+    change reshaped with a -1, ambiguous on a zero-size axis, and raised)."""
+    heads = combine.HeadsLayout(kv_heads=2, group=4, width=16, tiles=1)
+    out, lse = combine.combine_splits(
+        jnp.zeros((splits, 0, 2, 1, 64, 16)),
+        jnp.zeros((splits, 0, 2, 1, 16)),
+        q_len=1,
+        num_q_heads=8,
+        sinks=None,
+        v_scale=None,
+        out_dtype=jnp.float16,
+        use_kernel=True,
+        heads=heads,
+        nan_rows=jnp.zeros((0, 2, 1, 16), jnp.int8),
+    )
+    assert (out.shape, out.dtype, lse.shape) == ((0, 8, 64), jnp.float16, (0, 8))
+
+
 @pytest.mark.parametrize("name", list(MERGE_CASES))
 def test_merge_kernel_interpreted_matches_float64(name, interpreted):
     res = interpreted[name]

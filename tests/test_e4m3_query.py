@@ -144,11 +144,12 @@ def run_interpreted(name: str, path: str) -> None:
     bs, d = q.shape[0] // q_len, q.shape[2]
     grid, params = e4m3_query.tiles_launch(q.shape, hkv, q_len, tiles, width)
     runs = []
-    for _ in range(2):
+    for i64 in (params["I64"], True):  # the second run: the int64 offsets of huge batches, same result
         q8 = torch.full((bs, hkv, tiles * width, d), float("nan"), dtype=torch.float8_e4m3fn)
         factor = torch.full((bs, hkv, tiles), float("nan"), dtype=torch.float32)
         bad = torch.full((bs, hkv, tiles * width), 7, dtype=torch.int8)
-        triton_glue.launch_interpreted(e4m3_query._tiles_kernel, grid, torch.from_numpy(q), q8, factor, bad, **params)
+        kw = {**params, "I64": i64}
+        triton_glue.launch_interpreted(e4m3_query._tiles_kernel, grid, torch.from_numpy(q), q8, factor, bad, **kw)
         runs.append((q8.view(torch.uint8).numpy(), factor.numpy(), bad.numpy()))
     np.savez(path, q8=runs[0][0], factor=runs[0][1], bad=runs[0][2], q8b=runs[1][0])
 
@@ -260,12 +261,13 @@ def run_rows_interpreted(name: str, path: str) -> None:
     q = _rows_query(name)
     grid, params, _ = e4m3_query.rows_launch(q.shape, m8, tile_rows)
     runs = []
-    for _ in range(2):
+    for i64 in (params["I64"], True):  # the second run: the int64 offsets of huge batches, same result
         q8 = torch.full((bs, m8, w), 0x55, dtype=torch.uint8).view(
             torch.float8_e4m3fn
         )  # not NaN: the NaN rows are written
         factor = torch.full((bs, tile_rows), float("nan"), dtype=torch.float32)
-        triton_glue.launch_interpreted(e4m3_query._rows_kernel, grid, torch.from_numpy(q), q8, factor, **params)
+        kw = {**params, "I64": i64}
+        triton_glue.launch_interpreted(e4m3_query._rows_kernel, grid, torch.from_numpy(q), q8, factor, **kw)
         runs.append((q8.view(torch.uint8).numpy(), factor.numpy()))
     np.savez(path, q8=runs[0][0], factor=runs[0][1], q8b=runs[1][0])
 
@@ -294,3 +296,15 @@ def test_gpu_rows_kernel_matches_xla(name):
     np.testing.assert_array_equal(np.isnan(np.asarray(got[0]).astype(np.float32)), ~finite)
     np.testing.assert_array_equal(_bytes(got[0])[finite], _bytes(want[0])[finite])
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_launches_switch_to_int64_offsets_past_int32():
+    """The kernels' offsets go to int64 where an input or output passes 2^31 - 1 elements
+    (FP8 MHA decode with 32 KV heads of group 1 at d128 from 32,768 requests: the tiles pad
+    each head's row to 16; MLA rows of 128 heads x 576 from about 29,000 requests)."""
+    _, p = e4m3_query.tiles_launch((32767, 32, 128), 32, 1, 1, 16)
+    assert not p["I64"]
+    _, p = e4m3_query.tiles_launch((32768, 32, 128), 32, 1, 1, 16)
+    assert p["I64"]
+    assert not e4m3_query.rows_launch((1000, 128, 576), 128, 128)[1]["I64"]
+    assert e4m3_query.rows_launch((30000, 128, 576), 128, 128)[1]["I64"]

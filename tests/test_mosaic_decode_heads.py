@@ -650,6 +650,58 @@ def test_mha_decode_checks_the_plan_before_routing():
         md.mha_decode(q, pool, pool, jnp.zeros((3, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
     with pytest.raises(ValueError, match="cache_seqlens shape"):
         md.mha_decode(q, pool, pool, jnp.zeros((2, 1), jnp.int32), jnp.ones(3, jnp.int32), max_seqlen_q=4)
+    # the per-KV-head kernel's and the MLA kernel's own entry points check it too (their
+    # kernels read the query by the page table's batch: 2 rows and 3 requests read past q)
+    from jattn.pallas_kernels import mosaic_mla
+
+    for rows, batch in ((2, 3), (4, 2)):
+        with pytest.raises(ValueError, match=rf"page_table shape \({batch}, 1\) != \(bs={rows}"):
+            mh.mha_decode_heads(q[:rows], pool, pool, jnp.zeros((batch, 1), jnp.int32), jnp.ones(batch, jnp.int32))
+        with pytest.raises(ValueError, match=rf"page_table shape \({batch}, 1\) != \(bs={rows}"):
+            latent = jnp.zeros((4, 64, 576), jnp.bfloat16)
+            mosaic_mla.mla_decode(
+                jnp.zeros((rows, 16, 576), jnp.bfloat16),
+                latent,
+                jnp.zeros((batch, 1), jnp.int32),
+                jnp.ones(batch, jnp.int32),
+                kv_lora_rank=512,
+                softmax_scale=0.1,
+            )
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_direct_entry_points_with_no_requests(fp8):
+    """No requests: empty outputs of the usual shapes and dtypes (LSE -inf), no launch, on
+    the decode entry points the ops do not shield (the ops return empty calls before any
+    kernel). An FP8 call went to the per-KV-head kernel, whose split combine failed on the
+    empty batch; the all-heads path failed choosing its split count."""
+    from jattn.pallas_kernels import mosaic_decode as md
+    from jattn.pallas_kernels import mosaic_mla
+
+    kv_dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    pool = jnp.zeros((4, 16, 2, 64), kv_dt)
+    pt, lens = jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32)
+    for q_len in (1, 4):
+        q = jnp.zeros((0, 8, 64), jnp.bfloat16)
+        for f in (md.mha_decode, mh.mha_decode_heads):
+            o, lse = f(q, pool, pool, pt, lens, max_seqlen_q=q_len, return_lse=True)
+            assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((0, 8, 64), jnp.bfloat16, (0, 8), jnp.float32)
+    q_dt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    o, lse = mosaic_mla.mla_decode(
+        jnp.zeros((0, 16, 576), q_dt),
+        jnp.zeros((4, 64, 576), kv_dt),
+        pt,
+        lens,
+        kv_lora_rank=512,
+        softmax_scale=0.1,
+        return_lse=True,
+    )
+    assert (o.shape, o.dtype, lse.shape) == ((0, 16, 512), jnp.bfloat16, (0, 16))
+    # no query heads: zero-width rows for every request
+    o = md.mha_decode(
+        jnp.zeros((2, 0, 64), jnp.bfloat16), pool, pool, jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32)
+    )
+    assert o.shape == (2, 0, 64)
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
