@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 __all__ = ["MAX_SAMPLES", "SamplingParams", "sample_tokens", "wrap_seed"]
 
 _INT32 = 2**31
+_F32_MAX = float(np.finfo(np.float32).max)
 MAX_SAMPLES = 1024  # the largest SamplingParams.n: each sample is a request of its own
 
 
@@ -30,8 +32,11 @@ class SamplingParams:
     """How one request samples and stops.
 
     ``temperature`` 0 is greedy; otherwise temperature + top-p (``0 < top_p <= 1``)
-    with the key of the n-th token ``fold_in(key(seed), n)``. ``seed`` is any integer,
-    taken modulo 2**32. ``stop_token_ids``: token ids that end the request (the stop
+    with the key of the n-th token ``fold_in(key(seed), n)``, temperature first, as
+    Hugging Face's ``generate`` applies them. ``seed`` is any integer, taken modulo 2**32,
+    for output that repeats run to run; None (the default) draws a fresh random seed for
+    each request when it is validated (as vLLM and SGLang do), so the same prompt sampled
+    twice gives two samples. ``stop_token_ids``: token ids that end the request (the stop
     token is kept in the output); a single int is one stop token, None none. ``n``:
     parallel samples of the prompt, at most :data:`MAX_SAMPLES` (sample ``i`` is seeded
     ``seed + i``); the engine prefills the prompt once and the samples share its pages.
@@ -40,26 +45,26 @@ class SamplingParams:
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: a fresh random seed per request
     stop_token_ids: tuple = ()
     n: int = 1
 
     def validated(self) -> "SamplingParams":
         """A normalised copy (``stop_token_ids`` a tuple of ints, ``seed`` a signed
-        32-bit int with the same low 32 bits); ``ValueError`` / ``TypeError`` naming the
-        field and the rule it breaks."""
+        32-bit int with the same low 32 bits, drawn at random where it is None);
+        ``ValueError`` / ``TypeError`` naming the field and the rule it breaks."""
         n = self.max_new_tokens
         if not _is_int(n) or n < 1:
             raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1")
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy)")
+        if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= _F32_MAX:
+            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy) that f32 holds")
         p = self.top_p
         if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
-        s = self.seed
+        s = secrets.randbits(32) if self.seed is None else self.seed
         if not _is_int(s):
-            raise TypeError(f"seed={s!r} must be an integer")
+            raise TypeError(f"seed={s!r} must be an integer or None (a random seed)")
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -90,7 +95,8 @@ def top_p_keep(sorted_logits, top_p):
     a tail token can round to 1)."""
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
-    return (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    top = jnp.arange(sorted_logits.shape[-1]) == 0  # kept even where top_p rounds to 0 in f32
+    return (before < top_p[:, None]) | (top_p[:, None] >= 1.0) | top[None, :]
 
 
 def sample_tokens(logits, temperature, top_p, seeds, counters, *, greedy_only: bool):

@@ -230,6 +230,7 @@ def test_more_requests_than_the_largest_batch_bucket(llama):
         ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1, 2], SamplingParams(temperature=1e39), "temperature"),  # inf in f32
         ([1, 2], SamplingParams(temperature=1.0, top_p=float("nan")), "top_p"),
         ([1, 2], SamplingParams(top_p=0.0), "top_p"),
         ([1, 2], SamplingParams(top_p=-0.5), "top_p"),
@@ -348,6 +349,52 @@ def test_sampling_seeded_and_batch_independent(llama):
     # top_p -> 0 keeps only the top token: greedy
     d = _engine(llama).generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5))
     assert d[0].output_tokens == greedy
+
+
+def test_sampler_matches_hugging_face_warpers():
+    """The distribution ``sample_tokens`` draws from, over 20,000 seeds of one row, equals
+    Hugging Face's temperature then top-p warpers' softmax (within 0.01 a token), and the
+    top-p boundary keeps the token whose preceding mass is below ``top_p``: with
+    probabilities [.5, .25, .25], two tokens at 0.75 and one at 0.5. A sampler ignoring the
+    temperature, ignoring top_p, or dropping the token that crosses it fails here."""
+    import jax.numpy as jnp
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from jattn.models.sampling import sample_tokens, top_p_keep
+
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(12) * 1.5).astype(np.float32)
+    n = 20000
+    for temperature, top_p in ((0.7, 0.9), (1.6, 0.6), (1.0, 1.0), (0.4, 0.35)):
+        warped = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, torch.tensor(logits[None])))
+        want = torch.softmax(warped, dim=-1)[0].numpy()
+        rows = jnp.broadcast_to(jnp.asarray(logits), (n, 12))
+        got = sample_tokens(
+            rows,
+            jnp.full(n, temperature, jnp.float32),
+            jnp.full(n, top_p, jnp.float32),
+            jnp.arange(n, dtype=jnp.int32),
+            jnp.zeros(n, jnp.int32),
+            greedy_only=False,
+        )
+        freq = np.bincount(np.asarray(got), minlength=12) / n
+        np.testing.assert_array_equal(freq > 0, want > 0)  # the same nucleus
+        assert np.abs(freq - want).max() < 0.01, (temperature, top_p, freq, want)
+    sorted_logits = jnp.log(jnp.asarray([[0.5, 0.25, 0.25]] * 3, jnp.float32))
+    keep = np.asarray(top_p_keep(sorted_logits, jnp.asarray([0.75, 0.5, 1e-50], jnp.float32)))
+    np.testing.assert_array_equal(keep, [[True, True, False], [True, False, False], [True, False, False]])
+
+
+def test_default_seed_is_fresh_per_request(llama):
+    """``seed=None`` (the default) gives each request its own random seed, so one prompt
+    sampled several times gives different outputs; an explicit seed repeats."""
+    p = [1, 2, 3, 4]
+    reqs = _engine(llama).generate([p] * 4, SamplingParams(max_new_tokens=6, temperature=1.0))
+    assert len({tuple(r.output_tokens) for r in reqs}) > 1
+    assert len({r.params.seed for r in reqs}) == 4
+    fixed = _engine(llama).generate([p] * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=9))
+    assert fixed[0].output_tokens == fixed[1].output_tokens
 
 
 def test_top_p_one_keeps_every_token():
