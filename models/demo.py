@@ -234,7 +234,8 @@ def _run(args, prompts) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
-        stop_token_ids=tok.stop_ids(),
+        # a checkpoint's end ids past its vocabulary (tiny test models) can never be sampled
+        stop_token_ids=tuple(i for i in tok.stop_ids() if 0 <= i < model.config.vocab_size),
     )
     ids = [tok.encode(p) if args.raw else tok.chat_prompt(p) for p in prompts]
     print(f"model:   {desc}")

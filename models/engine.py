@@ -181,6 +181,10 @@ class Engine(_Scheduling):
                 raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
             req.params = params.validated()
             req.prompt = _validated_prompt(prompt, self.model.config.vocab_size)
+            vocab = self.model.config.vocab_size
+            never = [t for t in req.params.stop_token_ids if not 0 <= t < vocab]
+            if never:  # a stop id no token can match would be ignored silently
+                raise ValueError(f"stop_token_ids: {never[0]} is outside the vocabulary [0, {vocab})")
         except (TypeError, ValueError) as e:
             self._fail(req, str(e))
             return rid

@@ -238,6 +238,8 @@ def test_more_requests_than_the_largest_batch_bucket(llama):
         ([1, 2], SamplingParams(seed=1.5), "seed"),
         ([1, 2], SamplingParams(stop_token_ids=(1.5,)), "stop_token_ids"),
         ([1, 2], SamplingParams(stop_token_ids=object()), "stop_token_ids"),
+        ([1, 2], SamplingParams(stop_token_ids=(2, -1)), r"stop_token_ids: -1 is outside the vocabulary"),
+        ([1, 2], SamplingParams(stop_token_ids=VOCAB), rf"stop_token_ids: {VOCAB} is outside"),
         ([1, 2], {"max_new_tokens": 3}, "SamplingParams"),
     ],
 )
