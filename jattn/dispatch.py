@@ -34,8 +34,9 @@ def _kernel_module(name: str):
 # prefill / mla`` on the H200, docs/PERF.md): the Mosaic kernels lead the Triton ones
 # for MHA decode (by 0-40%, except within 6% at 64 x 4096), prefill/extend (2x) and MLA
 # decode (1.1-2.2x; with an FP8 latent cache 1.1-4.6x). Other
-# GPUs from Ampere on have the Triton kernels only. Ops missing here (the KV write, the
-# state merge) stay on XLA under auto, which measured as fast or faster.
+# GPUs from Ampere on have the Triton kernels only. Ops missing here stay on XLA under auto:
+# the state merge (XLA measured as fast or faster) and the KV writes (XLA's one in-place
+# scatter; the Triton writes serve backend="triton" and the torch bridge, not yet timed).
 AUTO_ORDER = {
     "hopper": {
         "mha_decode": ("mosaic", "triton"),
