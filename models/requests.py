@@ -168,7 +168,7 @@ class StepInfo:
 
 @dataclasses.dataclass
 class EngineMetrics:
-    steps: int = 0
+    steps: int = 0  # step() calls, idle ones and (overlap) the last one that only reads back included
     prefill_steps: int = 0
     decode_steps: int = 0
     prompt_tokens: int = 0  # tokens prefilled: prompts, and tokens recomputed after preemption
@@ -223,8 +223,8 @@ class EngineMetrics:
 
     def summary(self) -> str:
         return (
-            f"{self.generated_tokens} tokens in {self.steps} steps ({self.prefill_steps} prefill, "
-            f"{self.decode_steps} decode); {self.tokens_per_s:.1f} tok/s overall, "
+            f"{self.generated_tokens} tokens in {self.prefill_steps} prefill and {self.decode_steps} decode "
+            f"steps ({self.steps} step calls); {self.tokens_per_s:.1f} tok/s overall, "
             f"{self.decode_tokens_per_s:.1f} tok/s decode; median decode step "
             f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
             f"({self.compile_time:.1f} s in compiling steps)"
