@@ -65,7 +65,7 @@ from jattn.planning import check_capture_bucket
 from .checks import _InputChecks
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
 from .native import NativePlans
-from .pool import layer_spec
+from .pool import layer_spec, scale_key
 from .state import _Bounded, _host, _LayerEntry, _Param, _ref, _req_to_page, _slim, _View
 from .streams import StreamSync
 from .views import _PoolViews
@@ -390,11 +390,12 @@ class _BridgeBase(_InputChecks, _PoolViews):
 
     def _layer(self, layer) -> _LayerEntry:
         """The spec of ``layer`` with and without its id, cached per layer object
-        (held weakly)."""
+        (held weakly), read again when the layer's scale attributes change (``scale_key``)."""
         s = self._specs.get(id(layer))
-        if s is None or s.ref() is not layer:
+        key = scale_key(layer)
+        if s is None or s.ref() is not layer or s.scales != key:
             spec = layer_spec(layer)
-            s = _LayerEntry(_ref(layer, self._specs, id(layer)), spec, dataclasses.replace(spec, layer_id=0))
+            s = _LayerEntry(_ref(layer, self._specs, id(layer)), spec, dataclasses.replace(spec, layer_id=0), key)
             self._specs[id(layer)] = s
         return s
 

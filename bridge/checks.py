@@ -6,7 +6,8 @@ None costs a device sync: every call checks its method against the installed pla
 and its token rows against the plan's new tokens (or the bucket's rows, padding included),
 attribute reads and integer compares. Input shapes and layer ids are checked on the slow
 path (MHA's hot-path plans are keyed on the shapes and the layer, so a plan only ever runs
-a checked signature), a layer's scales once (its spec is cached). A caller's
+a checked signature), a layer's scales when they change (its spec is cached and read again
+when ``pool.scale_key`` changes: attribute reads, no tensor value). A caller's
 ``out_cache_loc`` is checked for shape and dtype on every call and for its values (slots
 inside the pool) where that needs no sync: see :attr:`_InputChecks.check_slot_values`."""
 

@@ -86,7 +86,7 @@ class TorchMLABackend(_BridgeBase):
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_cache_dim = config.kv_lora_rank + config.qk_rope_head_dim
 
-    def _absorbed_native(self, q, k, layer, save_kv_cache, q_rope, k_rope, kwargs):
+    def _absorbed_native(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs):
         """The absorbed modes on the native kernels (rotated q_rope / k_rope)."""
         spec = self._spec(layer)
         if self._native_plan is None:
@@ -99,7 +99,7 @@ class TorchMLABackend(_BridgeBase):
             if k is None or k_rope is None:
                 raise ValueError("save_kv_cache needs k (c_kv) and k_rope")
             plan_loc = self._native_plan.tensors["out_cache_loc"]
-            loc = self._out_loc(kwargs.get("out_cache_loc"), n, buf.numel() // (R + r), plan_loc).long()
+            loc = self._out_loc(_caller_loc(forward_batch, kwargs), n, buf.numel() // (R + r), plan_loc).long()
             pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
         if q_rope is not None:
             query = torch.cat([q.reshape(n, H, R), q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
@@ -170,7 +170,9 @@ class TorchMLABackend(_BridgeBase):
         cs = None if rope is None else self._param(rope[0], "cos_sin_cache")
         is_neox = rope is not None and bool(rope[1])
         if save_kv_cache and not jax_writes:
-            loc = self._out_loc(kwargs.get("out_cache_loc"), n, view.torch.shape[0] * self.page_size, self._loc_t)
+            loc = self._out_loc(
+                _caller_loc(forward_batch, kwargs), n, view.torch.shape[0] * self.page_size, self._loc_t
+            )
             if cs is None:
                 pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
             else:  # the rotated k_pe (f32), quantised by the pool's writer
@@ -255,8 +257,11 @@ class TorchMLABackend(_BridgeBase):
           q: absorbed q_nope [T, H * kv_lora_rank] with ``q_rope`` [T, H * rope], or the
             full [T, H * (kv_lora_rank + rope)] with ``q_rope=None``.
           k: c_kv [T, kv_lora_rank]; k_rope: [T, rope] (written when ``save_kv_cache``).
-          v: unused (the value is the latent). forward_batch: unused (the plan of
-            ``init_forward_metadata`` is used).
+          v: unused (the value is the latent). forward_batch: the plan of
+            ``init_forward_metadata`` is used, but its ``out_cache_loc`` (or an
+            ``out_cache_loc`` keyword) is where the pool's own writer (``kv_writer="torch"``)
+            writes; the JAX writer writes the plan's slots, the same ones for an engine
+            whose ``req_to_token`` and ``out_cache_loc`` agree.
           cos_sin_cache: [max_position, rope] (cos then sin; any float dtype, read as f32):
             q_rope / k_rope arrive unrotated and the core rotates them at the plan's
             positions (``is_neox`` picks the pairing); on an FP8 pool the query is also
@@ -326,7 +331,7 @@ class TorchMLABackend(_BridgeBase):
         if cos_sin_cache is None:  # rotated inputs: llama_4_scaling on the torch side, as before
             q, q_rope = _llama_4_scaled(q, l4), _llama_4_scaled(q_rope, l4)
             if self._native is not None:
-                return self._absorbed_native(q, k, layer, save_kv_cache, q_rope, k_rope, kwargs)
+                return self._absorbed_native(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, kwargs)
         if self._native is not None:
             raise NotImplementedError(
@@ -447,11 +452,24 @@ class TorchMLABackend(_BridgeBase):
         md = self.forward_metadata
         H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
         cu_kv = _host(forward_batch.prefix_chunk_cu_seq_lens[idx]).astype(np.int32)
-        bs_pad = md.cu_seqlens_q.shape[0] - 1
-        if cu_kv.shape[0] - 1 > bs_pad:
-            raise ValueError(f"prefix_chunk_cu_seq_lens has {cu_kv.shape[0] - 1} requests, the plan {bs_pad}")
+        bs_pad, real = md.cu_seqlens_q.shape[0] - 1, int(np.asarray(md.num_reqs))
+        name = f"forward_batch.prefix_chunk_cu_seq_lens[{idx}]"
+        if cu_kv.ndim != 1 or cu_kv.shape[0] - 1 not in (real, bs_pad):
+            # fewer would leave the last requests without their prefix chunk, silently
+            raise BridgeError(
+                f"{name} has {cu_kv.shape[0] - 1} requests: the plan has {real} ({bs_pad} with its bucket's padding)"
+            )
+        chunk_rows = k.shape[0]
+        if cu_kv[0] != 0 or (np.diff(cu_kv) < 0).any() or cu_kv[-1] > chunk_rows:
+            raise BridgeError(f"{name}={cu_kv.tolist()} must rise from 0 to at most the chunk's {chunk_rows} K/V rows")
+        max_given = int(forward_batch.prefix_chunk_max_seq_lens[idx])
+        if np.diff(cu_kv).max(initial=0) > max_given:
+            raise BridgeError(
+                f"{name} holds a request of {int(np.diff(cu_kv).max())} keys > "
+                f"forward_batch.prefix_chunk_max_seq_lens[{idx}]={max_given}"
+            )
         cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
-        max_kv = bucket(max(int(forward_batch.prefix_chunk_max_seq_lens[idx]), 1))
+        max_kv = bucket(max(max_given, 1))
         n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
         qj = to_jax_input(q.reshape(n, H, -1), "q")
         kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
@@ -601,3 +619,11 @@ class TorchMLABackend(_BridgeBase):
             k_rope=z(n, r),
             token_to_kv_pool=pool,
         )
+
+
+def _caller_loc(forward_batch, kwargs):
+    """The write slots a caller gives: the ``out_cache_loc`` keyword, else SGLang's
+    ``forward_batch.out_cache_loc`` (where its MLA backend writes the latent); None for
+    the plan's slots."""
+    loc = kwargs.get("out_cache_loc")
+    return getattr(forward_batch, "out_cache_loc", None) if loc is None else loc

@@ -115,7 +115,19 @@ def _scale(layer, name: str) -> float:
     s = getattr(layer, name, None)
     if s is None:
         return 1.0
-    return check_scale(s, f"layer.{name}")  # read once per layer (layer_spec is cached)
+    return check_scale(s, f"layer.{name}")  # read again only when scale_key changes (layer_spec is cached)
+
+
+def scale_key(layer) -> tuple:
+    """What identifies ``layer``'s scales without reading a tensor's value (no device sync):
+    per scale, the ``*_float`` attribute, the tensor's identity and its in-place version.
+    A cached spec is read again when it changes (scales loaded after a warm-up call), so
+    the attention reads with the scale the pool's writer uses."""
+    key = []
+    for name in ("k_scale", "v_scale"):
+        s = getattr(layer, name, None)
+        key += [getattr(layer, f"{name}_float", None), id(s), getattr(s, "_version", s)]
+    return tuple(key)
 
 
 def layer_spec(layer) -> LayerSpec:

@@ -92,11 +92,13 @@ class _PoolState:
 
 @dataclasses.dataclass(eq=False)
 class _LayerEntry:
-    """A layer object (held weakly) and its specs, with and without the layer id."""
+    """A layer object (held weakly) and its specs, with and without the layer id, and the
+    key of the scale attributes they were read from (``pool.scale_key``)."""
 
     ref: Callable
     spec: LayerSpec
     spec0: LayerSpec
+    scales: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
