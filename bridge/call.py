@@ -200,8 +200,18 @@ class _BridgeBase(_InputChecks, _PoolViews):
     ):
         """Installs an all-padding plan of bucket ``bs``: the layer calls that follow
         compile the bucket (CUDA-graph capture). Their outputs are zero. ``num_pages`` as
-        in :meth:`init_forward_metadata` (the replays must pass the same)."""
+        in :meth:`init_forward_metadata` (the replays must pass the same). SGLang's order
+        ``(bs, num_tokens, req_pool_indices, seq_lens, ..., forward_mode)`` and tokenspeed's
+        ``(bs, req_pool_indices, seq_lens, forward_mode)`` are both taken (a tensor second
+        is tokenspeed's); ``num_tokens``, when given, must be the bucket's token rows."""
+        if num_tokens is not None and not isinstance(num_tokens, (int, np.integer)):
+            # tokenspeed's positional order: (bs, req_pool_indices, seq_lens, forward_mode)
+            num_tokens, req_pool_indices, seq_lens, forward_mode = None, num_tokens, req_pool_indices, seq_lens
         md = self._jbackend.init_forward_metadata_capture_cuda_graph(bs, forward_mode, num_pages=num_pages)
+        rows = int(np.shape(md.out_cache_loc)[0])
+        if num_tokens is not None and int(num_tokens) != rows:
+            mode = ForwardMode.parse(forward_mode).name
+            raise BridgeError(f"num_tokens={int(num_tokens)} must be the {rows} token rows of bucket {bs} in {mode}")
         md_dev = self._install(md, 0, f"an all-padding capture plan of bucket {bs}")
         self.cuda_graph_metadata[bs] = md_dev
         return md_dev
@@ -325,9 +335,10 @@ class _BridgeBase(_InputChecks, _PoolViews):
             "md_sigs": len(self._md_sigs),
         }
 
-    def _staged(self, key, parts: Sequence[torch.Tensor], rows: int) -> jax.Array:
+    def _staged(self, key, parts: Sequence[torch.Tensor], rows: int, names: Sequence[str] = ()) -> jax.Array:
         """Copies ``parts`` (each [n, ...]) side by side into the persistent staging
-        buffer ``[rows, sum of widths]`` of ``key``; returns its (cached) JAX view."""
+        buffer ``[rows, sum of widths]`` of ``key``; returns its (cached) JAX view.
+        ``names``: the parts' argument names, for errors (the first is q)."""
         n = parts[0].shape[0]
         flat = [p.reshape(n, -1) for p in parts]
         dtype = flat[0].dtype
@@ -341,8 +352,13 @@ class _BridgeBase(_InputChecks, _PoolViews):
             ent = self._stage[skey] = (t, jax.dlpack.from_dlpack(t, copy=False))
         if n > rows:
             raise ValueError(f"{n} input rows exceed the plan's {rows} (call init_forward_metadata first)")
-        if any(p.dtype != dtype for p in flat):
-            raise TypeError(f"inputs must share one dtype, got {[p.dtype for p in flat]}")
+        bad = [i for i, p in enumerate(flat) if p.dtype != dtype]
+        if bad:
+            i = bad[0]
+            name = names[i] if i < len(names) else f"input {i}"
+            raise TypeError(
+                f"{name}.dtype={flat[i].dtype} must be q's {dtype} (the step's inputs are staged in q's dtype)"
+            )
         if len(flat) == 1:
             ent[0][:n].copy_(flat[0])
         else:

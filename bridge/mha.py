@@ -19,6 +19,7 @@ from jattn.kv_cache import PagedKVCache
 from .call import _BridgeBase
 from .checks import _check_shape, check_layer_id
 from .native import run_layer
+from .pool import scale_key
 from .state import _Plan, _ref, _View
 
 __all__ = ["TorchMHABackend"]
@@ -135,10 +136,13 @@ class TorchMHABackend(_BridgeBase):
                 batch_invariant=self.config.batch_invariant,
             )
         st = self._pool_state(pool)
-        # The plan does not depend on which sinks tensor is passed (it reads them per call).
+        # The plan does not depend on which sinks tensor is passed (it reads them per call);
+        # it does on the layer's scales (``scale_key``: attribute reads, no tensor value),
+        # which a caller may set after a warm-up call.
         pkey = (
             kind,
             id(layer),
+            scale_key(layer),
             self._md_sig,
             bool(save_kv_cache),
             q.shape,
@@ -176,7 +180,7 @@ class TorchMHABackend(_BridgeBase):
         # extend, which runs as a ragged prefill on them when no request has a prefix).
         with_kv = has_kv and (jax_writes or kind == "extend")
         parts = [q.reshape(n, hq * d)] + ([k.reshape(n, hkv * d), v.reshape(n, hkv * dv)] if with_kv else [])
-        stage = self._staged(("mha", kind, hq, hkv, d), parts, rows)
+        stage = self._staged(("mha", kind, hq, hkv, d), parts, rows, names=("q", "k", "v"))
         sinks_j = self._param(sinks)
         core, spec0 = self._jbackend, self._shape_spec(layer)
 

@@ -1730,3 +1730,66 @@ def test_merge_state_checks_ranks_shapes_and_dtypes():
     m2, mlse2 = be.merge_state(o.view(5, 64), off, o.view(5, 64), lse)
     torch.testing.assert_close(mlse2, mlse, atol=0, rtol=0)
     torch.testing.assert_close(m2, m, atol=0, rtol=0)
+
+
+def test_fast_path_follows_scales_set_after_a_warm_up():
+    """FP8 scales set on the layer after warm-up calls (checkpoint scales loaded late): the
+    hot path's cached plan follows them, as the slow path does. Before, it kept writing and
+    reading with the scales of its first call (outputs off by 24 at the third step)."""
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 32
+    cfg, pool_fast = mha_setup(torch.float8_e4m3fn, layers=1)
+    _, pool_slow = mha_setup(torch.float8_e4m3fn, layers=1)
+    fast, slow = TorchMHABackend(cfg, kv_writer="torch"), TorchMHABackend(cfg, kv_writer="torch")
+    slow.fast_path = False
+    layer_fast, layer_slow = AttentionLayer(0, hq, hkv, d), AttentionLayer(0, hq, hkv, d)
+    eng = Engine(2, 16, 4, rng, cfg.num_pages)
+    for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
+        if step == 2:
+            for layer in (layer_fast, layer_slow):
+                layer.k_scale, layer.v_scale = 0.05, 0.03
+        q, k, v = rand(2, hq * d), rand(2, hkv * d, scale=10), rand(2, hkv * d, scale=10)
+        loc = torch.tensor([eng.slots(0, lens[0] - 1, 1)[0], eng.slots(1, lens[1] - 1, 1)[0]])
+        outs = []
+        for be, pool, layer in ((fast, pool_fast, layer_fast), (slow, pool_slow, layer_slow)):
+            be.init_forward_metadata(
+                2, 0, eng.req_pool_indices, torch.tensor(lens), eng.req_to_page, ForwardMode.DECODE
+            )
+            outs.append(be.forward_decode(q, k, v, layer, loc, pool, 2, save_kv_cache=True).float())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert torch.equal(pool_fast.k_buffer[0].view(torch.uint8), pool_slow.k_buffer[0].view(torch.uint8))
+    written = pool_fast.k_buffer[0][loc].float() * 0.05
+    assert torch.equal(written, fp8_round(k.view(2, hkv, d).float(), 0.05))
+
+
+def test_capture_takes_both_engines_argument_orders():
+    """``init_forward_metadata_capture_cuda_graph`` in tokenspeed's order (bs,
+    req_pool_indices, seq_lens, forward_mode) installs that mode's plan, as SGLang's order
+    (bs, num_tokens, ...) does; before, tokenspeed's order silently installed a decode plan.
+    ``num_tokens`` must be the bucket's token rows."""
+    cfg, _ = mha_setup(torch.bfloat16, layers=1)
+    be = TorchMHABackend(cfg, kv_writer="torch")
+    rows = be.init_forward_metadata_capture_cuda_graph(
+        4, torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32), ForwardMode.TARGET_VERIFY
+    ).out_cache_loc.shape[0]
+    assert ForwardMode.parse(be.forward_mode) is ForwardMode.TARGET_VERIFY
+    be.init_forward_metadata_capture_cuda_graph(4, rows, forward_mode=ForwardMode.TARGET_VERIFY)
+    with pytest.raises(BridgeError, match=rf"num_tokens=7 must be the {rows} token rows of bucket 4 in TARGET_VERIFY"):
+        be.init_forward_metadata_capture_cuda_graph(4, 7, forward_mode=ForwardMode.TARGET_VERIFY)
+
+
+def test_an_input_of_another_dtype_than_q_is_named():
+    """k of another dtype than q (the inputs are staged in q's dtype) is refused naming k."""
+    rng = np.random.default_rng(0)
+    cfg, pool = mha_setup(torch.bfloat16, layers=1)
+    be = TorchMHABackend(cfg, kv_writer="torch")
+    layer = AttentionLayer(0, 4, 2, 32)
+    eng = Engine(2, 16, 4, rng, cfg.num_pages)
+    lens = torch.tensor([5, 7])
+    be.init_forward_metadata(
+        2, 2, eng.req_pool_indices, lens, eng.req_to_page, ForwardMode.EXTEND, extend_seq_lens=lens
+    )
+    q, k, v = rand(12, 4 * 32), rand(12, 2 * 32), rand(12, 2 * 32)
+    with pytest.raises(TypeError, match=r"k\.dtype=torch\.float16 must be q's torch\.bfloat16"):
+        be.forward_extend(q, k.half(), v, layer, None, pool, 2, save_kv_cache=True)
