@@ -87,7 +87,7 @@ from jattn.pallas_kernels.decode_tuning import (
     prefer_heads_kernel,
     unsupported_reason,
 )
-from jattn.pallas_kernels.mosaic_common import check_plan, fold_softmax_scale
+from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
 
 __all__ = [
@@ -154,8 +154,7 @@ def mha_decode(
     """
     check_plan(q, page_table, cache_seqlens, max_seqlen_q)
     if page_table.shape[0] == 0 or q.shape[1] == 0:  # nothing to compute: no launch
-        out = jnp.zeros((q.shape[0], q.shape[1], v_cache.shape[-1]), q.dtype)
-        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
+        return empty_outputs(q, v_cache.shape[-1], q.dtype, return_lse)
     softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
     if block_sizes is None and options.heads_kernel:
         heads = heads_kernel_for(

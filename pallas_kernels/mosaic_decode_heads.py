@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jattn.pallas_kernels import e4m3_query
 from jattn.pallas_kernels.combine import HeadsLayout, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows
-from jattn.pallas_kernels.mosaic_common import check_plan
+from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs
 from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re-exported
     BLOCK,
     HeadsConfig,
@@ -65,8 +65,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     bs = page_table.shape[0]
     hq = q.shape[1]
     if bs == 0 or hq == 0:  # nothing to compute: no launch (a kernel of no items would still load a Q tile)
-        out = jnp.zeros((q.shape[0], hq, latent or v_cache.shape[-1]), q.dtype)
-        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
+        return empty_outputs(q, latent or v_cache.shape[-1], q.dtype, return_lse)
     fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
     v_regs = bool(v_regs and fp8_qk)
     cfg = HeadsConfig(

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.interpret import no_gpu_reason
-from jattn.pallas_kernels.mosaic_common import check_plan
+from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
 
 # FP8 with at most 32 query rows: V^T read from the landed e4m3 tile into registers
@@ -225,8 +225,7 @@ def mla_decode(
     bs, max_pages = page_table.shape
     if bs == 0 or q.shape[1] == 0:  # nothing to compute: no launch
         out_dtype = jnp.bfloat16 if jnp.dtype(q.dtype).itemsize == 1 else q.dtype
-        out = jnp.zeros((q.shape[0], q.shape[1], kv_lora_rank), out_dtype)
-        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
+        return empty_outputs(q, kv_lora_rank, out_dtype, return_lse)
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
