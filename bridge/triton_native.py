@@ -466,22 +466,19 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
         return k_cache, v_cache
     num_pages, page, hkv, d = k_cache.shape
     dv = v_cache.shape[3]
-    nblk, block = triton_kv_write.launch_params(hkv * d, hkv * dv)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    grid, params = triton_kv_write.launch_params(k.shape[0], num_pages * page, hkv * d, hkv * dv, fp8)
     scales = _scalars(dev, 1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
-    triton_glue.jit(triton_kv_write._kv_write_kernel)[(k.shape[0], nblk)](
+    triton_glue.jit(triton_kv_write._kv_write_kernel)[grid](
         k,
         v,
         out_cache_loc,
         scales,
         k_cache,
         v_cache,
-        NUM_SLOTS=num_pages * page,
         ROW_K=hkv * d,
         ROW_V=hkv * dv,
-        BLOCK=block,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
-        num_stages=1,
+        **params,
     )
     return k_cache, v_cache
 
@@ -512,19 +509,16 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
     if t == 0:
         return kv_cache
     num_pages, page, w = kv_cache.shape
-    nblk, block = triton_kv_write.launch_params(w, w)
-    triton_glue.jit(triton_mla_kv_write._mla_kv_write_kernel)[(t, nblk)](
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    grid, params = triton_kv_write.launch_params(t, num_pages * page, w, w, fp8)
+    triton_glue.jit(triton_mla_kv_write._mla_kv_write_kernel)[grid](
         c_kv,
         k_pe,
         out_cache_loc,
         _scalars(dev, 1.0 if kv_scale is None else kv_scale),
         kv_cache,
-        NUM_SLOTS=num_pages * page,
         R=widths[0],
         RPE=widths[1],
-        BLOCK=block,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
-        num_stages=1,
+        **params,
     )
     return kv_cache

@@ -84,11 +84,15 @@ def unsupported_reason(k_cache, v_cache, out_cache_loc, k, v, **_) -> str | None
     return None
 
 
-def launch_params(row_k: int, row_v: int):
-    """``(column blocks, BLOCK)``: blocks of up to 1024 elements over the longer row."""
+def launch_params(tokens: int, num_slots: int, row_k: int, row_v: int, fp8: bool):
+    """``(grid, params)`` of a KV write, shared by the JAX and torch launches: one program
+    per (token, column block), blocks of up to 1024 elements over the longer row; ``params``
+    holds the constexprs and the launch's warps and stages. The latent write passes its row
+    width as both rows and its own width constexprs beside these."""
     width = max(row_k, row_v)
     block = min(1024, 1 << max(4, (width - 1).bit_length()))
-    return -(-width // block), block
+    params = dict(NUM_SLOTS=num_slots, BLOCK=block, FP8=fp8, num_warps=4, num_stages=1)
+    return (tokens, -(-width // block)), params
 
 
 @jax.jit
@@ -98,7 +102,7 @@ def _write(k_cache, v_cache, out_cache_loc, k, v, scales):
     num_pages, page, hkv, d = k_cache.shape
     dv = v_cache.shape[3]
     t = k.shape[0]
-    nblk, block = launch_params(hkv * d, hkv * dv)
+    grid, params = launch_params(t, num_pages * page, hkv * d, hkv * dv, jnp.dtype(k_cache.dtype).itemsize == 1)
     kc, vc = triton_glue.triton_call(
         _kv_write_kernel,
         k.reshape(t, hkv * d),
@@ -112,15 +116,11 @@ def _write(k_cache, v_cache, out_cache_loc, k, v, scales):
             jax.ShapeDtypeStruct((num_pages * page, hkv * dv), v_cache.dtype),
         ),
         input_output_aliases={4: 0, 5: 1},
-        grid=(t, nblk),
+        grid=grid,
         name="jattn_triton_kv_write",
-        num_warps=4,
-        num_stages=1,
-        NUM_SLOTS=num_pages * page,
         ROW_K=hkv * d,
         ROW_V=hkv * dv,
-        BLOCK=block,
-        FP8=jnp.dtype(k_cache.dtype).itemsize == 1,
+        **params,
     )
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
 

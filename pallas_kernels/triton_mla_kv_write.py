@@ -64,7 +64,7 @@ def _write(kv_cache, out_cache_loc, c_kv, k_pe, scale):
     num_pages, page, w = kv_cache.shape
     t = out_cache_loc.shape[0]
     r, rpe = c_kv.shape[-1], k_pe.shape[-1]
-    nblk, block = launch_params(w, w)
+    grid, params = launch_params(t, num_pages * page, w, w, jnp.dtype(kv_cache.dtype).itemsize == 1)
     (kv,) = triton_glue.triton_call(
         _mla_kv_write_kernel,
         c_kv.reshape(t, r),
@@ -74,15 +74,11 @@ def _write(kv_cache, out_cache_loc, c_kv, k_pe, scale):
         kv_cache.reshape(num_pages * page, w),
         out_shape=(jax.ShapeDtypeStruct((num_pages * page, w), kv_cache.dtype),),
         input_output_aliases={4: 0},
-        grid=(t, nblk),
+        grid=grid,
         name="jattn_triton_mla_kv_write",
-        num_warps=4,
-        num_stages=1,
-        NUM_SLOTS=num_pages * page,
         R=r,
         RPE=rpe,
-        BLOCK=block,
-        FP8=jnp.dtype(kv_cache.dtype).itemsize == 1,
+        **params,
     )
     return kv.reshape(kv_cache.shape)
 
