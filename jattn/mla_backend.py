@@ -102,6 +102,13 @@ def apply_llama_4_scaling(query, llama_4_scaling):
     return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
 
 
+def _rope_at(cos_sin_cache, is_neox: bool, positions, method: str) -> MLARope:
+    """The rope of a call that has no plan to take positions from."""
+    if positions is None:
+        raise ValueError(f"{method}: cos_sin_cache needs positions= (i32[T], each token's position)")
+    return MLARope(positions, cos_sin_cache, bool(is_neox), False)
+
+
 class MLABackend(_PlanningMixin):
     """DeepSeek MLA: absorbed decode over the 576-wide latent cache (also target verify
     and draft extend), ragged non-absorbed prefill (192/128) with LSE, and the chunked
@@ -123,9 +130,29 @@ class MLABackend(_PlanningMixin):
                 "must equal them"
             )
 
-    def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
-        """Writes ``[c_kv, k_pe]`` rows (``set_mla_kv_buffer``) into layer ``layer.layer_id``."""
+    def save_kv(
+        self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe, *, cos_sin_cache=None,
+        is_neox: bool = False, positions=None,
+    ) -> MLAKVCache:  # fmt: skip
+        """Writes ``[c_kv, k_pe]`` rows (``set_mla_kv_buffer``) into layer ``layer.layer_id``:
+        ``c_kv`` ``[T, kv_lora_rank]`` and ``k_pe`` ``[T, qk_rope_head_dim]`` (or ``[T, 1, .]``),
+        each checked against the config (another split of the same row width would store
+        columns of ``c_kv`` as rope). With ``cos_sin_cache``, ``k_pe`` arrives unrotated and
+        is rotated here at ``positions`` (i32[T], required), as the fused-rope paths do."""
         self.check_cache(kv_cache)
+        cfg = self.config
+        for name, x, width, field in (
+            ("c_kv", c_kv, cfg.kv_lora_rank, "kv_lora_rank"),
+            ("k_pe", k_pe, cfg.qk_rope_head_dim, "qk_rope_head_dim"),
+        ):
+            if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[1] != 1) or x.shape[-1] != width:
+                raise ValueError(
+                    f"{name} shape {tuple(x.shape)} must be [T, {width}] or [T, 1, {width}] (config.{field})"
+                )
+        if c_kv.shape[0] != k_pe.shape[0]:
+            raise ValueError(f"c_kv has {c_kv.shape[0]} rows and k_pe {k_pe.shape[0]}; they must be equal")
+        if cos_sin_cache is not None:
+            k_pe = _rope_at(cos_sin_cache, is_neox, positions, "save_kv").key(k_pe)
         kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
@@ -138,6 +165,8 @@ class MLABackend(_PlanningMixin):
         else:
             q_nope = as_heads(q_nope, "q", h, big_r, rule)
             q_rope = as_heads(q_rope, "q_rope", h, r, "layer.num_q_heads x config.qk_rope_head_dim")
+            if q_rope.shape[0] != q_nope.shape[0]:
+                raise ValueError(f"q_rope has {q_rope.shape[0]} rows; it must have q's {q_nope.shape[0]}")
             query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
         if rope is not None:  # fused rope (and the FP8 query of an FP8 cache)
             return rope.query(query, cfg.qk_rope_head_dim, llama_4_scaling)
@@ -324,7 +353,9 @@ class MLABackend(_PlanningMixin):
         """Ragged non-absorbed prefill over the new tokens (causal); ``(out, lse)`` if asked
         (natural-log LSE f32[T, H]). With ``cos_sin_cache`` the last ``qk_rope_head_dim``
         columns of q and k (``q_rope`` / ``k_rope``) are rotated here, at the plan's
-        positions unless ``positions`` is given (no FP8 here: the prefill reads no cache)."""
+        positions unless ``positions`` is given (no FP8 here: the prefill reads no cache).
+        The rotation serves this call only: pass the same ``cos_sin_cache`` and positions
+        to :meth:`save_kv` (the latent write) and :meth:`forward_prefix_chunk`."""
         check_plan_kind(metadata, ExtendMetadata, "forward_extend")
         rope = MLARope.for_plan(metadata, cos_sin_cache, is_neox, positions, False)
         q, k = self._qk(q, k, q_rope, k_rope, v, layer)
@@ -359,11 +390,21 @@ class MLABackend(_PlanningMixin):
         q_rope=None,
         k_rope=None,
         llama_4_scaling=None,
+        cos_sin_cache=None,
+        is_neox: bool = False,
+        positions=None,
     ):
         """Non-causal attention of the new tokens to one cached prefix chunk, with LSE.
         A request with no keys in the chunk gets ``o = 0, lse = -inf`` (merges as a no-op).
-        ``llama_4_scaling`` as in :meth:`forward_extend`."""
+        ``llama_4_scaling`` as in :meth:`forward_extend`. With ``cos_sin_cache`` the query's
+        last ``qk_rope_head_dim`` columns arrive unrotated and are rotated here at
+        ``positions`` (i32[T], required: the new tokens' positions, as passed to
+        :meth:`forward_extend`); the keys are cache rows, already rotated when written."""
         q, k = self._qk(q, k, q_rope, k_rope, v, layer)
+        if cos_sin_cache is not None:
+            q = _rope_at(cos_sin_cache, is_neox, positions, "forward_prefix_chunk").rotate_tail(
+                q, self.config.qk_rope_head_dim
+            )
         q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,
@@ -386,11 +427,23 @@ class MLABackend(_PlanningMixin):
         appended), checked against the layer's heads and the config's widths (which the
         softmax scale and the rotated columns are taken from)."""
         cfg = self.config
+        r = cfg.qk_rope_head_dim
         if q_rope is not None:
+            if q_rope.ndim != 3 or q_rope.shape != q.shape[:2] + (r,):
+                raise ValueError(
+                    f"q_rope shape {tuple(q_rope.shape)} must be [{', '.join(map(str, q.shape[:2]))}, {r}]"
+                    " (q's tokens and heads x config.qk_rope_head_dim)"
+                )
             q = jnp.concatenate([q, q_rope.astype(q.dtype)], axis=-1)
         if k_rope is not None:
-            k_rope = k_rope.reshape(k_rope.shape[0], 1, -1)
-            k = jnp.concatenate([k, jnp.broadcast_to(k_rope, k.shape[:2] + k_rope.shape[-1:]).astype(k.dtype)], -1)
+            t = k.shape[0]
+            if k_rope.shape not in ((t, r), (t, 1, r)):
+                raise ValueError(
+                    f"k_rope shape {tuple(k_rope.shape)} must be [{t}, {r}] or [{t}, 1, {r}]"
+                    " (k's tokens x config.qk_rope_head_dim, shared by every head)"
+                )
+            k_rope = k_rope.reshape(t, 1, r)
+            k = jnp.concatenate([k, jnp.broadcast_to(k_rope, k.shape[:2] + (r,)).astype(k.dtype)], -1)
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         rule = "layer.num_q_heads x config.qk_nope_head_dim + qk_rope_head_dim, q_rope / k_rope included"
         for name, x, dim in (("q", q, qk), ("k", k, qk), ("v", v, cfg.v_head_dim)):

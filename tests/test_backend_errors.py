@@ -164,6 +164,8 @@ def test_mla_backend_arrays_must_match_the_config_cache_and_plan():
     qx, kx, vx = _x(rng, t, 4, 48), _x(rng, t, 4, 48), _x(rng, t, 4, 24)
     assert be.forward_extend(qx, kx, vx, layer, ext).shape == (t, 4, 24)
     with pytest.raises(ValueError, match=r"q shape \(16, 4, 40\) must be \[T, 4, 48\] \(layer\.num_q_heads x config"):
+        be.forward_extend(qx[..., :24], kx[..., :32], vx, layer, ext, q_rope=qx[..., 32:], k_rope=kx[:, 0, 32:])
+    with pytest.raises(ValueError, match=r"q_rope shape \(16, 4, 8\) must be \[16, 4, 16\]"):
         be.forward_extend(qx[..., :32], kx[..., :32], vx, layer, ext, q_rope=qx[..., 40:], k_rope=kx[:, 0, 40:])
     with pytest.raises(ValueError, match=r"q shape \(16, 4, 48\) must be \[T, 2, 48\]"):
         be.forward_extend(qx, kx, vx, LayerSpec(0, 2, 1, 80), ext)

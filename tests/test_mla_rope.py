@@ -282,6 +282,83 @@ def test_forward_extend_prefill_fused_rope():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_save_kv_and_prefix_chunk_fused_rope():
+    """``save_kv`` and ``forward_prefix_chunk`` with ``cos_sin_cache`` equal the same calls
+    on k_pe / q_rope rotated beforehand at the given positions (a chunked-prefix caller
+    that hands the prefill unrotated inputs rotates its latent write and its chunks the
+    same way); without ``positions`` they refuse."""
+    rng = np.random.default_rng(13)
+    cfg, be, layer, cache, _ = _setup(rng, "float32")
+    h, nope, big_r, r, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    cs, t = np_cos_sin(64, r), 7
+    pos = rng.permutation(40)[:t].astype(np.int32)
+    loc = jnp.asarray(rng.permutation(np.arange(8, 8 + 3 * cfg.page_size))[:t], jnp.int32)
+    c_kv = jnp.asarray(rng.standard_normal((t, big_r)), jnp.float32)
+    k_pe = jnp.asarray(rng.standard_normal((t, 1, r)), jnp.float32)
+    got = be.save_kv(layer, cache, loc, c_kv, k_pe, cos_sin_cache=jnp.asarray(cs), positions=jnp.asarray(pos))
+    want = be.save_kv(layer, cache, loc, c_kv, jnp.asarray(np_rope(k_pe[:, 0], pos, cs, False), jnp.float32))
+    np.testing.assert_allclose(np.asarray(got.kv), np.asarray(want.kv), rtol=1e-6, atol=1e-6)
+
+    keys = [4, 0]  # the second request has no keys in this chunk
+    cu_q, cu_kv = jnp.asarray([0, 3, t], jnp.int32), jnp.asarray([0, 4, 4], jnp.int32)
+    q, qr = (jnp.asarray(rng.standard_normal((t, h, w)), jnp.float32) for w in (nope, r))
+    k = jnp.asarray(rng.standard_normal((sum(keys), h, nope)), jnp.float32)
+    kr = jnp.asarray(rng.standard_normal((sum(keys), r)), jnp.float32)
+    vv = jnp.asarray(rng.standard_normal((sum(keys), h, v)), jnp.float32)
+    kw = dict(max_seqlen_q=4, max_seqlen_kv=4, k_rope=kr)
+    o, lse = be.forward_prefix_chunk(
+        q, k, vv, layer, cu_q, cu_kv, q_rope=qr, cos_sin_cache=jnp.asarray(cs), positions=jnp.asarray(pos), **kw
+    )
+    qr_rot = jnp.asarray(np_rope(qr, pos, cs, False), jnp.float32)
+    o2, lse2 = be.forward_prefix_chunk(q, k, vv, layer, cu_q, cu_kv, q_rope=qr_rot, **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(lse)[3:] == -np.inf) and not np.asarray(o)[3:].any()
+    # a chunk with no keys at all, k_rope given apart: the empty result, no crash on the reshape
+    e = [jnp.zeros((0, h, w), jnp.float32) for w in (nope, v)]
+    o0, lse0 = be.forward_prefix_chunk(
+        q, e[0], e[1], layer, cu_q, jnp.zeros(3, jnp.int32), q_rope=qr, k_rope=jnp.zeros((0, r)),
+        max_seqlen_q=4, max_seqlen_kv=1,
+    )  # fmt: skip
+    assert not np.asarray(o0).any() and np.all(np.asarray(lse0) == -np.inf)
+    for call in (
+        lambda: be.save_kv(layer, cache, loc, c_kv, k_pe, cos_sin_cache=jnp.asarray(cs)),
+        lambda: be.forward_prefix_chunk(q, k, vv, layer, cu_q, cu_kv, q_rope=qr, cos_sin_cache=jnp.asarray(cs), **kw),
+    ):
+        with pytest.raises(ValueError, match="cos_sin_cache needs positions"):
+            call()
+
+
+def test_mla_backend_refuses_misshapen_rope_and_latent_inputs():
+    """A ``k_rope`` of one row would broadcast over every key, a ``c_kv`` / ``k_pe`` split
+    other than the config's would store columns of ``c_kv`` as rope, and a ``q_rope`` of
+    another token count fails in a concatenate: each is refused naming the argument."""
+    rng = np.random.default_rng(14)
+    cfg, be, layer, cache, _ = _setup(rng, "float32")
+    h, nope, big_r, r, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    z = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    cu = jnp.asarray([0, 5], jnp.int32)
+    kw = dict(max_seqlen_q=5, max_seqlen_kv=5)
+    with pytest.raises(ValueError, match=r"k_rope shape \(1, 10\) must be \[5, 10\]"):
+        be.forward_prefix_chunk(
+            z(5, h, nope), z(5, h, nope), z(5, h, v), layer, cu, cu, q_rope=z(5, h, r), k_rope=z(1, r), **kw
+        )
+    with pytest.raises(ValueError, match=r"q_rope shape \(4, 3, 10\) must be \[5, 3, 10\]"):
+        be.forward_prefix_chunk(
+            z(5, h, nope), z(5, h, nope), z(5, h, v), layer, cu, cu, q_rope=z(4, h, r), k_rope=z(5, r), **kw
+        )
+    loc = jnp.arange(2, dtype=jnp.int32) + 8
+    with pytest.raises(ValueError, match=r"c_kv shape \(2, 44\) must be \[T, 40\].*kv_lora_rank"):
+        be.save_kv(layer, cache, loc, z(2, big_r + 4), z(2, r - 4))
+    with pytest.raises(ValueError, match="k_pe shape"):
+        be.save_kv(layer, cache, loc, z(2, big_r), z(2, 2, r))
+    with pytest.raises(ValueError, match="c_kv has 2 rows and k_pe 3"):
+        be.save_kv(layer, cache, loc, z(2, big_r), z(3, r))
+    md = be.init_forward_metadata(2, np.arange(2), np.array([5, 3]), _pages(rng, [5, 3], 8, 24, 12), ForwardMode.DECODE)
+    with pytest.raises(ValueError, match="q_rope has 3 rows; it must have q's 4"):  # the plan's 4 rows (bucket 4)
+        be.forward_decode(z(4, h, big_r), z(4, big_r), None, layer, cache, md, q_rope=z(3, h, r), k_rope=z(4, r))
+
+
 def test_mla_rope_key_and_query_shapes():
     cs = jnp.asarray(np_cos_sin(8, 4), jnp.float32)
     rope = MLARope(jnp.arange(3, dtype=jnp.int32), cs, fp8=True)
