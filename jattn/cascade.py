@@ -94,14 +94,17 @@ def merge_states(outs, lses, dtype):
     """Merges ``K`` partial attentions over disjoint keys: ``outs [K, T, H, Dv]``,
     natural-log ``lses f32[K, T, H]`` -> ``(o [T, H, Dv] in dtype, lse [T, H])``.
     A part with LSE ``-inf`` contributes nothing, whatever its output holds; all
-    ``-inf`` gives ``o = 0, lse = -inf``."""
+    ``-inf`` gives ``o = 0, lse = -inf``. A NaN LSE (a part that saw a non-finite key)
+    makes the row NaN, as one attention over all the keys would be: the tests below
+    are for an exact zero, which NaN is not, so NaN flows through."""
     m = jnp.max(lses, axis=0)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     w = jnp.exp(lses - m[None])  # 0 where a part is empty
     den = jnp.sum(w, axis=0)
-    num = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs.astype(jnp.float32), 0.0), axis=0)
-    o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    num = jnp.sum(jnp.where(w[..., None] == 0, 0.0, w[..., None] * outs.astype(jnp.float32)), axis=0)
+    empty = den == 0
+    o = jnp.where(empty[..., None], 0.0, num / jnp.where(empty, 1.0, den)[..., None])
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, den)))
     return o.astype(dtype), lse
 
 
@@ -245,7 +248,7 @@ def cascade_decode(
         8 query rows that pack into fewer than 32 rows per KV head, else extend); see the
         module docstring.
       prefix_splits: page ranges per group prefix for the extend pass (None:
-        :func:`prefix_split_count`).
+        :func:`prefix_split_count`). Giving it selects the ``"extend"`` pass.
       Other arguments as in ``jattn.mha_decode_with_kvcache`` (causal within the suffix).
 
     Returns ``out [bs * max_seqlen_q, Hq, D]`` in q's dtype, and with ``return_lse`` the
@@ -269,6 +272,10 @@ def cascade_decode(
         raise ValueError(f"prefix_pass={prefix_pass!r} must be 'decode', 'extend' or None")
     if prefix_pass == "extend" and prefix_chunk is not None:
         raise ValueError("prefix_chunk applies to prefix_pass='decode' only")
+    if prefix_splits is not None and (prefix_pass == "decode" or prefix_chunk is not None):
+        raise ValueError("prefix_splits applies to prefix_pass='extend' only")
+    if prefix_splits is not None:
+        prefix_pass = "extend"  # giving it selects the extend pass, as prefix_chunk selects decode
     if prefix_pass is None:
         small = rows < _EXTEND_ROWS and group_size * max_seqlen_q <= _MAX_ROWS
         prefix_pass = "decode" if small or prefix_chunk is not None else "extend"
@@ -346,6 +353,8 @@ def cascade_tables(page_table, seq_lens, prefix_pages, *, group_size: int, page_
     page_size = _positive_int(page_size, "page_size")
     _check_ndim(page_table, "page_table", 2, "[batch, max_pages]")
     _check_ndim(seq_lens, "seq_lens", 1, "[batch]")
+    _check_int(page_table, "page_table")  # its rows become prefix_page_table as they are
+    _check_int(seq_lens, "seq_lens")
     bs, width = page_table.shape
     if bs % group_size:
         raise ValueError(f"page_table has {bs} rows, not a multiple of group_size={group_size}")

@@ -131,6 +131,31 @@ def test_cascade_errors_name_the_argument():
         jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_pass="fast")
     with pytest.raises(ValueError, match=r"prefix_splits=9 must be an int in \[1, 2\]"):
         jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_pass="extend", prefix_splits=9)
+    for bad in (dict(prefix_pass="decode", prefix_splits=1), dict(prefix_chunk=1, prefix_splits=1)):
+        with pytest.raises(ValueError, match="prefix_splits applies to prefix_pass='extend' only"):
+            jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, **bad)
+    with pytest.raises(ValueError, match=r"prefix_splits=-5 must be an int"):  # giving it selects extend
+        jattn.cascade_decode(q, k, v, ptab, plens, stab, slens, group_size=2, prefix_splits=-5)
+    with pytest.raises(TypeError, match="page_table.dtype=int64 must be int32"):
+        from jattn.cascade import cascade_tables
+
+        cascade_tables(stab.astype(np.int64), slens, np.zeros(1, np.int32), group_size=2, page_size=PS)
+
+
+@pytest.mark.parametrize("prefix_pass", ["decode", "extend"])
+def test_cascade_row_that_sees_a_non_finite_value_is_non_finite(prefix_pass):
+    """A NaN in a prefix value and an inf in a suffix value reach exactly the rows that
+    see them, on both passes, as in one attention over the joined keys (the extend
+    pass's merge had turned them into empty rows: o = 0, LSE -inf)."""
+    q, k, v, ptab, plens, stab, slens = _setup(5, (20, 7), 2, 1)
+    v[ptab[0, 0], 2, 1, 3] = np.nan  # group 0's prefix key 2: requests 0 and 1
+    v[stab[3, 0], 0, 0, 0] = np.inf  # request 3's first suffix key
+    o, lse = jattn.cascade_decode(
+        q, k, v, ptab, plens, stab, slens, group_size=2, prefix_pass=prefix_pass, return_lse=True
+    )
+    bad = [bool(np.isnan(np.asarray(o)[b]).any()) for b in range(4)]
+    assert bad == [True, True, False, True]
+    assert np.isfinite(np.asarray(lse)[2]).all()
 
 
 @pytest.mark.gpu
