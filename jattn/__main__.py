@@ -12,7 +12,7 @@ subcommands:
                              installed, else a tiny random model); --synthetic runs the
                              self-checking continuous-batching attention loop instead
   generate --prompt TEXT     generate from your own prompt
-  bench NAME [...]           GPU benchmarks: decode, prefill, mla, cascade, bridge, serving (bridge --device cpu:
+  bench NAME [...]           GPU benchmarks: decode, prefill, mla, cascade, kvwrite, bridge, serving (bridge --device cpu:
                              the torch bridge's host time on the CPU)
   info                       this device, and the backend each op would run on here
 
@@ -67,7 +67,7 @@ def _info() -> int:
     return 0
 
 
-_BENCHES = ("decode", "prefill", "mla", "cascade", "bridge", "serving")
+_BENCHES = ("decode", "prefill", "mla", "cascade", "kvwrite", "bridge", "serving")
 
 
 def main(argv=None) -> int:
