@@ -12,8 +12,8 @@ subcommands:
                              installed, else a tiny random model); --synthetic runs the
                              self-checking continuous-batching attention loop instead
   generate --prompt TEXT     generate from your own prompt
-  bench NAME [...]           GPU benchmarks: decode, prefill, mla, cascade, kvwrite, bridge, serving (bridge --device cpu:
-                             the torch bridge's host time on the CPU)
+  bench NAME [...]           GPU benchmarks: decode, prefill, mla, cascade, kvwrite, bridge, serving
+                             (bridge --device cpu: the torch bridge's host time on the CPU)
   info                       this device, and the backend each op would run on here
 
 `python -m jattn COMMAND --help` lists a command's options.

@@ -34,9 +34,11 @@ import numpy as np
 from jattn.checks import _check_causal, _concrete, first_page_outside
 from jattn.plan_inputs import (
     _as_int_array,
+    _check_host_lengths,
     _check_i32,
     _check_num_pages,
     _check_unique_slots,
+    _check_writes,
     _positive_int,
     _resolve_page_table,
 )
@@ -177,21 +179,16 @@ class DecodeMetadata(_PagedPlan):
         num_reqs = self.num_reqs if num_reqs is None else num_reqs
         if isinstance(seq_lens, np.ndarray):  # host lengths: a host call, which may read the plan back
             nr = _concrete(num_reqs) if nr is None else nr
+            if nr is not None and nr > shape[0]:
+                raise ValueError(
+                    f"seq_lens has {shape[0]} lengths for the plan's num_reqs={int(nr)} requests: a request "
+                    "would be emptied silently (pass num_reqs= to shrink the batch)"
+                )
             table = _concrete(self.page_table)
         else:  # device lengths (a step of a multi-step plan): no device-to-host copy of the plan
             table = None
         if c is not None and nr is not None and table is not None:
-            # the rows' pages must be in the table: the planner fills the columns past a
-            # request's pages with the dummy page, which padded rows write
-            need = -(-c[: int(nr)].astype(np.int64) // ps)
-            cols = np.arange(table.shape[1])[None, :] < need[:, None]
-            bad = cols & (table[: int(nr)] == DUMMY_PAGE)
-            if bad.any():
-                b, i = (int(x[0]) for x in np.nonzero(bad))
-                raise ValueError(
-                    f"seq_lens[{b}]={int(c[b])} reaches page_table[{b}, {i}], the reserved dummy page "
-                    f"{DUMMY_PAGE}: plan with the longest length the plan will take (its pages), then shorten it"
-                )
+            _check_host_lengths(table, c, int(nr), ps, n)
         real = jnp.arange(bs) < num_reqs
         sl = jnp.asarray(seq_lens, jnp.int32).reshape(-1)[:bs]
         lens = jnp.where(real, jnp.pad(sl, (0, bs - sl.shape[0])), 0)
@@ -411,7 +408,7 @@ def plan_decode(
     # fill_block_decode_seq_lens may move the block's end on the device, past the
     # pages of today's length.
     draft_block = mode is ForwardMode.DRAFT_BLOCK
-    table = _pad_table(pt, np.full_like(sl, width * page_size) if draft_block else sl, page_size, bs_pad, width)
+    table = _pad_table(pt, np.where(sl > 0, width * page_size, 0) if draft_block else sl, page_size, bs_pad, width)
     if draft_block:
         hi = np.iinfo(np.int32).max if num_pages is None else num_pages
         table = np.where((table > DUMMY_PAGE) & (table < hi), table, DUMMY_PAGE).astype(np.int32)
@@ -428,6 +425,7 @@ def plan_decode(
     _check_unique_slots(
         loc[~empty[:, 0]].reshape(-1), page_size, tokens=lambda i, j: f"new tokens {real[i]} and {real[j]}"
     )
+    _check_writes(table, lens, np.full_like(lens, q_len), page_size, ~empty[:, 0])
     pp = _cascade_prefix(group_size, prefix_pages, table, lens, bs, bs_pad, page_size, q_len, is_causal)
     return DecodeMetadata(
         page_table=np.asarray(table, np.int32),
@@ -561,6 +559,7 @@ def plan_extend(
     lens[:bs] = sl
     pre = np.zeros(bs_pad, np.int32)
     pre[:bs] = prefix
+    _check_writes(table, lens, lens - pre, page_size, lens > 0)
     return ExtendMetadata(
         page_table=table,
         cache_seqlens=lens,

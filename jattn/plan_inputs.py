@@ -26,7 +26,10 @@ def _check_i32(a: np.ndarray, name: str, what: str) -> None:
 
 
 def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except ValueError as e:  # a ragged nested list
+        raise ValueError(f"{name} must be a rectangular {ndim}-D int array: {e}") from None
     if a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     if a.size and not np.issubdtype(a.dtype, np.integer):
@@ -78,3 +81,74 @@ def _check_unique_slots(loc: np.ndarray, page_size: int, tokens=lambda i, j: f"n
             f"offset {slot % page_size}); requests may share pages only read-only (their prefix), never a "
             "page they write"
         )
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """``[0..counts[0]), [0..counts[1]), ...`` concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _check_writes(table: np.ndarray, lens: np.ndarray, new: np.ndarray, page_size: int, real: np.ndarray) -> None:
+    """Refuses a plan in which a real request's new token writes a slot that another
+    real request holds (its tokens ``[0, lens)`` through its row of ``table``, its own
+    new tokens, the last ``new``, included). Pages shared read-only (a radix cache's
+    prefix) are fine; a write into one would change the other request's K/V silently.
+    Two new tokens of one request on one slot are :func:`_check_unique_slots`' to find.
+    Cost: the real requests' pages plus their new tokens."""
+    rows = np.flatnonzero(real)
+    ps = page_size
+    nw = new[rows]
+    wr = np.repeat(rows, nw)  # one entry per new token
+    wt = lens[wr] - np.repeat(nw, nw) + _ranges(nw)
+    wp, wo = table[wr, wt // ps], wt % ps
+    if wp.size == 0:
+        return
+    # the (request, column) entries that hold a written page: a mask over page ids keeps
+    # this to one gather over the held entries (a sort of them cost about 100 ms a step
+    # at 256 requests of 32k tokens)
+    held_cols = np.arange(table.shape[1])[None, :] < (-(-lens[rows] // ps))[:, None]
+    sub = table[rows]
+    mark = np.zeros(int(max(sub.max(), wp.max())) + 1, bool)
+    mark[wp] = True
+    ri, rc = np.nonzero(held_cols & mark[sub])
+    rr = rows[ri]
+    held = np.minimum(ps, lens[rr] - rc * ps)  # its tokens in that page
+    rp = table[rr, rc]
+    order = np.argsort(rp, kind="stable")
+    lo, hi = np.searchsorted(rp[order], wp, "left"), np.searchsorted(rp[order], wp, "right")
+    cnt = hi - lo
+    w = np.repeat(np.arange(wp.size), cnt)
+    r = order[np.repeat(lo, cnt) + _ranges(cnt)]
+    bad = np.flatnonzero((rr[r] != wr[w]) & (wo[w] < held[r]))
+    if bad.size:
+        w, r = int(w[bad[0]]), int(r[bad[0]])
+        raise ValueError(
+            f"out_cache_loc: request {int(wr[w])}'s new token at position {int(wt[w])} writes page {int(wp[w])}, "
+            f"offset {int(wo[w])}, which request {int(rr[r])} holds as its token {int(rc[r]) * ps + int(wo[w])}; "
+            "requests may share pages only read-only (their prefix), never a page they write"
+        )
+
+
+def _check_host_lengths(table: np.ndarray, lens: np.ndarray, num_reqs: int, page_size: int, q_len: int) -> None:
+    """Host lengths for a plan's first ``num_reqs`` rows of ``table`` (``with_seq_lens``):
+    a length reaching a column the planner filled with the dummy page is refused (padded
+    rows write there), and so are writes that :func:`_check_unique_slots` and
+    :func:`_check_writes` refuse in a new plan."""
+    from jattn.metadata import DUMMY_PAGE
+
+    c = lens[:num_reqs].astype(np.int64)
+    need = -(-c // page_size)
+    bad = (np.arange(table.shape[1])[None, :] < need[:, None]) & (table[:num_reqs] == DUMMY_PAGE)
+    if bad.any():
+        b, i = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(
+            f"seq_lens[{b}]={int(c[b])} reaches page_table[{b}, {i}], the reserved dummy page "
+            f"{DUMMY_PAGE}: plan with the longest length the plan will take (its pages), then shorten it"
+        )
+    real = c > 0
+    new = np.where(real, np.minimum(q_len, c), 0)
+    rows = np.repeat(np.arange(num_reqs), new)
+    pos = np.repeat(c, new) - np.repeat(new, new) + _ranges(new)
+    slots = table[rows, pos // page_size] * page_size + pos % page_size
+    _check_unique_slots(slots, page_size, tokens=lambda i, j: f"new tokens of requests {rows[i]} and {rows[j]}")
+    _check_writes(table[:num_reqs], c, new, page_size, real)

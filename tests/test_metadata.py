@@ -67,7 +67,7 @@ def test_plan_decode_padding_slots_positions(q_len):
 
 def test_plan_decode_req_to_page_equals_page_table():
     rng = np.random.default_rng(5)
-    req_to_page = rng.integers(1, 64, size=(10, 6))
+    req_to_page = rng.permutation(np.arange(1, 64))[:60].reshape(10, 6)  # no page in two rows
     idx = np.array([7, 2, 9])
     seq_lens = np.array([80, 1, 33])
     a = jattn.plan_decode(seq_lens, page_size=16, req_to_page=req_to_page, req_pool_indices=idx, num_pages=64)

@@ -163,12 +163,13 @@ def test_multistep_refuses_truncated_inputs_steps_past_the_plan_and_names_slot_c
     with pytest.raises(ValueError, match=r"step=1.0 is not in \[0, num_steps=2\)"):
         ms.forward_decode(1.0, None, None, None, None, None, md)
     # request 0 (length 2) writes positions 1, 2 and request 1 (length 3) positions 2, 3 of
-    # page 5: request 0's step-1 token and request 1's step-0 token clash; the last step's
-    # plan (positions 2 and 3) does not
+    # page 5: request 0's step-1 token and request 1's step-0 token clash. The last step's
+    # plan already refuses it: request 0's last token lands on a slot request 1 holds (a
+    # clash of two steps' tokens always leaves one request's last write in the other's
+    # tokens, so the per-step check below it is a second line)
     r2p[0, :2], r2p[1, :2] = [5, 6], [5, 7]
     with pytest.raises(
         ValueError,
-        match=r"out_cache_loc: the draft tokens of request 0 at step 1 and of request 1 at step 0 would both "
-        r"write slot 22 \(page 5, offset 2\)",
+        match=r"out_cache_loc: request 0's new token at position 2 writes page 5, offset 2, which request 1 holds",
     ):
         ms.init_forward_metadata(2, np.arange(2), np.array([2, 3]), r2p)

@@ -62,3 +62,50 @@ def test_cuda_graph_max_bs_must_be_a_positive_int(max_bs):
     with pytest.raises(ValueError, match=re.escape(f"max_bs={max_bs!r} must be a positive int")):
         be.init_cuda_graph_state(max_bs)
     assert be.init_cuda_graph_state(np.int32(3)) == (1, 2, 3)
+
+
+def test_plans_refuse_writes_into_pages_another_request_holds():
+    """A new token whose slot another request holds (a shared page written into) would
+    change that request's K/V silently: every planner refuses it, ``with_seq_lens`` on
+    host lengths too, while pages shared read-only stay fine."""
+    import jattn
+
+    pt = np.array([[3, 4], [3, 0]])  # request 1's page 3 is request 0's first page
+    msg = r"request 1's new token at position 2 writes page 3, offset 2, which request 0 holds as its token 2"
+    with pytest.raises(ValueError, match=msg):
+        jattn.plan_decode([6, 3], page_size=4, page_table=pt, num_pages=8)
+    with pytest.raises(ValueError, match=msg):
+        jattn.plan_extend([6, 3], [1, 1], page_size=4, page_table=pt, num_pages=8)
+    shared = np.array([[3, 4], [3, 5]])  # page 3 read by both, each writing its own page
+    md = jattn.plan_decode([6, 7], page_size=4, page_table=shared, num_pages=8)
+    jattn.plan_extend([6, 7], [2, 3], page_size=4, page_table=shared, num_pages=8)
+    with pytest.raises(ValueError, match=r"new tokens of requests 0 and 1 would both write slot 15"):
+        md.with_seq_lens(np.array([4, 4]))
+    with pytest.raises(ValueError, match=r"request 1's new token at position 2 writes page 3, offset 2"):
+        md.with_seq_lens(np.array([6, 3]))
+    np.testing.assert_array_equal(md.with_seq_lens(np.array([5, 6])).cache_seqlens[:2], [5, 6])
+    # host lengths fewer than the plan's requests would empty the rest silently
+    with pytest.raises(ValueError, match=r"seq_lens has 1 lengths for the plan's num_reqs=2 requests"):
+        md.with_seq_lens(np.array([6]))
+    with pytest.raises(ValueError, match="page_table must be a rectangular 2-D int array"):
+        jattn.plan_decode([6, 3], page_size=4, page_table=[[3, 4], [5]], num_pages=8)
+
+
+def test_draft_block_padding_row_holds_no_pages():
+    """A DRAFT_BLOCK plan keeps each request's whole row of pages (its block may grow on
+    the device), but a row given with length 0 is padding: it keeps none, so the block
+    fill cannot make it write into the pages of the request its stale pool index names."""
+    cfg = MHAConfig(
+        num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, context_len=16, num_pages=32,
+        kv_cache_dtype="float32", kernel_backend="xla", spec_num_tokens=3, batch_buckets=(4,),
+    )  # fmt: skip
+    be = MHABackend(cfg)
+    r2p = np.array([[1, 2, 3, 0], [5, 6, 0, 0], [9, 10, 0, 0]])
+    md = be.init_forward_metadata(4, [0, 1, 2, 0], [11, 5, 6, 0], r2p, ForwardMode.DRAFT_BLOCK)
+    np.testing.assert_array_equal(md.page_table[0], [1, 2, 3, 0])
+    np.testing.assert_array_equal(md.page_table[3], [0, 0, 0, 0])
+    import jax.numpy as jnp
+
+    filled = be.fill_block_decode_seq_lens(md, 4, jnp.array([12, 8, 9, 0]))
+    slots = np.asarray(filled.out_cache_loc).reshape(4, 3)
+    assert (slots[3] // 4 == 0).all() and (slots[0] // 4 == 3).all()  # padding: the dummy page only
