@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() != "gpu":
         print(f"bench cascade needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
         return
-    copy_bw, how = common.copy_bandwidth()
-    dev = jax.devices()[0].device_kind
-    print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+    copy_bw, how, dev = common.announce_device()
     rows_spec = ROWS if args.rows is None else [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     ps, be = args.page_size, args.backend
@@ -165,13 +163,11 @@ def main(argv: list[str] | None = None) -> None:
             if name.startswith("extend, "):
                 print(f"{groups}x{gs} {name}: {us(t)} us", flush=True)
         del qs, k, v, targs
-    print()
-    print(
+    caption = (
         f"cascade decode: Hq={HQ} Hkv={HKV} D={D}, bf16, page {ps}, q_len 1, backend {be or 'auto'}; "
         f"GPU time per call; copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}"
     )
-    print(common.fmt_table(header, rows))
-    common.save_outputs(args, "cascade", header, rows, dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12))
+    common.print_table(args, "cascade", caption, header, rows, dict(device=dev, copy_tbs=copy_bw / 1e12))
 
 
 if __name__ == "__main__":

@@ -332,6 +332,23 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
     return (n * 4 * 2) / t.seconds, "jax elementwise"
 
 
+def announce_device() -> tuple[float, str, str]:
+    """Measures the copy ceiling and prints the run's device line; returns
+    ``(copy bytes/s, how it was measured, device kind)``."""
+    copy_bw, how = copy_bandwidth()
+    dev = jax.devices()[0].device_kind
+    print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+    return copy_bw, how, dev
+
+
+def print_table(args, bench: str, caption: str, header, rows, meta: dict) -> None:
+    """The closing table under its caption, then ``--json`` / ``--plot`` (:func:`save_outputs`)."""
+    print()
+    print(caption)
+    print(fmt_table(header, rows))
+    save_outputs(args, bench, header, rows, dict(meta, jax=jax.__version__))
+
+
 _WALL_NOTED = []
 
 

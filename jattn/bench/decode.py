@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench decode needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
         return
 
-    copy_bw, how = common.copy_bandwidth()
-    dev = jax.devices()[0].device_kind
-    print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+    copy_bw, how, dev = common.announce_device()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     shapes = (
         SHAPES if args.shapes is None else tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))

@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() != "gpu":
         print(f"bench kvwrite needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
         return
-    copy_bw, how = common.copy_bandwidth()
-    dev = jax.devices()[0].device_kind
-    print(f"device {dev}; jax {jax.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s ({how})")
+    copy_bw, how, dev = common.announce_device()
     rng = np.random.default_rng(0)
     rows = []
     for kind in args.kinds.split(","):
@@ -129,13 +127,11 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     print(" | ".join(map(str, rows[-1])), flush=True)
                 del caches, ins, once
-    print()
-    print(
+    caption = (
         f"KV writes: MHA {HKV}x{D} K and V, MLA {R}+{RPE}; bf16 inputs; pool {args.pool_tokens} slots; "
         f"random distinct slots; per write, chained in a loop; copy {copy_bw / 1e12:.2f} TB/s ({how}); {dev}"
     )
-    print(common.fmt_table(HEADER, rows))
-    common.save_outputs(args, "kvwrite", HEADER, rows, dict(device=dev, jax=jax.__version__, copy_tbs=copy_bw / 1e12))
+    common.print_table(args, "kvwrite", caption, HEADER, rows, dict(device=dev, copy_tbs=copy_bw / 1e12))
 
 
 if __name__ == "__main__":
