@@ -115,9 +115,9 @@ def test_cli_refuses_an_unknown_backend_and_bench(capsys):
     assert e.value.code == 2 and "invalid choice: 'pallas'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "nope"])
-    assert e.value.code == 2 and "decode, prefill, mla, cascade, bridge, serving" in capsys.readouterr().err
+    assert e.value.code == 2 and "decode, prefill, mla, cascade, kvwrite, bridge, serving" in capsys.readouterr().err
     assert main(["bench", "--help"]) == 0
-    assert "{decode,prefill,mla,cascade,bridge,serving}" in capsys.readouterr().out
+    assert "{decode,prefill,mla,cascade,kvwrite,bridge,serving}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

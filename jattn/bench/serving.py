@@ -77,10 +77,13 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     is donated and replaced on every call, as in the engine)."""
     c = engine.config
     pages = -(-seq_len // c.page_size)
-    table = np.arange(1, 1 + bs * pages, dtype=np.int32).reshape(bs, pages) % (c.num_pages - 1) + 1
-    # Reads may share pages (timing only), but each request writes its own last page:
-    # the planner refuses two tokens on one slot.
-    table[:, -1] = np.arange(1, bs + 1) % (c.num_pages - 1) + 1
+    # Reads may share pages (timing only), but each request writes its own last page, which
+    # no other request reads: the planner refuses a write into a page another one holds.
+    # Pages 1..bs are the written ones, the rest of the pool is read (the pool holds a
+    # request's pages per request, so at least bs more).
+    read_pages = max(1, c.num_pages - 1 - bs)
+    table = (np.arange(bs * pages, dtype=np.int32).reshape(bs, pages) % read_pages + 1 + bs) % c.num_pages
+    table[:, -1] = np.arange(1, bs + 1)
     md = plan_decode(
         np.full(bs, seq_len),
         page_size=c.page_size,
