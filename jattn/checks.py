@@ -95,14 +95,29 @@ def _check_scale(value, name: str, *, optional: bool = False) -> None:
         # A bf16 / f16 scale would round the softmax scale it multiplies; an integer one is a slip.
         raise TypeError(f"{name}.dtype={dtype} must be float32 (or a Python number)")
     v = _concrete(value)
-    if v is not None and not (np.isfinite(v) and 0 < v <= np.finfo(np.float32).max):
+    if v is not None and not (np.isfinite(v) and 0 < v <= np.finfo(np.float32).max and np.float32(v) > 0):
         raise ValueError(f"{name}={v.item()!r} must be finite and > 0 (in float32)")
 
 
 def _check_scales(**scales) -> None:
-    """:func:`_check_scale` for each keyword; ``softmax_scale`` may be None (the default)."""
+    """:func:`_check_scale` for each keyword; ``softmax_scale`` may be None (the default).
+    Where both are concrete, ``softmax_scale`` times the key scale (``k_scale`` /
+    ``kv_scale``), the factor the scores are multiplied by, must be finite and > 0 in
+    float32 too (each alone may be, and their product not)."""
     for name, value in scales.items():
         _check_scale(value, name, optional=name == "softmax_scale")
+    concrete = lambda name: None if scales.get(name) is None else _concrete(scales[name])  # noqa: E731
+    soft = concrete("softmax_scale")
+    for name in ("k_scale", "kv_scale"):
+        key = concrete(name)
+        if soft is not None and key is not None:
+            with np.errstate(over="ignore", under="ignore"):
+                folded = np.float32(soft) * np.float32(key)
+            if not (np.isfinite(folded) and folded > 0):
+                raise ValueError(
+                    f"softmax_scale * {name} = {float(soft) * float(key)!r} must be finite and > 0 in float32 "
+                    "(the factor the scores are multiplied by)"
+                )
 
 
 def _check_cu_seqlens(cu, name: str, rows: int, rows_name: str, max_seqlen: int, max_name: str, lens=None) -> None:

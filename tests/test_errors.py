@@ -463,6 +463,21 @@ def test_low_precision_scales_are_refused_not_rounded():
     _decode(k_scale=jnp.asarray(1.0, F32), softmax_scale=np.float64(0.3))  # f32 arrays and numbers pass
 
 
+def test_scales_whose_product_leaves_float32_are_refused():
+    """Each scale may be in float32's range and their product not: the scores would be
+    inf, a row seeing a positive one NaN and one seeing only negative ones empty. A scale
+    that is 0 in float32 is refused too."""
+    with pytest.raises(ValueError, match=r"softmax_scale \* k_scale = 1e\+40 must be finite and > 0 in float32"):
+        _decode(softmax_scale=1e20, k_scale=1e20)
+    with pytest.raises(ValueError, match=r"softmax_scale \* k_scale = 1[.0-9]*e-50 must be finite"):
+        _decode(softmax_scale=1e-25, k_scale=1e-25)
+    with pytest.raises(ValueError, match=r"v_scale=1e-46 must be finite and > 0 \(in float32\)"):
+        _decode(v_scale=1e-46)
+    _decode(softmax_scale=1e19, k_scale=1e19)  # 1e38: in range
+    with pytest.raises(ValueError, match=r"softmax_scale \* k_scale"):  # a concrete array scale too
+        _decode(softmax_scale=1e20, k_scale=jnp.asarray(1e20, F32))
+
+
 def test_prefill_without_cu_seqlens_kv_checks_max_seqlen_kv():
     """The keys are the queries' rows: a request longer than max_seqlen_kv would lose keys."""
     q = jnp.ones((8, 2, 8), F32)
