@@ -102,13 +102,6 @@ def apply_llama_4_scaling(query, llama_4_scaling):
     return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
 
 
-def _rope_at(cos_sin_cache, is_neox: bool, positions, method: str) -> MLARope:
-    """The rope of a call that has no plan to take positions from."""
-    if positions is None:
-        raise ValueError(f"{method}: cos_sin_cache needs positions= (i32[T], each token's position)")
-    return MLARope(positions, cos_sin_cache, bool(is_neox), False)
-
-
 class MLABackend(_PlanningMixin):
     """DeepSeek MLA: absorbed decode over the 576-wide latent cache (also target verify
     and draft extend), ragged non-absorbed prefill (192/128) with LSE, and the chunked
@@ -151,8 +144,9 @@ class MLABackend(_PlanningMixin):
                 )
         if c_kv.shape[0] != k_pe.shape[0]:
             raise ValueError(f"c_kv has {c_kv.shape[0]} rows and k_pe {k_pe.shape[0]}; they must be equal")
-        if cos_sin_cache is not None:
-            k_pe = _rope_at(cos_sin_cache, is_neox, positions, "save_kv").key(k_pe)
+        rope = MLARope.for_plan(None, cos_sin_cache, is_neox, positions, False)
+        if rope is not None:
+            k_pe = rope.key(k_pe)
         kv = ops.set_mla_kv_buffer(kv_cache.layer(layer.layer_id), out_cache_loc, c_kv, k_pe, kv_scale=layer.k_scale)
         return kv_cache.replace_layer(layer.layer_id, kv)
 
@@ -401,10 +395,9 @@ class MLABackend(_PlanningMixin):
         ``positions`` (i32[T], required: the new tokens' positions, as passed to
         :meth:`forward_extend`); the keys are cache rows, already rotated when written."""
         q, k = self._qk(q, k, q_rope, k_rope, v, layer)
-        if cos_sin_cache is not None:
-            q = _rope_at(cos_sin_cache, is_neox, positions, "forward_prefix_chunk").rotate_tail(
-                q, self.config.qk_rope_head_dim
-            )
+        rope = MLARope.for_plan(None, cos_sin_cache, is_neox, positions, False)
+        if rope is not None:
+            q = rope.rotate_tail(q, self.config.qk_rope_head_dim)
         q = apply_llama_4_scaling(q, llama_4_scaling)
         return ops.mha_prefill(
             q,

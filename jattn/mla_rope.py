@@ -102,12 +102,13 @@ class MLARope:
     @classmethod
     def for_plan(cls, metadata, cos_sin_cache, is_neox, positions, fp8: bool):
         """The rope of one step (None without ``cos_sin_cache``): at ``positions``, else
-        the plan's."""
+        the plan's (``metadata`` None: a call with no plan, which must pass ``positions``)."""
         if cos_sin_cache is None:
             return None
-        pos = metadata.positions if positions is None else positions
+        pos = getattr(metadata, "positions", None) if positions is None else positions
         if pos is None:
-            raise ValueError("cos_sin_cache needs positions: the plan has none (a slimmed plan); pass positions=")
+            where = "this call has no plan" if metadata is None else "the plan has none (a slimmed plan)"
+            raise ValueError(f"cos_sin_cache needs positions: {where}; pass positions= (i32[T])")
         return cls(pos, cos_sin_cache, bool(is_neox), fp8)
 
     def key(self, k_pe):

@@ -88,6 +88,12 @@ def _ranges(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+def _new_tokens(lens: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(row, position)`` of each new token: the last ``new[b]`` of row ``b``'s ``lens[b]``."""
+    rows = np.repeat(np.arange(lens.shape[0]), new)
+    return rows, lens[rows] - new[rows] + _ranges(new)
+
+
 def _check_writes(table: np.ndarray, lens: np.ndarray, new: np.ndarray, page_size: int, real: np.ndarray) -> None:
     """Refuses a plan in which a real request's new token writes a slot that another
     real request holds (its tokens ``[0, lens)`` through its row of ``table``, its own
@@ -97,9 +103,7 @@ def _check_writes(table: np.ndarray, lens: np.ndarray, new: np.ndarray, page_siz
     Cost: the real requests' pages plus their new tokens."""
     rows = np.flatnonzero(real)
     ps = page_size
-    nw = new[rows]
-    wr = np.repeat(rows, nw)  # one entry per new token
-    wt = lens[wr] - np.repeat(nw, nw) + _ranges(nw)
+    wr, wt = _new_tokens(lens, np.where(real, new, 0))  # one entry per new token
     wp, wo = table[wr, wt // ps], wt % ps
     if wp.size == 0:
         return
@@ -147,8 +151,7 @@ def _check_host_lengths(table: np.ndarray, lens: np.ndarray, num_reqs: int, page
         )
     real = c > 0
     new = np.where(real, np.minimum(q_len, c), 0)
-    rows = np.repeat(np.arange(num_reqs), new)
-    pos = np.repeat(c, new) - np.repeat(new, new) + _ranges(new)
+    rows, pos = _new_tokens(c, new)
     slots = table[rows, pos // page_size] * page_size + pos % page_size
     _check_unique_slots(slots, page_size, tokens=lambda i, j: f"new tokens of requests {rows[i]} and {rows[j]}")
     _check_writes(table[:num_reqs], c, new, page_size, real)
