@@ -33,6 +33,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    prompt = encode  # a whole prompt: no BOS here
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
@@ -122,6 +124,8 @@ class _HFDirTokenizer:
 
     def encode(self, text):
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    prompt = encode  # a whole prompt: as encode (no special tokens added)
 
     def decode(self, ids, skip_special_tokens=True):
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -237,7 +241,7 @@ def _run(args, prompts) -> int:
         # a checkpoint's end ids past its vocabulary (tiny test models) can never be sampled
         stop_token_ids=tuple(i for i in tok.stop_ids() if 0 <= i < model.config.vocab_size),
     )
-    ids = [getattr(tok, "prompt", tok.encode)(p) if args.raw else tok.chat_prompt(p) for p in prompts]
+    ids = [tok.prompt(p) if args.raw else tok.chat_prompt(p) for p in prompts]
     print(f"model:   {desc}")
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend: {describe_backend(backend, ops)}")
