@@ -19,6 +19,7 @@ dtypes on every backend.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax.numpy as jnp
 
@@ -113,13 +114,10 @@ def mha_decode_with_kvcache(
       >>> mha_decode_with_kvcache(q, kc, kc, pt, jnp.array([5, 0], jnp.int32)).shape
       (2, 4, 8)
     """
-    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
-    bs = page_table.shape[0]
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    if q.shape[0] != bs * max_seqlen_q:
-        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
-    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
-    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    _decode_checks(
+        q, k_cache, v_cache, page_table, cache_seqlens, max_seqlen_q, window_left, logit_cap, sinks, is_causal,
+        softmax_scale, k_scale, v_scale,
+    )  # fmt: skip
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -152,6 +150,66 @@ def mha_decode_with_kvcache(
     if batch_invariant:
         kw.update(_invariant_splits(impl, q, k_cache, page_table, max_seqlen_q))
     return impl(q, k_cache, v_cache, page_table, cache_seqlens, **kw)
+
+
+def _decode_checks(
+    q, k_cache, v_cache, page_table, cache_seqlens, max_seqlen_q, window_left, logit_cap, sinks, is_causal,
+    softmax_scale, k_scale, v_scale,
+) -> None:  # fmt: skip
+    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
+    bs = page_table.shape[0]
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    if q.shape[0] != bs * max_seqlen_q:
+        raise ValueError(f"q has {q.shape[0]} rows; it must be batch ({bs}) * max_seqlen_q ({max_seqlen_q})")
+    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def _extend_checks(
+    q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, window_left, logit_cap, sinks,
+    is_causal, softmax_scale, k_scale, v_scale,
+) -> None:  # fmt: skip
+    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
+    _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
+    _check_int(cu_seqlens_q, "cu_seqlens_q")
+    if cu_seqlens_q.shape[0] != page_table.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must be batch + 1 = {page_table.shape[0] + 1}"
+        )
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    # causal: the new tokens are the last of the cached length (non-causal calls, such as a
+    # cascade's pass over a shared prefix, may attend to keys that do not include them)
+    lens = cache_seqlens if is_causal else None
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q", lens)
+    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def _prefill_checks(
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal,
+    softmax_scale, k_scale, v_scale,
+) -> None:  # fmt: skip
+    _check_prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal
+    )
+    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def check_arguments(op, *args, **kwargs) -> None:
+    """Runs the argument checks of ``op`` (:func:`mha_decode_with_kvcache`,
+    :func:`mha_extend_with_kvcache` or :func:`mha_prefill`) on ``op``'s arguments without
+    computing anything: shapes and dtypes, and page ids, lengths, offsets, sinks and scales
+    where they are concrete. For wrappers that call ``op`` on slices of its arguments inside
+    a trace (``jattn.sharding``), where the slices' values are not concrete."""
+    checks = {
+        mha_decode_with_kvcache: _decode_checks,
+        mha_extend_with_kvcache: _extend_checks,
+        mha_prefill: _prefill_checks,
+    }[op]
+    bound = inspect.signature(op).bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = inspect.signature(checks).parameters
+    checks(**{name: bound.arguments[name] for name in names})
 
 
 def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
@@ -219,20 +277,10 @@ def mha_extend_with_kvcache(
       out [num_tokens, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)`` with the
       natural-log lse f32[num_tokens, num_q_heads].
     """
-    _check_paged(q, k_cache, v_cache, page_table, cache_seqlens)
-    _check_ndim(cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]")
-    _check_int(cu_seqlens_q, "cu_seqlens_q")
-    if cu_seqlens_q.shape[0] != page_table.shape[0] + 1:
-        raise ValueError(
-            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must be batch + 1 = {page_table.shape[0] + 1}"
-        )
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    # causal: the new tokens are the last of the cached length (non-causal calls, such as a
-    # cascade's pass over a shared prefix, may attend to keys that do not include them)
-    lens = cache_seqlens if is_causal else None
-    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q", max_seqlen_q, "max_seqlen_q", lens)
-    _check_options(window_left, logit_cap, sinks, q.shape[1], is_causal)
-    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    _extend_checks(
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, window_left, logit_cap, sinks,
+        is_causal, softmax_scale, k_scale, v_scale,
+    )  # fmt: skip
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -299,10 +347,10 @@ def mha_prefill(
       out [num_tokens, num_q_heads, head_dim_v] in q's dtype, or ``(out, lse)`` with the
       natural-log lse f32[num_tokens, num_q_heads].
     """
-    _check_prefill(
-        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal
-    )
-    _check_scales(softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    _prefill_checks(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal,
+        softmax_scale, k_scale, v_scale,
+    )  # fmt: skip
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,

@@ -30,6 +30,7 @@ on one process or several (``jax.distributed.initialize``): arrays are placed wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,27 @@ def _split_kwargs(kwargs: dict):
     return static, arrays
 
 
+def _build_sharded_op(tp, op, specs, static, array_keys, has_sinks, return_lse):
+    """``jit(shard_map(op))`` for :meth:`TensorParallel._run`; ``static``: the static
+    keywords as ``(name, value)`` pairs."""
+    static = dict(static)
+    n = len(specs)
+
+    def body(*a):
+        kw = dict(static, **dict(zip(array_keys, a[n + has_sinks :])))
+        if has_sinks:
+            kw["sinks"] = a[n]
+        return op(*a[:n], return_lse=return_lse, **kw)
+
+    in_specs = (*specs, *((P(tp.axis),) if has_sinks else ()), *(P(),) * len(array_keys))
+    out_specs = (tp.head_spec(), P(None, tp.axis)) if return_lse else tp.head_spec()
+    return jax.jit(shard_map(body, tp.mesh, in_specs, out_specs))
+
+
+# One program per call signature, so that eager calls with the same shapes compile once.
+_sharded_op = functools.lru_cache(maxsize=128)(_build_sharded_op)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """Tensor parallelism over mesh axis ``axis`` of ``mesh``: the op wrappers (same
@@ -262,21 +284,18 @@ class TensorParallel:
         )
 
     def _run(self, op, args, specs, sinks, return_lse, kwargs):
-        _check_sinks(sinks, args[0].shape[1])  # inside, each device would check its slice against its heads
+        # The global arguments' checks, values included where concrete: inside shard_map each
+        # device would see traced slices (and check sinks against its own heads only).
+        ops.check_arguments(op, *args, sinks=sinks, return_lse=return_lse, **kwargs)
         static, array_keys = _split_kwargs(kwargs)
-        has_sinks = sinks is not None
-        n = len(args)
-
-        def body(*a):
-            kw = dict(static, **dict(zip(array_keys, a[n + has_sinks :])))
-            if has_sinks:
-                kw["sinks"] = a[n]
-            return op(*a[:n], return_lse=return_lse, **kw)
-
-        in_specs = (*specs, *((P(self.axis),) if has_sinks else ()), *(P(),) * len(array_keys))
-        out_specs = (self.head_spec(), P(None, self.axis)) if return_lse else self.head_spec()
-        extra = ((sinks,) if has_sinks else ()) + tuple(kwargs[k] for k in array_keys)
-        return shard_map(body, self.mesh, in_specs, out_specs)(*args, *extra)
+        extra = ((sinks,) if sinks is not None else ()) + tuple(kwargs[k] for k in array_keys)
+        static = tuple(sorted(static.items()))
+        try:
+            hash(static)
+            build = _sharded_op
+        except TypeError:  # an unhashable static option: this call's program, uncached
+            build = _build_sharded_op
+        return build(self, op, tuple(specs), static, tuple(array_keys), sinks is not None, return_lse)(*args, *extra)
 
     def mha_decode_with_kvcache(
         self, q, k_cache, v_cache, page_table, cache_seqlens, *, sinks=None, return_lse=False, **kwargs
@@ -375,16 +394,15 @@ class TensorParallelMHABackend(_Wrapped):
         return hp, local
 
     def _call(self, method, q, k, v, layer, kv_cache, metadata, sinks, **kw):
+        if (k is None) != (v is None):
+            raise ValueError(f"{method}: k and v must both be given or both be None")
         hp, local = self._local(layer, kv_cache, sinks)
-        t = q.shape[0]
-        q = q.reshape(t, layer.num_q_heads, layer.head_dim)
+        q, k, v = self.backend._heads(layer, q, k, v)  # the inner backend's shape rules and messages
         kc, vc = kv_cache.layer(layer.layer_id)
         ax, heads = self.tp.axis, self.tp.head_spec()
         args, specs = [q, kc, vc, metadata], [heads, self.tp.pool_spec(), self.tp.pool_spec(), P()]
         if k is not None:
-            k = hp.expand_kv(k.reshape(k.shape[0], layer.num_kv_heads, layer.head_dim), 1)
-            v = hp.expand_kv(v.reshape(v.shape[0], layer.num_kv_heads, layer.head_dim_v), 1)
-            args, specs = args + [k, v], specs + [heads, heads]
+            args, specs = args + [hp.expand_kv(k, 1), hp.expand_kv(v, 1)], specs + [heads, heads]
         if sinks is not None:
             args, specs = args + [sinks], specs + [P(ax)]
         has_kv, has_sinks = k is not None, sinks is not None
@@ -402,8 +420,6 @@ class TensorParallelMHABackend(_Wrapped):
 
     def forward_decode(self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, sinks=None):
         """``MHABackend.forward_decode`` with heads split; returns ``(out [T, Hq * Dv], kv_cache)``."""
-        if (k is None) != (v is None):
-            raise ValueError("k and v must both be given or both be None")
         return self._call("forward_decode", q, k, v, layer, kv_cache, metadata, sinks, save_kv_cache=save_kv_cache)
 
     def forward_extend(self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, sinks=None, kv_in_cache=False):
@@ -506,13 +522,18 @@ class DataParallelMLABackend(_Wrapped):
 
         return jax.jit(make, out_shardings=NamedSharding(self.mesh, P(self.axis)))()
 
-    def _check(self, metadata):
+    def _stacked(self, metadata):
+        """``metadata``, checked to be a stacked plan of this axis; on an axis of one device
+        a plain plan is taken too (stacked, it differs only in ``num_reqs``'s shape)."""
         n = np.shape(metadata.num_reqs)
+        if self.size == 1 and n == ():
+            return dataclasses.replace(metadata, num_reqs=jnp.reshape(metadata.num_reqs, (1,)))
         if n != (self.size,):
             raise ValueError(
                 f"metadata.num_reqs has shape {n}: a data-parallel plan stacks one plan per device of mesh axis "
                 f"{self.axis!r} (size {self.size}); build it with stack_plans"
             )
+        return metadata
 
     def _run(self, fn, named_args: dict, optional=None, replicated=None, static=None):
         """``fn(*local args, **local optional args)`` on every device. Every argument of
@@ -542,21 +563,34 @@ class DataParallelMLABackend(_Wrapped):
         specs = tuple(spec for _ in split) + tuple(P() for _ in whole)
         return shard_map(body, self.mesh, specs, spec)(*split.values(), *whole.values())
 
-    def save_kv(self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe) -> MLAKVCache:
-        """``MLABackend.save_kv`` on each device's pool (slots local to it)."""
+    def save_kv(
+        self,
+        layer: LayerSpec,
+        kv_cache: MLAKVCache,
+        out_cache_loc,
+        c_kv,
+        k_pe,
+        *,
+        cos_sin_cache=None,
+        is_neox=False,
+        positions=None,
+    ) -> MLAKVCache:
+        """``MLABackend.save_kv`` on each device's pool (slots local to it); ``positions``
+        split as the tokens are, ``cos_sin_cache`` whole on every device."""
         local = dataclasses.replace(layer, layer_id=0)
 
-        def body(pool, loc, c, k):
-            return self.backend.save_kv(local, MLAKVCache((pool,), kv_cache.kv_lora_rank), loc, c, k).kv[0]
+        def body(pool, loc, c, k, **kw):
+            return self.backend.save_kv(local, MLAKVCache((pool,), kv_cache.kv_lora_rank), loc, c, k, **kw).kv[0]
 
         args = dict(kv_cache=kv_cache.layer(layer.layer_id), out_cache_loc=out_cache_loc, c_kv=c_kv, k_pe=k_pe)
-        pool = self._run(body, args)
+        rope = dict(cos_sin_cache=cos_sin_cache)
+        pool = self._run(body, args, dict(positions=positions), rope, dict(is_neox=is_neox))
         return kv_cache.replace_layer(layer.layer_id, pool)
 
     def _absorbed(self, method, q, layer, kv_cache, metadata, save_kv_cache, split, cos_sin_cache, is_neox):
         """``MLABackend.<method>`` on every device: ``split`` the optional token arrays
         (``k`` among them), the rope table whole on each device."""
-        self._check(metadata)
+        metadata = self._stacked(metadata)
         local = dataclasses.replace(layer, layer_id=0)
 
         def body(q, pool, md, k=None, **kw):
@@ -589,7 +623,7 @@ class DataParallelMLABackend(_Wrapped):
         positions=None,
     ):
         """``MLABackend.forward_extend`` (ragged non-absorbed prefill) on each device's tokens."""
-        self._check(metadata)
+        metadata = self._stacked(metadata)
 
         def body(q, k, v, md, **kw):
             return self.backend.forward_extend(q, k, v, layer, _unstack(md), return_lse=return_lse, **kw)

@@ -38,7 +38,7 @@ def serving_model(model, c: EngineConfig, backend=None):
         if backend is not None:
             raise ValueError("EngineConfig.mesh: the engine builds the sharded backend; pass backend=None")
         model, backend = for_engine(model, c.mesh, c.mesh_axis, page_size=c.page_size, kernel_backend=c.kernel_backend)
-    tensor_parallel = c.mesh is not None and getattr(backend, "data_parallel_size", 1) == 1
+    tensor_parallel = c.mesh is not None and not hasattr(backend, "data_parallel_size")
     if c.fuse_projections and tensor_parallel:
         raise ValueError(
             "EngineConfig.fuse_projections: a tensor-parallel model keeps q/k/v and gate/up separate "

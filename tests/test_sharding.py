@@ -609,8 +609,120 @@ def check_tp_sinks_named_globally():
             raise AssertionError(f"sinks of shape ({n},) accepted for 4 query heads")
 
 
+def _refused(call, *words):
+    try:
+        call()
+    except ValueError as e:
+        assert all(w in str(e) for w in words), (words, e)
+    else:
+        raise AssertionError(f"accepted; expected a ValueError naming {words}")
+
+
+def check_tp_eager_calls():
+    """Outside jit, the tensor-parallel ops check the global arguments' values as the
+    one-device op does (inside shard_map each device saw traced slices: a page id past the
+    pool, a length past the table, a zero scale and a NaN sink were all accepted) and
+    compile one program per call signature (each call compiled about 9 afresh).
+    TensorParallelMHABackend refuses q/k/v of the wrong head layout by name (it reshaped
+    them silently) and k without v."""
+    import jax.numpy as jnp
+    from jax._src import monitoring
+
+    import jattn
+    from jattn.sharding import TensorParallel, TensorParallelMHABackend
+
+    mesh = _mesh()
+    tp = TensorParallel(mesh)
+    rng = np.random.default_rng(8)
+    hq, hkv, d, ps = 8, 4, 12, 4
+    kc, vc, pt, pages = _pool(rng, [11, 6], ps, hkv, d, d)
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    lens = jnp.array([11, 6], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, hq, d)), jnp.float32)
+    args = (q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pt), lens)
+    bad_pt = jnp.asarray(pt).at[0, 1].set(pages + 3)
+    _refused(lambda: tp.mha_decode_with_kvcache(*args[:3], bad_pt, lens), "page_table[0, 1]", "out of range")
+    _refused(lambda: tp.mha_decode_with_kvcache(*args[:4], lens.at[0].set(99)), "cache_seqlens[0]=99")
+    _refused(lambda: tp.mha_decode_with_kvcache(*args, k_scale=jnp.float32(0)), "k_scale=0.0")
+    _refused(lambda: tp.mha_decode_with_kvcache(*args, sinks=jnp.full((hq,), jnp.nan)), "sinks[0]=nan")
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    _refused(lambda: tp.mha_extend_with_kvcache(*args, cu.at[1].set(3), max_seqlen_q=1), "cu_seqlens_q")
+    compiles = [0]
+
+    def count(event, duration, **kw):
+        compiles[0] += event == "/jax/core/compile/backend_compile_duration"
+
+    monitoring.register_event_duration_secs_listener(count)
+    ref = jattn.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0)
+    outs = []
+    for i in range(3):
+        before = compiles[0]
+        outs.append(tp.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0))
+        assert i == 0 or compiles[0] == before, f"eager call {i} compiled {compiles[0] - before} programs"
+    for out in outs:
+        _close(out, ref, 1e-6)
+    # the backend wrapper: the inner backend's shape rules
+    inner = jattn.MHABackend(jattn.MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                                             num_pages=pages))  # fmt: skip
+    be = TensorParallelMHABackend(inner, mesh)
+    layer = jattn.LayerSpec(layer_id=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    cache = tp.shard_kv_cache(jattn.PagedKVCache(k=(kc,), v=(vc,)))
+    md = inner.init_forward_metadata(2, np.arange(2), np.array([5, 3]), pt[:, :2], jattn.ForwardMode.EXTEND,
+                                     extend_seq_lens=np.array([5, 3]))  # fmt: skip
+    qt = rng.standard_normal((md.num_tokens, hq * d)).astype(np.float32)
+    kt = rng.standard_normal((md.num_tokens, hkv, d)).astype(np.float32)
+    fwd = be.forward_extend
+    _refused(lambda: fwd(qt.reshape(-1, 4, 24), kt, kt, layer, cache, md), "q shape", "[T, 8, 12]")
+    _refused(lambda: fwd(qt, kt.reshape(-1, 2, 24), kt, layer, cache, md), "k shape", "[T, 4, 12]")
+    _refused(lambda: fwd(qt, kt, None, layer, cache, md), "k and v must both be given")
+
+
+def check_mla_dp_one_device():
+    """An MLA engine on a mesh of one device (a one-GPU host's ``Mesh(jax.devices(),
+    ("dp",))``) gives the tokens of the engine without a mesh (every request failed: the
+    engine passes a one-device axis its plan unstacked); the wrapper's ``save_kv`` takes the
+    fused rope's arguments as ``MLABackend.save_kv`` does."""
+    from flax import nnx
+
+    from jattn.kv_cache import MLAKVCache
+    from jattn.models.config import DeepseekConfig
+    from jattn.models.deepseek import Deepseek, default_mla_backend
+    from jattn.models.engine import Engine, EngineConfig, SamplingParams
+    from jattn.sharding import DataParallelMLABackend
+
+    cfg = DeepseekConfig.tiny()
+    model = Deepseek(cfg, rngs=nnx.Rngs(60))
+    rng = np.random.default_rng(61)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 9, 1)]
+    ec = dict(page_size=4, num_pages=24, max_context=32, batch_buckets=(2, 4), token_buckets=(16,))
+    sp = SamplingParams(max_new_tokens=3)
+    want = [r.output_tokens for r in Engine(model, EngineConfig(**ec)).generate(prompts, sp)]
+    got = Engine(model, EngineConfig(**ec, mesh=_mesh("dp", n=1), mesh_axis="dp")).generate(prompts, sp)
+    assert [(r.status, r.output_tokens) for r in got] == [("finished", w) for w in want], (got, want)
+    # save_kv with the fused rope: k_pe arrives unrotated, rotated at each device's positions
+    inner = default_mla_backend(cfg, 4)
+    be = DataParallelMLABackend(inner, _mesh("dp"))
+    R, r, pages = cfg.kv_lora_rank, cfg.qk_rope_head_dim, 6
+    layer = model.layers[0].self_attn.spec
+    pool = rng.standard_normal((4 * pages, 4, R + r)).astype(np.float32)
+    cache = MLAKVCache((pool,), R)
+    loc = np.concatenate([rng.permutation(np.arange(4, pages * 4))[:3] for _ in range(4)]).astype(np.int32)
+    c_kv, k_pe = rng.standard_normal((12, R)).astype(np.float32), rng.standard_normal((12, r)).astype(np.float32)
+    pos, table = rng.integers(0, 32, 12).astype(np.int32), rng.standard_normal((32, r)).astype(np.float32)
+    got = be.save_kv(layer, cache, loc, c_kv, k_pe, cos_sin_cache=table, is_neox=True, positions=pos)
+    got = np.asarray(got.kv[0]).reshape(4, pages, 4, R + r)
+    for dev in range(4):
+        sl = slice(3 * dev, 3 * dev + 3)
+        one = MLAKVCache((pool.reshape(4, pages, 4, R + r)[dev],), R)
+        want = inner.save_kv(layer, one, loc[sl], c_kv[sl], k_pe[sl], cos_sin_cache=table, is_neox=True,
+                             positions=pos[sl])  # fmt: skip
+        np.testing.assert_array_equal(got[dev], np.asarray(want.kv[0]))
+
+
 CHECKS = {
     "tp_sinks": check_tp_sinks_named_globally,
+    "tp_eager": check_tp_eager_calls,
+    "mla_dp_one_device": check_mla_dp_one_device,
     "ops_decode": check_ops_decode,
     "ops_extend": check_ops_extend,
     "ops_prefill": check_ops_prefill,
