@@ -51,6 +51,7 @@ bucket, so the layer calls that follow compile (the "capture");
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Sequence
 
@@ -66,7 +67,7 @@ from .checks import _InputChecks
 from .convert import SUPPORTED_DTYPES, BridgeError, check_shareable, torch_dtype
 from .native import NativePlans
 from .pool import layer_spec, scale_key
-from .state import _Bounded, _host, _LayerEntry, _Param, _ref, _req_to_page, _slim, _View
+from .state import _Bounded, _host, _host_i32, _LayerEntry, _Param, _ref, _req_to_page, _slim, _View
 from .streams import StreamSync
 from .views import _PoolViews
 
@@ -311,7 +312,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         ``req_to_page`` rows the plan was made from."""
         if self._fill_fn is None:
             self._fill_fn = jax.jit(self._jbackend.fill_block_decode_seq_lens)
-        lens = _host(block_seq_lens).astype(np.int32)
+        lens = _host_i32(block_seq_lens, "block_seq_lens")
         self._install(self._fill_fn(self.forward_metadata, np.int32(bs), lens), self._num_real_tokens)
 
     def get_verify_buffers_to_fill_after_draft(self) -> list:
@@ -340,7 +341,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         buffer ``[rows, sum of widths]`` of ``key``; returns its (cached) JAX view.
         ``names``: the parts' argument names, for errors (the first is q)."""
         n = parts[0].shape[0]
-        flat = [p.reshape(n, -1) for p in parts]
+        flat = [p.reshape(n, math.prod(p.shape[1:])) for p in parts]  # (-1 is ambiguous at n = 0)
         dtype = flat[0].dtype
         width = sum(p.shape[1] for p in flat)
         skey = (key, rows, width, dtype)

@@ -66,10 +66,20 @@ def _platform_of(t: torch.Tensor) -> str:
     return t.device.type
 
 
-def check_shareable(t: torch.Tensor, name: str = "tensor") -> None:
-    """Raises :class:`BridgeError` if ``t`` cannot be shared zero-copy with JAX."""
+_COPY_HINT = "pass copy=True for an explicit copy"
+
+
+def _check_dense(t, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise BridgeError(f"{name} has layout {t.layout}: the bridge takes dense (torch.strided) tensors only")
+
+
+def check_shareable(t: torch.Tensor, name: str = "tensor", hint: str = _COPY_HINT) -> None:
+    """Raises :class:`BridgeError` if ``t`` cannot be shared zero-copy with JAX; ``hint``
+    ends the messages about layout and alignment (what the caller can do instead)."""
+    _check_dense(t, name)
     if t.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise BridgeError(f"{name}.dtype={t.dtype} cannot be shared: supported dtypes are {names}")
@@ -85,18 +95,18 @@ def check_shareable(t: torch.Tensor, name: str = "tensor") -> None:
     if t.is_neg() or t.is_conj():
         raise BridgeError(
             f"{name} is a lazily negated or conjugated view (torch's neg/conj bit): its memory holds the "
-            "other sign; call .resolve_neg() / .resolve_conj() first (or pass copy=True)"
+            f"other sign; call .resolve_neg() / .resolve_conj() first ({hint})"
         )
     if not t.is_contiguous():
         raise BridgeError(
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: JAX "
-            "shares only compact row-major buffers (pass copy=True for an explicit copy)"
+            f"shares only compact row-major buffers ({hint})"
         )
     align = alignment(plat)
     if t.numel() and t.data_ptr() % align:
         raise BridgeError(
             f"{name}'s data pointer {t.data_ptr():#x} is not {align}-byte aligned (storage offset "
-            f"{t.storage_offset()} elements): JAX cannot view it (pass copy=True for an explicit copy)"
+            f"{t.storage_offset()} elements): JAX cannot view it ({hint})"
         )
 
 
@@ -104,8 +114,7 @@ def to_jax_input(t: torch.Tensor, name: str) -> jax.Array:
     """A per-call input ``t`` (argument ``name``) as a JAX array: viewed where it can be
     (contiguous and aligned), else copied first (a strided or offset view of a larger
     tensor), so such inputs are read correctly rather than refused. Not for KV pools."""
-    if not isinstance(t, torch.Tensor):
-        raise BridgeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_dense(t, name)
     t = t.detach().resolve_neg().resolve_conj().contiguous()
     if t.numel() and t.data_ptr() % alignment(_platform_of(t)):
         t = t.clone()

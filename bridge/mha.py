@@ -20,7 +20,7 @@ from .call import _BridgeBase
 from .checks import _check_shape, check_layer_id
 from .native import run_layer
 from .pool import scale_key
-from .state import _Plan, _ref, _View
+from .state import _host_i32, _Plan, _ref, _View
 
 __all__ = ["TorchMHABackend"]
 
@@ -60,7 +60,7 @@ class TorchMHABackend(_BridgeBase):
     def fill_block_decode_seq_lens(self, bs: int, block_seq_lens) -> None:
         if self._native is None:
             return super().fill_block_decode_seq_lens(bs, block_seq_lens)
-        lens = np.asarray(block_seq_lens.cpu() if hasattr(block_seq_lens, "cpu") else block_seq_lens, np.int32)
+        lens = _host_i32(block_seq_lens, "block_seq_lens")
         md = self._jbackend.fill_block_decode_seq_lens(self.forward_metadata, np.int32(bs), lens)
         self._install(jax.device_get(md), self._num_real_tokens)
 
@@ -72,9 +72,6 @@ class TorchMHABackend(_BridgeBase):
         i, hkv = spec.layer_id, spec.num_kv_heads
         check_layer_id(pool, i, "layer.layer_id")
         kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
-        for b in (kb, vb):
-            if b.dtype != self.kv_cache_dtype:
-                raise TypeError(f"pool dtype {b.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
 
         def mismatch(dim):
             def msg(shape):

@@ -128,8 +128,6 @@ class TorchMLABackend(_BridgeBase):
         ``kv_lora_rank + qk_rope_head_dim``, pages; ``jax_view`` as in :meth:`_view`)."""
         check_layer_id(pool, i, "layer.layer_id")
         buf = pool.get_key_buffer(i)
-        if buf.dtype != self.kv_cache_dtype:
-            raise TypeError(f"pool dtype {buf.dtype} differs from config.kv_cache_dtype {self.kv_cache_dtype}")
         R, r, w = self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim
 
         def mismatch(shape):

@@ -159,9 +159,16 @@ def layer_spec(layer) -> LayerSpec:
     )
 
 
-def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``clamp(x / scale, -448, 448)`` cast to float8_e4m3fn (docs/SEMANTICS.md)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+    """``clamp(x / scale, -448, 448)`` cast to float8_e4m3fn (docs/SEMANTICS.md), with the
+    IEEE f32 quotient: the scale goes in as a tensor on ``x``'s device, since CUDA's
+    division by a host scalar multiplies by its f32 reciprocal, one ulp off for many
+    quotients, which moves those next to an e4m3 midpoint to the other neighbour."""
+    if isinstance(scale, torch.Tensor):
+        s = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    else:  # a fill on the device, no host copy (capturable in a CUDA graph)
+        s = torch.full((), float(scale), dtype=torch.float32, device=x.device)
+    return (x.float() / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _check_loc(loc: torch.Tensor, n: int, slots: int, x_name: str) -> None:
@@ -180,7 +187,7 @@ def _prepare(buf: torch.Tensor, n: int, x: torch.Tensor, scale, names: tuple) ->
     call runs before its first write (:func:`_commit`), so a refused call writes nothing."""
     x_name, scale_name = names
     row = buf.shape[1:]
-    if x.dim() == 0 or x.shape[0] != n or x.numel() != n * math.prod(row):
+    if x.dim() == 0 or x.shape[0] != n or tuple(x.shape[1:]) not in ((math.prod(row),), tuple(row)):
         raise BridgeError(
             f"{x_name} must be [{n}, {math.prod(row)}] (or [{n}, {', '.join(map(str, row))}]) to fill the "
             f"pool's rows, got {tuple(x.shape)}"
@@ -192,7 +199,7 @@ def _prepare(buf: torch.Tensor, n: int, x: torch.Tensor, scale, names: tuple) ->
         if fp8 or not isinstance(scale, torch.Tensor):  # a tensor's value only where it is read anyway
             scale = check_scale(scale, scale_name)
     x = x.reshape(n, *row)
-    if fp8 and x.dtype != buf.dtype:
+    if fp8:  # an e4m3 input too is divided by its scale, as every writer does (docs/SEMANTICS.md)
         x = quantize_fp8(x, 1.0 if scale is None else scale)
     return x.to(buf.dtype)
 

@@ -35,6 +35,19 @@ def _host(x):
     return np.asarray(x)
 
 
+def _host_i32(x, name: str) -> np.ndarray:
+    """Host integers ``x`` as int32, refusing other dtypes and values past int32 (a cast
+    would truncate or wrap them silently); ``name`` is the argument in the messages."""
+    a = _host(x)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    info = np.iinfo(np.int32)
+    if a.size and (int(a.max()) > info.max or int(a.min()) < info.min):
+        i = int(np.argmax(a)) if int(a.max()) > info.max else int(np.argmin(a))
+        raise ValueError(f"{name}[{i}]={int(a.flat[i])} does not fit int32")
+    return a.astype(np.int32)
+
+
 def _slim(md):
     """``md`` without the fields the bridge's jitted bodies never read (positions,
     request count, prefix lengths): each array argument of a jitted call is host

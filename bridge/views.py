@@ -48,12 +48,15 @@ class _PoolViews:
             v is not None
             and v.torch.data_ptr() == buf.data_ptr()
             and v.src_shape == buf.shape
+            and v.torch.dtype == buf.dtype
             and (v.jax is not None or not jax_view)
         ):
             if not jax_view:
                 self._check_native_bound(v.torch.shape[0], name)
             return v
         where = f"KV pool {type(pool).__name__}: {name}"
+        if buf.dtype != self.kv_cache_dtype:
+            raise BridgeError(f"{where} has dtype {buf.dtype}; config.kv_cache_dtype is {self.kv_cache_dtype}")
         shape = tuple(buf.shape)
 
         def squeezed(dims):
@@ -69,7 +72,7 @@ class _PoolViews:
                 f"{where} has {shape[0] // ps} pages, config.num_pages={num_pages} (page ids up to "
                 f"{num_pages - 1} would be read past its end)"
             )
-        check_shareable(buf, where)
+        check_shareable(buf, where, "a pool is shared in place, never copied: allocate it contiguous and aligned")
         t = buf.view((-1, ps) + row)
         if not jax_view:
             self._check_native_bound(t.shape[0], name)

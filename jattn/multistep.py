@@ -28,7 +28,7 @@ import numpy as np
 from jattn.backends import MLABackend, MLAConfig
 from jattn.checks import _concrete, _is_int
 from jattn.metadata import DecodeMetadata, ForwardMode, _slots
-from jattn.plan_inputs import _as_int_array, _check_unique_slots
+from jattn.plan_inputs import _as_int_array, _check_unique_slots, _check_writes
 from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]
@@ -125,18 +125,25 @@ class MLAMultiStepDraftBackend:
         if (sl < 0).any():
             b = int(np.argmax(sl < 0))
             raise ValueError(f"seq_lens[{b}]={sl[b]} is negative")
-        last = np.where(sl > 0, sl + max(self.num_steps - 1, 0), 0)
-        base = self._planner.init_forward_metadata(
-            bs, req_pool_indices, last, req_to_page, ForwardMode.DECODE, num_pages=num_pages
-        )
+        extra = max(self.num_steps - 1, 0)
+        last = np.where(sl > 0, sl + extra, 0)
+        try:
+            base = self._planner.init_forward_metadata(
+                bs, req_pool_indices, last, req_to_page, ForwardMode.DECODE, num_pages=num_pages
+            )
+        except ValueError as e:  # its lengths are the last step's, not the caller's seq_lens
+            raise ValueError(
+                f"the draft loop's last step (seq_lens + {extra}; page_table: req_to_page's rows): {e}"
+            ) from None
         lens = np.zeros(base.batch_size, np.int32)
         lens[:bs] = sl
         self._check_slots(base, lens)
         return MultiStepMetadata(base=base, seq_lens=lens, num_steps=self.num_steps)
 
     def _check_slots(self, base: DecodeMetadata, lens: np.ndarray) -> None:
-        """No two draft tokens of the loop (any request, any step) write one slot; the
-        message names both by request and step."""
+        """No two draft tokens of the loop (any request, any step) write one slot, and none
+        writes a slot that another request holds at that step (its prefix, read-only); the
+        messages name the requests (and the steps)."""
         rows = np.flatnonzero(lens > 0)
         if not rows.size or not self.num_steps:
             return
@@ -148,6 +155,13 @@ class MLAMultiStepDraftBackend:
             return f"the draft tokens of request {r[i]} at step {step[i]} and of request {r[j]} at step {step[j]}"
 
         _check_unique_slots(loc, base.page_size, tokens)
+        # The base plan checked the last step's writes only. All of them at once: request b
+        # writes positions [lens - 1, lens - 1 + num_steps), the last num_steps of its last
+        # step's length; what another request holds at any step is within its last length,
+        # and its own draft slots there are the clashes checked above.
+        last = np.where(lens > 0, lens + self.num_steps - 1, 0)
+        table = np.asarray(base.page_table)
+        _check_writes(table, last, np.full_like(last, self.num_steps), base.page_size, lens > 0)
 
     def step_metadata(self, metadata: MultiStepMetadata, i) -> DecodeMetadata:
         """Step ``i``'s plan (jittable): ``metadata.step(i)``."""

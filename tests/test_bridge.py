@@ -1793,3 +1793,123 @@ def test_an_input_of_another_dtype_than_q_is_named():
     q, k, v = rand(12, 4 * 32), rand(12, 2 * 32), rand(12, 2 * 32)
     with pytest.raises(TypeError, match=r"k\.dtype=torch\.float16 must be q's torch\.bfloat16"):
         be.forward_extend(q, k.half(), v, layer, None, pool, 2, save_kv_cache=True)
+
+
+# ----------------------------------------------------------------------------- review of 2026-12-06
+
+
+def test_pool_writer_refuses_rows_of_another_head_layout():
+    """The pool's own writer took any row shape with the right element count: K of 4 KV
+    heads x 16 went into a 2 x 32 pool, reinterpreted."""
+    pool = TorchKVPool(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    layer, loc = AttentionLayer(0, 4, 2, 32), torch.tensor([5, 6, 7])
+    k = torch.randn(3, 4, 16)
+    with pytest.raises(BridgeError, match=r"must be \[3, 64\] \(or \[3, 2, 32\]\).*got \(3, 4, 16\)"):
+        pool.set_kv_buffer(layer, loc, k, k)
+    assert torch.all(pool.k_buffer[0] == 0)
+    pool.set_kv_buffer(layer, loc, k.reshape(3, 64), k.reshape(3, 2, 32))  # both accepted forms
+    assert torch.equal(pool.k_buffer[0][loc], k.reshape(3, 2, 32)) and torch.equal(
+        pool.v_buffer[0][loc], pool.k_buffer[0][loc]
+    )
+
+
+def test_extend_plan_with_no_new_tokens_gives_no_rows():
+    """An extend whose requests bring no new tokens crashed staging its 0 rows (a reshape
+    with -1 of a zero-size tensor); it gives [0, Hq * Dv] and writes nothing."""
+    cfg, pool = mha_setup(torch.bfloat16, layers=1)
+    for b in pool.k_buffer + pool.v_buffer:
+        b.copy_(torch.randn(b.shape).to(b.dtype))
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    be = TorchMHABackend(cfg)
+    eng = Engine(2, 4, 4, np.random.default_rng(3), cfg.num_pages)
+    be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([5, 3]), eng.req_to_page, ForwardMode.EXTEND,
+                             extend_seq_lens=torch.tensor([0, 0]))  # fmt: skip
+    z, zk = torch.zeros(0, 4 * 32, dtype=torch.bfloat16), torch.zeros(0, 2 * 32, dtype=torch.bfloat16)
+    out = be.forward_extend(z, zk, zk, AttentionLayer(0, 4, 2, 32), torch.zeros(0, dtype=torch.int64), pool, 2)
+    assert tuple(out.shape) == (0, 128)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer))
+
+
+def test_pool_buffer_of_another_dtype_is_a_bridge_error_naming_it():
+    """It was a TypeError naming neither the buffer nor the layer; a buffer viewed as
+    another dtype of the same width (same pointer and shape) is checked again too."""
+    be, pool, _, q, _ = _decode_fixture(11, layers=2)
+    layer1 = AttentionLayer(1, 4, 2, 32)
+    be.forward_decode(q, None, None, layer1, None, pool, 2)
+    good = pool.v_buffer[1]
+    for other in (good.to(torch.float16), good.view(torch.float16)):
+        pool.v_buffer[1] = other
+        with pytest.raises(BridgeError, match=r"v_buffer\[layer 1\] has dtype torch.float16; config.kv_cache_dtype"):
+            be.forward_decode(q, None, None, layer1, None, pool, 2)
+    pool.v_buffer[1] = good
+    be.forward_decode(q, None, None, layer1, None, pool, 2)
+
+
+def test_block_seq_lens_past_int32_or_not_integers_are_refused():
+    """``fill_block_decode_seq_lens`` cast to int32 silently: 2^32 + 9 became 9, 9.9 became 9."""
+    cfg, _ = mha_setup(torch.bfloat16, layers=1, spec=2)
+    be = TorchMHABackend(cfg)
+    eng = Engine(2, 8, 4, np.random.default_rng(4), cfg.num_pages)
+    be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([6, 9]), eng.req_to_page, ForwardMode.DRAFT_BLOCK)
+    with pytest.raises(ValueError, match=r"block_seq_lens\[0\]=4294967305 does not fit int32"):
+        be.fill_block_decode_seq_lens(2, torch.tensor([2**32 + 9, 21]))
+    with pytest.raises(ValueError, match=r"block_seq_lens must hold integers, got dtype float32"):
+        be.fill_block_decode_seq_lens(2, torch.tensor([9.9, 21.0]))
+    be.fill_block_decode_seq_lens(2, torch.tensor([9, 21]))
+    assert np.asarray(be.forward_metadata.cache_seqlens)[:2].tolist() == [9, 21]
+
+
+def test_fp8_pool_divides_an_e4m3_input_by_its_scale_as_the_core_does():
+    """The torch pool stored an already-e4m3 k as it was, ignoring k_scale, where
+    ``jattn.set_kv_buffer`` (and every other writer) divides by the scale."""
+    import jattn
+
+    pool = TorchKVPool(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float8_e4m3fn)
+    k8 = (torch.randn(3, 2, 32) * 4).to(torch.float8_e4m3fn)
+    loc = torch.tensor([5, 6, 7])
+    pool.set_kv_buffer(AttentionLayer(0, 4, 2, 32), loc, k8, k8, k_scale=0.5, v_scale=0.25)
+    kc = jnp.zeros((4, 4, 2, 32), jnp.float8_e4m3fn)
+    nk, nv = jattn.set_kv_buffer(kc, kc, jnp.asarray(loc.numpy(), jnp.int32), to_jax(k8), to_jax(k8),
+                                 k_scale=0.5, v_scale=0.25)  # fmt: skip
+    for got, want in ((pool.k_buffer[0], nk), (pool.v_buffer[0], nv)):
+        want = np.asarray(want).reshape(16, 2, 32)[loc.numpy()].view(np.uint8)
+        np.testing.assert_array_equal(got[loc].view(torch.uint8).numpy(), want)
+
+
+def test_sparse_tensors_and_pool_buffers_get_their_own_messages():
+    """A sparse tensor was called 'not contiguous' (to_jax) or failed inside torch
+    (to_jax_input); a misaligned pool buffer was told to pass copy=True, which the
+    backends do not take (a pool is never copied)."""
+    sp = torch.eye(4).to_sparse()
+    with pytest.raises(BridgeError, match=r"t has layout torch.sparse_coo: the bridge takes dense"):
+        to_jax(sp, name="t")
+    with pytest.raises(BridgeError, match=r"q has layout torch.sparse_coo"):
+        to_jax_input(sp, "q")
+    be, pool, (layer,), q, _ = _decode_fixture(12)
+    base = torch.zeros(pool.k_buffer[0].numel() + 1, dtype=torch.bfloat16)
+    pool.k_buffer[0] = base[1:].view(pool.k_buffer[0].shape)
+    with pytest.raises(
+        BridgeError, match=r"k_buffer\[layer 0\].*not 64-byte aligned.*allocate it contiguous and aligned"
+    ):
+        be.forward_decode(q, None, None, layer, None, pool, 2)
+
+
+def test_fp8_pool_write_is_the_ieee_quotient_on_every_device():
+    """The torch pool's FP8 write gives the JAX writer's bytes at an inexact scale. On CUDA,
+    torch divides by a host scalar as a product with its f32 reciprocal (one ulp off for many
+    quotients, which moves about 0.75% of e4m3 values at scale 0.03 to the other neighbour):
+    the pool divides by a device tensor. On the CPU both were right; the GPU run is the test."""
+    import jattn
+
+    n, g = 4096, torch.Generator().manual_seed(5)
+    pool = TorchKVPool(
+        num_layers=1, num_pages=n // 4, page_size=4, num_kv_heads=2, head_dim=32, dtype=torch.float8_e4m3fn, device=DEV
+    )
+    k = (torch.randn(n, 2, 32, generator=g) * 3).to(torch.bfloat16).to(DEV)
+    loc = torch.randperm(n, generator=g).to(DEV)
+    pool.set_kv_buffer(AttentionLayer(0, 4, 2, 32), loc, k, k, k_scale=0.03, v_scale=0.7)
+    kc = jnp.zeros((n // 4, 4, 2, 32), jnp.float8_e4m3fn)
+    nk, nv = jattn.set_kv_buffer(kc, kc, to_jax(loc.to(torch.int32)), to_jax(k), to_jax(k), k_scale=0.03, v_scale=0.7)
+    for got, want in ((pool.k_buffer[0], nk), (pool.v_buffer[0], nv)):
+        want = np.asarray(want).reshape(n, 2, 32).view(np.uint8)
+        np.testing.assert_array_equal(got.view(torch.uint8).cpu().numpy(), want)

@@ -173,3 +173,24 @@ def test_multistep_refuses_truncated_inputs_steps_past_the_plan_and_names_slot_c
         match=r"out_cache_loc: request 0's new token at position 2 writes page 5, offset 2, which request 1 holds",
     ):
         ms.init_forward_metadata(2, np.arange(2), np.array([2, 3]), r2p)
+
+
+def test_an_earlier_draft_step_writing_into_another_requests_prefix_is_refused():
+    """Only the last step's writes were checked against the other requests' pages: request
+    0 (length 4, pages 5 and 6) writes position 3 (page 5, offset 3) at step 0 and position
+    4 (page 6) at step 1, and request 1 (length 5) holds all of page 5 as its prefix, so
+    step 0 overwrote request 1's token 3 while the last step's plan was clean. Errors
+    from planning the last step name that step's lengths as such."""
+    ms = MLAMultiStepDraftBackend(_cfg(), speculative_num_steps=3)
+    r2p = np.zeros((2, 12), np.int32)
+    r2p[0, :2], r2p[1, :2] = [5, 6], [5, 7]
+    MLABackend(_cfg()).init_forward_metadata(2, np.arange(2), np.array([5, 6]), r2p)  # the last step alone: clean
+    with pytest.raises(
+        ValueError, match=r"request 0's new token at position 3 writes page 5, offset 3, which request 1"
+    ):
+        ms.init_forward_metadata(2, np.arange(2), np.array([4, 5]), r2p)
+    r2p[0, :2] = [8, 6]  # request 0 on its own pages: accepted, both steps' slots as planned
+    md = ms.init_forward_metadata(2, np.arange(2), np.array([4, 5]), r2p)
+    assert [int(md.step(i).out_cache_loc[0]) for i in range(2)] == [8 * PS + 3, 6 * PS + 0]
+    with pytest.raises(ValueError, match=r"the draft loop's last step \(seq_lens \+ 1; .*seq_lens\[0\]=49"):
+        ms.init_forward_metadata(2, np.arange(2), np.array([48, 5]), r2p)
