@@ -462,21 +462,9 @@ def _absorbed_method(name: str):
     whole on every device."""
 
     def method(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        kv_cache,
-        metadata,
-        save_kv_cache=True,
-        q_rope=None,
-        k_rope=None,
-        llama_4_scaling=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ):
+        self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, q_rope=None, k_rope=None,
+        llama_4_scaling=None, cos_sin_cache=None, is_neox=False, positions=None,
+    ):  # fmt: skip
         split = dict(k=k, q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
         return self._absorbed(name, q, layer, kv_cache, metadata, save_kv_cache, split, cos_sin_cache, is_neox)
 
@@ -564,17 +552,9 @@ class DataParallelMLABackend(_Wrapped):
         return shard_map(body, self.mesh, specs, spec)(*split.values(), *whole.values())
 
     def save_kv(
-        self,
-        layer: LayerSpec,
-        kv_cache: MLAKVCache,
-        out_cache_loc,
-        c_kv,
-        k_pe,
-        *,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ) -> MLAKVCache:
+        self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe, *, cos_sin_cache=None,
+        is_neox=False, positions=None,
+    ) -> MLAKVCache:  # fmt: skip
         """``MLABackend.save_kv`` on each device's pool (slots local to it); ``positions``
         split as the tokens are, ``cos_sin_cache`` whole on every device."""
         local = dataclasses.replace(layer, layer_id=0)
@@ -608,20 +588,9 @@ class DataParallelMLABackend(_Wrapped):
     forward_absorbed = _absorbed_method("forward_absorbed")
 
     def forward_extend(
-        self,
-        q,
-        k,
-        v,
-        layer,
-        metadata,
-        q_rope=None,
-        k_rope=None,
-        return_lse=False,
-        llama_4_scaling=None,
-        cos_sin_cache=None,
-        is_neox=False,
-        positions=None,
-    ):
+        self, q, k, v, layer, metadata, q_rope=None, k_rope=None, return_lse=False, llama_4_scaling=None,
+        cos_sin_cache=None, is_neox=False, positions=None,
+    ):  # fmt: skip
         """``MLABackend.forward_extend`` (ragged non-absorbed prefill) on each device's tokens."""
         metadata = self._stacked(metadata)
 
@@ -631,3 +600,22 @@ class DataParallelMLABackend(_Wrapped):
         split = dict(q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
         rope, static = dict(cos_sin_cache=cos_sin_cache), dict(is_neox=is_neox)
         return self._run(body, dict(q=q, k=k, v=v, metadata=metadata), split, rope, static)
+
+    def forward_prefix_chunk(
+        self, q, k, v, layer, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q: int, max_seqlen_kv: int, q_rope=None,
+        k_rope=None, llama_4_scaling=None, cos_sin_cache=None, is_neox=False, positions=None,
+    ):  # fmt: skip
+        """``MLABackend.forward_prefix_chunk`` on each device's tokens and chunk keys: q / k /
+        v (and the optional token arrays) are the devices' rows concatenated, each device's
+        part padded to the same size; ``cu_seqlens_q`` / ``cu_seqlens_kv`` each device's
+        offsets ``[bs + 1]`` (local to its rows) concatenated. The keys are what the caller
+        gathered from each device's own pool at that device's ``PrefixChunk.slots``.
+        Returns ``(o, lse)`` split the same way."""
+        static = dict(max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, is_neox=is_neox)
+
+        def body(q, k, v, cu_q, cu_kv, **kw):
+            return self.backend.forward_prefix_chunk(q, k, v, layer, cu_q, cu_kv, **kw)
+
+        split = dict(q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
+        named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+        return self._run(body, named, split, dict(cos_sin_cache=cos_sin_cache), static)

@@ -681,7 +681,8 @@ def check_mla_dp_one_device():
     """An MLA engine on a mesh of one device (a one-GPU host's ``Mesh(jax.devices(),
     ("dp",))``) gives the tokens of the engine without a mesh (every request failed: the
     engine passes a one-device axis its plan unstacked); the wrapper's ``save_kv`` takes the
-    fused rope's arguments as ``MLABackend.save_kv`` does."""
+    fused rope's arguments as ``MLABackend.save_kv`` does, and ``forward_prefix_chunk`` runs
+    on each device's own rows."""
     from flax import nnx
 
     from jattn.kv_cache import MLAKVCache
@@ -717,6 +718,25 @@ def check_mla_dp_one_device():
         want = inner.save_kv(layer, one, loc[sl], c_kv[sl], k_pe[sl], cos_sin_cache=table, is_neox=True,
                              positions=pos[sl])  # fmt: skip
         np.testing.assert_array_equal(got[dev], np.asarray(want.kv[0]))
+    # a prefix chunk on each device's own tokens and keys (it ran unsharded, through the
+    # inner backend, on the devices' offsets concatenated); device 2's requests have no keys
+    nope, H = cfg.qk_nope_head_dim, cfg.num_heads
+    tq, tk, dv = 8, 12, cfg.v_head_dim
+    cu_q = np.array([[0, 3, 5], [0, 8, 8], [0, 2, 6], [0, 1, 1]], np.int32)
+    cu_kv = np.array([[0, 7, 12], [0, 4, 4], [0, 0, 0], [0, 9, 11]], np.int32)
+    q = rng.standard_normal((4 * tq, H, nope + r)).astype(np.float32)
+    k = rng.standard_normal((4 * tk, H, nope + r)).astype(np.float32)
+    v = rng.standard_normal((4 * tk, H, dv)).astype(np.float32)
+    pos = rng.integers(0, 32, 4 * tq).astype(np.int32)
+    kw = dict(max_seqlen_q=8, max_seqlen_kv=9, cos_sin_cache=table, is_neox=False)
+    o, lse = be.forward_prefix_chunk(q, k, v, layer, cu_q.reshape(-1), cu_kv.reshape(-1), positions=pos, **kw)
+    for dev in range(4):
+        sq, sk = slice(dev * tq, (dev + 1) * tq), slice(dev * tk, (dev + 1) * tk)
+        wo, wl = inner.forward_prefix_chunk(q[sq], k[sk], v[sk], layer, cu_q[dev], cu_kv[dev], positions=pos[sq], **kw)
+        real = int(cu_q[dev, -1])
+        np.testing.assert_allclose(np.asarray(o)[sq][:real], np.asarray(wo)[:real], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(lse)[sq][:real], np.asarray(wl)[:real])
+    assert np.isneginf(np.asarray(lse)[2 * tq : 2 * tq + 6]).all()
 
 
 CHECKS = {
