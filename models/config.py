@@ -52,8 +52,8 @@ class RopeScaling:
     @classmethod
     def from_hf(cls, d: Mapping[str, Any] | None, max_position_embeddings: int | None = None) -> "RopeScaling":
         """From the config's ``rope_scaling`` dict; ``max_position_embeddings`` (the config's)
-        stands in for a YaRN config's missing ``original_max_position_embeddings``, as in
-        Hugging Face's own computation."""
+        stands in for a llama3 or YaRN config's missing ``original_max_position_embeddings``,
+        as in Hugging Face's own computation."""
         if not d:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default")) or "default"
@@ -61,9 +61,20 @@ class RopeScaling:
         for f in dataclasses.fields(cls):
             if f.name != "rope_type" and d.get(f.name) is not None:
                 kw[f.name] = d[f.name]
-        if rope_type == "yarn" and "original_max_position_embeddings" not in kw and max_position_embeddings:
+        missing = "original_max_position_embeddings" not in kw
+        if rope_type in ("llama3", "yarn") and missing and max_position_embeddings:
             kw["original_max_position_embeddings"] = int(max_position_embeddings)
         return cls(**kw)
+
+
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _check_hf_activation(d: Mapping[str, Any]) -> None:
+    """The MLPs here are SwiGLU with silu; a config asking for another activation is refused."""
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r}: the models here use silu (SwiGLU) only")
 
 
 def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
@@ -319,6 +330,11 @@ class LlamaConfig:
         """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3, SmolLM2)."""
         d = dict(d)
         model_type = d.get("model_type", "llama")
+        if model_type not in LLAMA_MODEL_TYPES:  # Gemma, Granite, ... share the weight names, not the math
+            raise ValueError(
+                f"model_type={model_type!r} is not supported (Llama-family: {', '.join(LLAMA_MODEL_TYPES)})"
+            )
+        _check_hf_activation(d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         hidden = d["hidden_size"]
@@ -540,6 +556,7 @@ class DeepseekConfig:
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], **kw) -> "DeepseekConfig":
         d = dict(d)
+        _check_hf_activation(d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         v2 = d.get("model_type") == "deepseek_v2"  # its configs leave the softmax router implicit

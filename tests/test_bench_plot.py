@@ -18,6 +18,7 @@ def _results(tmp_path):
     for shape, dev, wall, jpa, fa3 in (
         ("1x4096", "1.22", "0.86", "0.40 (0.55)", "0.97"),
         ("64x4096", "4.25", "4.10", "fails: out of memory", "-"),
+        ("16x4096", "3.90", "3.50", "1.10", "-"),  # a wall figure only: no GPU-time bar
     ):
         r = dict(row, page="64", q_len="1", kv="bf16")
         r.update({"batch x len": shape, "device TB/s": dev, "TB/s": wall, h[10]: jpa, "FA3 device TB/s": fa3})
@@ -29,10 +30,12 @@ def _results(tmp_path):
 
 def test_series_reads_each_column_and_leaves_out_what_did_not_run(tmp_path):
     labels, data = plot.series(_results(tmp_path))
-    assert labels == ["p64 1x4096 q1 bf16", "p64 64x4096 q1 bf16"]
-    assert data["jattn, GPU time"] == [1.22, 4.25]
-    assert data["jattn, wall time"] == [0.86, 4.10]
-    assert data["JAX paged_attention, GPU time"][0] == 0.55 and math.isnan(data["JAX paged_attention, GPU time"][1])
+    assert labels == ["p64 1x4096 q1 bf16", "p64 64x4096 q1 bf16", "p64 16x4096 q1 bf16"]
+    assert data["jattn, GPU time"] == [1.22, 4.25, 3.90]
+    assert data["jattn, wall time"] == [0.86, 4.10, 3.50]
+    jpa = data["JAX paged_attention, GPU time"]
+    assert jpa[0] == 0.55 and math.isnan(jpa[1]) and math.isnan(jpa[2])  # (its wall figure went here)
+    assert data["JAX paged_attention, wall time"][::2] == [0.40, 1.10]
     assert data["FA3, GPU time"][0] == 0.97 and math.isnan(data["FA3, GPU time"][1])
     assert "jattn triton, GPU time" not in data  # no number in any row
     with pytest.raises(ValueError, match="no chart is defined for bench 'nope'"):
@@ -43,7 +46,7 @@ def test_draw_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "decode.png"
     msg = plot.draw(_results(tmp_path), str(out))
-    assert "2 rows, 4 series" in msg  # jattn GPU and wall, JAX paged_attention, FA3 GPU
+    assert "3 rows, 5 series" in msg  # jattn GPU and wall, JAX paged_attention GPU and wall, FA3 GPU
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert plot.main([str(tmp_path / "decode.json"), str(tmp_path / "again.png")]) == 0
 
@@ -82,6 +85,19 @@ def test_every_bench_has_a_chart_of_its_own_columns(tmp_path):
         ["1x64 16384+256"],
         {"plain decode": [669.5], "cascade, auto": [74.1]},
     )
+    from jattn.bench import kvwrite
+
+    rows = _table(
+        kvwrite.HEADER,
+        [
+            {"write": "mha", "cache": "bf16", "tokens": "64", "backend": "xla", "TB/s": "0.10"},
+            {"write": "mha", "cache": "bf16", "tokens": "64", "backend": "triton", "TB/s": "fails: x"},
+        ],
+    )
+    assert plot.series(dict(bench="kvwrite", header=list(kvwrite.HEADER), rows=rows)) == (
+        ["mha bf16 64"],
+        {"xla": [0.1]},
+    )
     with pytest.raises(ValueError, match=r"lack the columns \['backend'\]"):
         plot.series(dict(bench="mla", header=["row", "TB/s"], rows=[]))
 
@@ -112,13 +128,14 @@ def test_rows_that_share_a_label_give_one_bar_per_label(tmp_path):
     res["rows"].insert(1, list(res["rows"][0]))
     res["rows"][1][res["header"].index("device TB/s")] = "9.99"
     labels, data = plot.series(res)
-    assert labels == ["p64 1x4096 q1 bf16", "p64 64x4096 q1 bf16"]
-    assert data["jattn, GPU time"] == [1.22, 4.25]
+    assert labels == ["p64 1x4096 q1 bf16", "p64 64x4096 q1 bf16", "p64 16x4096 q1 bf16"]
+    assert data["jattn, GPU time"] == [1.22, 4.25, 3.90]
 
 
 def test_page_rotations_keep_small_calls_out_of_the_l2():
-    """A call smaller than twice the L2 gets disjoint tables, enough that a cycle reads 4x
-    the L2; a larger call random tables over a pool of at least 4x the L2."""
+    """A call smaller than 8x the L2 gets disjoint tables, enough that a cycle reads 4x the
+    L2; a larger call random tables over a pool of at least 4x the L2. (The line was at 2x:
+    a call of 128 MiB, decode at 1 x 32768, still found about 4% of its pages in the L2.)"""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -127,6 +144,8 @@ def test_page_rotations_keep_small_calls_out_of_the_l2():
     n = tables.shape[0]
     assert n * 256 * page_bytes >= 4 * common.L2_BYTES and pages == n * 256
     assert len(np.unique(tables)) == tables.size and tables.max() < pages  # disjoint, in the pool
+    tables, pages = common.page_rotations(rng, 1, 2048, page_bytes)  # 1 x 32768: 134 MB, 2.1x the L2
+    assert tables.shape == (4, 1, 2048) and len(np.unique(tables)) == tables.size and pages == 4 * 2048
     tables, pages = common.page_rotations(rng, 64, 256, page_bytes)  # 64 x 4096: 1 GB a call
     assert tables.shape == (4, 64, 256) and pages >= 64 * 256
     assert all(len(np.unique(t)) == t.size for t in tables)

@@ -151,6 +151,54 @@ def test_time_rotated_device_stamps_wait_for_every_output(monkeypatch):
     assert common.time_rotated(step, (jnp.ones((4, 8)),), n_lo=1, n_hi=2, reps=1, device=True).device_seconds is None
 
 
+def _dots_after_the_first_stamp(step, args, n, **kw):
+    """For each dot of ``rotated_program(step, n)`` (a stand-in stamp marked by a
+    population_count): whether it depends on the first stamp."""
+    from jattn.bench import common
+
+    def stamp(*deps):
+        return jnp.stack([jax.lax.population_count(jnp.ravel(d)[0].astype(jnp.int32)) for d in deps[:1]])
+
+    jaxpr = jax.make_jaxpr(common.rotated_program(step, n, join=False, stamp=stamp, **kw))(*args).jaxpr
+    while len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:
+        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    tainted, seen, dots = set(), False, []
+    for e in jaxpr.eqns:
+        ins = {id(v) for v in e.invars if type(v).__name__ != "Literal"}
+        if e.primitive.name == "population_count" and not seen:
+            seen = True
+            tainted |= {id(v) for v in e.outvars}
+            continue
+        if ins & tainted:
+            tainted |= {id(v) for v in e.outvars}
+        if e.primitive.name == "dot_general":
+            dots.append(bool(ins & tainted))
+    return dots
+
+
+def test_stamp_args_make_every_call_wait_for_the_first_stamp():
+    """``matmul_rate``'s calls each read two of five matrices, only call 0 ``args[0]``: the
+    other calls did not depend on the first stamp, so XLA could run them before it and out
+    of the measured span. ``stamp_args=5`` routes all five through the stamp."""
+    xs = [jnp.full((8, 8), float(i), jnp.bfloat16) for i in range(5)]
+
+    def step(i, *xs):
+        return xs[i % 4] @ xs[(i + 1) % 5]
+
+    assert _dots_after_the_first_stamp(step, xs, 4) == [True, False, False, False]
+    assert _dots_after_the_first_stamp(step, xs, 4, stamp_args=5) == [True] * 4
+
+
+def test_jax_copy_bandwidth_calls_are_all_distinct():
+    """The JAX copy-bandwidth program's calls ``a[i % 4] + 1.0`` repeated every 4th call and
+    XLA merged them (4 adds of 10 were left); each call now adds its own constant."""
+    from jattn.bench import common
+
+    xs = [jnp.full((1024,), float(i), jnp.float32) for i in range(4)]
+    hlo = common.rotated_program(common._copy_step, 10).lower(*xs).compile().as_text()
+    assert hlo.count(" add(") == 10, hlo
+
+
 def test_time_rotated_keeps_the_wall_time_when_the_stamp_fails(monkeypatch):
     """A stamp kernel that does not build costs the device figure only, with a
     warning: the wall figure still comes back."""
@@ -345,10 +393,10 @@ def test_bench_mla_bytes_flops_and_lengths():
     row = mla.Row(64, 4096, 16)
     lens = mla.lengths(row, rng)
     nbytes, flops = mla.row_bytes_flops(row, lens)
-    assert nbytes == 64 * 4096 * 576 * 2 + 64 * 16 * (576 + 512) * 2  # one row tile: KV once
+    assert nbytes == 64 * 4096 * 576 * 2 + 64 * 16 * (576 + 512) * 2  # KV once
     assert flops == 2.0 * 16 * 64 * 4096 * (576 + 512)
-    big = mla.Row(64, 4096, 128, q_len=2)  # 256 rows: 4 tiles, each reads the latent rows
-    assert mla.row_bytes_flops(big, lens)[0] == 4 * 64 * 4096 * 576 * 2 + 64 * 256 * 1088 * 2
+    big = mla.Row(64, 4096, 128, q_len=2)  # 256 rows: the latent still counted once per request
+    assert mla.row_bytes_flops(big, lens)[0] == 64 * 4096 * 576 * 2 + 64 * 256 * 1088 * 2
     assert mla.row_bytes_flops(mla.Row(64, 4096, 16, fp8=True), lens)[0] == 64 * 4096 * 576 + 64 * 16 * 1088 * 2
     un = mla.lengths(mla.Row(64, 4096, 16, uneven=True), rng)
     assert un.min() >= 512 and un.max() <= 4096 and len(set(un.tolist())) > 10

@@ -21,19 +21,45 @@ _LLAMA = dict(
 )
 
 
-def test_yarn_without_original_length_takes_the_config_length_as_hugging_face_does():
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+        # llama3 took 8192 (the field's default), not the config's length as Hugging Face does
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 1e4},
+    ],
+    ids=["yarn", "llama3"],
+)
+def test_rope_without_original_length_takes_the_config_length_as_hugging_face_does(rope):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     cfg = LlamaConfig.from_hf({**_LLAMA, "rope_scaling": rope})  # a config.json read as it is
     assert cfg.rope_scaling.original_max_position_embeddings == 2048
     hc = transformers.LlamaConfig(**_LLAMA, rope_parameters=dict(rope))
-    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hc, torch.device("cpu"))
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hc, torch.device("cpu"))
     inv_freq, factor = cfg.rope()
     np.testing.assert_allclose(inv_freq, want.numpy(), rtol=1e-6)
     assert factor == pytest.approx(want_factor, rel=1e-6)
+
+
+def test_hf_configs_of_other_architectures_or_activations_are_refused():
+    """Gemma and Granite checkpoints have Llama's weight names and were loaded as Llama
+    (their norms, embedding scales and multipliers dropped: logits off by 10-12 against
+    transformers); ``hidden_act`` was ignored (gelu ran as silu)."""
+    from jattn.models.config import DeepseekConfig
+
+    for model_type in ("gemma", "granite", "phi3"):
+        with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported"):
+            LlamaConfig.from_hf({**_LLAMA, "model_type": model_type})
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LlamaConfig.from_hf({**_LLAMA, "hidden_act": "gelu"})
+    deepseek = DeepseekConfig.tiny()
+    with pytest.raises(ValueError, match="hidden_act='gelu_pytorch_tanh'"):
+        DeepseekConfig.from_hf({"hidden_act": "gelu_pytorch_tanh", "vocab_size": deepseek.vocab_size})
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        assert LlamaConfig.from_hf({**_LLAMA, "model_type": model_type, "hidden_act": "silu"}).num_layers == 2
 
 
 class _Field:

@@ -175,25 +175,30 @@ def rotated_program(
     *,
     join: bool = True,
     stamp: Callable[..., jax.Array] | None = None,
+    stamp_args: int = 1,
     **jit_kw,
 ) -> Callable:
     """The jitted program :func:`time_rotated` times: ``step(i, *args)`` for i < n, the
     outputs joined per dtype (``join``) or returned one by one. With a ``stamp``
     (:func:`gpu_stamp`) it returns ``(outputs, i32[2] stamps)``: one stamp before the
-    calls, which all read ``args[0]`` through an elementwise op on it, one after
-    them on every output."""
+    calls, which read the first ``stamp_args`` arguments through an elementwise op on it
+    (so every call must read one of them), one after them on every output."""
+
+    def after(x, t0):
+        # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so a call
+        # reading the result waits for the first stamp. A 1-byte float (e4m3) goes as
+        # its bits.
+        as_bits = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+        xb = jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x
+        xb = xb + (t0[0] == 0x5EED).astype(xb.dtype)
+        return jax.lax.bitcast_convert_type(xb, x.dtype) if as_bits else xb
 
     def many(*a):
         if stamp is not None:
             x = a[0]
-            # a 1-byte float (e4m3) goes to the stamp and the add as its bits
             as_bits = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
-            xb = jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x
-            t0 = stamp(xb)
-            # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so every
-            # call waits for the first stamp.
-            xb = xb + (t0[0] == 0x5EED).astype(xb.dtype)
-            a = (jax.lax.bitcast_convert_type(xb, x.dtype) if as_bits else xb,) + tuple(a[1:])
+            t0 = stamp(jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x)
+            a = tuple(after(x, t0) for x in a[:stamp_args]) + tuple(a[stamp_args:])
         outs = tuple(step(i, *a) for i in range(n))
         res = _joined(outs) if join else outs
         if stamp is None:
@@ -213,6 +218,7 @@ def time_rotated(
     graph: bool | str = False,
     join: bool = True,
     device: bool = False,
+    stamp_args: int = 1,
 ) -> Timing:
     """Time ``step(i, *args)`` (i a Python int: which rotation) inside one jit.
 
@@ -239,7 +245,9 @@ def time_rotated(
     (:attr:`Timing.device_seconds`): a :func:`gpu_stamp` before the calls, which all
     read ``args[0]`` (a float array) through an elementwise op on that stamp, and one
     after them, on all their outputs. This is how CUDA events around a replayed CUDA
-    graph time a kernel (the peers' method): the host's per-execution work is out.
+    graph time a kernel (the peers' method): the host's per-execution work is out. A step
+    whose calls do not all read ``args[0]`` passes ``stamp_args``: the first that many
+    arguments go through the stamp.
     The device figure comes from a second pair of programs, so the wall figure is
     the plain calls'.
     """
@@ -250,7 +258,7 @@ def time_rotated(
         if graph
         else {}
     )
-    make = lambda n, stamp=None: rotated_program(step, n, join=join, stamp=stamp, **kw)
+    make = lambda n, stamp=None: rotated_program(step, n, join=join, stamp=stamp, stamp_args=stamp_args, **kw)
 
     t = _differential(make, args, n_lo, n_hi, reps)
     stamp = gpu_stamp() if device else None
@@ -297,6 +305,12 @@ def time_loop(
     return _differential(make, args, n_lo, n_hi, reps)
 
 
+def _copy_step(i: int, *a):
+    """Call ``i`` of the JAX copy-bandwidth program: no two calls alike (XLA merges equal
+    ones: ``a[i % 4] + 1.0`` left 4 of 10 adds in the compiled program)."""
+    return a[i % 4] + float(i + 1)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), and how.
 
@@ -328,7 +342,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
         pass
     n = nbytes // 2 // 4 // 4
     xs = [jnp.full((n,), float(i), jnp.float32) for i in range(4)]
-    t = time_rotated(lambda i, *a: a[i % 4] + 1.0, xs, n_lo=2, n_hi=10)
+    t = time_rotated(_copy_step, xs, n_lo=2, n_hi=10)
     return (n * 4 * 2) / t.seconds, "jax elementwise"
 
 
@@ -373,13 +387,14 @@ def page_rotations(
 ) -> tuple[np.ndarray, int]:
     """``(tables i32[num_rot, bs, max_pages], num_pages)``: page tables for calls that take
     them in turn, so that no call finds its pages in the L2 from an earlier call. A call that
-    reads at least twice the L2 flushes it by itself: ``min_rot`` random tables over a pool of
+    reads at least 8x the L2 flushes it by itself: ``min_rot`` random tables over a pool of
     at least 4x the L2. A smaller call gets disjoint tables (one permutation of the pool cut
-    into pieces), enough of them that a cycle reads 4x the L2 (a random table per rotation
-    would share about the call's share of the pool with the next one)."""
+    into pieces), enough of them that a cycle reads 4x the L2: a random table per rotation
+    would share about the call's share of the pool with the next one, and a call of 2x the
+    L2 still found about 4% of its pages there (an LRU model of a split-KV read order)."""
     need = bs * max_pages
     call_bytes = need * page_bytes
-    if call_bytes >= 2 * L2_BYTES or need == 0:
+    if call_bytes >= 8 * L2_BYTES or need == 0:
         num_pages = rotation_pages(need, page_bytes)
         return random_page_tables(rng, min_rot, bs, max_pages, num_pages), num_pages
     num_rot = max(min_rot, -(-4 * L2_BYTES // call_bytes))

@@ -67,11 +67,13 @@ def lengths(row: Row, rng) -> np.ndarray:
 
 
 def row_bytes_flops(row: Row, lens: np.ndarray) -> tuple[float, float]:
-    """Bytes a kernel must move (the latent rows once per 64 query rows, q, out) and FLOPs."""
+    """Bytes the op needs (each request's latent rows once, q, out) and FLOPs. The same
+    count for every backend: a kernel that reads the latent once per row tile (the Mosaic
+    kernel's 64 rows: twice at 128 heads) moves more than this, so its TB/s here is not its
+    memory rate; at 128 heads TFLOP/s is the figure."""
     itemsize = 1 if row.fp8 else 2
     m_rows = row.q_len * row.heads
-    tiles = -(-m_rows // 64)
-    kv = float(lens.sum()) * W * itemsize * tiles
+    kv = float(lens.sum()) * W * itemsize
     qo = row.bs * m_rows * (W + R) * 2
     flops = 2.0 * m_rows * float(lens.sum()) * (W + R)
     return kv + qo, flops

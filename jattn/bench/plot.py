@@ -22,9 +22,10 @@ __all__ = ["SERIES", "Chart", "draw", "series"]
 @dataclasses.dataclass(frozen=True)
 class Chart:
     """How one benchmark's table becomes bars: the row label (columns, or ``(prefix,
-    column)`` pairs, joined by a space), the series (``(name, column, which number of the cell: 0 the first, -1 the
-    last)``) or, with ``pivot``, one series per value of that column (``values`` the
-    column plotted), the y axis, and the run fact drawn as the ceiling line."""
+    column)`` pairs, joined by a space), the series (``(name, column, which number of the
+    cell: 0 the first, -1 the last, "()" the one in parentheses)``) or, with ``pivot``, one
+    series per value of that column (``values`` the column plotted), the y axis, and the
+    run fact drawn as the ceiling line."""
 
     label: tuple
     ylabel: str
@@ -45,7 +46,8 @@ SERIES = {
             ("jattn triton, GPU time", "triton TB/s (device)", 0),
             ("FA3, GPU time", "FA3 device TB/s", 0),
             ("FA3, wall time", "FA3 TB/s", 0),
-            ("JAX paged_attention, GPU time", "JAX paged_attention TB/s (device)", -1),
+            ("JAX paged_attention, GPU time", "JAX paged_attention TB/s (device)", "()"),
+            ("JAX paged_attention, wall time", "JAX paged_attention TB/s (device)", 0),
         ),
         ceiling="copy_tbs",
         ceiling_label="device copy (ceiling)",
@@ -66,7 +68,15 @@ SERIES = {
     ),
     "mla": Chart(
         label=("row",),
-        ylabel="TB/s (latent read once per 64-row tile, q and out)",
+        ylabel="TB/s (latent read once per request, q and out)",
+        pivot="backend",
+        values="TB/s",
+        ceiling="copy_tbs",
+        ceiling_label="device copy (ceiling)",
+    ),
+    "kvwrite": Chart(
+        label=("write", "cache", "tokens"),
+        ylabel="TB/s (inputs and slots read, cache rows written)",
         pivot="backend",
         values="TB/s",
         ceiling="copy_tbs",
@@ -86,8 +96,17 @@ SERIES = {
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?")
 
 
-def _number(cell: str, which: int) -> float:
-    found = _NUMBER.findall(str(cell)) if not str(cell).startswith(("fails", "FAILED", "setup")) else []
+def _number(cell: str, which) -> float:
+    """Number ``which`` of ``cell`` (an index), or with ``which="()"`` the one in
+    parentheses (a GPU time beside a wall time: NaN where the cell has none)."""
+    cell = str(cell)
+    if cell.startswith(("fails", "FAILED", "setup")):
+        return math.nan
+    if which == "()":
+        inner = re.search(r"\(([^)]*)\)", cell)
+        found = _NUMBER.findall(inner.group(1)) if inner else []
+        return float(found[0]) if found else math.nan
+    found = _NUMBER.findall(cell)
     return float(found[which]) if found else math.nan
 
 

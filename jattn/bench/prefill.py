@@ -233,7 +233,8 @@ def matmul_rate(n: int = 8192) -> float:
     def step(i, *xs):
         return xs[i % 4] @ xs[(i + 1) % 5]
 
-    t = common.time_rotated(step, xs, n_lo=1, n_hi=4, reps=3, join=False, device=True)
+    # every call reads one of the five, so all five wait for the first stamp
+    t = common.time_rotated(step, xs, n_lo=1, n_hi=4, reps=3, join=False, device=True, stamp_args=5)
     return 2 * n**3 / common.device_or_wall(t)
 
 
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     from jattn.pallas_kernels import mosaic_prefill as mp
     from jattn.pallas_kernels import triton_glue, triton_prefill
 
+    if args.triton_sweep and args.plot:
+        ap.error("--plot: the --triton-sweep table has no chart (--json keeps it)")
     if args.triton_sweep:
         try:
             launches = parse_launches(args.triton_sweep)
