@@ -185,7 +185,7 @@ class Engine(_Scheduling):
             never = [t for t in req.params.stop_token_ids if not 0 <= t < vocab]
             if never:  # a stop id no token can match would be ignored silently
                 raise ValueError(f"stop_token_ids: {never[0]} is outside the vocabulary [0, {vocab})")
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             self._fail(req, str(e))
             return rid
         n = len(req.prompt)
@@ -228,6 +228,37 @@ class Engine(_Scheduling):
         self.waiting.append(req)
         return rid
 
+    def _live(self) -> list[Request]:
+        """The requests not done: the queues' and the step in flight's (not every request
+        ever added: a server's step costs what its live requests cost)."""
+        inflight = self._inflight.reqs if self._inflight is not None else []
+        seen = {}
+        for r in (*self.waiting, *self.prefilling, *self.running, *inflight):
+            if not r.done:
+                seen.setdefault(r.rid, r)
+        return list(seen.values())
+
+    def abort(self, rid: int) -> None:
+        """Ends request ``rid`` now (and, for sample 0 of ``SamplingParams.n > 1``, all its
+        samples), with ``finish_reason="abort"`` and the tokens it has: its pages return to
+        the pool, and a token of it still in flight (overlap) is dropped. A request that is
+        done already is left as it is; an unknown id raises ``KeyError``."""
+        for r in self.samples(rid):
+            if not r.done:
+                self._finish(r, "abort")
+                self.metrics.aborted += 1
+
+    def release(self, rid: int) -> None:
+        """Forgets finished request ``rid`` (and its samples): drops it from
+        :attr:`requests` once its output is taken. A request not done yet raises
+        ``ValueError`` (``abort`` it first); an unknown id ``KeyError``."""
+        family = self.samples(rid)
+        live = [r.rid for r in family if not r.done]
+        if live:
+            raise ValueError(f"release({rid}): request {live[0]} is {self.requests[live[0]].status}; abort it first")
+        for r in family:
+            self.requests.pop(r.rid, None)
+
     def samples(self, rid: int) -> list[Request]:
         """The requests of ``rid``'s parallel samples (``SamplingParams.n``), sample 0 first."""
         r = self.requests[rid]
@@ -242,8 +273,8 @@ class Engine(_Scheduling):
         if r.parent is None:
             return [], 0
         k = (len(r.prompt) - 1) // self.page_size
-        p = self.requests[r.parent]
-        if k == 0 or p.done:
+        p = self.requests.get(r.parent)  # (None: released by the caller, so done)
+        if k == 0 or p is None or p.done:
             return [], 0
         if p.status in ("running", "prefilling") and p.seq_len >= k * self.page_size:
             return p.pages[:k], k * self.page_size
@@ -476,7 +507,7 @@ class Engine(_Scheduling):
         back. A final call with nothing to launch reads back the last step."""
         self.step_count += 1
         self.metrics.steps += 1
-        live = [r for r in self.requests.values() if not r.done]
+        live = self._live()
         prev, prev_info = self._inflight, None
         if prev is not None and self._short_of_pages():
             # Overlap with a pool too small for every decode row: read the step in flight

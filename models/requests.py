@@ -126,7 +126,7 @@ class Request:
     arrival_step: int = 0
     output_tokens: list = dataclasses.field(default_factory=list)
     status: str = "waiting"  # one of REQUEST_STATES
-    finish_reason: str | None = None  # stop | length | error
+    finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     pages: list = dataclasses.field(default_factory=list)
     device: int = 0  # the pool its pages are in (data-parallel serving: its device on the mesh axis)
@@ -184,6 +184,7 @@ class EngineMetrics:
     decode_step_times: list = dataclasses.field(default_factory=list)
     preemptions: int = 0
     failed_steps: int = 0
+    aborted: int = 0  # requests ended by Engine.abort
     shared_tokens: int = 0  # prompt tokens a parallel sample did not prefill (its parent's pages)
     cascade_steps: int = 0  # decode steps planned as a cascade (shared prefixes read once per group)
 

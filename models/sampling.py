@@ -27,6 +27,14 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
+def _is_finite(x) -> bool:
+    """``math.isfinite`` that says False for an int past the float range (where it raises)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and stops.
@@ -57,10 +65,10 @@ class SamplingParams:
         if not _is_int(n) or n < 1:
             raise ValueError(f"max_new_tokens={n!r} must be an integer >= 1")
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= _F32_MAX:
+        if not _is_real(t) or not _is_finite(t) or not 0 <= t <= _F32_MAX:
             raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 is greedy) that f32 holds")
         p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+        if not _is_real(p) or not _is_finite(p) or not 0 < p <= 1:
             raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
         s = secrets.randbits(32) if self.seed is None else self.seed
         if not _is_int(s):

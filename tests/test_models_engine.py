@@ -231,6 +231,8 @@ def test_more_requests_than_the_largest_batch_bucket(llama):
         ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
         ([1, 2], SamplingParams(temperature=1e39), "temperature"),  # inf in f32
+        ([1, 2], SamplingParams(temperature=10**400), "temperature"),  # past float: it raised OverflowError
+        ([1, 2], SamplingParams(top_p=10**400), "top_p"),
         ([1, 2], SamplingParams(temperature=1.0, top_p=float("nan")), "top_p"),
         ([1, 2], SamplingParams(top_p=0.0), "top_p"),
         ([1, 2], SamplingParams(top_p=-0.5), "top_p"),
@@ -1005,3 +1007,53 @@ def test_prompt_one_short_of_the_context_needs_no_page_for_a_second_token(llama)
     r = eng.generate([prompt], SamplingParams(max_new_tokens=5))[0]
     assert r.finish_reason == "length" and len(r.output_tokens) == 1
     assert r.output_tokens == _solo(llama, prompt, SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_and_release(llama, overlap):
+    """``abort`` ends a request mid-prefill (a chunked prompt), mid-decode and with
+    parallel samples, keeping the tokens it has, returning its pages and dropping a token
+    still in flight; the others' tokens are their solo runs'. ``release`` forgets finished
+    requests (a server had no way to: every step scanned all requests ever added, and
+    dropping one by hand crashed the step of its waiting samples)."""
+    prompts = _prompts(3, lens=(30, 7, 13, 9))
+    greedy = SamplingParams(max_new_tokens=8)
+    eng = _engine(llama, overlap=overlap, max_prefill_tokens=8)
+    long_, mid, fam, other = (eng.add_request(p, greedy) for p in prompts[:2]), None, None, None
+    long_, mid = list(long_)
+    fam = eng.add_request(prompts[2], SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, n=3))
+    other = eng.add_request(prompts[3], greedy)
+    eng.step()
+    eng.abort(long_)  # its 30 tokens need 4 chunks of 8: still prefilling
+    while len(eng.requests[mid].output_tokens) < 3:
+        eng.step()
+        eng.check_invariants()
+    eng.abort(mid)
+    eng.abort(fam)  # sample 0: the whole family
+    kept = list(eng.requests[mid].output_tokens)
+    _drain(eng)
+    for rid in (long_, mid, *(s.rid for s in eng.samples(fam))):
+        r = eng.requests[rid]
+        assert (r.status, r.finish_reason, r.pages) == ("finished", "abort", []), (rid, r)
+    assert eng.requests[long_].output_tokens == [] and eng.requests[mid].output_tokens == kept
+    assert eng.requests[other].output_tokens == _solo(llama, prompts[3], greedy)
+    assert eng.metrics.aborted == 5 and all(p.num_free == p.num_pages - 1 for p in eng.pools)
+    eng.abort(mid)  # done already: left as it is
+    assert eng.metrics.aborted == 5
+    # release: a live request is refused, finished ones are forgotten, even a parent whose
+    # samples still wait for its prompt pages
+    rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=1, temperature=1.0, seed=0, n=3))
+    with pytest.raises(ValueError, match=rf"release\({rid}\): request {rid} is waiting; abort it first"):
+        eng.release(rid)
+    for r in list(eng.requests.values()):
+        if r.done and r.parent is None and all(s.done for s in eng.samples(r.rid)):
+            eng.release(r.rid)
+    assert sorted(eng.requests) == [rid, rid + 1, rid + 2]  # the finished ones forgotten
+    while not eng.requests[rid].done:
+        eng.step()
+    eng.requests.pop(rid)  # sample 0 dropped by hand as soon as it finished: its samples still serve
+    _drain(eng)
+    assert all(r.status == "finished" for r in eng.requests.values()) and len(eng.requests) == 2
+    assert eng._live() == []
+    with pytest.raises(KeyError):
+        eng.abort(10**6)
