@@ -139,7 +139,8 @@ def mha_decode_with_kvcache(
         backend,
         KERNELS["mosaic"]["mha_decode"],
         lambda mod, *a, **k: (
-            mod.unsupported_reason(*a, **k) or (mod.auto_skip_reason(*a, **k) if backend is None else None)
+            mod.unsupported_reason(*a, batch_invariant=batch_invariant, **k)
+            or (mod.auto_skip_reason(*a, **k) if backend is None else None)
         ),
         q,
         k_cache,

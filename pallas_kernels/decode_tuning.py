@@ -227,9 +227,20 @@ def choose_block_sizes(
         if choice is not None and choice[2] >= 3:
             break
     if choice is None:
+        hint = ""
+        if convert_stages:  # the converter warpgroup's f16 ring took the room
+            try:
+                choose_block_sizes(
+                    batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                    max_pages=max_pages, m_rows=m_rows, kv_itemsize=kv_itemsize, q_itemsize=q_itemsize,
+                    options=dataclasses.replace(options, fp8_converter=False),
+                )  # fmt: skip
+                hint = " beside the FP8 converter's f16 ring (KernelOptions(fp8_converter=False) fits)"
+            except NotImplementedError:
+                pass
         raise NotImplementedError(
             f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, page_size={page_size}: no KV "
-            "block of a multiple of 64 rows (at most 256) fits in shared memory"
+            f"block of a multiple of 64 rows (at most 256) fits in shared memory{hint}"
         )
     (bt, ppb), compute_wgs, num_stages = choice
     max_blocks = -(-max_pages * page_size // (bt * ppb))
@@ -255,9 +266,10 @@ def unsupported_reason(
     return_lse=False,
     page_table=None,
     cache_seqlens=None,
+    options: KernelOptions = KernelOptions(),
     **unused,
 ) -> str | None:
-    """None if the Mosaic GPU decode kernel can serve this call, else why not."""
+    """None if the Mosaic GPU decode kernel (with ``options``) can serve this call, else why not."""
     del is_causal, logit_cap, softmax_scale, k_scale, v_scale, return_lse, unused
     del page_table, cache_seqlens
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
@@ -310,6 +322,7 @@ def unsupported_reason(
             m_rows=group * max_seqlen_q,
             kv_itemsize=kv_dt.itemsize,
             q_itemsize=jnp.dtype(q.dtype).itemsize,
+            options=options,
         )
     except NotImplementedError as e:
         return str(e)

@@ -85,8 +85,8 @@ from jattn.pallas_kernels.decode_tuning import (
     choose_num_splits,
     decode_config,
     prefer_heads_kernel,
-    unsupported_reason,
 )
+from jattn.pallas_kernels.decode_tuning import unsupported_reason as all_heads_unsupported_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
 
@@ -203,6 +203,32 @@ def mha_decode(
     )
 
 
+def unsupported_reason(
+    q, k_cache, v_cache, *, max_seqlen_q=1, is_causal=True, window_left=-1, logit_cap=0.0, sinks=None,
+    softmax_scale=None, k_scale=1.0, v_scale=1.0, batch_invariant=False, **kw,
+) -> str | None:  # fmt: skip
+    """None if :func:`mha_decode` (default options, no block sizes) serves the call, else why
+    not: the all-heads kernel's limits, except for a call :func:`heads_kernel_for` sends to
+    the per-KV-head kernel (e.g. FP8 with KV heads or a group no all-heads block fits).
+    ``batch_invariant`` (set by the ops): the all-heads kernel alone, whose block sizes
+    carry the invariant split count."""
+    reason = all_heads_unsupported_reason(
+        q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks, **kw
+    )
+    if reason is None or batch_invariant:
+        return reason
+    from jattn.pallas_kernels.interpret import no_gpu_reason
+
+    if no_gpu_reason() is not None:
+        return reason
+    softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
+    heads = heads_kernel_for(
+        q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
+        is_causal=is_causal,
+    )  # fmt: skip
+    return None if heads is not None else reason
+
+
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
     fp8_heads=True, is_causal=True, overlap=False, glue=True,
@@ -271,7 +297,9 @@ def _mha_decode(
 ):
     """:func:`mha_decode` under jit (``v_scale`` None: 1.0; ``k_scale`` None: the
     Python float ``k_scale_py``)."""
-    reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks)
+    reason = all_heads_unsupported_reason(
+        q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks, options=options
+    )
     if reason is not None:
         raise NotImplementedError(f"mosaic mha_decode: {reason}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape

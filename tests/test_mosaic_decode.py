@@ -10,6 +10,7 @@ padded page-table slots are filled with NaN to prove they never leak.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -661,3 +662,36 @@ def test_block_sizes_over_shared_memory_are_refused():
         dt.decode_config(block_sizes=dataclasses.replace(conv, compute_wgs=2), options=dt.KernelOptions(), **cfg)
     with pytest.raises(ValueError, match=r"num_splits=0 must be >= 1"):
         dt.decode_config(block_sizes=dataclasses.replace(conv, num_splits=0), options=dt.KernelOptions(), **cfg)
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernels themselves")
+def test_op_routes_to_the_per_kv_head_kernel_what_only_it_serves(monkeypatch):
+    """FP8 calls that no all-heads block fits (3 KV heads at head_dim 128, a group of 32)
+    were refused by ``ops`` under ``backend="mosaic"`` (and left to other backends under
+    auto) although ``mosaic_decode.mha_decode`` sends them to the per-KV-head kernel, which
+    serves them; batch-invariant calls keep the all-heads kernel's check. FP8 at head_dim
+    256 is refused with the converter's ring named, and the option without it is taken."""
+    import jattn
+    from jattn import dispatch
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "device_kind", lambda: "hopper")
+    S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+
+    def call(d, hkv, group, ps=64, bs=2, pages=16, **kw):
+        kv = S((bs * pages + 1, ps, hkv, d), f8)
+        args = (S((bs, hkv * group, d), jnp.bfloat16), kv, kv, S((bs, pages), jnp.int32), S((bs,), jnp.int32))
+        op = functools.partial(jattn.mha_decode_with_kvcache, k_scale=0.5, v_scale=0.5, backend="mosaic", **kw)
+        return jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for d, hkv, group, ps in ((128, 3, 4, 64), (128, 2, 32, 16)):
+        assert "jattn_decode_heads" in call(d, hkv, group, ps)
+        with pytest.raises(NotImplementedError, match="fits in shared memory|group size 32"):
+            call(d, hkv, group, ps, batch_invariant=True)
+    with pytest.raises(
+        NotImplementedError, match=r"converter's f16 ring \(KernelOptions\(fp8_converter=False\) fits\)"
+    ):
+        call(256, 8, 4)
+    k8 = jnp.zeros((4, 64, 8, 256), f8)
+    q = jnp.zeros((2, 32, 256), jnp.bfloat16)
+    assert md.all_heads_unsupported_reason(q, k8, k8, options=md.KernelOptions(fp8_converter=False)) is None
