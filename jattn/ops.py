@@ -478,9 +478,9 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
 
     o_*: [tokens, heads, head_dim] (result in o_a's dtype); lse_*: f32[tokens, heads].
     Both ``-inf`` gives ``o = 0, lse = -inf``; the formula is in docs/SEMANTICS.md.
-    backend: None or ``"xla"`` (XLA's fusion: on the H200 it streams at the copy
-    bandwidth, docs/PERF.md), or ``"triton"`` (one fused Triton kernel through
-    jax-triton, the same source the torch bridge can launch; raises where it cannot run).
+    backend: None or ``"xla"`` (XLA's fusion; its speed is in docs/PERF.md), or
+    ``"triton"`` (one fused Triton kernel through jax-triton, the same source the torch
+    bridge can launch; raises where it cannot run).
     """
     for x, name, layout in ((o_a, "o_a", "[T, H, D]"), (o_b, "o_b", "[T, H, D]")):
         _check_ndim(x, name, 3, layout)

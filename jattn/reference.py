@@ -478,8 +478,8 @@ def quantize_fp8(x, scale, dtype=jnp.float8_e4m3fn):
     """``clamp(x / scale, -448, 448)`` cast to FP8 e4m3 (casts do not saturate), in f32
     as torch and Triton compute it: the IEEE quotient, rounded once to e4m3 (nearest,
     ties to even). XLA rewrites a division by a broadcast scalar into a product with its
-    reciprocal, which is one ulp off for most quotients and moves about 0.5% of them
-    across an e4m3 tie (an inexact scale such as 0.03); the divisor goes through an
+    reciprocal, one ulp off for many quotients, which moves those next to an e4m3 tie to
+    the other neighbour (docs/TESTING.md, Findings); the divisor goes through an
     optimisation barrier so that the division stays one."""
     xf = x.astype(jnp.float32)
     den = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), xf.shape))

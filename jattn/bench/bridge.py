@@ -7,7 +7,7 @@
    per-call time is wall time / calls after a sync (the GPU-bound regime).
 2. Host time of one torch-side ``forward_decode`` at batch 1 (median of many calls,
    no sync inside the timed region) and its parts.
-Targets (issue 4): <= 5% slower than native at B64 x 4096; <= 80 us at batch 1.
+Targets: <= 5% slower than native at B64 x 4096; <= 80 us at batch 1.
 """
 
 from __future__ import annotations

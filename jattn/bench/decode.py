@@ -151,7 +151,7 @@ def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: in
 
 def verify_ratios(header, rows) -> list[str]:
     """One line per multi-token 2-byte row: its device time against the q_len 1 row of the
-    same page size and shape in the same run (issue 16's verify target compares the two;
+    same page size and shape in the same run (the verify target compares the two;
     timings from different machines differ by several percent, so only one run's rows are
     compared)."""
     col = {name: i for i, name in enumerate(header)}
@@ -193,7 +193,9 @@ def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
     ap.add_argument("--page-sizes", default="16,64")
-    ap.add_argument("--shapes", default=None, help="e.g. 1x4096,64x4096 (default: the issue's list)")
+    ap.add_argument(
+        "--shapes", default=None, help=f"e.g. 1x4096,64x4096 (default: {','.join(f'{b}x{n}' for b, n in SHAPES)})"
+    )
     ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
     ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
     ap.add_argument(
