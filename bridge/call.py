@@ -150,9 +150,10 @@ class _BridgeBase(_InputChecks, _PoolViews):
 
     # ---------------------------------------------------------------- metadata
 
-    def _install(self, md, num_real_tokens: int, tokens_rule: str | None = None):
+    def _install(self, md, num_real_tokens: int, tokens_rule: str | None = None, capture: bool = False):
         """Installs plan ``md`` of ``num_real_tokens`` new tokens (``tokens_rule``: how
-        they were counted, for messages; None keeps the last)."""
+        they were counted, for messages; None keeps the last); ``capture``: a bucket's
+        capture plan (the native path keeps its device tensors for good)."""
         self._note_plan(md, tokens_rule)
         if self._native is not None:
             # host arrays: the native layer calls read the plan from NativePlans' device
@@ -160,7 +161,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
             self.forward_metadata = self._md_call = md
             self.forward_mode = md.forward_mode
             self._num_real_tokens = num_real_tokens
-            self._native_plan = self._native.install(md)
+            self._native_plan = self._native.install(md, pin=capture)
             return md
         md_dev = jax.device_put(md)
         mode = md.forward_mode
@@ -213,7 +214,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         if num_tokens is not None and int(num_tokens) != rows:
             mode = ForwardMode.parse(forward_mode).name
             raise BridgeError(f"num_tokens={int(num_tokens)} must be the {rows} token rows of bucket {bs} in {mode}")
-        md_dev = self._install(md, 0, f"an all-padding capture plan of bucket {bs}")
+        md_dev = self._install(md, 0, f"an all-padding capture plan of bucket {bs}", capture=True)
         self.cuda_graph_metadata[bs] = md_dev
         return md_dev
 
@@ -240,6 +241,8 @@ class _BridgeBase(_InputChecks, _PoolViews):
             check_capture_bucket(bs, self._jbackend.batch_buckets)
         md_dev = self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
         if in_capture:
+            if self._native is not None:  # its tensors are the captured graph's: kept for good
+                self._native_plan = self._native.install(md_dev, pin=True)
             self.cuda_graph_metadata[int(bs)] = md_dev
         return md_dev
 
@@ -264,7 +267,9 @@ class _BridgeBase(_InputChecks, _PoolViews):
         Args follow tokenspeed's ``MHAAttnBackend.init_forward_metadata``:
         ``req_pool_indices`` int[>= bs], ``seq_lens`` int[>= bs] (new tokens included, in
         every mode: SGLang's target-verify ``seq_lens`` leave the draft tokens out, so an
-        SGLang engine passes ``seq_lens + num_draft_tokens``),
+        SGLang engine passes ``torch.where(seq_lens > 0, seq_lens + num_draft_tokens, 0)``:
+        a padding row, length 0, must stay 0, or it writes into the pages of the stale
+        ``req_pool_indices`` row it carries),
         ``req_to_page`` int[pool, max_pages] page ids (or ``req_to_token_pages``),
         ``forward_mode`` (:class:`jattn.ForwardMode`, its value, or another engine's
         enum member of the same name), and for ``EXTEND`` / ``DRAFT_EXTEND``

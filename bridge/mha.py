@@ -334,5 +334,6 @@ class TorchMHABackend(_BridgeBase):
     def _precompile_call(self, layer, spec: LayerSpec, n: int, pool, save_kv_cache: bool):
         if pool is None:
             raise ValueError("token_to_kv_pool is required")
-        q, kv = self._zeros(n, spec.num_q_heads * spec.head_dim), self._zeros(n, spec.num_kv_heads * spec.head_dim)
-        self.forward_decode(q, kv, kv, layer, None, pool, n, save_kv_cache=save_kv_cache)
+        q, k = self._zeros(n, spec.num_q_heads * spec.head_dim), self._zeros(n, spec.num_kv_heads * spec.head_dim)
+        v = self._zeros(n, spec.num_kv_heads * spec.head_dim_v)
+        self.forward_decode(q, k, v, layer, None, pool, n, save_kv_cache=save_kv_cache)

@@ -51,8 +51,10 @@ class TorchMLAMultiStepDraftBackend:
     def init_forward_metadata(self, bs: int, req_pool_indices, seq_lens, req_to_page=None, **kwargs) -> None:
         """Plans the draft loop: step ``i`` gets lengths ``seq_lens + i`` (padding rows,
         length 0, stay 0). ``seq_lens`` int[>= bs] counts each request's first draft
-        token; ``req_to_page`` (or ``req_to_token_pages``) rows must hold the pages of the
-        last step's length."""
+        token (SGLang's verified length + 1 on real rows; padding rows must be given 0, not
+        1, or they write into the pages of their stale ``req_pool_indices`` rows);
+        ``req_to_page`` (or ``req_to_token_pages``) rows must hold the pages of the last
+        step's length."""
         self.init_forward_metadata_out_graph(bs, req_pool_indices, seq_lens, req_to_page, **kwargs)
 
     def init_forward_metadata_out_graph(

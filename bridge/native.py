@@ -47,27 +47,37 @@ class NativePlan:
 
 
 class NativePlans:
-    """Per plan shape, the device tensors that hold the current plan (a bounded dict)."""
+    """Per plan shape, the device tensors that hold the current plan: those of captured
+    buckets kept for good (a graph captured on them reads them at every replay), the
+    others in a bounded dict."""
 
     def __init__(self, device: torch.device, maxsize: int = 64):
         self.device = device
         self.maxsize = maxsize
         self._bufs: dict = {}
+        self._pinned: dict = {}
         self._stage: dict = {}
 
-    def install(self, md) -> NativePlan:
+    def install(self, md, pin: bool = False) -> NativePlan:
         """Copies plan ``md`` (host arrays) into the tensors of its shape (new ones the
-        first time) and returns the plan's view of them."""
+        first time) and returns the plan's view of them. ``pin``: a CUDA-graph capture's
+        plan, whose tensors are never dropped (a bounded dict would free them once enough
+        other shapes came, and the captured graph would read freed memory)."""
         decode = isinstance(md, DecodeMetadata)
         names = _FIELDS if decode else _EXTEND_FIELDS
         arrays = {n: np.ascontiguousarray(np.asarray(getattr(md, n)), dtype=np.int32) for n in names}
         key = (decode, tuple((n, a.shape) for n, a in arrays.items()))
-        bufs = self._bufs.pop(key, None)  # re-inserted last: the oldest shape is dropped first
+        bufs = self._pinned.get(key)
         if bufs is None:
-            bufs = {n: torch.empty(a.shape, dtype=torch.int32, device=self.device) for n, a in arrays.items()}
-            while len(self._bufs) >= self.maxsize:
-                self._bufs.pop(next(iter(self._bufs)))
-        self._bufs[key] = bufs
+            bufs = self._bufs.pop(key, None)  # re-inserted last: the oldest shape is dropped first
+            if bufs is None:
+                bufs = {n: torch.empty(a.shape, dtype=torch.int32, device=self.device) for n, a in arrays.items()}
+            if pin:
+                self._pinned[key] = bufs
+            else:
+                while len(self._bufs) >= self.maxsize:
+                    self._bufs.pop(next(iter(self._bufs)))
+                self._bufs[key] = bufs
         for n, a in arrays.items():
             bufs[n].copy_(torch.from_numpy(a))
         rows = int(arrays["out_cache_loc"].shape[0])

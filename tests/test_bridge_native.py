@@ -534,3 +534,41 @@ def test_gpu_native_mla_decode_replays_from_a_torch_cuda_graph():
     eager = be.forward_decode(q, c, None, layer, None, True, q_rope=qr, k_rope=kr)
     torch.testing.assert_close(out_g, eager, atol=0, rtol=0)
     assert out_g.abs().sum() > 0
+
+
+def test_native_capture_plans_keep_their_tensors():
+    """A captured bucket's plan tensors were in a bounded dict of plan shapes: once enough
+    other shapes came (prefill buckets), they were dropped and freed, and the next replay
+    wrote its plan into new tensors while the captured graph read the old addresses. Both
+    capture entry points now keep them for good; a replay writes into them."""
+    import numpy as np
+    import torch
+
+    from jattn import ForwardMode, MHAConfig
+    from jattn.bridge import AttentionLayer, TorchKVPool, TorchMHABackend
+
+    cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, context_len=256, num_pages=512,
+                    kv_cache_dtype="float32", dtype="float32", kernel_backend="xla", spec_num_tokens=1)  # fmt: skip
+    be = TorchMHABackend(cfg, device="cpu", kernels="triton_native")
+    be.init_cuda_graph_state(8)
+    be._native.maxsize = 2  # (64 in use: three other shapes here evict as 65 would)
+    table = torch.arange(1, 1 + 8 * 64, dtype=torch.int32).reshape(8, 64)
+    be.init_forward_metadata_capture_cuda_graph(4)
+    captured = dict(be._native_plan.tensors)
+    be.init_forward_metadata_out_graph(2, torch.arange(2), torch.tensor([5, 3]), table, in_capture=True)
+    captured2 = dict(be._native_plan.tensors)
+    for n in (1, 2, 3):  # other plan shapes: extends of n requests
+        ext = torch.full((n,), 7)
+        be.init_forward_metadata(n, n, torch.arange(n), ext, table, ForwardMode.EXTEND, extend_seq_lens=ext)
+    be.init_forward_metadata_replay_cuda_graph(3, torch.arange(3), torch.tensor([5, 9, 2]), table)
+    assert all(be._native_plan.tensors[k] is t for k, t in captured.items())
+    np.testing.assert_array_equal(be._native_plan.tensors["cache_seqlens"].numpy()[:3], [5, 9, 2])
+    be.init_forward_metadata_replay_cuda_graph(2, torch.arange(2), torch.tensor([6, 4]), table)
+    assert all(be._native_plan.tensors[k] is t for k, t in captured2.items())
+    # precompile with a value head size other than the key's (it passed K's width as V)
+    pool = TorchKVPool(num_layers=1, num_pages=512, page_size=4, num_kv_heads=2, head_dim=16, head_dim_v=8,
+                       dtype=torch.float32)  # fmt: skip
+    jax_be = TorchMHABackend(cfg)
+    jax_be.init_cuda_graph_state(4)
+    jax_be.init_forward_metadata_capture_cuda_graph(2)
+    jax_be.precompile([AttentionLayer(0, 4, 2, 16, v_head_dim=8)], token_to_kv_pool=pool)
