@@ -9,6 +9,7 @@ padded page-table slots are filled with NaN to prove they never leak.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -695,3 +696,39 @@ def test_op_routes_to_the_per_kv_head_kernel_what_only_it_serves(monkeypatch):
     k8 = jnp.zeros((4, 64, 8, 256), f8)
     q = jnp.zeros((2, 32, 256), jnp.bfloat16)
     assert md.all_heads_unsupported_reason(q, k8, k8, options=md.KernelOptions(fp8_converter=False)) is None
+
+
+def _op_fp8_heads_only(c: Case, interpret: bool):
+    """The op under ``backend="mosaic"`` on an FP8 call that only the per-KV-head kernel
+    serves (refused before): its e4m3-query path against the f32 reference over the rounded
+    query, NaN in unused pages and page tails."""
+    import jattn
+    from jattn.pallas_kernels import mosaic_decode_heads as mh
+
+    q, k, v, table, lens, _, ks, vs = _inputs(c, 0)
+    kw = dict(max_seqlen_q=1, k_scale=ks, v_scale=vs, return_lse=True)
+    with gpu_interpret() if interpret else contextlib.nullcontext():
+        out, lse = jattn.mha_decode_with_kvcache(q, k, v, table, lens, backend="mosaic", **kw)
+    ref, ref_lse = reference.mha_decode(mh.fp8_qk_query(q, c.hkv), k, v, table, lens, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=3e-2, rtol=1e-3)
+
+
+@pytest.mark.skipif(on_gpu(), reason="interpreter tests run on the CPU")
+def test_op_runs_fp8_calls_only_the_per_kv_head_kernel_serves_interpreted():
+    _op_fp8_heads_only(Case(lens=(97, 1, 0, 70), hq=12, hkv=3, d=128, page_size=64, kv="fp8"), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(lens=(97, 1, 0, 300), hq=12, hkv=3, d=128, page_size=64, kv="fp8"),
+        Case(lens=(97, 1, 0, 300), hq=64, hkv=2, d=128, page_size=16, kv="fp8"),
+    ],
+    ids=["fp8_3_kv_heads", "fp8_group_32"],
+)
+def test_gpu_op_runs_fp8_calls_only_the_per_kv_head_kernel_serves(c):
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    _op_fp8_heads_only(c, False)
