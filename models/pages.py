@@ -102,7 +102,10 @@ def cascade_grouping(reqs, page_size: int, batch_buckets, *, always: bool | None
     samples of one prompt that run together (the largest such set sets ``group_size``)
     form a group sharing their common leading pages; the other requests follow,
     ``group_size`` to a group sharing nothing. With ``always=None`` a grouping is made only
-    when the shared pages are at least a quarter of the batch's KV reads."""
+    when the shared pages are at least a quarter of the batch's KV reads; ``always=True``
+    whenever one exists; ``always=False`` never (None)."""
+    if always is False:
+        return None
     roots: dict[int, list] = {}
     for r in reqs:
         roots.setdefault(r.rid if r.parent is None else r.parent, []).append(r)

@@ -102,7 +102,8 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
     ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
     a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
     ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
-    for row b is read at the row's last new token. A data-parallel plan
+    for row b is read at the row's last new token (a row with no new tokens, as a padding
+    row, gets a meaningless token: the engine never reads it). A data-parallel plan
     (``jattn.sharding.stack_plans``) has ``n`` devices' rows and tokens one after the other."""
     graphdef, state = nnx.split(model)
     state_def = jax.tree_util.tree_structure(state)

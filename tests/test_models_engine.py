@@ -1057,3 +1057,16 @@ def test_abort_and_release(llama, overlap):
     assert eng._live() == []
     with pytest.raises(KeyError):
         eng.abort(10**6)
+
+
+def test_cascade_grouping_always_false_makes_none():
+    """``always=False`` behaved as True (only None was tested for); the engine skips the
+    call when ``EngineConfig.cascade`` is False, a direct caller got a grouping."""
+    from types import SimpleNamespace as R
+
+    from jattn.models.pages import cascade_grouping
+
+    a = R(rid=0, parent=None, pages=[5, 6, 7], seq_len=10)
+    b = R(rid=1, parent=0, pages=[5, 8, 9], seq_len=10)
+    assert cascade_grouping([a, b], 4, (1, 2, 4, 8), always=False) is None
+    assert cascade_grouping([a, b], 4, (1, 2, 4, 8), always=True) == ([a, b], 2, [1])
