@@ -36,6 +36,13 @@ class Chart:
     ceiling_label: str = ""
 
 
+def _tbs_per_backend(label: tuple, ylabel: str) -> Chart:
+    """One TB/s series per value of the table's ``backend`` column, under the copy ceiling."""
+    return Chart(
+        label, ylabel, pivot="backend", values="TB/s", ceiling="copy_tbs", ceiling_label="device copy (ceiling)"
+    )
+
+
 SERIES = {
     "decode": Chart(
         label=(("p", "page"), "batch x len", ("q", "q_len"), "kv"),
@@ -66,22 +73,8 @@ SERIES = {
         ceiling="matmul_tflops",
         ceiling_label="bf16 matmul (ceiling)",
     ),
-    "mla": Chart(
-        label=("row",),
-        ylabel="TB/s (latent read once per request, q and out)",
-        pivot="backend",
-        values="TB/s",
-        ceiling="copy_tbs",
-        ceiling_label="device copy (ceiling)",
-    ),
-    "kvwrite": Chart(
-        label=("write", "cache", "tokens"),
-        ylabel="TB/s (inputs and slots read, cache rows written)",
-        pivot="backend",
-        values="TB/s",
-        ceiling="copy_tbs",
-        ceiling_label="device copy (ceiling)",
-    ),
+    "mla": _tbs_per_backend(("row",), "TB/s (latent read once per request, q and out)"),
+    "kvwrite": _tbs_per_backend(("write", "cache", "tokens"), "TB/s (inputs and slots read, cache rows written)"),
     "cascade": Chart(
         label=("groups x size", "prefix + suffix"),
         ylabel="us per call, GPU time (lower is better)",
