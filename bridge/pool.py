@@ -159,15 +159,13 @@ def layer_spec(layer) -> LayerSpec:
     )
 
 
-def quantize_fp8(x: torch.Tensor, scale) -> torch.Tensor:
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``clamp(x / scale, -448, 448)`` cast to float8_e4m3fn (docs/SEMANTICS.md), with the
-    IEEE f32 quotient: the scale goes in as a tensor on ``x``'s device, since CUDA's
-    division by a host scalar multiplies by its f32 reciprocal, one ulp off for many
-    quotients, which moves those next to an e4m3 midpoint to the other neighbour."""
-    if isinstance(scale, torch.Tensor):
-        s = scale.to(device=x.device, dtype=torch.float32).reshape(())
-    else:  # a fill on the device, no host copy (capturable in a CUDA graph)
-        s = torch.full((), float(scale), dtype=torch.float32, device=x.device)
+    IEEE f32 quotient: the scale goes in as a tensor on ``x``'s device (a fill, no host
+    copy: capturable in a CUDA graph), since CUDA's division by a host scalar multiplies
+    by its f32 reciprocal, one ulp off for many quotients, which moves those next to an
+    e4m3 midpoint to the other neighbour."""
+    s = torch.full((), float(scale), dtype=torch.float32, device=x.device)
     return (x.float() / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 

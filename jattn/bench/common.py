@@ -184,20 +184,21 @@ def rotated_program(
     calls, which read the first ``stamp_args`` arguments through an elementwise op on it
     (so every call must read one of them), one after them on every output."""
 
+    def bits(x):
+        # a 1-byte float (e4m3) goes to the stamp and the add as its bits
+        one_byte_float = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if one_byte_float else x
+
     def after(x, t0):
         # + 0 unless the stamp hits one value in 2**32: XLA cannot fold it, so a call
-        # reading the result waits for the first stamp. A 1-byte float (e4m3) goes as
-        # its bits.
-        as_bits = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
-        xb = jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x
+        # reading the result waits for the first stamp.
+        xb = bits(x)
         xb = xb + (t0[0] == 0x5EED).astype(xb.dtype)
-        return jax.lax.bitcast_convert_type(xb, x.dtype) if as_bits else xb
+        return jax.lax.bitcast_convert_type(xb, x.dtype) if xb.dtype != x.dtype else xb
 
     def many(*a):
         if stamp is not None:
-            x = a[0]
-            as_bits = jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
-            t0 = stamp(jax.lax.bitcast_convert_type(x, jnp.uint8) if as_bits else x)
+            t0 = stamp(bits(a[0]))
             a = tuple(after(x, t0) for x in a[:stamp_args]) + tuple(a[stamp_args:])
         outs = tuple(step(i, *a) for i in range(n))
         res = _joined(outs) if join else outs
