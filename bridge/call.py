@@ -141,6 +141,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         self._md_call = None  # the same without the fields no jitted body reads (fewer call arguments)
         self.forward_mode = None
         self._loc_t = None  # torch out_cache_loc of the real tokens (torch-writer path)
+        self._loc_stream, self._loc_streams = None, set()  # _loc_t's copy stream; streams ordered after it
         self._num_real_tokens = 0
         self.cuda_graph_metadata = _Bounded(64)  # bucket -> its all-padding device plan
         self._fill_fn = None  # jitted fill_block_decode_seq_lens
@@ -175,8 +176,24 @@ class _BridgeBase(_InputChecks, _PoolViews):
             self._md_sig = self._md_sigs[sig] = self._md_count
         loc = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
         self._loc_t = torch.from_numpy(loc.astype(np.int64)).to(self.device, non_blocking=True)
+        if self._loc_t.is_cuda:
+            self._loc_stream = torch.cuda.current_stream(self.device)
+            self._loc_streams = {self._loc_stream.cuda_stream}
         self._num_real_tokens = num_real_tokens
         return md_dev
+
+    def _planned_loc(self, loc):
+        """The plan's slots ``loc`` (``_loc_t``) for a torch write on the current stream.
+        On a stream other than the planning one (layers under ``backend.stream``, planned
+        outside it), that stream first waits for the planning stream (the slots' copy) and
+        the tensor's memory is kept from reuse until the stream's work is done."""
+        if loc is not None and loc.is_cuda and not torch.cuda.is_current_stream_capturing():
+            cur = torch.cuda.current_stream(loc.device)
+            if cur.cuda_stream not in self._loc_streams:
+                cur.wait_stream(self._loc_stream)
+                loc.record_stream(cur)
+                self._loc_streams.add(cur.cuda_stream)
+        return loc
 
     @property
     def stream(self):

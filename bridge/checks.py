@@ -134,7 +134,7 @@ class _InputChecks:
         a 1-D integer tensor of at least ``n`` slots; its values in ``[0, slots)`` where
         :attr:`check_slot_values` says (never a device sync by default)."""
         if loc is None:
-            return default[:n]
+            return self._planned_loc(default)[:n]
         mode = self.check_slot_values
         if mode not in ("host", "always", "never"):
             raise ValueError(f"check_slot_values={mode!r} must be 'host', 'always' or 'never'")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -118,15 +119,33 @@ def _scale(layer, name: str) -> float:
     return check_scale(s, f"layer.{name}")  # read again only when scale_key changes (layer_spec is cached)
 
 
+class _Same:
+    """A key part equal to another only for the same live object (held weakly): a freed
+    tensor's id may be reused by the next one, whose in-place version starts at 0 too."""
+
+    __slots__ = ("ref", "id")
+
+    def __init__(self, obj):
+        self.ref, self.id = weakref.ref(obj), id(obj)
+
+    def __eq__(self, other):
+        obj = self.ref()
+        return isinstance(other, _Same) and obj is not None and obj is other.ref()
+
+    def __hash__(self):
+        return self.id
+
+
 def scale_key(layer) -> tuple:
     """What identifies ``layer``'s scales without reading a tensor's value (no device sync):
-    per scale, the ``*_float`` attribute, the tensor's identity and its in-place version.
-    A cached spec is read again when it changes (scales loaded after a warm-up call), so
-    the attention reads with the scale the pool's writer uses."""
+    per scale, the ``*_float`` attribute, the tensor itself (held weakly) and its in-place
+    version. A cached spec is read again when it changes (scales loaded after a warm-up
+    call), so the attention reads with the scale the pool's writer uses."""
     key = []
     for name in ("k_scale", "v_scale"):
         s = getattr(layer, name, None)
-        key += [getattr(layer, f"{name}_float", None), id(s), getattr(s, "_version", s)]
+        same = _Same(s) if isinstance(s, torch.Tensor) else s
+        key += [getattr(layer, f"{name}_float", None), same, getattr(s, "_version", None)]
     return tuple(key)
 
 

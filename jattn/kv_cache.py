@@ -138,6 +138,9 @@ class _Pools:
             got, want = getattr(flat, n)[0].shape, _merge_layers(getattr(self, n)[0]).shape
             if tuple(got) != tuple(want):  # a reshape of the same size would reorder the pages silently
                 raise ValueError(f"flat.{n} has shape {tuple(got)}; the flat view of this cache is {tuple(want)}")
+            got_t, want_t = getattr(flat, n)[0].dtype, getattr(self, n)[0].dtype
+            if got_t != want_t:  # an f32 view would turn an FP8 cache into an f32 one
+                raise ValueError(f"flat.{n} is {got_t}; this cache's {n} is {want_t}")
         return dataclasses.replace(
             self, **{n: (getattr(flat, n)[0].reshape(getattr(self, n)[0].shape),) for n in self._POOLS}
         )

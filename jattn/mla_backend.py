@@ -133,17 +133,7 @@ class MLABackend(_PlanningMixin):
         columns of ``c_kv`` as rope). With ``cos_sin_cache``, ``k_pe`` arrives unrotated and
         is rotated here at ``positions`` (i32[T], required), as the fused-rope paths do."""
         self.check_cache(kv_cache)
-        cfg = self.config
-        for name, x, width, field in (
-            ("c_kv", c_kv, cfg.kv_lora_rank, "kv_lora_rank"),
-            ("k_pe", k_pe, cfg.qk_rope_head_dim, "qk_rope_head_dim"),
-        ):
-            if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[1] != 1) or x.shape[-1] != width:
-                raise ValueError(
-                    f"{name} shape {tuple(x.shape)} must be [T, {width}] or [T, 1, {width}] (config.{field})"
-                )
-        if c_kv.shape[0] != k_pe.shape[0]:
-            raise ValueError(f"c_kv has {c_kv.shape[0]} rows and k_pe {k_pe.shape[0]}; they must be equal")
+        self._check_kv_rows(c_kv, k_pe, ("c_kv", "k_pe"))
         rope = MLARope.for_plan(None, cos_sin_cache, is_neox, positions, False)
         if rope is not None:
             k_pe = rope.key(k_pe)
@@ -192,11 +182,26 @@ class MLABackend(_PlanningMixin):
             backend=self.config.kernel_backend,
         )
 
+    def _check_kv_rows(self, c_kv, k_pe, names) -> None:
+        """``c_kv`` / ``k_pe`` (called ``names`` by the caller) against the config's widths."""
+        cfg = self.config
+        for name, x, width, field in (
+            (names[0], c_kv, cfg.kv_lora_rank, "kv_lora_rank"),
+            (names[1], k_pe, cfg.qk_rope_head_dim, "qk_rope_head_dim"),
+        ):
+            if x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[1] != 1) or x.shape[-1] != width:
+                raise ValueError(
+                    f"{name} shape {tuple(x.shape)} must be [T, {width}] or [T, 1, {width}] (config.{field})"
+                )
+        if c_kv.shape[0] != k_pe.shape[0]:
+            raise ValueError(f"{names[0]} has {c_kv.shape[0]} rows and {names[1]} {k_pe.shape[0]}; they must be equal")
+
     def _write(self, layer, kv_cache, metadata, save_kv_cache, k, k_rope, rope=None):
         if not save_kv_cache:
             return kv_cache
         if k is None or k_rope is None:
             raise ValueError("save_kv_cache needs both k (c_kv) and k_rope")
+        self._check_kv_rows(k, k_rope, ("k (c_kv)", "k_rope"))  # before the rope names its cache
         k_rope = k_rope if rope is None else rope.key(k_rope)
         return self.save_kv(layer, kv_cache, metadata.out_cache_loc, k, k_rope)
 

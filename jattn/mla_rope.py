@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.checks import _is_int
 from jattn.reference import FP8_E4M3_MAX, round_to_e4m3
@@ -42,6 +43,9 @@ def _check_cache(cos_sin_cache, rope_dim: int) -> None:
             f"cos_sin_cache is {shape[1]} wide; it must equal the (even) rope width {rope_dim} "
             "(cos in the first half, sin in the second)"
         )
+    dtype = getattr(cos_sin_cache, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"cos_sin_cache.dtype={dtype} must be a float type (cos and sin values)")
     if shape[0] == 0:  # no row to clamp a position to
         raise ValueError(f"cos_sin_cache has no rows (shape {tuple(shape)}); it needs one per position")
 
@@ -55,7 +59,8 @@ def _check_rope_dim(x, rope_dim) -> None:
 def apply_rope(x, positions, cos_sin_cache, *, is_neox: bool = False):
     """``x`` ``[T, ..., r]`` rotated by each token's position; returns f32.
 
-    ``positions`` i32[T] (clamped to the cache's rows), ``cos_sin_cache``
+    ``positions`` int[T] (clamped to the cache's rows: below 0 to row 0, past the end to
+    the last row, compared in their own integer type), ``cos_sin_cache``
     ``[max_position, r]`` (cos then sin). ``is_neox`` picks the pairing: ``(i, i + r/2)``
     if True, interleaved ``(2i, 2i + 1)`` if False.
     """
@@ -63,12 +68,17 @@ def apply_rope(x, positions, cos_sin_cache, *, is_neox: bool = False):
         raise ValueError(f"x must be [tokens, ..., rope_dim], got shape {jnp.shape(x)}")
     r = x.shape[-1]
     _check_cache(cos_sin_cache, r)
+    n = cos_sin_cache.shape[0]
+    if isinstance(positions, (np.ndarray, list, tuple, int, np.integer)):
+        host = np.asarray(positions)  # clamped here: jnp.asarray would wrap int64 without x64
+        if np.issubdtype(host.dtype, np.integer):
+            positions = np.clip(host, 0, n - 1).astype(np.int32)
     positions = jnp.asarray(positions)
     if positions.shape != (x.shape[0],):
         raise ValueError(f"positions has shape {positions.shape}; it must be [{x.shape[0]}] (one per token)")
     if not jnp.issubdtype(positions.dtype, jnp.integer):  # the cast to int32 would truncate
         raise TypeError(f"positions.dtype={positions.dtype} must be an integer type (token positions)")
-    cs = jnp.asarray(cos_sin_cache)[jnp.clip(positions.astype(jnp.int32), 0, cos_sin_cache.shape[0] - 1)]
+    cs = jnp.asarray(cos_sin_cache)[jnp.clip(positions, 0, n - 1).astype(jnp.int32)]
     cs = cs.astype(jnp.float32).reshape((x.shape[0],) + (1,) * (x.ndim - 2) + (r,))
     cos, sin = cs[..., : r // 2], cs[..., r // 2 :]
     xf = x.astype(jnp.float32)

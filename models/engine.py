@@ -113,7 +113,8 @@ class Engine(_Scheduling):
       hold its prompt's whole pages
       too (counted holders: a page goes back to the pool when its last holder ends) and
       prefill only the prompt's tail (at least its last token) into pages of their own,
-      so the prompt's K/V is computed and stored once. Sample ``i`` is seeded ``seed + i``
+      so the prompt's K/V is computed and stored once. If sample 0 ends before they are
+      admitted (on its first token), its prompt pages stay held for them until then. Sample ``i`` is seeded ``seed + i``
       and equals a lone request with that seed.
 
     * **data-parallel MLA** (``EngineConfig.mesh`` with a DeepSeek model): each device of the
@@ -147,6 +148,9 @@ class Engine(_Scheduling):
         self.step_count = 0
         self._inflight: InFlight | None = None  # the launched step not yet read back
         self._fail_at_readback: set[int] = set()  # overlap: rids that cannot grow, failed at read-back
+        # sample 0's rid -> (device, its whole prompt pages, its samples' rids): held after
+        # it finished, for its parallel samples still waiting (see _hold_prefix)
+        self._prefix_holds: dict[int, tuple[int, list[int], tuple]] = {}
         self._last_resolve = 0.0
 
     @property
@@ -267,17 +271,19 @@ class Engine(_Scheduling):
     # ------------------------------------------------------------------ pages
 
     def _shared_prefix(self, r: Request):
-        """For a parallel sample: ``(pages, tokens)`` of its parent's prompt prefix it can
-        share now (whole pages, at least the last prompt token left to prefill), ``None``
-        to wait (the parent will hold them soon), or ``([], 0)`` to prefill alone."""
-        if r.parent is None:
-            return [], 0
-        k = (len(r.prompt) - 1) // self.page_size
-        p = self.requests.get(r.parent)  # (None: released by the caller, so done)
-        if k == 0 or p is None or p.done:
-            return [], 0
+        """For a parallel sample: ``(pages, tokens, device)`` of its parent's prompt prefix
+        it can share now (whole pages, at least the last prompt token left to prefill, on
+        the parent's device), ``None`` to wait (the parent will hold them soon), or
+        ``([], 0, None)`` to prefill alone."""
+        k = 0 if r.parent is None else (len(r.prompt) - 1) // self.page_size
+        if k == 0:
+            return [], 0, None
+        p = self.requests.get(r.parent)  # (None: dropped by the caller, so done)
+        if p is None or p.done:
+            hold = self._prefix_holds.get(r.parent)
+            return (hold[1], k * self.page_size, hold[0]) if hold else ([], 0, None)
         if p.status in ("running", "prefilling") and p.seq_len >= k * self.page_size:
-            return p.pages[:k], k * self.page_size
+            return p.pages[:k], k * self.page_size, p.device
         return None
 
     def _pages_for(self, tokens: int) -> int:
@@ -291,7 +297,33 @@ class Engine(_Scheduling):
     def _finish(self, req: Request, reason: str):
         req.status, req.finish_reason = "finished", reason
         req.finish_time = time.perf_counter()
+        if reason != "abort":
+            self._hold_prefix(req)
         self._release(req)
+
+    def _waiting_samples(self, samples) -> bool:
+        """Whether any of ``samples`` (rids; sample 0 first) past the first still waits."""
+        return any(self.requests[i].status == "waiting" for i in samples[1:] if i in self.requests)
+
+    def _hold_prefix(self, p: Request):
+        """Sample 0 ``p`` ends with samples still waiting (it stopped on its first token,
+        before they were admitted): its whole prompt pages stay held for them, so they
+        share them as they would a running parent's instead of prefilling the prompt again."""
+        k = (len(p.prompt) - 1) // self.page_size
+        if k and p.samples and p.seq_len >= k * self.page_size and self._waiting_samples(p.samples):
+            self.pools[p.device].hold(p.pages[:k])
+            self._prefix_holds[p.rid] = (p.device, list(p.pages[:k]), p.samples)
+
+    def _drop_prefix_holds(self, device: int | None = None) -> bool:
+        """Drops the prefix holds no waiting sample needs any more, and with ``device``
+        every hold on that device (its pool is short); returns whether any was dropped."""
+        dropped = False
+        for rid, (d, pages, samples) in list(self._prefix_holds.items()):
+            if d == device or not self._waiting_samples(samples):
+                del self._prefix_holds[rid]
+                self.pools[d].unref(pages)
+                dropped = True
+        return dropped
 
     def _release(self, req: Request):
         self._fail_at_readback.discard(req.rid)
@@ -301,6 +333,8 @@ class Engine(_Scheduling):
         for queue in (self.running, self.prefilling, self.waiting):
             if req in queue:
                 queue.remove(req)
+        if self._prefix_holds:
+            self._drop_prefix_holds()
 
     def _preempt(self, req: Request):
         """Frees ``req``'s pages and requeues it at the front (recomputed when admitted again)."""
@@ -323,7 +357,10 @@ class Engine(_Scheduling):
         requests as its holder count says (several only for a shared prompt prefix of
         parallel samples), and every request is in exactly one state (and queue)."""
         queues = {"waiting": self.waiting, "prefilling": self.prefilling, "running": self.running}
-        check_invariants(self.pools, list(self.requests.values()), queues, self.page_size)
+        check_invariants(self.pools, list(self.requests.values()), queues, self.page_size, self._prefix_holds)
+        for rid, (_, _, samples) in self._prefix_holds.items():
+            if not self._waiting_samples(samples):
+                raise RuntimeError(f"request {rid}'s prompt pages are held with no sample waiting for them")
 
     def _by_device(self, items, req=lambda x: x):
         """``items`` split into one list per device (order kept)."""
@@ -492,6 +529,8 @@ class Engine(_Scheduling):
         preempted = []
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.kv_cache)):
             self.kv_cache = new_kv_cache(self.model, self.backend, self.config)
+            for d in range(self.dp):  # the held prefixes' K/V are gone too
+                self._drop_prefix_holds(device=d)
             for r in reversed(self.running + self.prefilling):
                 self._preempt(r)
                 preempted.append(r.rid)

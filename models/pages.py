@@ -130,22 +130,27 @@ def cascade_grouping(reqs, page_size: int, batch_buckets, *, always: bool | None
     return order, g, [n for _, n in groups] + [0] * (-(-len(loose) // g))
 
 
-def check_invariants(pools: list[PagePool], requests: list, queues: dict, page_size: int) -> None:
+def check_invariants(
+    pools: list[PagePool], requests: list, queues: dict, page_size: int, prefix_holds: dict | None = None
+) -> None:
     """Raises ``RuntimeError`` unless every page of each pool is either free or held by
-    live requests as its holder count says (several only for a shared prompt prefix of
-    parallel samples), and every request is in exactly one state and in the queue of
+    live requests (and ``prefix_holds``: finished sample 0's rid -> ``(device, pages, ...)``
+    kept for its waiting samples) as its holder count says (several only for a shared
+    prompt prefix of parallel samples), and every request is in exactly one state and in the queue of
     ``queues`` (name -> list) that its state names, holding pages only while prefilling
     or running, enough for the tokens it caches."""
     for d, pool in enumerate(pools):
         mine = [r for r in requests if r.device == d]
+        holds = {rid: h[1] for rid, h in (prefix_holds or {}).items() if h[0] == d}
         held: dict[int, int] = {}
-        for r in mine:
-            for p in r.pages:
+        for pages in [r.pages for r in mine] + list(holds.values()):
+            for p in pages:
                 held[p] = held.get(p, 0) + 1
         pool.check(held, f"device {d}'s pool" if len(pools) > 1 else "the pool")
         for p, n in held.items():
             if n > 1:
                 roots = {r.rid if r.parent is None else r.parent for r in mine if p in r.pages}
+                roots |= {rid for rid, pages in holds.items() if p in pages}
                 if len(roots) != 1:
                     raise RuntimeError(f"page {p} is held by requests of different prompts")
     for r in requests:

@@ -40,13 +40,15 @@ class _Scheduling:
             share = self._shared_prefix(r)
             if share is None:  # a sample whose parent is still prefilling: it and those behind it wait
                 break
-            d = self.requests[r.parent].device if r.parent is not None and share[0] else place(self.pools, held, room)
+            shared, cached, parent_device = share
+            d = parent_device if shared else place(self.pools, held, room)
             if d is None or not room[d]:
                 break
             pool = self.pools[d]
-            shared, cached = share
             need = self._pages_for(r.num_tokens) - len(shared)
             if need > pool.num_free:
+                if not held[d] and self._drop_prefix_holds(device=d):
+                    continue  # a finished parent's held prefix was all that blocked it
                 if not held[d]:  # nothing will free pages there
                     self._fail(
                         r,
@@ -67,6 +69,8 @@ class _Scheduling:
             budget[d] -= n
             count[d] += 1
             held[d] += 1
+        if self._prefix_holds:
+            self._drop_prefix_holds()  # those whose last waiting sample was just admitted
         return batch
 
     def _grow_for_decode(self) -> list[Request]:

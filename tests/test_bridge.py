@@ -740,6 +740,30 @@ def test_gpu_torch_writer_engine():
 
 
 @pytest.mark.gpu
+def test_gpu_torch_writer_planned_off_the_layer_stream():
+    """Planned on torch's default stream while it is busy, layers run on ``backend.stream``:
+    the plan's slot tensor (copied on the default stream) was read by the torch writer on
+    the layer stream without waiting for that copy, and its memory could be reused while
+    still read. The layer stream now waits for the planning stream once per plan."""
+    cfg, pool = mha_setup(num_pages=64, page_size=16, d=128, hq=8, hkv=8, layers=1, context_len=1024)
+    be = TorchMHABackend(cfg, sync="stream", kv_writer="torch")
+    assert be.stream is not None
+    layer = AttentionLayer(0, 8, 8, 128)
+    r2p = torch.randperm(63, dtype=torch.int32)[:64].add(1).view(1, -1)
+    q = torch.ones(1, 8 * 128, dtype=torch.bfloat16, device=DEV)
+    for step, seq in enumerate((17, 40, 97, 3)):
+        torch.cuda._sleep(50_000_000)  # the default stream is busy: the slots' copy waits
+        be.init_forward_metadata(1, 0, torch.tensor([0]), torch.tensor([seq]), r2p, ForwardMode.DECODE)
+        k = torch.full((1, 8 * 128), float(step + 1), dtype=torch.bfloat16, device=DEV)
+        with torch.cuda.stream(be.stream):
+            be.forward_decode(q, k, k, layer, None, pool, 1, save_kv_cache=True)
+        torch.cuda.synchronize()
+        slot = int(r2p[0, (seq - 1) // 16]) * 16 + (seq - 1) % 16
+        got = pool.get_key_buffer(0).reshape(-1, 8 * 128)[slot].float()
+        assert torch.equal(got, torch.full_like(got, step + 1)), (seq, got[:4])
+
+
+@pytest.mark.gpu
 def test_gpu_no_memory_growth():
     rng = np.random.default_rng(0)
     cfg, pool = mha_setup(num_pages=4096, page_size=16, d=128, hq=8, hkv=2)
@@ -1913,3 +1937,29 @@ def test_fp8_pool_write_is_the_ieee_quotient_on_every_device():
     for got, want in ((pool.k_buffer[0], nk), (pool.v_buffer[0], nv)):
         want = np.asarray(want).reshape(n, 2, 32).view(np.uint8)
         np.testing.assert_array_equal(got.view(torch.uint8).cpu().numpy(), want)
+
+
+# ----------------------------------------------------------------------------- review of 2026-12-06 (ninth session)
+
+
+def test_a_scale_tensor_replaced_at_the_freed_ones_address_is_read_again():
+    """The layer's cached spec (and the fast path's plan) were keyed by the scale tensor's
+    ``id`` and version: a new tensor at a freed one's address (version 0 again) kept the
+    old scale for the pool's writes and the attention."""
+    cfg = MHAConfig(
+        num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4, context_len=64, num_pages=64,
+        kv_cache_dtype="float8_e4m3fn", kernel_backend="xla",
+    )  # fmt: skip
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 4, 2, 32, k_scale=torch.tensor(1.0), v_scale=1.0)
+    assert be._spec(layer).k_scale == 1.0
+    for _ in range(500):  # CPython hands a freed tensor's address to the next one, mostly at once
+        old = id(layer.k_scale)
+        layer.k_scale = None
+        layer.k_scale = torch.tensor(4.0)
+        if id(layer.k_scale) == old:
+            break
+        layer.k_scale = torch.tensor(1.0)
+        assert be._spec(layer).k_scale == 1.0
+    assert id(layer.k_scale) == old, "no address was reused: the case did not arise"
+    assert be._spec(layer).k_scale == 4.0

@@ -63,6 +63,9 @@ def test_unflat_needs_the_flat_views_shape():
         ValueError, match=r"flat.k has shape \(4, 8, 1, 8\); the flat view of this cache is \(8, 4, 1, 8\)"
     ):
         cache.unflat(other)
+    fp8 = PagedKVCache.create(num_layers=2, stacked=True, **{**SHAPE, "dtype": "float8_e4m3fn"})
+    with pytest.raises(ValueError, match=r"flat.k is float32; this cache's k is float8_e4m3fn"):
+        fp8.unflat(cache.flat())  # same shape, another dtype: was an f32 cache silently
     rng = np.random.default_rng(0)
     full = PagedKVCache(
         k=tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in cache.k),

@@ -2,6 +2,8 @@
 ``cos_sin_cache``), the FP8 latent write, and the MLA CUDA-graph helpers, against
 hand-written float64 numpy."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -327,6 +329,40 @@ def test_save_kv_and_prefix_chunk_fused_rope():
     ):
         with pytest.raises(ValueError, match="cos_sin_cache needs positions"):
             call()
+
+
+def test_rope_clamps_positions_in_their_own_type_and_refuses_an_integer_cache():
+    """Positions were cast to int32 before the clamp: uint32 2^31 + 3 and int64 2^32 + 3
+    (which ``jnp.asarray`` wraps without x64) rotated as row 0 or row 3, not the last row.
+    An integer ``cos_sin_cache`` was accepted."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 2, 4)), jnp.float32)
+    cs_np = np_cos_sin(16, 4)
+    cs = jnp.asarray(cs_np, jnp.float32)
+    want = np_rope(np.asarray(x), np.array([15, 15, 0, 15]), cs_np, False)
+    for pos in (
+        np.array([2**31 + 3, 2**32 + 3, -7, 16], np.int64),
+        np.array([2**31 + 3, 2**32 - 1, 0, 16], np.uint32),
+        jnp.array([2**31 + 3, 2**32 - 1, 0, 16], jnp.uint32),
+    ):
+        np.testing.assert_allclose(np.asarray(apply_rope(x, pos, cs)), want, atol=2e-6, rtol=1e-5)
+    with pytest.raises(TypeError, match="cos_sin_cache.dtype=int32 must be a float type"):
+        apply_rope(x, np.arange(4), jnp.ones((16, 4), jnp.int32))
+
+
+def test_mla_backend_names_k_rope_before_the_fused_rope_checks_its_cache():
+    """A ``k_rope`` of the wrong width with ``cos_sin_cache`` was reported as a bad
+    ``cos_sin_cache`` (the rope ran before the width check)."""
+    rng = np.random.default_rng(15)
+    cfg, be, layer, cache, _ = _setup(rng, "float32")
+    h, big_r, r = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    md = be.init_forward_metadata(2, np.arange(2), np.array([5, 3]), _pages(rng, [5, 3], 8, 24, 12), ForwardMode.DECODE)
+    z = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    cs = jnp.asarray(np_cos_sin(cfg.context_len, r), jnp.float32)
+    for k_rope in (z(4, r - 2), z(4, 2, r)):
+        with pytest.raises(ValueError, match=rf"k_rope shape {re.escape(str(k_rope.shape))} must be \[T, {r}\]"):
+            be.forward_decode(
+                z(4, h, big_r), z(4, big_r), None, layer, cache, md, q_rope=z(4, h, r), k_rope=k_rope, cos_sin_cache=cs
+            )
 
 
 def test_mla_backend_refuses_misshapen_rope_and_latent_inputs():

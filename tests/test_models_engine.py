@@ -586,6 +586,51 @@ def test_parallel_samples_share_the_prompt_pages(llama):
     assert len({tuple(r.output_tokens) for r in eng.samples(rids[0])}) > 1  # the seeds differ
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parallel_samples_share_a_prompt_whose_parent_ended_on_its_first_token(llama, overlap):
+    """``max_new_tokens=1`` (scoring): sample 0 ends at the read-back of its prefill,
+    before its samples are admitted without overlap. Its whole prompt pages stay held for
+    them (holders checked every step), so they prefill only the tail; the hold goes once
+    the last sample is admitted, and every page comes back. A prompt that is aborted,
+    and a held prefix in a pool too small for a request queued ahead, drop the hold."""
+    prompt = _prompts(21, lens=(13,))[0]
+    sp = SamplingParams(max_new_tokens=1, temperature=1.0, seed=3, n=4)
+    eng = _engine(llama, overlap=overlap)
+    rid = eng.add_request(prompt, sp)
+    held_seen = False
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+        held_seen |= bool(eng._prefix_holds)
+    assert held_seen != overlap  # with overlap the samples are admitted before the read-back
+    assert eng.metrics.shared_tokens == 3 * 12 and not eng._prefix_holds
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1
+    for i, r in enumerate(eng.samples(rid)):
+        assert r.status == "finished", r.error
+        assert r.output_tokens == _solo(llama, prompt, dataclasses.replace(sp, n=1, seed=3 + i)), i
+    if overlap:
+        return
+    # Aborting the samples while held: the hold goes with them.
+    rid = eng.add_request(prompt, sp)
+    eng.step()
+    assert eng._prefix_holds
+    eng.abort(rid)
+    eng.check_invariants()
+    assert not eng._prefix_holds and eng.allocator.num_free == eng.allocator.num_pages - 1
+    # 9 usable pages: sample 0 of 13 tokens holds 3 after it ends; a preempted-like request
+    # of 32 tokens (8 pages) queued ahead of its samples needs them back.
+    eng = _engine(llama, overlap=False, num_pages=10)
+    rid = eng.add_request(prompt, sp)
+    eng.step()
+    assert eng._prefix_holds and eng.allocator.num_free == 9 - 3
+    big = eng.add_request(_prompts(22, lens=(32,))[0], SamplingParams(max_new_tokens=1))
+    eng.waiting.insert(0, eng.waiting.pop())
+    _drain(eng)
+    assert eng.requests[big].status == "finished", eng.requests[big].error
+    assert all(r.status == "finished" for r in eng.samples(rid))
+    assert eng.allocator.num_free == 9
+
+
 def test_parallel_samples_under_preemption_and_greedy(llama):
     """A pool too small for every sample at once: samples are preempted and recomputed
     (sharing again when their parent runs), pages never leak, greedy samples equal the
