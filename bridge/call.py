@@ -176,6 +176,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
             self._md_sig = self._md_sigs[sig] = self._md_count
         loc = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
         self._loc_t = torch.from_numpy(loc.astype(np.int64)).to(self.device, non_blocking=True)
+        self._loc_stream, self._loc_streams = None, set()
         if self._loc_t.is_cuda:
             self._loc_stream = torch.cuda.current_stream(self.device)
             self._loc_streams = {self._loc_stream.cuda_stream}
@@ -187,7 +188,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         On a stream other than the planning one (layers under ``backend.stream``, planned
         outside it), that stream first waits for the planning stream (the slots' copy) and
         the tensor's memory is kept from reuse until the stream's work is done."""
-        if loc is not None and loc.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if loc is self._loc_t and self._loc_stream is not None and not torch.cuda.is_current_stream_capturing():
             cur = torch.cuda.current_stream(loc.device)
             if cur.cuda_stream not in self._loc_streams:
                 cur.wait_stream(self._loc_stream)

@@ -1893,8 +1893,8 @@ def test_fp8_pool_divides_an_e4m3_input_by_its_scale_as_the_core_does():
     loc = torch.tensor([5, 6, 7])
     pool.set_kv_buffer(AttentionLayer(0, 4, 2, 32), loc, k8, k8, k_scale=0.5, v_scale=0.25)
     kc = jnp.zeros((4, 4, 2, 32), jnp.float8_e4m3fn)
-    nk, nv = jattn.set_kv_buffer(kc, kc, jnp.asarray(loc.numpy(), jnp.int32), to_jax(k8), to_jax(k8),
-                                 k_scale=0.5, v_scale=0.25)  # fmt: skip
+    k8j = jax.lax.bitcast_convert_type(jnp.asarray(k8.view(torch.uint8).numpy()), jnp.float8_e4m3fn)  # any backend
+    nk, nv = jattn.set_kv_buffer(kc, kc, jnp.asarray(loc.numpy(), jnp.int32), k8j, k8j, k_scale=0.5, v_scale=0.25)
     for got, want in ((pool.k_buffer[0], nk), (pool.v_buffer[0], nv)):
         want = np.asarray(want).reshape(16, 2, 32)[loc.numpy()].view(np.uint8)
         np.testing.assert_array_equal(got[loc].view(torch.uint8).numpy(), want)
