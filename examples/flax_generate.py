@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args()
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens={args.max_new_tokens} must be an integer >= 1")
     model, encode, decode, stop_ids = load(args.tiny)
     prompts = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish."]
     ids = [encode(p) for p in prompts]

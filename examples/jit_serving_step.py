@@ -57,7 +57,13 @@ def main():
         print(
             f"step {step:3d}: {info.mode:6s} batch={len(info.rids):2d} running={len(engine.running):2d} "
             f"free pages={engine.allocator.num_free:3d} compilations={engine.metrics.compilations}"
-            + (" (compiled)" if info.compiled else f" {1e3 * info.seconds:6.2f} ms")
+            + (
+                " (compiled)"
+                if info.compiled
+                else " (in flight)"  # overlap: launched, read back by the next step() call
+                if info.seconds is None
+                else f" {1e3 * info.seconds:6.2f} ms"
+            )
             + "".join(
                 f"  [request {i} done: {len(engine.requests[i].output_tokens)} tokens, "
                 f"{engine.requests[i].finish_reason}]"

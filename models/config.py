@@ -412,8 +412,28 @@ class DeepseekConfig:
                 f"scoring_func={self.scoring_func!r} with topk_method={self.topk_method!r} is not a supported "
                 f"router (sigmoid: noaux_tc; softmax: greedy or group_limited_greedy)"
             )
-        if self.first_k_dense_replace < self.num_layers and self.n_routed_experts <= 0:
+        if self.first_k_dense_replace < self.num_layers:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The routing settings of the MoE layers (a wrong one routed to no expert silently,
+        or failed inside the first step with a reshape or top_k error)."""
+        e, k, g, tg = self.n_routed_experts, self.num_experts_per_tok, self.n_group, self.topk_group
+        if e <= 0:
             raise ValueError("MoE layers need n_routed_experts > 0 (or first_k_dense_replace=num_layers)")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be > 0 for the MoE layers")
+        if not 1 <= k <= e:
+            raise ValueError(f"num_experts_per_tok={k} must be in [1, n_routed_experts={e}]")
+        if self.topk_method in ("noaux_tc", "group_limited_greedy"):  # the routers that pick groups first
+            if g < 1 or e % g:
+                raise ValueError(f"n_group={g} must divide n_routed_experts={e}")
+            if not 1 <= tg <= g:
+                raise ValueError(f"topk_group={tg} must be in [1, n_group={g}]")
+            if k > tg * (e // g):
+                raise ValueError(
+                    f"num_experts_per_tok={k} exceeds the {tg * (e // g)} experts of topk_group={tg} groups of {e // g}"
+                )
 
     def replace(self, **kw) -> "DeepseekConfig":
         return dataclasses.replace(self, **kw)
@@ -560,6 +580,8 @@ class DeepseekConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         v2 = d.get("model_type") == "deepseek_v2"  # its configs leave the softmax router implicit
+        if d.get("moe_layer_freq", 1) != 1:  # every layer from first_k_dense_replace on is MoE here
+            raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
         out = dict(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],

@@ -14,8 +14,11 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from jattn.models.engine import Engine, EngineConfig, SamplingParams
+
+F32_MAX = float(np.finfo(np.float32).max)  # SamplingParams' temperature limit
 
 DEMO_PROMPTS = (
     "What is the capital of France?",
@@ -168,6 +171,8 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="drop tokens under min-p x the top one's (default 0)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (and the random model's)")
     ap.add_argument(
         "--dtype",
@@ -193,10 +198,12 @@ def _checked_options(ap: argparse.ArgumentParser, args) -> None:
         ("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
         (
             "--temperature",
-            math.isfinite(args.temperature) and args.temperature >= 0,
-            "a finite number >= 0 (0 is greedy)",
+            math.isfinite(args.temperature) and 0 <= args.temperature <= F32_MAX,
+            f"a finite number >= 0 (0 is greedy) and <= {F32_MAX:.4g} (what an f32 holds)",
         ),
         ("--top-p", 0 < args.top_p <= 1, "a number in (0, 1]"),
+        ("--top-k", 0 <= args.top_k < 2**31, "an integer >= 0 (0: all tokens)"),
+        ("--min-p", 0 <= args.min_p <= 1, "a number in [0, 1]"),
         ("--page-size", args.page_size >= 1, "an integer >= 1"),
         ("--max-context", args.max_context >= 2, "an integer >= 2 (prompt + output tokens)"),
     ]
@@ -237,6 +244,8 @@ def _run(args, prompts) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         # a checkpoint's end ids past its vocabulary (tiny test models) can never be sampled
         stop_token_ids=tuple(i for i in tok.stop_ids() if 0 <= i < model.config.vocab_size),
@@ -246,7 +255,10 @@ def _run(args, prompts) -> int:
     print(f"device:  {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend: {describe_backend(backend, ops)}")
     sampling = (
-        "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-p {args.top_p}, seed {args.seed}"
+        "greedy"
+        if args.temperature <= 0
+        else f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
+        f"min-p {args.min_p}, seed {args.seed}"
     )
     print(f"serving: {len(prompts)} concurrent requests, continuous batching, page size {args.page_size}, {sampling}")
     t0 = time.perf_counter()

@@ -147,7 +147,6 @@ class Engine(_Scheduling):
         self._next_rid = 0
         self.step_count = 0
         self._inflight: InFlight | None = None  # the launched step not yet read back
-        self._fail_at_readback: set[int] = set()  # overlap: rids that cannot grow, failed at read-back
         # sample 0's rid -> (device, its whole prompt pages, its samples' rids): held after
         # it finished, for its parallel samples still waiting (see _hold_prefix)
         self._prefix_holds: dict[int, tuple[int, list[int], tuple]] = {}
@@ -326,7 +325,6 @@ class Engine(_Scheduling):
         return dropped
 
     def _release(self, req: Request):
-        self._fail_at_readback.discard(req.rid)
         if req.pages:
             self.pools[req.device].unref(req.pages)
             req.pages = []
@@ -373,13 +371,13 @@ class Engine(_Scheduling):
         """Launches the jitted step (JAX dispatches it asynchronously); returns (next
         tokens as a device array, launch time, compiled?). Rows with ``src[i] >= 0`` take
         their input token from row ``src[i]`` of the step in flight, on the device."""
-        temp, top_p, seeds, counters, greedy_only = sampling_arrays(groups, bs_pad, self._pending)
+        temp, top_p, seeds, counters, top_k, min_p, greedy_only = sampling_arrays(groups, bs_pad, self._pending)
         if (src >= 0).any():
             tokens = feed_tokens(self._inflight.nxt, src, tokens)
         before = self._traces[0]
         t0 = time.perf_counter()
         nxt, self.kv_cache = self._step(
-            self.params, self.kv_cache, tokens, md, temp, top_p, seeds, counters, greedy_only=greedy_only
+            self.params, self.kv_cache, tokens, md, temp, top_p, seeds, counters, top_k, min_p, greedy_only=greedy_only
         )
         compiled = self._traces[0] > before
         if compiled:  # tracing and compiling ran in the call
@@ -493,8 +491,6 @@ class Engine(_Scheduling):
             if f.mode == "extend" and r.first_token_time is None:
                 r.first_token_time = now
             self._accept(r, int(nxt[i]))
-            if r.rid in self._fail_at_readback and not r.done:
-                self._fail_exhausted(r)
         return StepInfo(f.mode, tuple(r.rid for r in f.reqs), compiled=f.compiled, seconds=dt)
 
     def _accept(self, r: Request, tok: int):
@@ -510,11 +506,9 @@ class Engine(_Scheduling):
 
     def _sits_out(self, r: Request) -> bool:
         """Whether running request ``r`` gets no decode row now (overlap mode): its token in
-        flight ends it by length, or it cannot grow and fails when that token is read back."""
+        flight ends it by length."""
         if r.rid not in self._pending:
             return False
-        if r.rid in self._fail_at_readback:
-            return True
         return len(r.output_tokens) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.config.max_context
 
     def _step_failed(self, mode: str, reqs: list[Request], err: Exception) -> StepInfo:
@@ -574,7 +568,7 @@ class Engine(_Scheduling):
         if launched is not None:
             self._inflight = launched
             if self.config.overlap:
-                info = StepInfo(mode, tuple(r.rid for r in reqs), compiled=launched.compiled)
+                info = StepInfo(mode, tuple(r.rid for r in reqs), compiled=launched.compiled, seconds=None)
             else:
                 info = self._resolve(launched)
         else:

@@ -162,7 +162,7 @@ class StepInfo:
     finished: tuple = ()  # requests that finished (or failed) during the step
     preempted: tuple = ()  # requests whose pages were taken back (requeued, recomputed later)
     compiled: bool = False
-    seconds: float = 0.0
+    seconds: float | None = 0.0  # the step's time; None for one launched and not yet read back (overlap)
     error: str | None = None  # the step raised: its requests failed with this message
 
 

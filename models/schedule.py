@@ -91,13 +91,9 @@ class _Scheduling:
                 continue
             same = [x for x in self.running if x.device == r.device]  # only when the pool ran out
             if len(same) == 1:
-                if r.rid in self._pending:
-                    # Overlap: its token in flight is accepted first, as the plain loop
-                    # would have (it may end the request); it fails at that read-back.
-                    self._fail_at_readback.add(r.rid)
-                    i += 1
-                else:
-                    self._fail_exhausted(r)  # leaves self.running: i is the next request
+                # (With overlap, a pool this short made step() read the step in flight back
+                # first: the request's last token is accepted, as in the plain loop.)
+                self._fail_exhausted(r)  # leaves self.running: i is the next request
             else:
                 victim = same[-1]  # the most recently admitted on that device
                 self._preempt(victim)

@@ -93,15 +93,17 @@ def step_compiler_options(model: nnx.Module, command_buffers: bool | str = True)
 
 
 def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = True, on_trace=None):
-    """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, *,
-    greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the cache donated.
+    """``step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters,
+    top_k, min_p, *, greedy_only) -> (next_tokens i32[bs_bucket], kv_cache)``, jitted, the
+    cache donated.
 
     ``params`` is the model state's leaves as a flat tuple (:func:`state_leaves`): the
     jit flattens a tuple of arrays in C++, while flattening the ``nnx.State`` itself is
     Python work on every call (host time compared in docs/PERF.md, serving loop).
     ``tokens`` i32[num_tokens] (decode: one per row; extend: the token bucket); ``metadata``
-    a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` f32[bs_bucket],
-    ``seeds`` / ``counters`` i32[bs_bucket] (see :func:`sample_tokens`). The token sampled
+    a ``DecodeMetadata`` or ``ExtendMetadata``; ``temperature`` / ``top_p`` / ``min_p``
+    f32[bs_bucket], ``seeds`` / ``counters`` / ``top_k`` i32[bs_bucket] (see
+    :func:`sample_tokens`). The token sampled
     for row b is read at the row's last new token (a row with no new tokens, as a padding
     row, gets a meaningless token: the engine never reads it). A data-parallel plan
     (``jattn.sharding.stack_plans``) has ``n`` devices' rows and tokens one after the other."""
@@ -115,7 +117,7 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
         split = NamedSharding(backend.mesh, PartitionSpec(backend.axis))
         whole = NamedSharding(backend.mesh, PartitionSpec())
 
-    def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, greedy_only):
+    def step(params, kv_cache, tokens, metadata, temperature, top_p, seeds, counters, top_k, min_p, greedy_only):
         if on_trace is not None:
             on_trace(metadata)
         if dp:
@@ -134,7 +136,9 @@ def make_step_fn(model: nnx.Module, backend, *, command_buffers: bool | str = Tr
             q = metadata.max_seqlen_q
             last = jnp.arange(metadata.batch_size, dtype=jnp.int32) * q + (q - 1)
         logits = m.logits(hidden[last])
-        nxt = sample_tokens(logits, temperature, top_p, seeds, counters, greedy_only=greedy_only)
+        nxt = sample_tokens(
+            logits, temperature, top_p, seeds, counters, greedy_only=greedy_only, top_k=top_k, min_p=min_p
+        )
         if dp:
             nxt = jax.lax.with_sharding_constraint(nxt, whole)
         return nxt, kv_cache

@@ -126,7 +126,10 @@ def test_cli_refuses_an_unknown_backend_and_bench(capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens 0: must be an integer >= 1"),
         (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0 (0 is greedy)"),
         (["--temperature", "nan"], "--temperature nan: must be a finite number >= 0"),
+        (["--temperature", "1e39"], "--temperature 1e+39: must be a finite number >= 0 (0 is greedy) and <= 3.403e+38"),
         (["--top-p", "2"], "--top-p 2.0: must be a number in (0, 1]"),
+        (["--top-k", "-1"], "--top-k -1: must be an integer >= 0 (0: all tokens)"),
+        (["--min-p", "nan"], "--min-p nan: must be a number in [0, 1]"),
         (["--page-size", "0"], "--page-size 0: must be an integer >= 1"),
         (["--max-context", "1"], "--max-context 1: must be an integer >= 2"),
     ],
@@ -360,4 +363,13 @@ def test_jax_examples_run(script, argv, monkeypatch, capsys):
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
         assert e.code in (None, 0), e.code
-    assert capsys.readouterr().out.strip()
+    out = capsys.readouterr().out
+    assert out.strip() and " 0.00 ms" not in out  # an overlapped step's time is not known at launch
+
+
+def test_flax_generate_example_refuses_no_new_tokens(monkeypatch, capsys):
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_generate.py"
+    monkeypatch.setattr(sys, "argv", ["flax_generate.py", "--tiny", "--max-new-tokens", "0"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(path), run_name="__main__")
+    assert e.value.code == 2 and "--max-new-tokens=0 must be an integer >= 1" in capsys.readouterr().err

@@ -9,6 +9,8 @@ several concurrent requests of different lengths and permuted pages; greedy gene
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -300,3 +302,27 @@ def test_deepseek_router_pairs_are_checked():
     with pytest.raises(ValueError, match="scoring_func='softmax' with topk_method='noaux_tc'"):
         DeepseekConfig.tiny(scoring_func="softmax", topk_method="noaux_tc")
     assert DeepseekConfig.deepseek_v2_lite().scoring_func == "softmax"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_experts_per_tok=0), r"num_experts_per_tok=0 must be in \[1, n_routed_experts=8\]"),
+        (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 must be in \[1, n_routed_experts=8\]"),
+        (dict(n_group=3), "n_group=3 must divide n_routed_experts=8"),
+        (dict(topk_group=3), r"topk_group=3 must be in \[1, n_group=2\]"),
+        (dict(topk_group=1, num_experts_per_tok=5), "num_experts_per_tok=5 exceeds the 4 experts of topk_group=1"),
+        (dict(moe_intermediate_size=0), "moe_intermediate_size=0 must be > 0"),
+    ],
+)
+def test_deepseek_moe_routing_settings_are_checked(kw, match):
+    """A router of 0 experts ran with MoE layers adding nothing; groups that do not divide
+    the experts, or more groups / experts than there are, failed inside the first step."""
+    base = dict(first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2)
+    base.update(n_group=2, topk_group=2)
+    DeepseekConfig.tiny(**base)  # the base is valid
+    with pytest.raises(ValueError, match=match):
+        DeepseekConfig.tiny(**{**base, **kw})
+    d = dataclasses.asdict(DeepseekConfig.deepseek_v2_lite())
+    with pytest.raises(ValueError, match="moe_layer_freq=2 is not supported"):
+        DeepseekConfig.from_hf({"model_type": "deepseek_v2", "moe_layer_freq": 2, **d})

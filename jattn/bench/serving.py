@@ -96,7 +96,7 @@ def _decode_step_call(engine: Engine, bs: int, seq_len: int):
     z = np.zeros(md.batch_size, np.float32)
     zi = np.zeros(md.batch_size, np.int32)
     md = jax.device_put(md)
-    args = (tokens, md, z, z + 1, zi, zi)
+    args = (tokens, md, z, z + 1, zi, zi, zi, z)  # temperature, top_p, seeds, counters, top_k, min_p
 
     def call():
         out, engine.kv_cache = engine._step(engine.params, engine.kv_cache, *args, greedy_only=True)
