@@ -41,6 +41,7 @@ from jattn.plan_inputs import (
     _check_writes,
     _positive_int,
     _resolve_page_table,
+    extend_prefix,
 )
 
 DUMMY_PAGE = 0
@@ -522,18 +523,7 @@ def plan_extend(
     sl = _as_int_array(seq_lens, "seq_lens", 1)
     ext = _as_int_array(extend_seq_lens, "extend_seq_lens", 1)
     bs = sl.shape[0]
-    if ext.shape[0] != bs:
-        raise ValueError(f"extend_seq_lens has {ext.shape[0]} entries but seq_lens has {bs}")
-    if (ext < 0).any():
-        raise ValueError(f"extend_seq_lens[{int(np.argmax(ext < 0))}] is negative")
-    prefix = sl - ext
-    if (prefix < 0).any():
-        b = int(np.argmax(prefix < 0))
-        raise ValueError(f"extend_seq_lens[{b}]={ext[b]} exceeds seq_lens[{b}]={sl[b]}")
-    if extend_prefix_lens is not None:
-        given = _as_int_array(extend_prefix_lens, "extend_prefix_lens", 1)
-        if given.shape != prefix.shape or (given != prefix).any():
-            raise ValueError("lengths inconsistent: extend_prefix_lens + extend_seq_lens != seq_lens")
+    prefix = extend_prefix(sl, ext, extend_prefix_lens)
     num_pages = _check_num_pages(num_pages)
     pt = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
     _check_pages(pt, sl, page_size, num_pages)

@@ -34,6 +34,9 @@ def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.size and a.dtype == np.uint64 and (a > np.iinfo(np.int64).max).any():  # the cast would wrap
+        i = int(np.argmax(a > np.iinfo(np.int64).max))
+        raise ValueError(f"{name}[{i}]={int(a.flat[i])} overflows int64")
     return a.astype(np.int64)
 
 
@@ -155,3 +158,30 @@ def _check_host_lengths(table: np.ndarray, lens: np.ndarray, num_reqs: int, page
     slots = table[rows, pos // page_size] * page_size + pos % page_size
     _check_unique_slots(slots, page_size, tokens=lambda i, j: f"new tokens of requests {rows[i]} and {rows[j]}")
     _check_writes(table[:num_reqs], c, new, page_size, real)
+
+
+def extend_prefix(sl: np.ndarray, ext: np.ndarray, extend_prefix_lens=None) -> np.ndarray:
+    """Each request's cached prefix ``seq_lens - extend_seq_lens`` (int64 arrays), checked:
+    equal counts, no negative length, and ``extend_prefix_lens`` (if given) equal to it."""
+    bs = sl.shape[0]
+    if ext.shape[0] != bs:
+        raise ValueError(f"extend_seq_lens has {ext.shape[0]} entries but seq_lens has {bs}")
+    for name, a in (("extend_seq_lens", ext), ("seq_lens", sl)):
+        if (a < 0).any():
+            b = int(np.argmax(a < 0))
+            raise ValueError(f"{name}[{b}]={a[b]} is negative")
+    prefix = sl - ext
+    if (prefix < 0).any():
+        b = int(np.argmax(prefix < 0))
+        raise ValueError(f"extend_seq_lens[{b}]={ext[b]} exceeds seq_lens[{b}]={sl[b]}")
+    if extend_prefix_lens is not None:
+        given = _as_int_array(extend_prefix_lens, "extend_prefix_lens", 1)
+        if given.shape != prefix.shape:
+            raise ValueError(f"extend_prefix_lens has {given.shape[0]} entries but seq_lens has {bs}")
+        if (given != prefix).any():
+            b = int(np.argmax(given != prefix))
+            raise ValueError(
+                f"lengths inconsistent: extend_prefix_lens[{b}]={given[b]} + extend_seq_lens[{b}]={ext[b]} "
+                f"!= seq_lens[{b}]={sl[b]}"
+            )
+    return prefix

@@ -38,7 +38,8 @@ def _check_plan(metadata, kv_cache) -> None:
     if bound > have:
         raise ValueError(
             f"metadata.num_pages={bound} exceeds the KV cache's {have} pages: the plan's page_table "
-            f"ids were checked against {bound} and may read or write past the pool"
+            f"ids were checked against {bound} and may read or write past the pool (data-parallel: "
+            "plan each device against its own pool's pages)"
         )
 
 
@@ -102,7 +103,9 @@ class _PlanningMixin:
           extend_prefix_lens: optional int[>= bs], checked against the lengths.
           num_pages: the KV cache's page count, the bound of the page ids when
             ``config.num_pages`` is None (see :meth:`page_bound`).
-          kwargs: passed to :func:`jattn.plan_extend` (token buckets) for extends.
+          kwargs: ``batch_buckets`` (overrides the backend's, e.g. one bucket for every
+            device's plan of a data-parallel step); for extends the rest go to
+            :func:`jattn.plan_extend` (token buckets); decode modes ignore the rest.
         """
         mode = ForwardMode.parse(forward_mode)
         cfg = self.config
@@ -121,7 +124,7 @@ class _PlanningMixin:
             page_size=cfg.page_size,
             req_to_page=np.asarray(req_to_page),
             req_pool_indices=np.asarray(req_pool_indices)[:bs],
-            batch_buckets=self.batch_buckets,
+            batch_buckets=kwargs.pop("batch_buckets", self.batch_buckets),
             max_pages=cfg.max_num_pages,
             num_pages=self.page_bound(num_pages),
         )
@@ -241,8 +244,9 @@ class _PlanningMixin:
     def fill_block_decode_seq_lens(self, metadata: DecodeMetadata, bs, block_seq_lens) -> DecodeMetadata:
         """DFLASH draft block: the plan with each of the first ``bs`` requests' length set
         to its block-end length ``block_seq_lens`` i32[>= bs] (prefix + block), clamped
-        to ``[spec_num_tokens, context_len]``. Jittable (``bs`` may be traced): the
-        drafter calls it inside its jitted step; write slots and positions are
+        to ``[spec_num_tokens, context_len]`` (a length of 0 keeps a padding row empty).
+        Jittable (``bs`` may be traced): the drafter calls it inside its jitted step;
+        write slots and positions are
         re-derived on the device from the plan's page table, which for a DRAFT_BLOCK
         plan keeps each request's whole ``req_to_page`` row (the block's pages must be
         there, as they must be in the upstream engine's table).
@@ -250,7 +254,8 @@ class _PlanningMixin:
         if metadata.forward_mode is not ForwardMode.DRAFT_BLOCK:
             raise ValueError(f"fill_block_decode_seq_lens needs a DRAFT_BLOCK plan, got {metadata.forward_mode}")
         lens = jnp.asarray(block_seq_lens, jnp.int32)[: metadata.batch_size]
-        lens = jnp.clip(lens, self.config.spec_num_tokens, self.config.context_len)
+        # a row of length 0 stays a padding row (empty output); the others hold a whole block
+        lens = jnp.where(lens > 0, jnp.clip(lens, self.config.spec_num_tokens, self.config.context_len), 0)
         return metadata.with_seq_lens(lens, bs)
 
     def support_kv_cache_prewrite(self, forward_mode: ForwardMode | None = None) -> bool:

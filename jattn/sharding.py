@@ -478,8 +478,10 @@ class DataParallelMLABackend(_Wrapped):
     every device serves its own requests from its own latent pool. The global arrays are
     the per-device ones concatenated along their leading axis: tokens (q, c_kv, k_pe,
     outputs) ``[n * T, ...]``, the pool ``[n * pages, page_size, R + r]`` (split by page;
-    :meth:`create_kv_cache`), the plan from :func:`stack_plans`. Methods have the inner
-    backend's arguments; the plan's page ids are local to each device's pool."""
+    :meth:`create_kv_cache`), the plan from :func:`stack_plans` of one plan per device
+    (planned by the inner backend against that device's pool, ``num_pages`` its pages,
+    all with one ``batch_buckets``). Methods have the inner backend's arguments; the plan's
+    page ids are local to each device's pool."""
 
     def __init__(self, backend, mesh: Mesh, axis: str = "dp"):
         self.backend = backend
@@ -550,6 +552,22 @@ class DataParallelMLABackend(_Wrapped):
         spec = P(self.axis)
         specs = tuple(spec for _ in split) + tuple(P() for _ in whole)
         return shard_map(body, self.mesh, specs, spec)(*split.values(), *whole.values())
+
+    def fill_block_decode_seq_lens(self, metadata, bs, block_seq_lens):
+        """``MLABackend.fill_block_decode_seq_lens`` on each device's plan: ``bs`` i32[n]
+        (each device's request count) and ``block_seq_lens`` i32[n * B] (each device's
+        rows of the stacked plan). Jittable."""
+        metadata = self._stacked(metadata)
+        bs = jnp.asarray(bs, jnp.int32)
+        if bs.shape != (self.size,):
+            raise ValueError(f"bs has shape {bs.shape}: one request count per device, ({self.size},)")
+
+        def body(md, bs, lens):
+            out = self.backend.fill_block_decode_seq_lens(_unstack(md), bs[0], lens)
+            return dataclasses.replace(out, num_reqs=jnp.reshape(out.num_reqs, (1,)))
+
+        lens = jnp.asarray(block_seq_lens, jnp.int32)
+        return self._run(body, dict(metadata=metadata, bs=bs, block_seq_lens=lens))
 
     def save_kv(
         self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe, *, cos_sin_cache=None,

@@ -518,6 +518,13 @@ def test_fill_block_decode_seq_lens_matches_replanning():
         np.testing.assert_array_equal(np.asarray(getattr(filled, f)), getattr(want, f), err_msg=f)
     ref, _ = be.forward_decode(q, None, None, layer, cache, want, save_kv_cache=False)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    # a length of 0 keeps its row a padding row (it was clamped up to spec_num_tokens: a
+    # real row of 3 keys with an output), as planning it on the host does
+    filled, out = step(cache, md0, np.array([11, 0, 60]))
+    want = be.init_forward_metadata(3, [0, 1, 2], [11, 0, 40], r2p, ForwardMode.DRAFT_BLOCK)
+    for f in ("cache_seqlens", "out_cache_loc", "positions"):
+        np.testing.assert_array_equal(np.asarray(getattr(filled, f)), getattr(want, f), err_msg=f)
+    assert int(filled.cache_seqlens[1]) == 0 and not np.asarray(out)[3:6].any()
     with pytest.raises(ValueError, match=r"needs a DRAFT_BLOCK plan"):
         be.fill_block_decode_seq_lens(be.init_forward_metadata(1, [0], [5], r2p), 1, [6])
 

@@ -583,7 +583,25 @@ PLAN_CASES = [
         "extend-prefix-inconsistent",
         lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=PT, extend_prefix_lens=[7, 1]),
         ValueError,
-        r"lengths inconsistent",
+        r"lengths inconsistent: extend_prefix_lens\[1\]=1 \+ extend_seq_lens\[1\]=5 != seq_lens\[1\]=5",
+    ),
+    (
+        "extend-prefix-count",
+        lambda: jattn.plan_extend([10, 5], [3, 5], page_size=8, page_table=PT, extend_prefix_lens=[7]),
+        ValueError,
+        r"extend_prefix_lens has 1 entries but seq_lens has 2",
+    ),
+    (
+        "extend-negative-seq-len",  # was "extend_seq_lens[0]=0 exceeds seq_lens[0]=-3"
+        lambda: jattn.plan_extend([-3, 5], [0, 5], page_size=8, page_table=PT),
+        ValueError,
+        r"seq_lens\[0\]=-3 is negative",
+    ),
+    (
+        "uint64-past-int64",  # the int64 cast wrapped it to a negative length in the message
+        lambda: jattn.plan_extend(np.array([2**63 + 5, 5], np.uint64), [3, 5], page_size=8, page_table=PT),
+        ValueError,
+        r"seq_lens\[0\]=9223372036854775813 overflows int64",
     ),
     (
         "extend-gt-seq",
@@ -595,7 +613,7 @@ PLAN_CASES = [
         "extend-negative",
         lambda: jattn.plan_extend([10, 5], [3, -1], page_size=8, page_table=PT),
         ValueError,
-        r"extend_seq_lens\[1\] is negative",
+        r"extend_seq_lens\[1\]=-1 is negative",
     ),
     (
         "extend-count",

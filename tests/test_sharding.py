@@ -386,7 +386,8 @@ def check_engine_dp_mla():
     from jattn.models.engine import Engine, EngineConfig, SamplingParams
 
     cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=16,
     )
     model = Deepseek(cfg, rngs=nnx.Rngs(50))
     rng = np.random.default_rng(51)
@@ -440,7 +441,8 @@ def check_mla_dp():
     from jattn.sharding import stack_plans
 
     cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=16,
     )
     model = Deepseek(cfg, rngs=nnx.Rngs(40))
     mesh = _mesh("dp")
@@ -739,10 +741,53 @@ def check_mla_dp_one_device():
     assert np.isneginf(np.asarray(lse)[2 * tq : 2 * tq + 6]).all()
 
 
+def check_mla_dp_draft_block():
+    """DFLASH under data parallelism: ``fill_block_decode_seq_lens`` on a stacked plan took
+    it as one plan of ``n * B`` rows (lengths mixed across devices); it fills each device's
+    plan now. Planning every device with one ``batch_buckets`` (so the plans stack) was not
+    possible: decode ignored the argument and extend raised a TypeError."""
+    import jax
+    import jax.numpy as jnp
+
+    from jattn import ForwardMode, MLABackend, MLAConfig
+    from jattn.plan_stack import stack_plans
+    from jattn.sharding import DataParallelMLABackend
+
+    cfg = MLAConfig(
+        num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, page_size=4,
+        context_len=32, num_pages=20, dtype="float32", kv_cache_dtype="float32", spec_num_tokens=2,
+        batch_buckets=(1, 2, 4),
+    )  # fmt: skip
+    inner = MLABackend(cfg)
+    dp = DataParallelMLABackend(inner, _mesh("dp"))
+    rng = np.random.default_rng(70)
+    counts, plans, lens = [1, 2, 0, 2], [], []
+    for b in counts:
+        r2p = rng.permutation(np.arange(1, 20))[:16].reshape(2, 8).astype(np.int32)
+        seq = np.array([6, 9][:b], np.int32)
+        plans.append(dp.init_forward_metadata(b, np.arange(b), seq, r2p, ForwardMode.DRAFT_BLOCK, batch_buckets=(2,)))
+        lens.append(np.array([8, 11], np.int32))
+    assert [p.batch_size for p in plans] == [2] * 4  # one bucket for all, as asked
+    ext = dp.init_forward_metadata(1, [0], [3], r2p, ForwardMode.EXTEND, extend_seq_lens=[1], batch_buckets=(4,))
+    assert ext.batch_size == 4
+    st = stack_plans(plans)
+    want = stack_plans([inner.fill_block_decode_seq_lens(p, counts[d], lens[d]) for d, p in enumerate(plans)])
+    got = jax.jit(dp.fill_block_decode_seq_lens)(st, jnp.asarray(counts, jnp.int32), np.concatenate(lens))
+    for f in ("cache_seqlens", "out_cache_loc", "positions", "num_reqs", "page_table"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), err_msg=f)
+    try:
+        dp.fill_block_decode_seq_lens(st, sum(counts), np.concatenate(lens))
+    except ValueError as e:
+        assert "one request count per device" in str(e)
+    else:
+        raise AssertionError("a single bs was taken for a stacked plan")
+
+
 CHECKS = {
     "tp_sinks": check_tp_sinks_named_globally,
     "tp_eager": check_tp_eager_calls,
     "mla_dp_one_device": check_mla_dp_one_device,
+    "mla_dp_draft_block": check_mla_dp_draft_block,
     "ops_decode": check_ops_decode,
     "ops_extend": check_ops_extend,
     "ops_prefill": check_ops_prefill,
