@@ -51,6 +51,9 @@ def _check(t, name, dtypes, ndim, device):
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: the kernels "
             "address rows by the dense layout"
         )
+    if t.dtype == torch.float8_e4m3fn and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+        cc = "{}.{}".format(*torch.cuda.get_device_capability(t.device))
+        raise BridgeError(f"{name} is FP8 e4m3, which Triton loads on compute capability 8.9 or newer (this GPU: {cc})")
 
 
 def _desc(x) -> str:
@@ -238,7 +241,10 @@ def prefill(
     from jattn.pallas_kernels import triton_glue
     from jattn.pallas_kernels import triton_prefill as tp
 
-    dev = q.device
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check(q, "q", _Q_DTYPES, 3, dev)
+    _check(k, "k", (q.dtype, torch.float8_e4m3fn), 4 if page_table is not None else 3, dev)
+    _check(v, "v", (k.dtype,), k.ndim, dev)
     i32 = lambda a: a.int().to(dev).contiguous()  # noqa: E731
     t, hq, d = q.shape
     dv = v.shape[-1]

@@ -148,6 +148,8 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, **_) -> str | Non
         return "k_cache and v_cache differ in dtype or shape"
     if k_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
         return f"cache dtype {k_cache.dtype} (q's dtype or FP8 e4m3)"
+    if (reason := triton_glue.fp8_reason(k_cache.dtype)) is not None:
+        return reason
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={d} (supported: {SUPPORTED_HEAD_DIMS})"
@@ -159,7 +161,10 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, **_) -> str | Non
     # the q tile and the K/V blocks in q's dtype (Triton 3.6 for sm_90, two stages: 16.5 KB
     # beside a bf16 q tile); a program may take 227 KB on Hopper, 99 KB on sm86 / sm89 (an
     # A100 has more, not counted on)
-    need = jnp.dtype(q.dtype).itemsize * (_block_m(max_seqlen_q * group) * d + 8448)
+    bm = _block_m(max_seqlen_q * group)
+    need = jnp.dtype(q.dtype).itemsize * (bm * d + 8448)
+    if q.dtype == jnp.float32:  # full-precision dots keep f32 layouts and scratch: fitted to sm80-sm90 builds
+        need = 6 * bm * d + 98432
     limit = 232448 if device_kind() == "hopper" else 101376
     if need > limit:
         return (

@@ -82,6 +82,20 @@ def capability() -> int:
     return 10 * int(major) + int(minor or 0)
 
 
+def fp8_reason(*dtypes) -> str | None:
+    """Why operands of ``dtypes`` cannot be loaded here: Triton's FP8 e4m3 type needs
+    compute capability 8.9 or newer (Ada, Hopper); None where they can, or where no GPU
+    compiles them (the interpreter)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jattn.pallas_kernels.interpret import on_gpu  # noqa: PLC0415
+
+    if not any(jnp.dtype(d) == jnp.float8_e4m3fn for d in dtypes) or not on_gpu() or capability() >= 89:
+        return None
+    cc = capability()
+    return f"FP8 e4m3 needs compute capability 8.9 or newer in Triton (this GPU: {cc // 10}.{cc % 10})"
+
+
 @functools.lru_cache(maxsize=None)
 def jit(fn: Callable):
     """``triton.jit(fn)`` for kernel source ``fn`` (a plain function written against

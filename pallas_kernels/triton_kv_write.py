@@ -21,6 +21,7 @@ try:  # the kernel source needs triton.language only when it is compiled or inte
 except ImportError:  # pragma: no cover - Triton not installed
     tl = None
 
+from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.triton_glue import device_fn
 
 __all__ = ["set_kv_buffer", "unsupported_reason", "launch_params"]
@@ -81,7 +82,7 @@ def unsupported_reason(k_cache, v_cache, out_cache_loc, k, v, **_) -> str | None
     """None when the kernel can serve this ``set_kv_buffer`` call, else a one-line reason."""
     if k_cache.dtype != v_cache.dtype:
         return f"k_cache dtype {k_cache.dtype} differs from v_cache's {v_cache.dtype}"
-    return None
+    return triton_glue.fp8_reason(k_cache.dtype, k.dtype, v.dtype)
 
 
 def launch_params(tokens: int, num_slots: int, row_k: int, row_v: int, fp8: bool):

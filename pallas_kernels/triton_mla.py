@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn.dispatch import device_kind
 from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.combine import wave_splits
 
@@ -199,11 +200,15 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
         return f"q dtype {q.dtype}"
     if kv_cache.dtype not in (q.dtype, jnp.float8_e4m3fn):
         return f"kv_cache dtype {kv_cache.dtype} (q's dtype or FP8 e4m3)"
+    if (reason := triton_glue.fp8_reason(kv_cache.dtype)) is not None:
+        return reason
     r, rp = kv_lora_rank, kv_cache.shape[-1] - kv_lora_rank
     if r & (r - 1) or rp & (rp - 1) or r < 16 or rp < 16:
         return f"latent rank {r} and rope width {rp} must be powers of two >= 16"
     if not 1 <= max_seqlen_q <= MAX_Q_LEN:
         return f"max_seqlen_q={max_seqlen_q} (1..{MAX_Q_LEN})"
+    if q.dtype == jnp.float32 and r >= 512 and device_kind() not in ("hopper", "cpu"):
+        return f"f32 latent tiles of rank {r} need more shared memory than a pre-Hopper GPU's 99 KB"
     return None
 
 

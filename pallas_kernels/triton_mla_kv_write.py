@@ -54,7 +54,9 @@ def _mla_kv_write_kernel(
 
 def unsupported_reason(kv_cache, out_cache_loc, c_kv, k_pe, **_) -> str | None:
     """None when the kernel can serve this ``set_mla_kv_buffer`` call, else a one-line reason."""
-    return None
+    from jattn.pallas_kernels import triton_glue
+
+    return triton_glue.fp8_reason(kv_cache.dtype, c_kv.dtype, k_pe.dtype)
 
 
 @jax.jit

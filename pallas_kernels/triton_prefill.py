@@ -288,6 +288,8 @@ def unsupported_reason(q, k, v, **_) -> str | None:
         return f"k dtype {k.dtype} differs from v's {v.dtype}"
     if k.dtype not in (q.dtype, jnp.float8_e4m3fn):
         return f"k/v dtype {k.dtype} (q's dtype {q.dtype}, or FP8 e4m3)"
+    if (reason := triton_glue.fp8_reason(k.dtype)) is not None:
+        return reason
     d, dv = q.shape[-1], v.shape[-1]
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims {d}/{dv} (supported: {SUPPORTED_HEAD_DIMS})"

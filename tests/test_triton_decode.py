@@ -381,3 +381,40 @@ def test_refuses_a_query_tile_over_shared_memory():
     msg = td.unsupported_reason(jnp.zeros((8, 128, 128), jnp.bfloat16), k, k, max_seqlen_q=8)
     assert msg is not None and "1024 query rows per KV head" in msg and "shared memory" in msg
     assert td.unsupported_reason(jnp.zeros((8, 32, 128), jnp.bfloat16), k, k, max_seqlen_q=8) is None
+
+
+def test_ampere_refusals_fp8_and_f32_shared_memory(monkeypatch):
+    """On sm80 / sm86 Triton has no e4m3 type: every Triton op refused FP8 nothing and
+    failed to compile (auto sends Ampere to Triton); now they give the reason and auto
+    falls back to XLA. f32 decode tiles needed about 2.5x the shared memory the check
+    counted (110,720 bytes compiled for sm86 against an estimate of 41,984): refused."""
+    import jax.numpy as jnp
+
+    from jattn.pallas_kernels import interpret, triton_glue, triton_kv_write, triton_mla, triton_mla_kv_write
+    from jattn.pallas_kernels import triton_decode as td
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    monkeypatch.setattr(interpret, "on_gpu", lambda: True)
+    monkeypatch.setattr(triton_glue, "capability", lambda: 86)
+    monkeypatch.setattr(td, "device_kind", lambda: "ampere")
+    monkeypatch.setattr(triton_mla, "device_kind", lambda: "ampere")
+    f8, bf = jnp.float8_e4m3fn, jnp.bfloat16
+    q, k8 = jnp.zeros((2, 8, 128), bf), jnp.zeros((4, 16, 2, 128), f8)
+    want = "FP8 e4m3 needs compute capability 8.9 or newer in Triton (this GPU: 8.6)"
+    assert td.unsupported_reason(q, k8, k8) == want
+    assert tp.unsupported_reason(q, k8, k8) == want
+    lat = jnp.zeros((4, 16, 576), f8)
+    assert triton_mla.unsupported_reason(jnp.zeros((2, 8, 576), bf), lat, kv_lora_rank=512) == want
+    loc, rows = jnp.zeros(3, jnp.int32), jnp.zeros((3, 2, 128), bf)
+    assert triton_kv_write.unsupported_reason(k8, k8, loc, rows, rows) == want
+    assert triton_mla_kv_write.unsupported_reason(lat, loc, jnp.zeros((3, 512), bf), jnp.zeros((3, 64), bf)) == want
+    kb = jnp.zeros((4, 16, 2, 128), bf)
+    assert td.unsupported_reason(q, kb, kb) is None  # bf16 is fine there
+    f32 = jnp.float32
+    q32, k32 = jnp.zeros((2, 16, 128), f32), jnp.zeros((4, 16, 2, 128), f32)
+    assert "shared memory" in td.unsupported_reason(q32, k32, k32, max_seqlen_q=2)  # 16 rows: 110,720 bytes
+    assert "shared memory" in triton_mla.unsupported_reason(
+        jnp.zeros((2, 8, 576), f32), jnp.zeros((4, 16, 576), f32), kv_lora_rank=512
+    )
+    monkeypatch.setattr(triton_glue, "capability", lambda: 89)
+    assert td.unsupported_reason(q, k8, k8) is None
