@@ -164,7 +164,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
             self._num_real_tokens = num_real_tokens
             self._native_plan = self._native.install(md, pin=capture)
             return md
-        md_dev = jax.device_put(md)
+        md_dev = jax.device_put(md, self.sync._jdev)  # the pool's GPU (torch.cuda.set_device), not JAX's first
         mode = md.forward_mode
         self.forward_metadata, self.forward_mode = md_dev, mode
         self._md_call = _slim(md_dev)
