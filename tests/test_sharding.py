@@ -386,7 +386,11 @@ def check_engine_dp_mla():
     from jattn.models.engine import Engine, EngineConfig, SamplingParams
 
     cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
         moe_intermediate_size=16,
     )
     model = Deepseek(cfg, rngs=nnx.Rngs(50))
@@ -441,7 +445,11 @@ def check_mla_dp():
     from jattn.sharding import stack_plans
 
     cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
         moe_intermediate_size=16,
     )
     model = Deepseek(cfg, rngs=nnx.Rngs(40))
