@@ -75,7 +75,7 @@ def xla_compute_stream(device) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_is_synchronous(device, stream_ptr: int) -> bool:
+def _launch_is_synchronous(device, stream_ptr: int, torch_device=None) -> bool:
     """True if a jitted call's work is on XLA's stream when the call returns. Once per
     device: right after a ~20 ms call returns, an event recorded on that stream must
     still be pending (the work is ahead of it), and once the event completes the
@@ -94,7 +94,7 @@ def _launch_is_synchronous(device, stream_ptr: int) -> bool:
     jax.block_until_ready(f(x))
     out = f(x)
     ev = torch.cuda.Event()
-    ev.record(torch.cuda.ExternalStream(stream_ptr))
+    ev.record(torch.cuda.ExternalStream(stream_ptr, device=torch_device))  # the stream's GPU, not the current one
     pending = not ev.query()
     ev.synchronize()
     t0 = time.perf_counter()
@@ -145,7 +145,7 @@ class StreamSync:
                 # when the call returns (checked once here); "event" otherwise.
                 try:
                     self._setup_stream()
-                    synchronous = _launch_is_synchronous(self._jdev, self._xla_stream.cuda_stream)
+                    synchronous = _launch_is_synchronous(self._jdev, self._xla_stream.cuda_stream, self.device)
                     self.mode = "stream" if synchronous else "event"
                 except Exception:  # noqa: BLE001 - any failure of the probe: the safe mode
                     self.mode = "event"
