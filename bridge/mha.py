@@ -299,7 +299,8 @@ class TorchMHABackend(_BridgeBase):
           kwargs: ``sinks`` f32[tp_q_head_num] (gpt-oss).
 
         Returns:
-          [bs * q_len, tp_q_head_num * v_head_dim] torch tensor in q's dtype.
+          [bs * q_len, tp_q_head_num * v_head_dim] torch tensor in q's dtype; on the GPU a
+          buffer the next call of this layer id and shape writes again (clone to keep it).
         """
         if token_to_kv_pool is None:
             raise ValueError("token_to_kv_pool is required")
