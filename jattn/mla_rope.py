@@ -78,6 +78,8 @@ def apply_rope(x, positions, cos_sin_cache, *, is_neox: bool = False):
         raise ValueError(f"positions has shape {positions.shape}; it must be [{x.shape[0]}] (one per token)")
     if not jnp.issubdtype(positions.dtype, jnp.integer):  # the cast to int32 would truncate
         raise TypeError(f"positions.dtype={positions.dtype} must be an integer type (token positions)")
+    if jnp.dtype(positions.dtype).itemsize < 4:  # n - 1 may not fit int8 / int16: compare in int32
+        positions = positions.astype(jnp.int32)
     cs = jnp.asarray(cos_sin_cache)[jnp.clip(positions, 0, n - 1).astype(jnp.int32)]
     cs = cs.astype(jnp.float32).reshape((x.shape[0],) + (1,) * (x.ndim - 2) + (r,))
     cos, sin = cs[..., : r // 2], cs[..., r // 2 :]

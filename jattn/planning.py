@@ -244,7 +244,7 @@ class _PlanningMixin:
     def fill_block_decode_seq_lens(self, metadata: DecodeMetadata, bs, block_seq_lens) -> DecodeMetadata:
         """DFLASH draft block: the plan with each of the first ``bs`` requests' length set
         to its block-end length ``block_seq_lens`` i32[>= bs] (prefix + block), clamped
-        to ``[spec_num_tokens, context_len]`` (a length of 0 keeps a padding row empty).
+        to ``[spec_num_tokens, context_len]`` (a length of 0 or less keeps a padding row empty).
         Jittable (``bs`` may be traced): the drafter calls it inside its jitted step;
         write slots and positions are
         re-derived on the device from the plan's page table, which for a DRAFT_BLOCK

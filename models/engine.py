@@ -13,7 +13,8 @@ never recompiles (``metrics.compilations`` counts traces). Pages come from a pag
 (``models/pages.py``; one per device when an MLA model is served data-parallel) and are
 freed when a request ends.
 
-Sampling is greedy (``temperature=0``) or temperature + top-p with a per-request seed
+Sampling is greedy (``temperature=0``) or temperature with top-k, top-p and min-p and a
+per-request seed
 (the key for the n-th token is ``fold_in(key(seed), n)``, so results do not depend on
 what else is in the batch). Scheduling (chunked prefill, admission within the buckets,
 preemption when the page pool runs out) is described on :class:`Engine`. A bad request

@@ -89,6 +89,8 @@ class _Scheduling:
                 r.pages += pool.alloc(max(need, 0))
                 i += 1
                 continue
+            if self._prefix_holds and self._drop_prefix_holds(device=r.device):
+                continue  # pages held for waiting samples give way to a running request
             same = [x for x in self.running if x.device == r.device]  # only when the pool ran out
             if len(same) == 1:
                 # (With overlap, a pool this short made step() read the step in flight back

@@ -159,13 +159,13 @@ def unsupported_reason(q, k_cache, v_cache, *, max_seqlen_q=1, **_) -> str | Non
         return f"num_q_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}"
     group = q.shape[1] // k_cache.shape[2]
     # the q tile and the K/V blocks in q's dtype (Triton 3.6 for sm_90, two stages: 16.5 KB
-    # beside a bf16 q tile); a program may take 227 KB on Hopper, 99 KB on sm86 / sm89 (an
-    # A100 has more, not counted on)
+    # beside a bf16 q tile); a program may take 227 KB on Hopper, 163 KB on an A100 (sm80),
+    # 99 KB on sm86 / sm89
     bm = _block_m(max_seqlen_q * group)
     need = jnp.dtype(q.dtype).itemsize * (bm * d + 8448)
     if q.dtype == jnp.float32:  # full-precision dots keep f32 layouts and scratch: fitted to sm80-sm90 builds
         need = 6 * bm * d + 98432
-    limit = 232448 if device_kind() == "hopper" else 101376
+    limit = 232448 if device_kind() == "hopper" else 166912 if triton_glue.capability() == 80 else 101376
     if need > limit:
         return (
             f"{max_seqlen_q * group} query rows per KV head (q_len {max_seqlen_q} x group {group}) "

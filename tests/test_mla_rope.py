@@ -339,6 +339,15 @@ def test_rope_clamps_positions_in_their_own_type_and_refuses_an_integer_cache():
     cs_np = np_cos_sin(16, 4)
     cs = jnp.asarray(cs_np, jnp.float32)
     want = np_rope(np.asarray(x), np.array([15, 15, 0, 15]), cs_np, False)
+    big = jnp.asarray(np_cos_sin(300, 4), jnp.float32)  # more rows than int8 / uint8 hold
+    want_big = np_rope(np.asarray(x), np.array([100, 200, 0, 250]), np_cos_sin(300, 4), False)
+    for pos in (np.array([100, 200, 0, 250], np.uint8), np.array([100, -56, -1, -6], np.int8)):
+        pos_want = (
+            want_big
+            if pos.dtype == np.uint8
+            else np_rope(np.asarray(x), np.array([100, 0, 0, 0]), np_cos_sin(300, 4), False)
+        )
+        np.testing.assert_allclose(np.asarray(apply_rope(x, jnp.asarray(pos), big)), pos_want, atol=2e-6, rtol=1e-5)
     for pos in (
         np.array([2**31 + 3, 2**32 + 3, -7, 16], np.int64),
         np.array([2**31 + 3, 2**32 - 1, 0, 16], np.uint32),

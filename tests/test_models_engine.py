@@ -693,6 +693,38 @@ def test_parallel_samples_share_a_prompt_whose_parent_ended_on_its_first_token(l
     assert eng.allocator.num_free == 9
 
 
+def test_a_held_prefix_gives_way_to_a_running_request():
+    """9 usable pages: request A (16 + 18 tokens, the whole pool) runs beside a sampled
+    family whose sample 0 stops on its first token. The pages held for the waiting samples
+    made A fail ("page pool exhausted") when it needed them to grow; the hold is dropped
+    first now, and A finishes as it does without holds."""
+    vocab = 64
+    llama = Llama(LlamaConfig.tiny(vocab_size=vocab, num_layers=1, dtype="float32"), rngs=nnx.Rngs(11), std=0.3)
+    rng = np.random.default_rng(0)
+    pa, pp = rng.integers(0, vocab, 16).tolist(), rng.integers(0, vocab, 13).tolist()
+    kw = dict(num_pages=10, overlap=False, max_running=2, batch_buckets=(1, 2, 4))
+
+    def first(seed):
+        return _solo(llama, pp, SamplingParams(max_new_tokens=1, temperature=1.0, seed=seed))[0]
+
+    seed = next(s for s in range(50) if first(s) not in (first(s + 1), first(s + 2)))
+    eng = _engine(llama, **kw)
+    a = eng.add_request(pa, SamplingParams(max_new_tokens=18))
+    eng.step()
+    sp = SamplingParams(max_new_tokens=20, n=3, seed=seed, temperature=1.0, stop_token_ids=(first(seed),))
+    fam = eng.add_request(pp, sp)
+    held = False
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+        held |= bool(eng._prefix_holds)
+    assert held
+    assert eng.requests[a].status == "finished", eng.requests[a].error
+    assert eng.requests[a].output_tokens == _solo(llama, pa, SamplingParams(max_new_tokens=18))
+    assert all(r.status == "finished" for r in eng.samples(fam))
+    assert eng.allocator.num_free == 9
+
+
 def test_parallel_samples_under_preemption_and_greedy(llama):
     """A pool too small for every sample at once: samples are preempted and recomputed
     (sharing again when their parent runs), pages never leak, greedy samples equal the
