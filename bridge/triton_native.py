@@ -51,9 +51,12 @@ def _check(t, name, dtypes, ndim, device):
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} is not contiguous: the kernels "
             "address rows by the dense layout"
         )
-    if t.dtype == torch.float8_e4m3fn and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
-        cc = "{}.{}".format(*torch.cuda.get_device_capability(t.device))
-        raise BridgeError(f"{name} is FP8 e4m3, which Triton loads on compute capability 8.9 or newer (this GPU: {cc})")
+    if t.dtype == torch.float8_e4m3fn and t.is_cuda:
+        cc = torch.cuda.get_device_capability(t.device)
+        if cc < (8, 9):
+            raise BridgeError(
+                f"{name} is FP8 e4m3, which Triton loads on compute capability 8.9 or newer (this GPU: {cc[0]}.{cc[1]})"
+            )
 
 
 def _desc(x) -> str:

@@ -90,9 +90,11 @@ def fp8_reason(*dtypes) -> str | None:
 
     from jattn.pallas_kernels.interpret import on_gpu  # noqa: PLC0415
 
-    if not any(jnp.dtype(d) == jnp.float8_e4m3fn for d in dtypes) or not on_gpu() or capability() >= 89:
+    if not any(jnp.dtype(d) == jnp.float8_e4m3fn for d in dtypes) or not on_gpu():
         return None
     cc = capability()
+    if cc >= 89:
+        return None
     return f"FP8 e4m3 needs compute capability 8.9 or newer in Triton (this GPU: {cc // 10}.{cc % 10})"
 
 

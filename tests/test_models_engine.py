@@ -56,6 +56,17 @@ def _drain(eng, max_steps=2000):
     return infos
 
 
+def _drain_seeing_holds(eng) -> bool:
+    """:func:`_drain`; returns whether a finished sample 0's prompt pages were ever held
+    for its waiting samples after a step."""
+    seen = False
+    while eng.has_work():
+        eng.step()
+        eng.check_invariants()
+        seen |= bool(eng._prefix_holds)
+    return seen
+
+
 @pytest.mark.parametrize("arch", ["llama", "mla"])
 def test_staggered_arrivals_match_solo_runs(arch, request):
     model = request.getfixturevalue(arch)
@@ -659,11 +670,7 @@ def test_parallel_samples_share_a_prompt_whose_parent_ended_on_its_first_token(l
     sp = SamplingParams(max_new_tokens=1, temperature=1.0, seed=3, n=4)
     eng = _engine(llama, overlap=overlap)
     rid = eng.add_request(prompt, sp)
-    held_seen = False
-    while eng.has_work():
-        eng.step()
-        eng.check_invariants()
-        held_seen |= bool(eng._prefix_holds)
+    held_seen = _drain_seeing_holds(eng)
     assert held_seen != overlap  # with overlap the samples are admitted before the read-back
     assert eng.metrics.shared_tokens == 3 * 12 and not eng._prefix_holds
     assert eng.allocator.num_free == eng.allocator.num_pages - 1
@@ -713,12 +720,7 @@ def test_a_held_prefix_gives_way_to_a_running_request():
     eng.step()
     sp = SamplingParams(max_new_tokens=20, n=3, seed=seed, temperature=1.0, stop_token_ids=(first(seed),))
     fam = eng.add_request(pp, sp)
-    held = False
-    while eng.has_work():
-        eng.step()
-        eng.check_invariants()
-        held |= bool(eng._prefix_holds)
-    assert held
+    assert _drain_seeing_holds(eng)
     assert eng.requests[a].status == "finished", eng.requests[a].error
     assert eng.requests[a].output_tokens == _solo(llama, pa, SamplingParams(max_new_tokens=18))
     assert all(r.status == "finished" for r in eng.samples(fam))

@@ -52,6 +52,20 @@ def _mesh(axis="tp", n=None):
     return Mesh(np.array(devs), (axis,))
 
 
+def _tiny_moe_deepseek():
+    """The tiny DeepSeek config with MoE layers from layer 1 on (4 experts, 2 a token, 2 groups)."""
+    from jattn.models.config import DeepseekConfig
+
+    return DeepseekConfig.tiny(
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=16,
+    )
+
+
 def _close(a, b, tol):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape, (a.shape, b.shape)
@@ -381,18 +395,10 @@ def check_engine_dp_mla():
     steady state."""
     from flax import nnx
 
-    from jattn.models.config import DeepseekConfig
     from jattn.models.deepseek import Deepseek
     from jattn.models.engine import Engine, EngineConfig, SamplingParams
 
-    cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        moe_intermediate_size=16,
-    )
+    cfg = _tiny_moe_deepseek()
     model = Deepseek(cfg, rngs=nnx.Rngs(50))
     rng = np.random.default_rng(51)
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 19, 3, 8, 12, 7, 30, 4, 9)]
@@ -440,18 +446,10 @@ def check_mla_dp():
 
     import jattn
     from jattn.models import parallel
-    from jattn.models.config import DeepseekConfig
     from jattn.models.deepseek import Deepseek, default_mla_backend
     from jattn.sharding import stack_plans
 
-    cfg = DeepseekConfig.tiny(
-        first_k_dense_replace=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        moe_intermediate_size=16,
-    )
+    cfg = _tiny_moe_deepseek()
     model = Deepseek(cfg, rngs=nnx.Rngs(40))
     mesh = _mesh("dp")
     dp_model = parallel.data_parallel(model, mesh)
