@@ -356,7 +356,7 @@ def _kernel(
                     l_i = l_i + clean_edge_tile(slot, ok)
                 elif masked:
                     zero_tail(slot, blk)
-                acc = pv(acc, p16, slot, functools.partial(wait_next_k, i) if prefetch_k else None)
+                acc = pv(acc, p16, slot, wait_next_k(i) if prefetch_k else None)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -380,9 +380,20 @@ def _kernel(
             prefetch_k = cfg.options.prefetch_k
 
             def wait_next_k(i):
-                @pl.when(i + 1 < count)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[ring(i + 1)])
+                """A function that waits for block ``i + 1``'s K, if there is one. Its
+                predicate and slot are computed here, outside the ``run_state`` of
+                :func:`pv` that calls it: a value it closes over becomes an input and an
+                output of that ``run_state``, and one that JAX holds as a literal (a
+                constant ring base, with a single round per CTA) fails to lower there."""
+                more = i + 1 < count
+                slot = ring(i + 1)
+
+                def wait():
+                    @pl.when(more)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[slot])
+
+                return wait
 
             def overlapped_steps(a, b, carry):
                 """Unmasked steps [a, b) (a < b), the tensor-core work of consecutive blocks
