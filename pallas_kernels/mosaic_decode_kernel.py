@@ -23,7 +23,6 @@ from jattn.pallas_kernels.mosaic_common import (
     load_layout,
     plgpu_kernel,
     swizzle_transforms,
-    tile_iota,
     vec_iota,
 )
 
@@ -413,9 +412,13 @@ def _decode_kernel(
 
                 @pl.when(blk * BTB + BTB > seq_len)
                 def _():
-                    vrows = tile_iota((N, D), 0, interpret=cfg.interpret)
-                    _, vvalid = col_tokens(blk, *col_parts(vrows)[:2])
-                    vt[...] = jnp.where(vvalid, vt[...], jnp.zeros((N, D), vt.dtype))
+                    # The mask per row of the tile, then broadcast, as clean_edge_tile
+                    # builds it: built per element of [N, D] instead, the GPU compiler's
+                    # layout inference gave up on this branch (one KV head, head_dim 64,
+                    # 16-token pages: eight pieces per block, a where per piece).
+                    _, vvalid = col_tokens(blk, *col_parts(iota(N, 0))[:2])
+                    keep = lax.broadcast_in_dim(vvalid, (N, D), [0])
+                    vt[...] = jnp.where(keep, vt[...], jnp.zeros((N, D), vt.dtype))
                     plgpu.commit_smem()
 
             if cfg.interpret:
