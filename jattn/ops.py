@@ -488,11 +488,12 @@ def attn_merge_state(o_a, lse_a, o_b, lse_b, *, backend: str | None = None):
     for x, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
         _check_ndim(x, name, 2, "[T, H]")
         _check_dtype(x, name, (jnp.float32,))
-    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:2] != lse_a.shape:
-        raise ValueError(
-            f"shapes must be o [T, H, D] and lse [T, H], equal for both: got {o_a.shape}, "
-            f"{lse_a.shape}, {o_b.shape}, {lse_b.shape}"
-        )
+    for x, name, want in ((o_b, "o_b", o_a.shape), (lse_a, "lse_a", o_a.shape[:2]), (lse_b, "lse_b", o_a.shape[:2])):
+        if x.shape != want:
+            raise ValueError(
+                f"{name} must have shape {want} (o [T, H, D] and lse [T, H], equal for both states, "
+                f"from o_a {o_a.shape}): got {x.shape}"
+            )
     impl = _merge_impl(backend)
     if impl is not None:
         return impl(o_a, lse_a, o_b, lse_b)

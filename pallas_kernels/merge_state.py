@@ -64,6 +64,7 @@ def _merge_kernel(
     tot = tl.where(empty, 1.0, wa + wb)
     inv = tl.where(empty, 0.0, 1.0 / tot)
     out = (oa * (wa * inv)[:, None]) + (ob * (wb * inv)[:, None])
+    out = tl.where(empty[:, None], 0.0, out)  # 0, not 0 * a non-finite o of an empty side
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=ok)
     tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m + tl.log(tot)), mask=row_ok)
 

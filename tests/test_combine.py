@@ -133,6 +133,7 @@ def _merge_inputs(name):
     lse_a[::4, 0] = -np.inf  # only b has keys
     lse_b[1::5, -1] = -np.inf  # only a has keys
     lse_a[-1:, :], lse_b[-1:, :] = -np.inf, -np.inf  # neither: o = 0, lse = -inf
+    o_a[-1:], o_b[-1:] = np.nan, np.inf  # ... whatever the empty states' o hold
     lse_b[::7, h // 2] += 30.0  # one side dominates
     if t > 4 and h > 1:  # a NaN state: NaN out and LSE, also beside an empty other side
         lse_a[2, 1], lse_a[3, 1], lse_b[3, 1] = np.nan, np.nan, -np.inf

@@ -395,10 +395,12 @@ def test_merge_and_set_buffer_bad_inputs():
         jattn.attn_merge_state(o, lse, o, lse.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"lse_a must be \[T, H\]"):
         jattn.attn_merge_state(o, lse[0], o, lse)
-    with pytest.raises(ValueError, match=r"shapes must be o \[T, H, D\] and lse \[T, H\]"):
+    with pytest.raises(ValueError, match=r"o_b must have shape \(3, 2, 4\) .*got \(3, 2, 5\)"):
         jattn.attn_merge_state(o, lse, jnp.ones((3, 2, 5), F32), lse)
-    with pytest.raises(ValueError, match=r"shapes must be o \[T, H, D\] and lse \[T, H\]"):
+    with pytest.raises(ValueError, match=r"lse_a must have shape \(3, 2\) .*got \(3, 1\)"):
         jattn.attn_merge_state(o, jnp.zeros((3, 1), F32), o, jnp.zeros((3, 1), F32))
+    with pytest.raises(ValueError, match=r"lse_b must have shape \(3, 2\) .*got \(5, 2\)"):
+        jattn.attn_merge_state(o, lse, o, jnp.zeros((5, 2), F32))
     kc = jnp.zeros((4, 4, 2, 8), F32)
     loc = jnp.arange(3, dtype=jnp.int32)
     k = jnp.ones((3, 2, 8), F32)
