@@ -69,6 +69,22 @@ class RopeScaling:
 
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+# Hugging Face's config classes' max_position_embeddings, for a config.json without the key
+# (llama3 / YaRN rope scaling reads it as the pretraining length).
+_HF_MAX_POSITIONS = {
+    "llama": 2048,
+    "mistral": 131072,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "deepseek_v2": 2048,
+    "deepseek_v3": 4096,
+}
+
+
+def _hf_max_positions(d: Mapping[str, Any], model_type: str) -> int:
+    """The config's ``max_position_embeddings``, or its model class's default in Hugging Face."""
+    return int(d.get("max_position_embeddings") or _HF_MAX_POSITIONS[model_type])
+
 
 def _check_hf_activation(d: Mapping[str, Any]) -> None:
     """The MLPs here are SwiGLU with silu; a config asking for another activation is refused."""
@@ -85,7 +101,7 @@ def _hf_sliding_window(d: Mapping[str, Any], model_type: str) -> int:
     served here; a mix, which the uniform layers here do not model, is refused rather
     than ignored."""
     w = d.get("sliding_window", 4096 if model_type == "mistral" else None)  # MistralConfig's default
-    if not w:
+    if not w or model_type == "llama":  # Hugging Face's Llama has no window: it ignores the field
         return 0
     if model_type == "mistral":
         return int(w)
@@ -349,8 +365,8 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or (128 if model_type == "qwen3" else hidden // nq),  # Qwen3Config's
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # the Hugging Face configs' default
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope, d.get("max_position_embeddings")),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rope_scaling=RopeScaling.from_hf(rope, _hf_max_positions(d, model_type)),
+            max_position_embeddings=_hf_max_positions(d, model_type),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             sliding_window=_hf_sliding_window(d, model_type),
@@ -580,6 +596,7 @@ class DeepseekConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         v2 = d.get("model_type") == "deepseek_v2"  # its configs leave the softmax router implicit
+        mtype = "deepseek_v2" if v2 else "deepseek_v3"
         if d.get("moe_layer_freq", 1) != 1:  # every layer from first_k_dense_replace on is MoE here
             raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
         out = dict(
@@ -595,9 +612,9 @@ class DeepseekConfig:
             v_head_dim=d["v_head_dim"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope, d.get("max_position_embeddings")),
+            rope_scaling=RopeScaling.from_hf(rope, _hf_max_positions(d, mtype)),
             rope_interleave=bool(d.get("rope_interleave", True)),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=_hf_max_positions(d, mtype),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             first_k_dense_replace=d.get("first_k_dense_replace", 0),

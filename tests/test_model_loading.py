@@ -44,6 +44,28 @@ def test_rope_without_original_length_takes_the_config_length_as_hugging_face_do
     assert factor == pytest.approx(want_factor, rel=1e-6)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_config_without_max_position_embeddings_takes_its_model_class_default(model_type):
+    """A config.json without ``max_position_embeddings`` means the Hugging Face config class's
+    default, which YaRN (and llama3) scaling then reads as the pretraining length."""
+    import copy
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    d = {k: v for k, v in _LLAMA.items() if k != "max_position_embeddings"}
+    cfg = LlamaConfig.from_hf({**d, "model_type": model_type, "rope_scaling": copy.deepcopy(rope)})
+    cls = transformers.AutoConfig.for_model(model_type).__class__
+    assert cfg.max_position_embeddings == cls().max_position_embeddings
+    hc = cls(**d, rope_parameters=copy.deepcopy(rope))  # transformers writes into the dict it gets
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hc, torch.device("cpu"))
+    inv_freq, factor = cfg.rope()
+    np.testing.assert_allclose(inv_freq, want.numpy(), rtol=1e-6)
+    assert factor == pytest.approx(want_factor, rel=1e-6)
+
+
 def test_hf_configs_of_other_architectures_or_activations_are_refused():
     """Gemma and Granite checkpoints have Llama's weight names and were loaded as Llama
     (their norms, embedding scales and multipliers dropped: logits off by 10-12 against
@@ -123,6 +145,8 @@ def test_sliding_windows_are_kept_or_refused():
     every layer or none is served, windows on some layers only are refused, not dropped."""
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window == 0
+    # Hugging Face's Llama has no window: a sliding_window in its config changes nothing
+    assert LlamaConfig.from_hf({**_LLAMA, "sliding_window": 8}).sliding_window == 0
     # keys a config.json leaves out take the Hugging Face configs' defaults
     assert LlamaConfig.from_hf({**_LLAMA, "model_type": "mistral"}).sliding_window == 4096
     assert LlamaConfig.from_hf(_LLAMA).rms_norm_eps == 1e-6
