@@ -65,10 +65,16 @@ def assemble(module_fn: Callable[[], nnx.Module], params: dict[Path, np.ndarray]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _linear(prefix: Path, kind: str, x: np.ndarray) -> tuple[Path, np.ndarray]:
+def _linear(prefix: Path, kind: str, x: np.ndarray, name: str) -> tuple[Path, np.ndarray]:
+    """A linear layer's ``weight`` (as the kernel, transposed) or ``bias``; any other tensor
+    (a quantised checkpoint's ``weight_scale``, ``qweight``, ``g_idx``, ...) is refused."""
     if kind == "weight":
         return prefix + ("kernel",), x.T
-    return prefix + ("bias",), x
+    if kind == "bias":
+        return prefix + ("bias",), x
+    raise KeyError(
+        f"unexpected weight {name!r}: a linear layer takes weight and bias only (quantised checkpoints are not read)"
+    )
 
 
 def _non_layer_weight(cfg, name: str, x: np.ndarray, out: dict) -> bool:
@@ -111,7 +117,7 @@ def llama_params_from_hf(cfg: LlamaConfig, sd: Mapping[str, Any]) -> dict[Path, 
         elif parts[0] == "self_attn" and parts[1] in ("q_norm", "k_norm"):
             out[base + ("self_attn", parts[1], "weight")] = x
         elif parts[0] in ("self_attn", "mlp") and len(parts) == 3:
-            p, v = _linear(base + (parts[0], parts[1]), parts[2], x)
+            p, v = _linear(base + (parts[0], parts[1]), parts[2], x, name)
             out[p] = v
         else:
             raise KeyError(f"unexpected weight {name!r}")
@@ -130,18 +136,18 @@ def deepseek_params_from_hf(cfg: DeepseekConfig, sd: Mapping[str, Any]) -> dict[
             if parts[1] in ("q_a_layernorm", "kv_a_layernorm"):
                 out[base + ("self_attn", parts[1], "weight")] = x
             else:
-                p, v = _linear(base + ("self_attn", parts[1]), parts[2], x)
+                p, v = _linear(base + ("self_attn", parts[1]), parts[2], x, name)
                 out[p] = v
         elif parts[0] == "mlp":
             if not cfg.is_moe_layer(i):
-                p, v = _linear(base + ("mlp", parts[1]), parts[2], x)
+                p, v = _linear(base + ("mlp", parts[1]), parts[2], x, name)
                 out[p] = v
             elif parts[1] == "gate" and parts[2] == "weight":
                 out[base + ("mlp", "gate_weight")] = x
             elif parts[1] == "gate" and parts[2] == "e_score_correction_bias":
                 out[base + ("mlp", "e_score_correction_bias")] = x
             elif parts[1] == "shared_experts":
-                p, v = _linear(base + ("mlp", "shared", parts[2]), parts[3], x)
+                p, v = _linear(base + ("mlp", "shared", parts[2]), parts[3], x, name)
                 out[p] = v
             elif parts[1] == "experts" and parts[2] == "gate_up_proj":  # [E, 2I, D]
                 inter = x.shape[1] // 2

@@ -249,3 +249,16 @@ def test_hf_directory_loads_its_checkpoint_files_only(tmp_path):
     save_file({"x.weight": a}, str(tmp_path / "model-extra.safetensors"))
     with pytest.raises(ValueError, match=r"tensor 'x.weight' of .*model-extra.safetensors is also in another file"):
         load_safetensors(str(tmp_path))
+
+
+def test_a_linear_layers_tensor_other_than_weight_and_bias_is_refused_by_name():
+    """A quantised checkpoint's extra tensors (``weight_scale``, ``qweight``, ...) were read as
+    the layer's bias, the last one winning."""
+    from jattn.models.loading import llama_params_from_hf
+
+    cfg = LlamaConfig.from_hf(_LLAMA)
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    with pytest.raises(KeyError, match=r"unexpected weight 'model\.layers\.0\.self_attn\.q_proj\.weight_scale'"):
+        llama_params_from_hf(cfg, {name: np.ones((96,), np.float32)})
+    bias = llama_params_from_hf(cfg, {"model.layers.0.self_attn.q_proj.bias": np.ones((96,), np.float32)})
+    assert list(bias) == [("layers", 0, "self_attn", "q_proj", "bias")]
