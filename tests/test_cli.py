@@ -169,10 +169,16 @@ def test_generate_names_the_model_source_it_cannot_load(tmp_path, capsys):
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--requests", "0"], "--requests 0: must be an integer >= 1"),
-        (["--requests", "-2"], "--requests -2: must be an integer >= 1"),
+        (["--requests", "0"], "--requests 0: must be an integer from 1"),
+        (["--requests", "-2"], "--requests -2: must be an integer from 1"),
+        (
+            ["--requests", "257"],
+            "--requests 257: must be an integer from 1 (a check over no requests checks nothing) to 256",
+        ),
+        (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
         (["--window", "-5"], "--window -5: must be an integer >= -1"),
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--requests=4", "--synth"], "unrecognized arguments: --synth"),  # no abbreviations
     ],
 )
 def test_synthetic_demo_refuses_bad_options(option, message, monkeypatch, capsys):
@@ -219,6 +225,7 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
     cap = capsys.readouterr()
     assert seen == [None]  # auto: xla everywhere on the CPU
     assert "Traceback" not in cap.err
+    assert "step time only: n/a" in cap.out  # no step timed: no 0.0 tokens/s figures
     assert [l for l in cap.err.splitlines() if l.startswith("--backend")] == [
         "--backend mosaic: its kernels need a GPU (on this CPU they run only under the interpreter, "
         "for tests); every op runs on xla"
@@ -311,6 +318,47 @@ def test_bench_serving_gen_lens_rows_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv + ["--gen-len", "0"])
     assert e.value.code == 2 and "--gen-len" in capsys.readouterr().err
+    # one generated token: no decode step, so no overall / decode ratio ("-", not a ZeroDivisionError)
+    assert main(argv + ["--gen-len", "1"]) == 0
+    table = capsys.readouterr().out.split("| --- |", 1)[1]
+    assert "| - |" in table
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--batch", "x"], "--batch takes positive integers, comma-separated (got 'x')"),
+        (["--batch", "-4"], "--batch takes positive integers, comma-separated (got '-4')"),
+        (["--batch", "0"], "--batch takes positive integers"),
+        (["--prompt-len", "0"], "--prompt-len takes positive integers, comma-separated (got '0')"),
+        (["--prompt-lens", "8,x"], "--prompt-lens takes positive integers"),
+        (["--page-size", "0"], "--page-size takes a positive integer (got 0)"),
+        (["--prefill-tokens", "-1"], "--prefill-tokens takes a positive integer (got -1)"),
+        (["--xla-max-tokens", "-1"], "--xla-max-tokens takes an integer >= 0 (got -1)"),
+        (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
+    ],
+)
+def test_bench_serving_refuses_bad_values_by_option(bad, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serving", "--cpu", "--models", "tiny", *bad])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill", "mla", "cascade", "kvwrite"])
+def test_gpu_benches_exit_1_with_one_line_on_a_cpu(name, capsys):
+    assert main(["bench", name]) == 1
+    assert _lines(capsys.readouterr().out) == [f"bench {name} needs a GPU (jax default backend is cpu); nothing to do"]
+
+
+def test_info_takes_no_options(capsys):
+    assert main(["info", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m jattn info")
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--bogus"])
+    assert e.value.code == 2 and "info takes no options (got --bogus)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--synth"])  # an abbreviation of no option: refused, not run as the model demo
+    assert e.value.code == 2 and "unrecognized arguments: --synth" in capsys.readouterr().err
 
 
 def test_bench_serving_estimate_of_the_long_context_rows():
@@ -349,6 +397,10 @@ def test_bench_bridge_host_part_runs_on_cpu(capsys):
     assert main(["bench", "bridge", "--reps", "3"]) == 0
     out = capsys.readouterr().out
     assert "host: forward_decode B1" in out and "host: bare jitted call on cached arguments" in out
+    for bad in (["--reps", "0"], ["--host-seqlen", "0"], ["--calls", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "bridge", *bad])
+        assert e.value.code == 2 and bad[0] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -373,3 +425,31 @@ def test_flax_generate_example_refuses_no_new_tokens(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(path), run_name="__main__")
     assert e.value.code == 2 and "--max-new-tokens=0 must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_model_demo_notices_and_a_pool_too_big_for_memory(monkeypatch, capsys):
+    """``--model tiny`` says it is the tiny random model (not that SmolLM2 is missing); a KV
+    pool that does not fit names --max-context instead of a RESOURCE_EXHAUSTED traceback."""
+    import jattn.models.demo as models_demo
+
+    args = types.SimpleNamespace(dtype="float32", hf=None, gguf=None, model="tiny", seed=0)
+    models_demo.load_model(args)
+    err = capsys.readouterr().err
+    assert "tiny RANDOM Llama" in err and "not installed" not in err
+
+    class Engine:
+        def __init__(self, model, config):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 128000002048 bytes.")
+
+    monkeypatch.setattr(models_demo, "Engine", Engine)
+    monkeypatch.setattr(models_demo, "load_model", lambda args: (object(), models_demo.ByteTokenizer(), "stub"))
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--max-context", "1000000000"])
+    assert "--max-context 1000000000 for each of 1 prompts) does not fit in memory" in str(e.value.code)
+
+
+@pytest.mark.slow
+def test_synthetic_demo_sizes_its_pool_and_buckets_from_the_requests(capsys):
+    """20 requests: more than the 16-row bucket and the 96-page pool of old held."""
+    assert main(["demo", "--synthetic", "--requests", "20"]) == 0
+    assert "PASSED" in capsys.readouterr().out

@@ -230,7 +230,10 @@ def bench_host(sync="auto", device="cuda", seqlen=4096, n=300):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m jattn bench bridge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="python -m jattn bench bridge",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--bs", type=int, default=64, help="batch of the throughput part (GPU; default 64)")
     ap.add_argument("--seqlen", type=int, default=4096, help="context of the throughput part (default 4096)")
@@ -251,6 +254,11 @@ def main(argv=None) -> int:
     ap.add_argument("--host-seqlen", type=int, default=None, help="context of the batch-1 host-time call")
     ap.add_argument("--reps", type=int, default=300, help="timed calls per host-time figure")
     a = ap.parse_args(argv)
+    for option, value in (("--bs", a.bs), ("--seqlen", a.seqlen), ("--layers", a.layers), ("--calls", a.calls)):
+        if value < 1:
+            ap.error(f"{option} takes a positive integer (got {value})")
+    if a.reps < 1 or (a.host_seqlen is not None and a.host_seqlen < 1):
+        ap.error(f"--reps and --host-seqlen take positive integers (got {a.reps}, {a.host_seqlen})")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -265,7 +273,7 @@ def main(argv=None) -> int:
         )
         return 1
     heads = "32/8 D128" if on_gpu else "8/2 D64"
-    host_seqlen = a.host_seqlen or (4096 if on_gpu else 64)
+    host_seqlen = a.host_seqlen if a.host_seqlen is not None else (4096 if on_gpu else 64)
     t_call, parts = bench_host(a.sync, device, host_seqlen, a.reps)
     what = f"host: forward_decode B1 L{host_seqlen} H{heads} save_kv_cache=True, sync={a.sync} (target <= 80)"
     rows = [(what, t_call)]

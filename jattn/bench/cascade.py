@@ -68,7 +68,7 @@ def _setup(groups, gs, prefix, suffix, page_size, n_q, rng):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench cascade", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench cascade", description=__doc__)
     ap.add_argument(
         "--rows", default=None, help="GROUPSxSIZExPREFIXxSUFFIX,... e.g. 1x64x16384x256 (default: four rows)"
     )
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if jax.default_backend() != "gpu":
         print(f"bench cascade needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
-        return
+        return 1
     copy_bw, how, dev = common.announce_device()
     rows_spec = ROWS if args.rows is None else [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)

@@ -191,7 +191,7 @@ def _time_decode(fn, args, n_hi: int, q_len: int, kscale: float):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench decode", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench decode", description=__doc__)
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument(
         "--shapes", default=None, help=f"e.g. 1x4096,64x4096 (default: {','.join(f'{b}x{n}' for b, n in SHAPES)})"
@@ -271,10 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         fa3 = None
 
     opts = parse_options(args.set)
-    print(f"kernel options: {opts}")
     if jax.default_backend() != "gpu":
         print(f"bench decode needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
-        return
+        return 1
+    print(f"kernel options: {opts}")
 
     copy_bw, how, dev = common.announce_device()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]

@@ -89,7 +89,7 @@ def time_write(write, caches, ins, slots, n_lo: int = 4, n_hi: int = 68, reps: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench kvwrite", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench kvwrite", description=__doc__)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per write, comma-separated")
     ap.add_argument("--pool-tokens", type=int, default=1 << 16, help="slots in the pool (default 65536)")
     ap.add_argument("--backends", default="xla,triton", help="backends to time, comma-separated")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if jax.default_backend() != "gpu":
         print(f"bench kvwrite needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
-        return
+        return 1
     copy_bw, how, dev = common.announce_device()
     rng = np.random.default_rng(0)
     rows = []

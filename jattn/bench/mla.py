@@ -187,7 +187,7 @@ def fp8_against_bf16(out: list[list[str]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench mla", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench mla", description=__doc__)
     ap.add_argument(
         "--rows", default="", help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS)
     )
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}")
     if jax.default_backend() != "gpu":
         print(f"bench mla needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
-        return
+        return 1
     import jattn
     from jattn.bench.prefill import matmul_rate
     from jattn.pallas_kernels import mosaic_mla, mosaic_mla_heads, triton_glue, triton_mla

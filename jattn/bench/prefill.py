@@ -309,7 +309,7 @@ def _torch_sdpa_seconds(torch, row: Row, backend: str, calls: int, reps: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jattn bench prefill", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench prefill", description=__doc__)
     ap.add_argument(
         "--rows",
         default="",
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}, merge")
     if jax.default_backend() != "gpu":
         print(f"bench prefill needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
-        return
+        return 1
     from jattn.pallas_kernels import mosaic_prefill as mp
     from jattn.pallas_kernels import triton_glue, triton_prefill
 

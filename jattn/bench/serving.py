@@ -33,6 +33,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -255,7 +256,10 @@ def main(argv=None) -> int:
     from jattn.demo import backend_choices
 
     ap = argparse.ArgumentParser(
-        prog="python -m jattn bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="python -m jattn bench serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--models",
@@ -285,7 +289,12 @@ def main(argv=None) -> int:
         default=16384,
         help="new tokens per extend step (longer prompts are prefilled in chunks; default 16384)",
     )
-    ap.add_argument("--dtype", default="bfloat16", help="model and KV cache dtype (default bfloat16)")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="model and KV cache dtype (default bfloat16)",
+    )
     ap.add_argument(
         "--backend",
         default=None,
@@ -359,11 +368,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     long = args.long_context
     models = args.models or ("llama3-8b" if long else "smollm2,llama3-8b")
-    batches = [int(b) for b in (args.batch or ("8,32" if long else "1,32,128")).split(",") if b]
-    prompt_lens = [int(p) for p in (args.prompt_lens or ("4096,16384" if long else str(args.prompt_len))).split(",")]
-    gen_lens = [int(g) for g in (args.gen_len or ("16" if long else "64")).split(",") if g]
-    if not gen_lens or min(gen_lens) < 1:
-        ap.error(f"--gen-len takes positive token counts, comma-separated (got {args.gen_len!r})")
+
+    def counts(option: str, text: str) -> list[int]:
+        """A comma-separated list of positive integers, or an argparse error naming ``option``."""
+        try:
+            vals = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            vals = []
+        if not vals or min(vals) < 1:
+            ap.error(f"{option} takes positive integers, comma-separated (got {text!r})")
+        return vals
+
+    batches = counts("--batch", args.batch or ("8,32" if long else "1,32,128"))
+    prompt_lens = counts(
+        "--prompt-lens" if args.prompt_lens else "--prompt-len",
+        args.prompt_lens or ("4096,16384" if long else str(args.prompt_len)),
+    )
+    gen_lens = counts("--gen-len", args.gen_len or ("16" if long else "64"))
+    for option, value in (("--page-size", args.page_size), ("--prefill-tokens", args.prefill_tokens)):
+        if value < 1:
+            ap.error(f"{option} takes a positive integer (got {value})")
+    if args.xla_max_tokens is not None and args.xla_max_tokens < 0:
+        ap.error(f"--xla-max-tokens takes an integer >= 0 (got {args.xla_max_tokens})")
     backend_arg = args.backend or ("auto,xla" if long else "auto")
     xla_max = args.xla_max_tokens if args.xla_max_tokens is not None else (131072 if long else 0)
     for name in models.split(","):
@@ -438,9 +464,10 @@ def main(argv=None) -> int:
             args.page_size,
             args.prefill_tokens,
             light_warmup=long,
+            itemsize=jnp.dtype(args.dtype).itemsize,
         )
         print(f"{name}: {len(plan[name])} rows; {est.line()}", flush=True)
-    rows = []
+    rows, failures = [], 0
     for name in models.split(","):
         t0 = time.perf_counter()
         model, desc = _model(name, args.dtype)
@@ -499,6 +526,7 @@ def main(argv=None) -> int:
                 )
             except Exception as e:  # keep going: report what ran
                 print(f"  bs={bs} prompt={prompt_len}{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                failures += 1
                 continue
             finally:
                 gc.collect()  # the row's KV pool goes before the next one is made
@@ -533,7 +561,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(
             f"| {r['model']} | {r['batch']} | {r['prompt_len']} | {r['gen_len']} | {r['prefill_tok_s']:.0f} | "
-            f"{r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | {r['overall_tok_s'] / r['decode_tok_s']:.2f} | "
+            f"{r['decode_tok_s']:.0f} | {r['overall_tok_s']:.0f} | {_ratio(r['overall_tok_s'], r['decode_tok_s'])} | "
             f"{r['engine_step_ms']:.2f} | {r['device_step_ms']:.2f} | "
             f"{r['ttft_ms_median']:.0f} / {r['ttft_ms_max']:.0f} |"
         )
@@ -548,7 +576,15 @@ def main(argv=None) -> int:
                 f"| {r['model']} | {r['batch']} | {r['engine_step_ms']:.2f} | {r['span_us'] / 1e3:.3f} | "
                 f"{r['kernel_sum_us'] / 1e3:.3f} | {r['attention_us'] / 1e3:.3f} | {r['kernels_per_step']} |"
             )
-    return 0
+    if failures:
+        print(f"\n{failures} row(s) FAILED (above)")
+    return 1 if failures else 0
+
+
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` to two places, or "-" where ``b`` is 0 (a row of one generated token has no
+    decode steps)."""
+    return f"{a / b:.2f}" if b else "-"
 
 
 def _shared_pools(plan, gen_len: int, page_size: int, prefill_tokens: int) -> dict:

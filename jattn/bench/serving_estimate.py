@@ -47,15 +47,18 @@ class Estimate:
         )
 
 
-def estimate(cfg: LlamaConfig, runs, gen_len: int, page_size: int, prefill_tokens: int, light_warmup: bool):
+def estimate(
+    cfg: LlamaConfig, runs, gen_len: int, page_size: int, prefill_tokens: int, light_warmup: bool, itemsize: int = 2
+):
     """Rough GPU work of ``runs`` ((bs, prompt_len, backend name) triples, or with a
     fourth element, that run's generated tokens instead of ``gen_len``) on a model of
     ``cfg``'s shapes: prefill tokens, FLOPs, seconds. With ``light_warmup`` the rows of one
-    prompt length and backend share their extend program (a shared pool)."""
+    prompt length and backend share their extend program (a shared pool). ``itemsize``:
+    bytes per weight and KV element (the model's dtype)."""
     h, hq, hkv, d, L = cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     layer_params = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * cfg.intermediate_size
-    weight_bytes = 2 * (L * layer_params + 2 * h * cfg.vocab_size)
-    kv_bytes_per_token = 2 * L * 2 * hkv * d
+    weight_bytes = itemsize * (L * layer_params + 2 * h * cfg.vocab_size)
+    kv_bytes_per_token = itemsize * L * 2 * hkv * d
     est = Estimate()
     programs = set()
     default_gen = gen_len
