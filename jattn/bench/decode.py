@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 line += f"not served ({why})"
             sweep.append(line)
+            print(line, flush=True)  # now too: a run cut off by a time limit keeps it
         fa = ["-"] * 4
         if fa3 is not None and not args.no_peer and kvname == "bf16":
             best = None
