@@ -189,6 +189,22 @@ def test_stamp_args_make_every_call_wait_for_the_first_stamp():
     assert _dots_after_the_first_stamp(step, xs, 4, stamp_args=5) == [True] * 4
 
 
+def test_matmul_rate_programs_read_all_five_matrices_through_the_stamp():
+    """``matmul_rate`` times the difference of two programs: the stamp's elementwise pass
+    over each matrix a program reads is in both only if both read all five (its n_lo = 1
+    program read two, so the difference held three extra passes, about 5% of the rate).
+    Each program's products are distinct pairs (none for XLA to share)."""
+    from jattn.bench import prefill
+
+    xs = [jnp.full((8, 8), float(i), jnp.bfloat16) for i in range(5)]
+    for n in prefill.MATMUL_CALLS:
+        reads = [(i % 5, (i + 1 + i // 5) % 5) for i in range(n)]
+        assert len(set(reads)) == n and all(a != b for a, b in reads)
+        assert {a for pair in reads for a in pair} == set(range(5))
+        assert _dots_after_the_first_stamp(prefill._matmul_step, xs, n, stamp_args=5) == [True] * n
+        np.testing.assert_array_equal(prefill._matmul_step(n - 1, *xs), xs[reads[-1][0]] @ xs[reads[-1][1]])
+
+
 def test_jax_copy_bandwidth_calls_are_all_distinct():
     """The JAX copy-bandwidth program's calls ``a[i % 4] + 1.0`` repeated every 4th call and
     XLA merged them (4 adds of 10 were left); each call now adds its own constant."""
@@ -398,6 +414,10 @@ def test_bench_mla_bytes_flops_and_lengths():
     big = mla.Row(64, 4096, 128, q_len=2)  # 256 rows: the latent still counted once per request
     assert mla.row_bytes_flops(big, lens)[0] == 64 * 4096 * 576 * 2 + 64 * 256 * 1088 * 2
     assert mla.row_bytes_flops(mla.Row(64, 4096, 16, fp8=True), lens)[0] == 64 * 4096 * 576 + 64 * 16 * 1088 * 2
+    # the e4m3 query column: a 1-byte query, the 2-byte output
+    assert mla.row_bytes_flops(mla.Row(64, 4096, 16, fp8=True), lens, q_itemsize=1)[0] == (
+        64 * 4096 * 576 + 64 * 16 * (576 + 512 * 2)
+    )
     un = mla.lengths(mla.Row(64, 4096, 16, uneven=True), rng)
     assert un.min() >= 512 and un.max() <= 4096 and len(set(un.tolist())) > 10
     assert len({r.label for r in mla.ROWS}) == len(mla.ROWS)

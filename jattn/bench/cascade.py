@@ -13,7 +13,9 @@ Timed in one run, GPU time per call (``common.time_rotated(device=True)``):
 
 Speedup is plain / cascade. Bytes: the plain call reads every row's K/V
 (``bs * (prefix + suffix)`` tokens), the cascade the distinct pages once
-(``groups * prefix + bs * suffix``); TB/s columns count those. Rotations use
+(``groups * prefix + bs * suffix``); TB/s columns count those. The plain call's
+figure is the rate of the bytes it asks for, not of HBM traffic: the requests of a group
+read the same prefix pages, mostly from L2, so it can pass the copy rate. Rotations use
 disjoint pages (a pool larger than L2) so no call finds the last one's pages in L2.
 """
 

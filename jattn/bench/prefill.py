@@ -229,13 +229,20 @@ def matmul_rate(n: int = 8192) -> float:
     to share between calls)."""
     keys = jax.random.split(jax.random.key(0), 5)
     xs = [jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys]
-
-    def step(i, *xs):
-        return xs[i % 4] @ xs[(i + 1) % 5]
-
-    # every call reads one of the five, so all five wait for the first stamp
-    t = common.time_rotated(step, xs, n_lo=1, n_hi=4, reps=3, join=False, device=True, stamp_args=5)
+    # Both programs read all five, each through the stamp's elementwise op: those passes are
+    # in both and cancel in the difference (a program that left some unread would drop them).
+    n_lo, n_hi = MATMUL_CALLS
+    t = common.time_rotated(_matmul_step, xs, n_lo=n_lo, n_hi=n_hi, reps=3, join=False, device=True, stamp_args=5)
     return 2 * n**3 / common.device_or_wall(t)
+
+
+MATMUL_CALLS = (5, 10)  # matmul_rate's two programs: each reads all five matrices
+
+
+def _matmul_step(i, *xs):
+    """Call ``i`` of :func:`matmul_rate`: ten distinct ordered pairs for i < 10, each of the
+    five matrices read in every five consecutive calls."""
+    return xs[i % 5] @ xs[(i + 1 + i // 5) % 5]
 
 
 def _torch_cuda():
