@@ -49,7 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import ops
-from jattn.checks import _check_int, _check_lengths, _check_max_seqlen, _check_ndim, _check_options, _concrete, _is_int
+from jattn.checks import (
+    _check_bool,
+    _check_int,
+    _check_lengths,
+    _check_max_seqlen,
+    _check_ndim,
+    _check_options,
+    _concrete,
+    _is_int,
+)
 from jattn.plan_inputs import _as_int_array, _positive_int
 
 __all__ = [
@@ -254,6 +263,7 @@ def cascade_decode(
     Returns ``out [bs * max_seqlen_q, Hq, D]`` in q's dtype, and with ``return_lse`` the
     natural-log LSE f32 ``[bs * max_seqlen_q, Hq]``.
     """
+    _check_bool(return_lse, "return_lse")
     _check_inputs(
         q,
         k_cache,

@@ -79,8 +79,13 @@ def _window_within(window_left: int, max_keys: int) -> int:
 
 
 def _check_causal(is_causal) -> None:
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal={is_causal!r} must be a bool")
+    _check_bool(is_causal, "is_causal")
+
+
+def _check_bool(value, name: str) -> None:
+    """A flag is a Python or numpy bool: a string or a number would pass a truth test."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool")
 
 
 def _check_scale(value, name: str, *, optional: bool = False) -> None:

@@ -3,9 +3,9 @@
 Requests arrive at different steps with different prompt lengths; each step is
 either a prefill (extend) batch of the newly arrived requests or a decode batch
 of the running ones. Pages come from a :class:`PageAllocator` and go back when a
-request finishes. Each decode batch bucket, and each prefill batch and token bucket, compiles once
-into a jitted step with the KV cache donated. At the end every output row is compared with a dense float64
-computation over that request's own keys.
+request finishes. Each decode batch bucket, and each prefill batch and token bucket,
+compiles once into a jitted step with the KV cache donated. At the end every output row
+is compared with a dense float64 computation over that request's own keys.
 """
 
 from __future__ import annotations

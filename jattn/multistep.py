@@ -132,6 +132,8 @@ class MLAMultiStepDraftBackend:
                 bs, req_pool_indices, last, req_to_page, ForwardMode.DECODE, num_pages=num_pages
             )
         except ValueError as e:  # its lengths are the last step's, not the caller's seq_lens
+            if not any(w in str(e) for w in ("seq_lens", "page_table", "out_cache_loc", "slot", "position")):
+                raise  # not about the lengths (the batch, its bucket, req_pool_indices): as it is
             raise ValueError(
                 f"the draft loop's last step (seq_lens + {extra}; page_table: req_to_page's rows): {e}"
             ) from None

@@ -30,6 +30,7 @@ from jattn.checks import Q_DTYPES as _Q_DTYPES
 from jattn.checks import (
     _check_array,
     _check_backend,
+    _check_bool,
     _check_causal,
     _check_cu_seqlens,
     _check_dtype,
@@ -118,6 +119,8 @@ def mha_decode_with_kvcache(
         q, k_cache, v_cache, page_table, cache_seqlens, max_seqlen_q, window_left, logit_cap, sinks, is_causal,
         softmax_scale, k_scale, v_scale,
     )  # fmt: skip
+    _check_bool(return_lse, "return_lse")
+    _check_bool(batch_invariant, "batch_invariant")
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -282,6 +285,7 @@ def mha_extend_with_kvcache(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, window_left, logit_cap, sinks,
         is_causal, softmax_scale, k_scale, v_scale,
     )  # fmt: skip
+    _check_bool(return_lse, "return_lse")
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         is_causal=is_causal,
@@ -352,6 +356,7 @@ def mha_prefill(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, window_left, logit_cap, sinks, is_causal,
         softmax_scale, k_scale, v_scale,
     )  # fmt: skip
+    _check_bool(return_lse, "return_lse")
     kw = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
@@ -442,6 +447,7 @@ def mla_decode_with_kvcache(
         raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in (0, {kv_cache.shape[2]})")
     _check_scales(softmax_scale=softmax_scale, kv_scale=kv_scale)
     _check_causal(is_causal)
+    _check_bool(return_lse, "return_lse")
     _check_lengths(page_table, cache_seqlens, kv_cache.shape[1], kv_cache.shape[0])
     bs = page_table.shape[0]
     _check_max_seqlen(max_seqlen_q, "max_seqlen_q")

@@ -100,7 +100,8 @@ def _new_tokens(lens: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def _check_writes(table: np.ndarray, lens: np.ndarray, new: np.ndarray, page_size: int, real: np.ndarray) -> None:
     """Refuses a plan in which a real request's new token writes a slot that another
     real request holds (its tokens ``[0, lens)`` through its row of ``table``, its own
-    new tokens, the last ``new``, included). Pages shared read-only (a radix cache's
+    new tokens, the last ``new``, included), or that the same request holds as another
+    of its tokens (a row that repeats a page). Pages shared read-only (a radix cache's
     prefix) are fine; a write into one would change the other request's K/V silently.
     Two new tokens of one request on one slot are :func:`_check_unique_slots`' to find.
     Cost: the real requests' pages plus their new tokens."""
@@ -126,9 +127,16 @@ def _check_writes(table: np.ndarray, lens: np.ndarray, new: np.ndarray, page_siz
     cnt = hi - lo
     w = np.repeat(np.arange(wp.size), cnt)
     r = order[np.repeat(lo, cnt) + _ranges(cnt)]
-    bad = np.flatnonzero((rr[r] != wr[w]) & (wo[w] < held[r]))
+    other_slot = (rr[r] != wr[w]) | (rc[r] != wt[w] // ps)  # another request, or the same one's other column
+    bad = np.flatnonzero(other_slot & (wo[w] < held[r]))
     if bad.size:
         w, r = int(w[bad[0]]), int(r[bad[0]])
+        if rr[r] == wr[w]:
+            raise ValueError(
+                f"page_table: request {int(wr[w])}'s row holds page {int(wp[w])} at columns {int(rc[r])} and "
+                f"{int(wt[w]) // ps}; its new token at position {int(wt[w])} would overwrite its own token "
+                f"{int(rc[r]) * ps + int(wo[w])} (a request's pages must be distinct)"
+            )
         raise ValueError(
             f"out_cache_loc: request {int(wr[w])}'s new token at position {int(wt[w])} writes page {int(wp[w])}, "
             f"offset {int(wo[w])}, which request {int(rr[r])} holds as its token {int(rc[r]) * ps + int(wo[w])}; "

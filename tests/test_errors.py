@@ -368,6 +368,12 @@ OTHER_CASES = [
     ("mla-scale-inf", _mla, dict(softmax_scale=float("inf")), ValueError, r"softmax_scale=inf must be finite"),
     ("mla-rank-bool", _mla, dict(kv_lora_rank=True), ValueError, r"kv_lora_rank=True must be an int"),
     ("mla-causal-none", _mla, dict(is_causal=None), TypeError, r"is_causal=None must be a bool"),
+    # flags: a string or a number passed a truth test (batch_invariant="no" turned the mode on)
+    ("decode-invariant-str", _decode, dict(batch_invariant="no"), TypeError, r"batch_invariant='no' must be a bool"),
+    ("decode-lse-int", _decode, dict(return_lse=2), TypeError, r"return_lse=2 must be a bool"),
+    ("extend-lse-str", _extend, dict(return_lse="yes"), TypeError, r"return_lse='yes' must be a bool"),
+    ("prefill-lse-none", _prefill, dict(return_lse=None), TypeError, r"return_lse=None must be a bool"),
+    ("mla-lse-int", _mla, dict(return_lse=1), TypeError, r"return_lse=1 must be a bool"),
 ]
 
 

@@ -91,6 +91,22 @@ def test_plans_refuse_writes_into_pages_another_request_holds():
         jattn.plan_decode([6, 3], page_size=4, page_table=[[3, 4], [5]], num_pages=8)
 
 
+def test_plans_refuse_a_row_that_repeats_a_page_it_writes():
+    """A request whose row holds one page twice would write its new token over its own
+    earlier token; a repeated page past the row's used columns is never read."""
+    import jattn
+
+    msg = (
+        r"page_table: request 0's row holds page 5 at columns 0 and 1; its new token at position 4 would "
+        r"overwrite its own token 0"
+    )
+    with pytest.raises(ValueError, match=msg):
+        jattn.plan_decode([5], page_size=4, page_table=np.array([[5, 5]]), num_pages=8)
+    with pytest.raises(ValueError, match=r"request 0's row holds page 5 at columns 0 and 1"):
+        jattn.plan_extend([6], [3], page_size=4, page_table=np.array([[5, 5]]), num_pages=8)
+    jattn.plan_decode([4], page_size=4, page_table=np.array([[5, 5]]), num_pages=8)  # column 1 unused
+
+
 def test_draft_block_padding_row_holds_no_pages():
     """A DRAFT_BLOCK plan keeps each request's whole row of pages (its block may grow on
     the device), but a row given with length 0 is padding: it keeps none, so the block
