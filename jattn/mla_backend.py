@@ -444,10 +444,10 @@ class MLABackend(_PlanningMixin):
             k = jnp.concatenate([k, jnp.broadcast_to(k_rope, k.shape[:2] + (r,)).astype(k.dtype)], -1)
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         rule = "layer.num_q_heads x config.qk_nope_head_dim + qk_rope_head_dim, q_rope / k_rope included"
+        heads = layer.num_q_heads  # MLA's decompressed K and V are per query head
         for name, x, dim in (("q", q, qk), ("k", k, qk), ("v", v, cfg.v_head_dim)):
-            heads = layer.num_q_heads if name == "q" or x.ndim != 3 else x.shape[1]
             if x.ndim != 3 or x.shape[1:] != (heads, dim):
-                want = rule if name != "v" else "heads x config.v_head_dim"
+                want = rule if name != "v" else "layer.num_q_heads x config.v_head_dim"
                 raise ValueError(f"{name} shape {tuple(x.shape)} must be [T, {heads}, {dim}] ({want})")
         return q, k
 

@@ -392,6 +392,13 @@ def test_mla_backend_refuses_misshapen_rope_and_latent_inputs():
         be.forward_prefix_chunk(
             z(5, h, nope), z(5, h, nope), z(5, h, v), layer, cu, cu, q_rope=z(4, h, r), k_rope=z(5, r), **kw
         )
+    # MLA's decompressed K and V are per query head: fewer heads would be read as GQA, silently
+    for k_heads, v_heads, name in ((1, h, "k"), (h, 1, "v")):
+        with pytest.raises(ValueError, match=rf"{name} shape \(5, 1, \d+\) must be \[T, {h}, "):
+            be.forward_prefix_chunk(
+                z(5, h, nope), z(5, k_heads, nope), z(5, v_heads, v), layer, cu, cu, q_rope=z(5, h, r), k_rope=z(5, r),
+                **kw,
+            )  # fmt: skip
     loc = jnp.arange(2, dtype=jnp.int32) + 8
     with pytest.raises(ValueError, match=r"c_kv shape \(2, 44\) must be \[T, 40\].*kv_lora_rank"):
         be.save_kv(layer, cache, loc, z(2, big_r + 4), z(2, r - 4))
