@@ -169,7 +169,9 @@ def test_mla_backend_arrays_must_match_the_config_cache_and_plan():
         be.forward_extend(qx[..., :32], kx[..., :32], vx, layer, ext, q_rope=qx[..., 40:], k_rope=kx[:, 0, 40:])
     with pytest.raises(ValueError, match=r"q shape \(16, 4, 48\) must be \[T, 2, 48\]"):
         be.forward_extend(qx, kx, vx, LayerSpec(0, 2, 1, 80), ext)
-    with pytest.raises(ValueError, match=r"v shape \(16, 4, 16\) must be \[T, 4, 24\] \(heads x config\.v_head_dim\)"):
+    with pytest.raises(
+        ValueError, match=r"v shape \(16, 4, 16\) must be \[T, 4, 24\] \(layer\.num_q_heads x config\.v_head_dim\)"
+    ):
         be.forward_extend(qx, kx, vx[..., :16], layer, ext)
     with pytest.raises(ValueError, match=r"q has 8 rows; it must have one per token of the plan"):
         jax.jit(lambda m: be.forward_extend(qx[:8], kx, vx, layer, m))(ext)
