@@ -355,6 +355,7 @@ class LlamaConfig:
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         hidden = d["hidden_size"]
         nq = d["num_attention_heads"]
+        max_positions = _hf_max_positions(d, model_type)
         out = dict(
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
@@ -365,8 +366,8 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or (128 if model_type == "qwen3" else hidden // nq),  # Qwen3Config's
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # the Hugging Face configs' default
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope, _hf_max_positions(d, model_type)),
-            max_position_embeddings=_hf_max_positions(d, model_type),
+            rope_scaling=RopeScaling.from_hf(rope, max_positions),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             sliding_window=_hf_sliding_window(d, model_type),
@@ -596,7 +597,7 @@ class DeepseekConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         v2 = d.get("model_type") == "deepseek_v2"  # its configs leave the softmax router implicit
-        mtype = "deepseek_v2" if v2 else "deepseek_v3"
+        max_positions = _hf_max_positions(d, "deepseek_v2" if v2 else "deepseek_v3")
         if d.get("moe_layer_freq", 1) != 1:  # every layer from first_k_dense_replace on is MoE here
             raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
         out = dict(
@@ -612,9 +613,9 @@ class DeepseekConfig:
             v_head_dim=d["v_head_dim"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=RopeScaling.from_hf(rope, _hf_max_positions(d, mtype)),
+            rope_scaling=RopeScaling.from_hf(rope, max_positions),
             rope_interleave=bool(d.get("rope_interleave", True)),
-            max_position_embeddings=_hf_max_positions(d, mtype),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             first_k_dense_replace=d.get("first_k_dense_replace", 0),

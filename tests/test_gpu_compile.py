@@ -15,7 +15,6 @@ installed there) and not compiled.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -38,23 +37,13 @@ def _s(shape, dtype):
 
 def _compile(fn, *args):
     if os.environ.get("JATTN_LOWER_ONLY") == "1":
-        with _as_gpu():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' "GPU here?" check
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         return
     if not on_gpu():
         pytest.skip("needs a GPU (or JATTN_LOWER_ONLY=1)")
     jax.jit(fn).lower(*args).compile()
-
-
-@contextlib.contextmanager
-def _as_gpu():
-    """The kernels' entry points check for a GPU backend before tracing: tell them there
-    is one while lowering for CUDA."""
-    old, jax.default_backend = jax.default_backend, lambda: "gpu"
-    try:
-        yield
-    finally:
-        jax.default_backend = old
 
 
 # ------------------------------------------------------------------ paged decode (both kernels)

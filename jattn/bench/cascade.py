@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import jattn
 
-    if jax.default_backend() != "gpu":
-        print(f"bench cascade needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+    if common.no_gpu("cascade"):
         return 1
     copy_bw, how, dev = common.announce_device()
     rows_spec = ROWS if args.rows is None else [tuple(int(x) for x in r.split("x")) for r in args.rows.split(",")]

@@ -347,6 +347,16 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> tuple[float, str]:
     return (n * 4 * 2) / t.seconds, "jax elementwise"
 
 
+def no_gpu(bench: str, hint: str = "") -> bool:
+    """True, after one line saying so, when JAX has no GPU here: ``bench`` has nothing to
+    do (its ``main`` then returns 1). ``hint``: appended in parentheses."""
+    if jax.default_backend() == "gpu":
+        return False
+    more = f" ({hint})" if hint else ""
+    print(f"bench {bench} needs a GPU (jax default backend is {jax.default_backend()}); nothing to do{more}")
+    return True
+
+
 def announce_device() -> tuple[float, str, str]:
     """Measures the copy ceiling and prints the run's device line; returns
     ``(copy bytes/s, how it was measured, device kind)``."""

@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         fa3 = None
 
     opts = parse_options(args.set)
-    if jax.default_backend() != "gpu":
-        print(f"bench decode needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+    if common.no_gpu("decode"):
         return 1
     print(f"kernel options: {opts}")
 

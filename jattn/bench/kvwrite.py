@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     common.add_output_args(ap)
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
 
-    if jax.default_backend() != "gpu":
-        print(f"bench kvwrite needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+    if common.no_gpu("kvwrite"):
         return 1
     copy_bw, how, dev = common.announce_device()
     rng = np.random.default_rng(0)

@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = want - {r.label for r in ROWS}
     if unknown:
         ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}")
-    if jax.default_backend() != "gpu":
-        print(f"bench mla needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+    if common.no_gpu("mla"):
         return 1
     import jattn
     from jattn.bench.prefill import matmul_rate

@@ -359,8 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = want - {r.label for r in ROWS} - {"merge"}
     if unknown:
         ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}, merge")
-    if jax.default_backend() != "gpu":
-        print(f"bench prefill needs a GPU (jax default backend is {jax.default_backend()}); nothing to do")
+    if common.no_gpu("prefill"):
         return 1
     from jattn.pallas_kernels import mosaic_prefill as mp
     from jattn.pallas_kernels import triton_glue, triton_prefill

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn.bench import common
 from jattn.bench.serving_estimate import estimate, extend_batch
 from jattn.metadata import plan_decode
 from jattn.models.config import LlamaConfig
@@ -394,11 +395,7 @@ def main(argv=None) -> int:
     xla_max = args.xla_max_tokens if args.xla_max_tokens is not None else (131072 if long else 0)
     for name in models.split(","):
         _config(name)  # an unknown name fails here, before anything runs
-    if jax.default_backend() != "gpu" and not args.cpu:
-        print(
-            f"bench serving needs a GPU (jax default backend is {jax.default_backend()}); nothing to do "
-            "(--cpu runs it anyway)"
-        )
+    if not args.cpu and common.no_gpu("serving", "--cpu runs it anyway"):
         return 1
     from jattn.demo import MHA_OPS, choose_backend
 
