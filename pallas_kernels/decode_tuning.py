@@ -108,11 +108,11 @@ class KernelOptions:
       many (16 or 32), one item per tile beside its split's other tiles
       (``mha_decode_heads(row_tile=...)``); 0 (the default: the tiles measured slower on
       the H200, docs/PERF.md), all rows in one item.
-    fp8_heads: FP8 K/V calls that the per-KV-head kernel serves, other than a causal block
-      of several queries (target verify), run there with an e4m3 query (``S^T`` on the
+    fp8_heads: FP8 K/V calls that the per-KV-head kernel serves (decode, target verify
+      and draft blocks) run there with an e4m3 query (``S^T`` on the
       landed e4m3 K tile) and ``V^T`` read into registers over 64-token blocks
       (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``): faster than this
-      kernel's FP8 path at every shape measured on the H200 (docs/PERF.md). It changes
+      kernel's FP8 path at every shape measured (docs/PERF.md). It changes
       FP8 results by the query's rounding to e4m3 (docs/SEMANTICS.md), and so do the
       options that move an FP8 call off that path (``heads_kernel=False``) or change its
       scales (``heads_row_tile``, one scale per tile). Off: FP8 runs here with the exact

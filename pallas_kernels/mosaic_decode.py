@@ -39,8 +39,9 @@ Layout of the work:
 Multi-token calls whose query rows fill at least one 64-row tile go to the per-KV-head
 kernel (``mosaic_decode_heads``) where ``decode_tuning.prefer_heads_kernel`` picks it and
 it serves the call (``KernelOptions.heads_kernel``; explicit ``block_sizes`` keep them
-here), and so do FP8 calls without a causal block of several queries
-(``KernelOptions.fp8_heads``: an e4m3 query there, docs/SEMANTICS.md). The entry point
+here), and so do FP8 calls (``KernelOptions.fp8_heads``: an e4m3 query there,
+docs/SEMANTICS.md) and calls with one KV head and one query per request
+(:func:`one_kv_head_single_query`). The entry point
 is :func:`mha_decode` (here); the kernel body and its launch are
 ``mosaic_decode_kernel``; ``decode_tuning`` holds its static configuration
 (:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
@@ -156,7 +157,7 @@ def mha_decode(
     if page_table.shape[0] == 0 or q.shape[1] == 0:  # nothing to compute: no launch
         return empty_outputs(q, v_cache.shape[-1], q.dtype, return_lse)
     softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
-    if block_sizes is None and options.heads_kernel:
+    if block_sizes is None and (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q)):
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
             fp8_heads=options.fp8_heads, is_causal=is_causal, overlap=options.heads_overlap,
@@ -229,15 +230,24 @@ def unsupported_reason(
     return None if heads is not None else reason
 
 
+def one_kv_head_single_query(k_cache, max_seqlen_q) -> bool:
+    """Whether a call is one the all-heads kernel does not compile on jax 0.11 (one KV head,
+    one query per request: Mosaic's layout inference finds no solution for its last-block
+    V-row mask), so :func:`mha_decode` sends it to the per-KV-head kernel whatever
+    ``KernelOptions.heads_kernel`` says; with one KV head both kernels stream the same
+    rows."""
+    return k_cache.shape[2] == 1 and max_seqlen_q == 1
+
+
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
     fp8_heads=True, is_causal=True, overlap=False, glue=True,
 ):  # fmt: skip
-    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` picks it
-    and it serves the call (Python-number scales, no window, cap or sinks), else None.
-    ``fp8_heads`` (``KernelOptions.fp8_heads``): FP8 calls without a causal block of
-    several queries go to it too, with the e4m3 query and ``V^T`` in registers over
-    64-token blocks. ``overlap`` and ``glue``: ``KernelOptions.heads_overlap`` and
+    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` or
+    :func:`one_kv_head_single_query` picks it and it serves the call (Python-number scales,
+    no window, cap or sinks), else None. ``fp8_heads`` (``KernelOptions.fp8_heads``): every
+    FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query and
+    ``V^T`` in registers over 64-token blocks. ``overlap`` and ``glue``: ``KernelOptions.heads_overlap`` and
     ``heads_glue``, passed on."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
@@ -252,11 +262,11 @@ def heads_kernel_for(
     if reason is not None:
         return None
     itemsize = jnp.dtype(k_cache.dtype).itemsize
-    if fp8_heads and itemsize == 1 and not (is_causal and max_seqlen_q > 1):
+    if fp8_heads and itemsize == 1:
         return functools.partial(
             mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True, overlap=overlap, glue=glue
         )
-    if not prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize):
+    if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or one_kv_head_single_query(k_cache, max_seqlen_q)):
         return None
     return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap, glue=glue)
 

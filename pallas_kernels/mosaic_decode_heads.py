@@ -3,9 +3,10 @@
 ``mosaic_decode.mha_decode`` (so ``jattn.ops.mha_decode_with_kvcache`` on the mosaic
 backend) sends it the multi-token calls that ``decode_tuning.prefer_heads_kernel`` picks
 (spec verify and draft blocks whose query rows fill at least one 64-row tile of the
-all-heads kernel) when it serves them, and FP8 calls without a causal block of several
-queries (``KernelOptions.fp8_heads``: its ``fp8_qk`` and ``v_regs`` paths);
-``KernelOptions(heads_kernel=False)`` turns both off.
+all-heads kernel) when it serves them, every FP8 call (``KernelOptions.fp8_heads``: its
+``fp8_qk`` and ``v_regs`` paths), and calls with one KV head and one query per request,
+which the all-heads kernel does not compile; ``KernelOptions(heads_kernel=False)`` turns
+the first two off.
 
 The kernel body and its launch are in ``mosaic_decode_heads_kernel`` (with the layout,
 occupancy, launch and FP8 paths described there); its build configuration, what it serves

@@ -296,8 +296,8 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
 def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     """By default (``KernelOptions.fp8_heads``) an FP8 single-token decode goes through
     ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, ``V^T`` in
-    registers and 64-token blocks (matching the reference over that query); a causal
-    2-token verify, and every FP8 call with ``fp8_heads=False``, stays on the all-heads
+    registers and 64-token blocks (matching the reference over that query), and so does a
+    causal 2-token verify; every FP8 call with ``fp8_heads=False`` stays on the all-heads
     kernel (stubbed here: its own tests run it)."""
     from jattn.pallas_kernels import mosaic_decode as md
 
@@ -318,10 +318,37 @@ def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
         assert calls == [(True, 64, True)] and all_heads == []
         verify = (jnp.concatenate([qh, qh]), *args[1:])  # 2 queries per request (values unchecked)
         md.mha_decode(*verify, k_scale=0.5, v_scale=0.5, max_seqlen_q=2)
-        assert len(calls) == 1 and all_heads == [1], "a causal FP8 verify stays on the all-heads kernel"
+        assert calls == [(True, 64, True)] * 2 and all_heads == [], "a causal FP8 verify takes the e4m3 path"
         md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(fp8_heads=False))
-        assert len(calls) == 1 and all_heads == [1, 1], "fp8_heads=False keeps FP8 on the all-heads kernel"
+        assert len(calls) == 2 and all_heads == [1], "fp8_heads=False keeps FP8 on the all-heads kernel"
     want = reference.mha_decode(mh.fp8_qk_query(qh, 2), kc, vc, table, lens, k_scale=0.5, v_scale=0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_one_kv_head_single_query_calls_take_the_per_kv_head_kernel(monkeypatch):
+    """A call with one KV head and one query per request (which the all-heads kernel does
+    not compile on jax 0.11) runs the per-KV-head kernel, ``heads_kernel=False``
+    notwithstanding, and matches the reference; with a window (which that kernel does not
+    serve), or with two queries per request, it stays on the all-heads kernel (stubbed)."""
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    c = Case(lens=(97, 0, 1), hq=1, hkv=1, d=64)
+    q, k, v, table, lens = _inputs(c, 6)
+    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
+    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
+    calls = _spy(monkeypatch)
+    all_heads = []
+    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(k["window_left"]) or jnp.zeros_like(q))
+    with gpu_interpret():
+        got = md.mha_decode(*args, options=md.KernelOptions(heads_kernel=False))
+        assert calls == [1] and all_heads == []
+        md.mha_decode(*args, window_left=5)
+        assert calls == [1] and all_heads == [5]
+        q2 = jnp.concatenate([args[0], args[0]])
+        md.mha_decode(q2, *args[1:], max_seqlen_q=2)
+        assert calls == [1] and all_heads == [5, -1]
+    want = reference.mha_decode(r(q), r(k), r(v), table, lens)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
