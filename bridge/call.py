@@ -256,7 +256,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         (every mode; arguments as in :meth:`init_forward_metadata`). With ``in_capture``
         ``bs`` must be a bucket, and the plan is kept as that bucket's capture plan."""
         if in_capture:
-            check_capture_bucket(bs, self._jbackend.batch_buckets)
+            check_capture_bucket(bs, self._jbackend.graph_buckets)
         md_dev = self.init_forward_metadata(bs, 0, req_pool_indices, seq_lens, req_to_page, forward_mode, **kwargs)
         if in_capture:
             if self._native is not None:  # its tensors are the captured graph's: kept for good
@@ -622,7 +622,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         (capture ahead of time) by running it once on an all-padding plan (writes go to
         the dummy page only)."""
         q_len = self._jbackend.q_len(forward_mode)
-        for b in buckets or self._jbackend.batch_buckets:
+        for b in buckets or self._jbackend.graph_buckets:
             self.init_forward_metadata_capture_cuda_graph(b, forward_mode=forward_mode)
             seen = set()
             for layer in layers:

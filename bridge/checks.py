@@ -32,6 +32,18 @@ def _check_shape(x, name: str, n: int, forms: tuple, what: str) -> None:
         raise BridgeError(f"{name} must be {what} = {alts}, got {tuple(x.shape)}")
 
 
+def check_input_dtype(x, name: str, like=None) -> None:
+    """Raises TypeError unless the input tensor ``x`` (or None) holds floating-point values,
+    of dtype ``like`` where given (q's: the MHA inputs are staged and written in it); an
+    integer or bool K/V would otherwise be written into the pool as numbers."""
+    if x is None:
+        return
+    if like is not None and x.dtype != like:
+        raise TypeError(f"{name}.dtype={x.dtype} must be q's {like} (the step's inputs are staged in q's dtype)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype: bfloat16, float16 or float32")
+
+
 def _rows(x, name: str) -> int:
     """The rows (first dim) of input ``x``, which must be a tensor of rank >= 1."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:

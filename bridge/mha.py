@@ -17,7 +17,8 @@ from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
 from .call import _BridgeBase
-from .checks import _check_shape, check_layer_id
+from .checks import _check_shape, _rows, check_input_dtype, check_layer_id
+from .convert import BridgeError
 from .native import run_layer
 from .pool import scale_key
 from .state import _host_i32, _Plan, _ref, _View
@@ -91,16 +92,24 @@ class TorchMHABackend(_BridgeBase):
         ]
 
     @staticmethod
-    def _check_inputs(q, k, v, spec: LayerSpec) -> None:
-        """q/k/v shapes against the layer (slow path: the hot-path plans are keyed on them)."""
+    def _check_inputs(q, k, v, spec: LayerSpec, sinks=None) -> None:
+        """q/k/v shapes and dtypes against the layer, and the sinks' shape (slow path: the
+        hot-path plans are keyed on them)."""
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
-        n = q.shape[0]
+        n = _rows(q, "q")
         _check_shape(q, "q", n, ((hq * d,), (hq, d)), "[tokens, tp_q_head_num * head_dim]")
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise BridgeError(f"q.dtype={q.dtype} is not supported (the step's inputs are staged in q's dtype)")
         if k is not None:
             _check_shape(k, "k", n, ((hkv * d,), (hkv, d)), "[tokens, tp_k_head_num * head_dim] (q's tokens)")
             _check_shape(v, "v", n, ((hkv * dv,), (hkv, dv)), "[tokens, tp_v_head_num * v_head_dim] (q's tokens)")
+            check_input_dtype(k, "k", q.dtype)
+            check_input_dtype(v, "v", q.dtype)
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,)):
+            got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise BridgeError(f"sinks must have shape ({hq},) (one per query head), got {got}")
 
     def _run(self, kind, q, k, v, layer, out_cache_loc, pool, save_kv_cache, sinks):
         decode = kind == "decode"
@@ -110,7 +119,7 @@ class TorchMHABackend(_BridgeBase):
         self._check_tokens("q", q.shape[0])
         if self._native is not None:
             spec = self._spec(layer)
-            self._check_inputs(q, k, v, spec)
+            self._check_inputs(q, k, v, spec, sinks)
             kv, vv = self._pool_views(pool, self._pool_state(pool), spec, jax_view=False)
             loc = None
             if save_kv_cache and k is not None and self._native_plan is not None:
@@ -162,7 +171,7 @@ class TorchMHABackend(_BridgeBase):
         md = self._md_call
         if md is None:
             raise RuntimeError("call init_forward_metadata (or a cuda-graph init) first")
-        self._check_inputs(q, k, v, spec)
+        self._check_inputs(q, k, v, spec, sinks)
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         n = q.shape[0]
         rows = md.num_tokens

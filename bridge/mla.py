@@ -23,7 +23,7 @@ from jattn.mla_backend import check_draft_extend_shapes, check_llama_4_scaling_s
 from jattn.mla_rope import MLARope
 
 from .call import _BridgeBase
-from .checks import _check_shape, _rows, check_layer_id
+from .checks import _check_shape, _rows, check_input_dtype, check_layer_id
 from .convert import BridgeError, to_jax_input
 from .native import run_mla_absorbed, run_mla_prefill
 from .state import _host
@@ -300,6 +300,8 @@ class TorchMLABackend(_BridgeBase):
             _check_shape(k, "k", n, ((R,), (1, R)), "c_kv [tokens, kv_lora_rank] (q's tokens)")
         if k_rope is not None:
             _check_shape(k_rope, "k_rope", n, ((r,), (1, r)), "[tokens, qk_rope_head_dim] (q's tokens)")
+        for x, name in ((q_rope, "q_rope"), (k, "k"), (k_rope, "k_rope")):
+            check_input_dtype(x, name)
 
     def _check_prefill(self, q, k, v, q_rope, k_rope, layer, chunk: bool) -> None:
         """The ragged prefill's input shapes (``chunk``: k/v are a prefix chunk's rows,
@@ -321,6 +323,8 @@ class TorchMLABackend(_BridgeBase):
             _check_shape(k, "k", m, ((H * P,), (H, P)), f"[tokens, H * qk_nope_head_dim] (with k_rope; {kv_rows})")
             _check_shape(k_rope, "k_rope", m, ((r,), (1, r)), f"[tokens, qk_rope_head_dim] ({kv_rows})")
         _check_shape(v, "v", m, ((H * V,), (H, V)), f"[tokens, H * v_head_dim] ({kv_rows})")
+        for x, name in ((q_rope, "q_rope"), (k, "k"), (k_rope, "k_rope"), (v, "v")):
+            check_input_dtype(x, name)
 
     def _absorbed_call(
         self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, cos_sin_cache, is_neox, l4, kwargs

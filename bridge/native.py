@@ -145,6 +145,11 @@ def run_layer(
     if plan.decode != decode:
         want, what = ("decode", "a decode") if plan.decode else ("extend", "an extend")
         raise ValueError(f"the installed plan is {what} plan: call forward_{want}")
+    if k_buf.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise BridgeError(
+            f"q.dtype={q.dtype} must be the KV pool's {k_buf.dtype} (or the pool FP8 e4m3): "
+            "kernels='triton_native' attends in the pool's dtype"
+        )
     _check_device(q.device)
     hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
     q = q.reshape(-1, hq, d)
@@ -158,7 +163,7 @@ def run_layer(
     if save_kv_cache and k is not None:
         ks, vs = (spec.k_scale, spec.v_scale) if fp8 else (None, None)
         loc = t["out_cache_loc"][:n] if out_cache_loc is None else out_cache_loc[:n].to(torch.int32)
-        tn.set_kv_buffer(kc, vc, loc, k.to(q.dtype), v.to(q.dtype), k_scale=ks, v_scale=vs)
+        tn.set_kv_buffer(kc, vc, loc, k.contiguous(), v.contiguous(), k_scale=ks, v_scale=vs)
     opts = dict(
         window_left=spec.sliding_window_size,
         logit_cap=spec.logit_cap,

@@ -1563,6 +1563,47 @@ def test_input_shapes_are_checked():
         pbe.forward_extend(qn, kn, v, player, save_kv_cache=False, q_rope=qr)
 
 
+def test_input_dtypes_and_sinks_shape_are_checked():
+    """An integer or bool k/v (MLA: c_kv, k_rope, q_rope, prefill v), or an MHA k/v of
+    another float dtype than q, is refused naming it before the pool's writer casts it
+    into the pool (decode with the torch writer wrote 7 and 1.0 where an int32 k and a
+    bool v were given); a sinks of another length than the query heads is refused on the
+    slow path naming it (the native path broadcast one value over every head)."""
+    be, pool, (layer,), q, g = _decode_fixture(9)
+    _, k, v = _mha_kv(2, g)
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    cases = [
+        ((q, k.to(torch.int32), v), {}, TypeError, r"k\.dtype=torch\.int32 must be q's"),
+        ((q, k, v.bool()), {}, TypeError, r"v\.dtype=torch\.bool must be q's"),
+        ((q, k.double(), v), {}, TypeError, r"k\.dtype=torch\.float64 must be q's"),
+        ((q, k, v), dict(sinks=torch.zeros(1)), BridgeError, r"sinks must have shape \(4,\) \(one per query head\)"),
+    ]  # fmt: skip
+    for args, kw, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            be.forward_decode(*args, layer, None, pool, 2, save_kv_cache=True, **kw)
+    for a, b in zip(before, pool.k_buffer + pool.v_buffer):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), "a refused call wrote"
+    mla, mpool, mlayer, H, R, r = _tiny_mla()
+    q, qr, c, kr = (torch.randn(2, w).to(DEV) for w in (H * R, H * r, R, r))
+    kw = dict(save_kv_cache=True, token_to_kv_pool=mpool)
+    for a, name in (
+        (dict(q=q, k=c.to(torch.int32), q_rope=qr, k_rope=kr), "k"),
+        (dict(q=q, k=c, q_rope=qr, k_rope=kr.bool()), "k_rope"),
+        (dict(q=q, k=c, q_rope=qr.to(torch.int64), k_rope=kr), "q_rope"),
+    ):
+        with pytest.raises(TypeError, match=rf"{name}\.dtype=torch\.\w+ must be a floating dtype"):
+            mla.forward_decode(a["q"], a["k"], None, mlayer, q_rope=a["q_rope"], k_rope=a["k_rope"], **kw)
+    H, P, rr, Vd = 2, 32, 16, 32
+    _, pbe, player = _small_mla(H, P, rr, Vd)
+    pbe.init_forward_metadata(
+        1, 1, torch.tensor([0]), torch.tensor([3]), torch.tensor([[1, 2]], dtype=torch.int32), ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor([3]),
+    )  # fmt: skip
+    qn, qr, kn, kr, v = rand(3, H * P), rand(3, H * rr), rand(3, H * P), rand(3, rr), rand(3, H * Vd)
+    with pytest.raises(TypeError, match=r"v\.dtype=torch\.int32 must be a floating dtype"):
+        pbe.forward_extend(qn, kn, v.to(torch.int32), player, save_kv_cache=False, q_rope=qr, k_rope=kr)
+
+
 def test_a_forward_that_does_not_serve_the_installed_plan_is_refused():
     """MHA: decode-kind plans run through forward_decode, extend plans through
     forward_extend (else an AttributeError from the core). MLA: forward_extend after a

@@ -131,9 +131,10 @@ def run_interpreted(name: str, path: str) -> None:
     np.savez(path, **res)
 
 
-def _one_token_write(kernels: str, out_cache_loc):
+def _one_token_write(kernels: str, out_cache_loc, strided=False):
     """One decode token of one request (pages 20..) written with ``out_cache_loc`` (None:
-    the plan's slot, 84); returns the layer's K pool as ``[slots, Hkv * D]``."""
+    the plan's slot, 84); returns the layer's K pool as ``[slots, Hkv * D]``. ``strided``:
+    k and v are every other column of wider tensors (not contiguous)."""
     import torch
 
     from jattn import ForwardMode, MHAConfig
@@ -150,6 +151,9 @@ def _one_token_write(kernels: str, out_cache_loc):
     be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([5]), r2p, ForwardMode.DECODE)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, w, generator=g).half() for w in (256, 128, 128))
+    if strided:
+        k, v = (torch.stack([x, -x], dim=2).reshape(1, 256)[:, ::2] for x in (k, v))
+        assert not k.is_contiguous() and not v.is_contiguous()
     be.forward_decode(q, k, v, AttentionLayer(0, 4, 2, 64), out_cache_loc, pool, 1, save_kv_cache=True)
     return pool.k_buffer[0].reshape(256, 128).float().numpy()
 
@@ -157,8 +161,9 @@ def _one_token_write(kernels: str, out_cache_loc):
 def run_slots(name: str, path: str) -> None:
     import torch
 
-    loc = None if name == "plan_slot" else torch.tensor([200])
-    np.savez(path, jax=_one_token_write("jax", loc), native=_one_token_write("triton_native", loc))
+    loc = None if name in ("plan_slot", "strided") else torch.tensor([200])
+    kw = dict(strided=name == "strided")
+    np.savez(path, jax=_one_token_write("jax", loc, **kw), native=_one_token_write("triton_native", loc, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +171,15 @@ def interpreted(tmp_path_factory):
     return run_in_interpreter(
         tmp_path_factory,
         "test_bridge_native",
-        {"run_interpreted": list(SCENARIOS), "run_slots": ["plan_slot", "caller_slot"]},
+        {"run_interpreted": list(SCENARIOS), "run_slots": ["plan_slot", "caller_slot", "strided"]},
     )
 
 
 def test_interpreted_native_writes_the_callers_slots(interpreted):
     """``out_cache_loc`` names the slots on the native path as on the JAX path (the plan's
-    slot, 84, only where it is None)."""
-    for name, slot in (("plan_slot", 84), ("caller_slot", 200)):
+    slot, 84, only where it is None); k / v that are strided views are written as their
+    values (the native path refused them as not contiguous)."""
+    for name, slot in (("plan_slot", 84), ("caller_slot", 200), ("strided", 84)):
         res = interpreted[name]
         for kind in ("jax", "native"):
             written = np.flatnonzero(np.abs(res[kind]).sum(axis=1))
@@ -190,7 +196,7 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
     from jattn import ForwardMode, MHAConfig
     from jattn.bridge import AttentionLayer, BridgeError, TorchKVPool, TorchMHABackend
 
-    def call(cfg_pages=64, pool_pages=64, pool_heads=(2, 64), loc=None, **md):
+    def call(cfg_pages=64, pool_pages=64, pool_heads=(2, 64), loc=None, q_dtype=torch.bfloat16, sinks=None, **md):
         cfg = MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, context_len=64,
                         num_pages=cfg_pages, kernel_backend="xla")  # fmt: skip
         pool = TorchKVPool(num_layers=1, num_pages=pool_pages, page_size=4, num_kv_heads=pool_heads[0],
@@ -199,8 +205,8 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
         r2p = torch.zeros(2, 16, dtype=torch.int32)
         r2p[1] = torch.arange(1, 17)
         be.init_forward_metadata(1, 0, torch.tensor([1]), torch.tensor([5]), r2p, ForwardMode.DECODE, **md)
-        q, kv = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.bfloat16)
-        be.forward_decode(q, kv, kv, AttentionLayer(0, 4, 2, 64), loc, pool, 1, save_kv_cache=True)
+        q, kv = torch.zeros(1, 256, dtype=q_dtype), torch.zeros(1, 128, dtype=q_dtype)
+        be.forward_decode(q, kv, kv, AttentionLayer(0, 4, 2, 64), loc, pool, 1, save_kv_cache=True, sinks=sinks)
 
     with pytest.raises(BridgeError, match=r"k_buffer\[layer 0\] has 32 pages, config\.num_pages=64"):
         call(pool_pages=32)
@@ -214,6 +220,12 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
         call(loc=torch.tensor([10**6]))
     with pytest.raises(BridgeError, match=r"out_cache_loc must hold integer slots"):
         call(loc=torch.tensor([1.5]))
+    # the caller's q (not the pool) named for a dtype the pool does not have; sinks of
+    # another length than the query heads (one value was broadcast over every head)
+    with pytest.raises(BridgeError, match=r"q\.dtype=torch\.float32 must be the KV pool's torch\.bfloat16"):
+        call(q_dtype=torch.float32)
+    with pytest.raises(BridgeError, match=r"sinks must have shape \(4,\) \(one per query head\), got \(1,\)"):
+        call(sinks=torch.zeros(1))
 
 
 def _compare(res, atol):
