@@ -68,9 +68,22 @@ class MHABackend(_PlanningMixin):
         )
         return tuple(None if x is None else as_heads(x, name, h, d, rule) for name, x, h, d, rule in shapes)
 
-    def _save(self, layer, kv_cache: PagedKVCache, loc, k, v) -> PagedKVCache:
+    @staticmethod
+    def _layer_cache(layer, kv_cache: PagedKVCache):
+        """The layer's K and V caches, which must have the layer's KV heads and head dims
+        (a prewritten cache is read by these, so a mismatch would go unseen otherwise)."""
         kc, vc = kv_cache.layer(layer.layer_id)
+        for name, c, d, dname in (("k", kc, layer.head_dim, "head_dim"), ("v", vc, layer.head_dim_v, "head_dim_v")):
+            if tuple(c.shape[2:]) != (layer.num_kv_heads, d):
+                raise ValueError(
+                    f"layer {layer.layer_id}'s {name} cache has {c.shape[2]} KV heads x {c.shape[3]}, the layer "
+                    f"layer.num_kv_heads={layer.num_kv_heads} x layer.{dname}={d}"
+                )
+        return kc, vc
+
+    def _save(self, layer, kv_cache: PagedKVCache, loc, k, v) -> PagedKVCache:
         _, k, v = self._heads(layer, k=k, v=v)
+        kc, vc = self._layer_cache(layer, kv_cache)
         kc, vc = ops.set_kv_buffer(kc, vc, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         return kv_cache.replace_layer(layer.layer_id, kc, vc)
 
@@ -99,7 +112,7 @@ class MHABackend(_PlanningMixin):
         q, _, _ = self._heads(layer, q)
         if save_kv_cache and k is not None:
             kv_cache = self._save(layer, kv_cache, metadata.out_cache_loc, k, v)
-        kc, vc = kv_cache.layer(layer.layer_id)
+        kc, vc = self._layer_cache(layer, kv_cache)
         opts = self.attention_options(layer, is_fp8(kv_cache.dtype))
         cascaded = metadata.group_size > 1 and not self.config.batch_invariant
         if cascaded and layer.sliding_window_size < 0 and not layer.non_causal:
@@ -155,6 +168,8 @@ class MHABackend(_PlanningMixin):
         engine wrote them into its pool); otherwise it raises.
         Returns ``(out [num_tokens, Hq * Dv], kv_cache)``; padding tokens give 0.
         """
+        if (k is None) != (v is None):
+            raise ValueError("k and v must both be given or both be None")
         check_plan_kind(metadata, ExtendMetadata, "forward_extend")
         _check_plan(metadata, kv_cache)
         causal = metadata.is_causal and not layer.non_causal
@@ -188,7 +203,7 @@ class MHABackend(_PlanningMixin):
                     "extend over a paged prefix reads the new K/V from the cache: pass "
                     "save_kv_cache=True, or kv_in_cache=True if they are written already"
                 )
-            kc, vc = kv_cache.layer(layer.layer_id)
+            kc, vc = self._layer_cache(layer, kv_cache)
             out = ops.mha_extend_with_kvcache(
                 q,
                 kc,

@@ -151,13 +151,21 @@ def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
         except NotImplementedError as e:
             return "xla", str(e)
     try:
-        impl = _pick(op, backend, KERNELS["mosaic"].get(op), lambda *a, **k: None)
+        impl = _pick(op, backend, KERNELS["mosaic"].get(op), _mosaic_runs_here)
     except NotImplementedError as e:
         return "xla", str(e)
     if impl is None:
         return "xla", None
     module = impl.__module__.rsplit(".", 1)[-1]
     return next(b for b in KERNELS if module in KERNELS[b].values()), None
+
+
+def _mosaic_runs_here(mod, *args, **kwargs) -> str | None:
+    """:func:`op_backend`'s reason function (no call to check): on the CPU, why no Mosaic
+    kernel runs here (outside the interpreter), else None."""
+    from jattn.pallas_kernels.interpret import no_gpu_reason
+
+    return no_gpu_reason() if device_kind() == "cpu" else None
 
 
 def _merge_impl(backend):

@@ -188,7 +188,7 @@ class MLAMultiStepDraftBackend:
         """SGLang's planning outside the captured graph: the loop's plan, as
         :meth:`init_forward_metadata`; ``in_capture`` checks that ``bs`` is a bucket."""
         if in_capture:
-            check_capture_bucket(bs, self.batch_buckets)
+            check_capture_bucket(bs, self._planner.graph_buckets)
         return self.init_forward_metadata(bs, req_pool_indices, seq_lens, req_to_page, num_pages=num_pages)
 
     # ---- CUDA-graph analogue: one placeholder per bucket, refilled per loop.

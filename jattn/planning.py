@@ -157,14 +157,26 @@ class _PlanningMixin:
 
     @property
     def batch_buckets(self) -> tuple:
+        """The batch buckets plans are padded to: the config's, or after
+        :meth:`init_cuda_graph_state` the captured ones and then the config's above them
+        (a larger batch runs outside the captured set, as upstream runs it eagerly)."""
         return getattr(self, "_batch_buckets", self.config.batch_buckets)
 
+    @property
+    def graph_buckets(self) -> tuple:
+        """The buckets a capture may compile (``in_capture``, the capture plans): those
+        :meth:`init_cuda_graph_state` chose, else :attr:`batch_buckets`."""
+        return getattr(self, "_graph_buckets", self.batch_buckets)
+
     def init_cuda_graph_state(self, max_bs: int, **kwargs) -> tuple:
-        """Chooses the batch buckets (the upstream captured batch sizes) up to ``max_bs``."""
+        """Chooses the captured batch buckets (the upstream captured batch sizes) up to
+        ``max_bs`` and returns them; batches above ``max_bs`` still plan, to the config's
+        buckets above it (powers of two where the config has none)."""
         max_bs = _positive_int(max_bs, "max_bs")
-        base = self.config.batch_buckets or tuple(1 << i for i in range(max_bs.bit_length()))  # None: powers of two
+        base = self.config.batch_buckets or tuple(1 << i for i in range(max(max_bs, 1 << 20).bit_length() + 1))
         buckets = tuple(b for b in base if b < max_bs) + (max_bs,)
-        self._batch_buckets = buckets
+        self._graph_buckets = buckets
+        self._batch_buckets = buckets + tuple(b for b in base if b > max_bs)
         return buckets
 
     def init_forward_metadata_capture_cuda_graph(
@@ -172,8 +184,8 @@ class _PlanningMixin:
     ) -> DecodeMetadata:
         """A placeholder decode plan of bucket ``bs`` (all rows padding) to compile with;
         ``num_pages`` as in :meth:`init_forward_metadata` (the replays must agree)."""
-        if not _is_bucket(_check_bs(bs), self.batch_buckets):
-            raise ValueError(f"bs={bs} is not one of {_buckets_text(self.batch_buckets)}")
+        if not _is_bucket(_check_bs(bs), self.graph_buckets):
+            raise ValueError(f"bs={bs} is not one of {_buckets_text(self.graph_buckets)}")
         mode = ForwardMode.parse(forward_mode)
         if not mode.is_decode():
             raise ValueError(f"CUDA-graph plans are decode plans; got {mode}")
@@ -222,11 +234,11 @@ class _PlanningMixin:
         Arguments as in :meth:`init_forward_metadata` (``extend_seq_lens`` and the rest
         in ``kwargs``). A jitted step takes the plan as an argument, so planning is
         always outside the compiled program; ``in_capture`` (the step that compiles the
-        bucket) only checks that ``bs`` is one of :attr:`batch_buckets`, so that the plan
+        bucket) only checks that ``bs`` is one of :attr:`graph_buckets`, so that the plan
         has that bucket's shapes and later plans of the same bucket reuse the program.
         """
         if in_capture:
-            check_capture_bucket(bs, self.batch_buckets)
+            check_capture_bucket(bs, self.graph_buckets)
         return self.init_forward_metadata(
             bs, req_pool_indices, seq_lens, req_to_page, forward_mode, num_pages=num_pages, **kwargs
         )

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jattn.ops import mha_prefill
+from jattn.plan_inputs import _as_int_array
 
 
 @jax.tree_util.register_dataclass
@@ -28,9 +29,15 @@ class RaggedMetadata:
 
     @classmethod
     def from_lengths(cls, lengths) -> "RaggedMetadata":
-        lengths = np.asarray(lengths, np.int32)
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        return cls(cu_seqlens_q=cu, max_seqlen_q=int(lengths.max(initial=1)))
+        """The metadata of requests of ``lengths`` tokens (a 1-D int sequence, each >= 0)."""
+        lengths = _as_int_array(lengths, "lengths", 1)
+        if (lengths < 0).any():
+            i = int(np.argmax(lengths < 0))
+            raise ValueError(f"lengths[{i}]={lengths[i]} is negative")
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        if cu[-1] > np.iinfo(np.int32).max:
+            raise ValueError(f"lengths add up to {cu[-1]} tokens, past int32")
+        return cls(cu_seqlens_q=cu.astype(np.int32), max_seqlen_q=int(lengths.max(initial=1)))
 
     @staticmethod
     def positions(lengths) -> np.ndarray:

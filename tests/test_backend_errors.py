@@ -83,6 +83,19 @@ def test_mha_backend_arrays_must_match_the_layer_and_the_plan():
     qd, kvd = _x(rng, dec.num_tokens, HQ, D), _x(rng, dec.num_tokens, HKV, D)
     with pytest.raises(ValueError, match=r"k shape \(4, 2, 16\) must be \[T, 1, 16\] or \[T, 16\]"):
         be.forward_decode(qd, kvd, kvd, LayerSpec(0, HQ, 1, D), cache, dec)
+    # A layer that disagrees with its cache, the new K/V already in it: the op grouped the
+    # query heads by the cache's KV heads and returned a width the layer did not promise.
+    msg = r"layer 0's {} cache has 2 KV heads x 16, the layer layer\.num_kv_heads={} x layer\.{}={}"
+    with pytest.raises(ValueError, match=msg.format("k", 1, "head_dim", 16)):
+        be.forward_decode(qd, None, None, LayerSpec(0, HQ, 1, D), cache, dec)
+    with pytest.raises(ValueError, match=msg.format("v", 2, "head_dim_v", 8)):
+        be.forward_decode(qd, None, None, LayerSpec(0, HQ, HKV, D, v_head_dim=8), cache, dec)
+    with pytest.raises(ValueError, match=msg.format("v", 2, "head_dim_v", 8)):
+        kv8 = _x(rng, pre.num_tokens, HKV, 8)
+        be.forward_extend(qp, kvp, kv8, LayerSpec(0, HQ, HKV, D, v_head_dim=8), cache, pre, save_kv_cache=False,
+                          kv_in_cache=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"k and v must both be given or both be None"):
+        be.forward_extend(qp, None, kvp, layer, written, pre, save_kv_cache=False, kv_in_cache=True)
 
 
 def test_backends_refuse_a_plan_of_the_other_kind():

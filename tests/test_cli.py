@@ -13,6 +13,7 @@ import jattn.demo
 import jattn.dispatch
 import jattn.ops
 from jattn.__main__ import main
+from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available
 
 
 def _lines(text):
@@ -41,8 +42,14 @@ def test_info_says_what_each_op_runs_here(capsys):
 def test_op_backend_follows_the_dispatch(monkeypatch):
     assert jattn.ops.op_backend("mha_decode") == ("xla", None)  # auto on the CPU
     assert jattn.ops.op_backend("mha_extend", "xla") == ("xla", None)
-    assert jattn.ops.op_backend("mla_decode", "mosaic") == ("mosaic", None)  # interpreted here
-    assert jattn.ops.op_backend("mha_prefill", "mosaic") == ("mosaic", None)
+    # named on the CPU: the interpreter runs it, outside it the call would raise (op_backend
+    # said "mosaic" there too)
+    for op in ("mla_decode", "mha_prefill"):
+        name, why = jattn.ops.op_backend(op, "mosaic")
+        assert name == "xla" and "no GPU" in why, (op, why)
+        if interpreter_available():
+            with gpu_interpret():
+                assert jattn.ops.op_backend(op, "mosaic") == ("mosaic", None)
     monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "hopper")
     assert jattn.ops.op_backend("mha_decode") == ("mosaic", None)
     monkeypatch.setattr(jattn.dispatch, "device_kind", lambda: "ampere")

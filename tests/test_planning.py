@@ -64,6 +64,31 @@ def test_cuda_graph_max_bs_must_be_a_positive_int(max_bs):
     assert be.init_cuda_graph_state(np.int32(3)) == (1, 2, 3)
 
 
+@pytest.mark.parametrize("config_buckets", ["default", None])
+def test_batches_above_the_captured_max_bs_still_plan(config_buckets):
+    """After ``init_cuda_graph_state(max_bs)`` a batch larger than ``max_bs`` (a prefill, or a
+    decode batch upstream runs outside its graphs) plans to the config's next bucket (powers
+    of two without one); it was refused as past the largest bucket. Captures stay within
+    the chosen buckets."""
+    kw = {} if config_buckets == "default" else dict(batch_buckets=None)
+    be = MHABackend(
+        MHAConfig(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, context_len=32, num_pages=40, **kw)
+    )
+    assert be.init_cuda_graph_state(4) == (1, 2, 4)
+    r2p = np.arange(1, 37).reshape(6, 6)
+    lens = np.array([5, 6, 7, 3, 9, 2])
+    md = be.init_forward_metadata(6, np.arange(6), lens, r2p, ForwardMode.DECODE)
+    assert md.batch_size == 8 and int(md.num_reqs) == 6
+    md = be.init_forward_metadata(6, np.arange(6), lens, r2p, ForwardMode.EXTEND, extend_seq_lens=np.ones(6, int))
+    assert int(md.num_reqs) == 6
+    assert be.init_forward_metadata(3, np.arange(3), lens[:3], r2p, ForwardMode.DECODE).batch_size == 4
+    assert be.graph_buckets == (1, 2, 4)
+    with pytest.raises(ValueError, match=re.escape("bs=8 is not one of the buckets (1, 2, 4)")):
+        be.init_forward_metadata_capture_cuda_graph(8)
+    with pytest.raises(ValueError, match=re.escape("in_capture: bs=8 is not one of the buckets (1, 2, 4)")):
+        be.init_forward_metadata_out_graph(8, np.arange(6), lens, r2p, in_capture=True)
+
+
 def test_plans_refuse_writes_into_pages_another_request_holds():
     """A new token whose slot another request holds (a shared page written into) would
     change that request's K/V silently: every planner refuses it, ``with_seq_lens`` on
@@ -125,3 +150,21 @@ def test_draft_block_padding_row_holds_no_pages():
     filled = be.fill_block_decode_seq_lens(md, 4, jnp.array([12, 8, 9, 0]))
     slots = np.asarray(filled.out_cache_loc).reshape(4, 3)
     assert (slots[3] // 4 == 0).all() and (slots[0] // 4 == 3).all()  # padding: the dummy page only
+
+
+def test_ragged_metadata_refuses_bad_lengths():
+    """A negative length made cu_seqlens_q go back (under jit the rows after it came out
+    wrong, eagerly the error named cu_seqlens_q); fractional and 2-D lengths were cast."""
+    from jattn.models.attention import RaggedMetadata
+
+    md = RaggedMetadata.from_lengths([3, 0, 4])
+    assert md.cu_seqlens_q.tolist() == [0, 3, 3, 7] and md.max_seqlen_q == 4
+    assert RaggedMetadata.from_lengths([]).cu_seqlens_q.tolist() == [0]
+    with pytest.raises(ValueError, match=re.escape("lengths[1]=-1 is negative")):
+        RaggedMetadata.from_lengths([3, -1, 4])
+    with pytest.raises(TypeError, match="lengths must hold integers"):
+        RaggedMetadata.from_lengths([3, 1.5])
+    with pytest.raises(ValueError, match=re.escape("lengths must be 1-D")):
+        RaggedMetadata.from_lengths([[3, 1]])
+    with pytest.raises(ValueError, match="past int32"):
+        RaggedMetadata.from_lengths([2**31 - 1, 1])
