@@ -244,6 +244,22 @@ def test_interpreted(c):
         _check(c, jnp.float16, deterministic=c in (CPU_CASES[0], CPU_CASES[2], CPU_CASES[7]))
 
 
+def _routing(monkeypatch, c: Case, seed: int):
+    """A routing test's inputs (``_inputs``), the rounding to f16 ``r``, the f16 call
+    arguments, the per-KV-head kernel's calls (``_spy``) and the all-heads kernel's (its
+    entry stubbed to zeros, recording ``window_left``)."""
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    inputs = _inputs(c, seed)
+    q, k, v, table, lens = inputs
+    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
+    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
+    calls = _spy(monkeypatch)
+    all_heads = []
+    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(k["window_left"]) or jnp.zeros_like(q))
+    return inputs, r, args, calls, all_heads
+
+
 def _spy(monkeypatch):
     """Count the calls that reach ``mha_decode_heads`` (still running it)."""
     calls = []
@@ -267,13 +283,9 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
     from jattn import ops
     from jattn.pallas_kernels import mosaic_decode as md
 
-    c = Case(lens=(70, 0), hq=32, hkv=2, q_len=2)
-    q, k, v, table, lens = _inputs(c, 3)
-    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
-    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
-    calls = _spy(monkeypatch)
-    all_heads = []
-    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(k["window_left"]) or jnp.zeros_like(q))
+    (q, k, v, table, lens), r, args, calls, all_heads = _routing(
+        monkeypatch, Case(lens=(70, 0), hq=32, hkv=2, q_len=2), 3
+    )
     with gpu_interpret():
         want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, max_seqlen_q=2))
         got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", max_seqlen_q=2), np.float32)
@@ -333,13 +345,9 @@ def test_one_kv_head_single_query_calls_take_the_per_kv_head_kernel(monkeypatch)
     serve), or with two queries per request, it stays on the all-heads kernel (stubbed)."""
     from jattn.pallas_kernels import mosaic_decode as md
 
-    c = Case(lens=(97, 0, 1), hq=1, hkv=1, d=64)
-    q, k, v, table, lens = _inputs(c, 6)
-    r = lambda a: jnp.asarray(jnp.asarray(a, jnp.float16), jnp.float32)  # noqa: E731
-    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
-    calls = _spy(monkeypatch)
-    all_heads = []
-    monkeypatch.setattr(md, "_mha_decode", lambda q, *a, **k: all_heads.append(k["window_left"]) or jnp.zeros_like(q))
+    (q, k, v, table, lens), r, args, calls, all_heads = _routing(
+        monkeypatch, Case(lens=(97, 0, 1), hq=1, hkv=1, d=64), 6
+    )
     with gpu_interpret():
         got = md.mha_decode(*args, options=md.KernelOptions(heads_kernel=False))
         assert calls == [1] and all_heads == []
