@@ -1,7 +1,7 @@
 """jattn: JAX-native attention backends for LLM serving.
 
 Paged MHA/GQA and DeepSeek-MLA attention ops with backend dispatch (Pallas Mosaic GPU
-kernels, a plain-JAX reference for every op), metadata pytrees so a serving
+kernels, Triton kernels through jax-triton, a plain-JAX reference for every op), metadata pytrees so a serving
 step is one ``jax.jit``, paged KV caches, and backends with the upstream engines' flow.
 Flax models live in ``jattn.models`` and the DLPack bridge for PyTorch engines in
 ``jattn.bridge`` (neither is imported here). What the ops compute is in

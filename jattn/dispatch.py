@@ -36,7 +36,8 @@ def _kernel_module(name: str):
 # decode (1.1-2.2x; with an FP8 latent cache 1.1-4.6x). Other
 # GPUs from Ampere on have the Triton kernels only. Ops missing here stay on XLA under auto:
 # the state merge (XLA measured as fast or faster) and the KV writes (XLA's one in-place
-# scatter; the Triton writes serve backend="triton" and the torch bridge, not yet timed).
+# scatter; the Triton writes serve backend="triton" and the torch bridge: the MHA one timed
+# faster alone, kept off auto until a serving run shows the step gains, docs/PERF.md).
 AUTO_ORDER = {
     "hopper": {
         "mha_decode": ("mosaic", "triton"),

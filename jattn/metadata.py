@@ -78,7 +78,8 @@ class ForwardMode(enum.Enum):
     def parse(cls, mode) -> "ForwardMode":
         """A :class:`ForwardMode` from itself, its value, or another engine's enum member
         (matched by name: SGLang's ``MIXED`` / ``PREFILL`` are ``EXTEND``,
-        ``DRAFT_EXTEND_V2`` is ``DRAFT_EXTEND``)."""
+        ``DRAFT_EXTEND_V2`` is ``DRAFT_EXTEND``, and its v1 ``DRAFT_EXTEND`` is ``EXTEND``, the
+        ragged extend over the prefix that SGLang's TRT-LLM MLA backend runs it as)."""
         if isinstance(mode, cls):
             return mode
         if isinstance(mode, str):
@@ -89,7 +90,12 @@ class ForwardMode(enum.Enum):
         name = getattr(mode, "name", None)
         if isinstance(name, str):
             n = name.lower()
-            alias = {"mixed": "extend", "prefill": "extend", "draft_extend_v2": "draft_extend"}
+            alias = {
+                "mixed": "extend",
+                "prefill": "extend",
+                "draft_extend": "extend",
+                "draft_extend_v2": "draft_extend",
+            }
             return cls.parse(alias.get(n, n))
         raise ValueError(f"unknown forward_mode {mode!r}")
 

@@ -1,9 +1,11 @@
 """Public attention ops with backend dispatch.
 
 Every op takes ``backend=None`` (auto) or a name from
-:data:`BACKENDS`. Auto tries ``mosaic`` (Hopper GPUs), then ``triton``, then ``xla`` (the
-plain-JAX reference, which serves every call), skipping a kernel that cannot serve the call
-or that was measured slower than ``xla`` for its shapes. A named backend that cannot serve
+:data:`BACKENDS`. Auto tries the kernels :data:`AUTO_ORDER` lists for the op on this device
+(Hopper: ``mosaic``, then ``triton``; other GPUs from Ampere on: ``triton``), then ``xla``
+(the plain-JAX reference, which serves every call), skipping a kernel that cannot serve the
+call or that was measured slower than ``xla`` for its shapes; the state merge and the KV
+writes have no entry and run on ``xla`` under auto. A named backend that cannot serve
 the call raises ``NotImplementedError`` naming what is missing; it never falls back
 silently. (A call with nothing to compute, no rows, heads, pages or tokens to write, gives
 its empty or all-zero result, or the caches as they are, whatever the backend: the kernels

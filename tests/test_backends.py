@@ -426,10 +426,13 @@ def test_forward_mode_parse_and_one_decode_rule():
         TARGET_VERIFY = 2
         MIXED = 3
         DRAFT_EXTEND_V2 = 4
+        DRAFT_EXTEND = 5  # SGLang's v1: a ragged extend (it was read as the v2 mode)
 
     assert ForwardMode.parse("target_verify") is ForwardMode.TARGET_VERIFY
     assert ForwardMode.parse(Other.MIXED) is ForwardMode.EXTEND
     assert ForwardMode.parse(Other.DRAFT_EXTEND_V2) is ForwardMode.DRAFT_EXTEND
+    assert ForwardMode.parse(Other.DRAFT_EXTEND) is ForwardMode.EXTEND
+    assert ForwardMode.parse("draft_extend") is ForwardMode.DRAFT_EXTEND  # jattn's own value
     with pytest.raises(ValueError, match=r"unknown forward_mode 'idle'"):
         ForwardMode.parse("idle")
     be = MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, spec_num_tokens=3))
