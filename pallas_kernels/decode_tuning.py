@@ -419,7 +419,18 @@ def decode_config(
             )
         if block_sizes.num_splits < 1:
             raise ValueError(f"block_sizes.num_splits={block_sizes.num_splits} must be >= 1")
-        n = block_sizes.block_tokens * block_sizes.pages_per_block * num_kv_heads
+        bt, ppb = block_sizes.block_tokens, block_sizes.pages_per_block
+        if bt < 1 or page_size % bt or ppb < 1 or (ppb > 1 and bt != page_size):
+            raise ValueError(
+                f"block_sizes={block_sizes}: block_tokens must divide page_size={page_size}, and "
+                "pages_per_block > 1 needs whole pages (block_tokens == page_size)"
+            )
+        n = bt * ppb * num_kv_heads
+        if n % 64 or n > 256:
+            raise ValueError(
+                f"block_sizes={block_sizes}: a KV block of block_tokens x pages_per_block x {num_kv_heads} KV heads "
+                f"= {n} rows; it must be a multiple of 64 and at most 256"
+            )
         need = smem_bytes(
             n, head_dim, kv_itemsize, q_itemsize, block_sizes.compute_wgs, block_sizes.num_stages, convert_stages
         )

@@ -663,6 +663,19 @@ def test_block_sizes_over_shared_memory_are_refused():
         dt.decode_config(block_sizes=dataclasses.replace(conv, compute_wgs=2), options=dt.KernelOptions(), **cfg)
     with pytest.raises(ValueError, match=r"num_splits=0 must be >= 1"):
         dt.decode_config(block_sizes=dataclasses.replace(conv, num_splits=0), options=dt.KernelOptions(), **cfg)
+    # a piece that does not divide the page (its TMA box ran past the page into the next
+    # one's rows, which belong to another page id), pages per block without whole pages, and
+    # a block that is not a multiple of 64 rows or over 256: were accepted
+    plain8 = dataclasses.replace(conv, num_stages=2)
+    for bt, ppb, rule in (
+        (48, 1, "block_tokens must divide page_size=64"),
+        (32, 2, "pages_per_block > 1 needs whole pages"),
+        (2, 1, "= 16 rows; it must be a multiple of 64 and at most 256"),
+        (64, 1, "= 512 rows; it must be a multiple of 64 and at most 256"),
+    ):
+        bad = dataclasses.replace(plain8, block_tokens=bt, pages_per_block=ppb)
+        with pytest.raises(ValueError, match=rule):
+            dt.decode_config(block_sizes=bad, options=dt.KernelOptions(), **cfg)
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernels themselves")

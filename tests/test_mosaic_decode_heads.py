@@ -777,6 +777,9 @@ def test_row_tiles():
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, row_tile=8)
     with pytest.raises(ValueError, match=r"block=96 must be 64 or 128 tokens"):
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, block=96)
+    for splits in (0, 1.5, True):  # 0 failed in a numpy reduction, naming nothing
+        with pytest.raises(ValueError, match=rf"num_splits={splits!r} must be an int >= 1"):
+            mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, num_splits=splits)
     with pytest.raises(ValueError, match=r"fp8_qk needs an FP8 e4m3 cache, got bfloat16"):
         mh.mha_decode_heads(q, pool, pool, pt, lens, max_seqlen_q=8, fp8_qk=True)
     with pytest.raises(ValueError, match=r"v_regs needs fp8_qk=True"):
