@@ -290,7 +290,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         ``req_pool_indices`` row it carries),
         ``req_to_page`` int[pool, max_pages] page ids (or ``req_to_token_pages``),
         ``forward_mode`` (:class:`jattn.ForwardMode`, its value, or another engine's
-        enum member of the same name), and for ``EXTEND`` / ``DRAFT_EXTEND``
+        enum member, as :meth:`jattn.ForwardMode.parse` reads it), and for ``EXTEND`` / ``DRAFT_EXTEND``
         ``extend_seq_lens`` (or ``_cpu``) and optionally ``extend_prefix_lens``. Host
         (CPU) tensors avoid a device sync. ``num_pages``: the KV pool's page count, the
         bound the page ids are checked against when ``config.num_pages`` is None.

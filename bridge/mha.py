@@ -93,8 +93,9 @@ class TorchMHABackend(_BridgeBase):
 
     @staticmethod
     def _check_inputs(q, k, v, spec: LayerSpec, sinks=None) -> None:
-        """q/k/v shapes and dtypes against the layer, and the sinks' shape (slow path: the
-        hot-path plans are keyed on them)."""
+        """q/k/v shapes against the layer, their dtypes (floating; the paths that stage k/v
+        beside q also need q's), and the sinks' shape (slow path: the hot-path plans are
+        keyed on them)."""
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given or both be None")
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
@@ -105,8 +106,8 @@ class TorchMHABackend(_BridgeBase):
         if k is not None:
             _check_shape(k, "k", n, ((hkv * d,), (hkv, d)), "[tokens, tp_k_head_num * head_dim] (q's tokens)")
             _check_shape(v, "v", n, ((hkv * dv,), (hkv, dv)), "[tokens, tp_v_head_num * v_head_dim] (q's tokens)")
-            check_input_dtype(k, "k", q.dtype)
-            check_input_dtype(v, "v", q.dtype)
+            check_input_dtype(k, "k")
+            check_input_dtype(v, "v")
         if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,)):
             got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise BridgeError(f"sinks must have shape ({hq},) (one per query head), got {got}")

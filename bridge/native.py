@@ -163,7 +163,7 @@ def run_layer(
     if save_kv_cache and k is not None:
         ks, vs = (spec.k_scale, spec.v_scale) if fp8 else (None, None)
         loc = t["out_cache_loc"][:n] if out_cache_loc is None else out_cache_loc[:n].to(torch.int32)
-        tn.set_kv_buffer(kc, vc, loc, k.contiguous(), v.contiguous(), k_scale=ks, v_scale=vs)
+        tn.set_kv_buffer(kc, vc, loc, k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), k_scale=ks, v_scale=vs)
     opts = dict(
         window_left=spec.sliding_window_size,
         logit_cap=spec.logit_cap,

@@ -76,10 +76,11 @@ class ForwardMode(enum.Enum):
 
     @classmethod
     def parse(cls, mode) -> "ForwardMode":
-        """A :class:`ForwardMode` from itself, its value, or another engine's enum member
-        (matched by name: SGLang's ``MIXED`` / ``PREFILL`` are ``EXTEND``,
-        ``DRAFT_EXTEND_V2`` is ``DRAFT_EXTEND``, and its v1 ``DRAFT_EXTEND`` is ``EXTEND``, the
-        ragged extend over the prefix that SGLang's TRT-LLM MLA backend runs it as)."""
+        """A :class:`ForwardMode` from itself, its value, or another engine's enum member: by
+        its value where that is one of these values (a mirror of this enum), else by name
+        (SGLang's ``MIXED`` / ``PREFILL`` are ``EXTEND``, ``DRAFT_EXTEND_V2`` is
+        ``DRAFT_EXTEND``, and its v1 ``DRAFT_EXTEND`` is ``EXTEND``, the ragged extend over
+        the prefix that SGLang's TRT-LLM MLA backend runs it as)."""
         if isinstance(mode, cls):
             return mode
         if isinstance(mode, str):
@@ -87,6 +88,9 @@ class ForwardMode(enum.Enum):
                 return cls(mode.lower())
             except ValueError:
                 raise ValueError(f"unknown forward_mode {mode!r}; one of {[m.value for m in cls]}") from None
+        value = getattr(mode, "value", None)
+        if isinstance(value, str) and value in {m.value for m in cls}:  # a mirror of this enum
+            return cls(value)
         name = getattr(mode, "name", None)
         if isinstance(name, str):
             n = name.lower()

@@ -98,7 +98,7 @@ class _PlanningMixin:
           seq_lens: int[>= bs], tokens per request, the new ones included.
           req_to_page: int[pool, max_pages] page ids.
           forward_mode: a :class:`ForwardMode` (or its value, or another engine's enum
-            member of the same name). Decode modes plan ``q_len(mode)`` tokens per
+            member, as :meth:`ForwardMode.parse` reads it). Decode modes plan ``q_len(mode)`` tokens per
             request; ``EXTEND`` / ``DRAFT_EXTEND`` need ``extend_seq_lens`` int[>= bs].
           extend_prefix_lens: optional int[>= bs], checked against the lengths.
           num_pages: the KV cache's page count, the bound of the page ids when

@@ -160,7 +160,7 @@ def mha_decode(
     if block_sizes is None and (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q)):
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-            fp8_heads=options.fp8_heads, is_causal=is_causal, overlap=options.heads_overlap,
+            fp8_heads=options.fp8_heads and options.heads_kernel, is_causal=is_causal, overlap=options.heads_overlap,
             glue=options.heads_glue,
         )  # fmt: skip
         if heads is not None:
@@ -212,10 +212,16 @@ def unsupported_reason(
     not: the all-heads kernel's limits, except for a call :func:`heads_kernel_for` sends to
     the per-KV-head kernel (e.g. FP8 with KV heads or a group no all-heads block fits).
     ``batch_invariant`` (set by the ops): the all-heads kernel alone, whose block sizes
-    carry the invariant split count."""
+    carry the invariant split count (not for one KV head and one query per request, which
+    that kernel does not compile: :func:`one_kv_head_single_query`)."""
     reason = all_heads_unsupported_reason(
         q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks, **kw
     )
+    if batch_invariant and reason is None and one_kv_head_single_query(k_cache, max_seqlen_q):
+        return (
+            "batch_invariant=True with one KV head and one query per request: the mode runs the all-heads "
+            "kernel, whose build of this call fails Mosaic GPU's layout inference on jax 0.11"
+        )
     if reason is None or batch_invariant:
         return reason
     from jattn.pallas_kernels.interpret import no_gpu_reason

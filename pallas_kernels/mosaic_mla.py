@@ -206,6 +206,10 @@ def mla_decode(
     Python-number scales) instead of this module's kernel. Off by default: it measured
     slower on the H200 at every 16-head shape (docs/PERF.md).
     """
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1
+    ):
+        raise ValueError(f"mla_decode: num_splits={num_splits!r} must be an int >= 1 (or None: chosen)")
     if keys_as_rows:
         from jattn.pallas_kernels import mosaic_mla_heads
 
@@ -228,10 +232,6 @@ def mla_decode(
         out_dtype = jnp.bfloat16 if jnp.dtype(q.dtype).itemsize == 1 else q.dtype
         return empty_outputs(q, kv_lora_rank, out_dtype, return_lse)
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1
-    ):
-        raise ValueError(f"mla_decode: num_splits={num_splits!r} must be an int >= 1 (or None: chosen)")
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
         num_splits = choose_num_splits(bs, m_tiles, max_blocks)

@@ -433,6 +433,13 @@ def test_forward_mode_parse_and_one_decode_rule():
     assert ForwardMode.parse(Other.DRAFT_EXTEND_V2) is ForwardMode.DRAFT_EXTEND
     assert ForwardMode.parse(Other.DRAFT_EXTEND) is ForwardMode.EXTEND
     assert ForwardMode.parse("draft_extend") is ForwardMode.DRAFT_EXTEND  # jattn's own value
+
+    class Mirror(enum.Enum):  # a copy of jattn's enum (values and all): read by value
+        DRAFT_EXTEND = "draft_extend"
+        EXTEND = "extend"
+
+    assert ForwardMode.parse(Mirror.DRAFT_EXTEND) is ForwardMode.DRAFT_EXTEND
+    assert ForwardMode.parse(Mirror.EXTEND) is ForwardMode.EXTEND
     with pytest.raises(ValueError, match=r"unknown forward_mode 'idle'"):
         ForwardMode.parse("idle")
     be = MHABackend(MHAConfig(num_q_heads=2, num_kv_heads=1, head_dim=8, spec_num_tokens=3))

@@ -1564,18 +1564,19 @@ def test_input_shapes_are_checked():
 
 
 def test_input_dtypes_and_sinks_shape_are_checked():
-    """An integer or bool k/v (MLA: c_kv, k_rope, q_rope, prefill v), or an MHA k/v of
-    another float dtype than q, is refused naming it before the pool's writer casts it
-    into the pool (decode with the torch writer wrote 7 and 1.0 where an int32 k and a
-    bool v were given); a sinks of another length than the query heads is refused on the
-    slow path naming it (the native path broadcast one value over every head)."""
+    """An integer, bool or f64 k/v (MLA: c_kv, k_rope, q_rope, prefill v) is refused naming
+    it before the pool's writer casts it into the pool (decode with the torch writer wrote 7
+    and 1.0 where an int32 k and a bool v were given), while a k/v of another float dtype
+    than q is still written there as before; a sinks of another length than the query heads
+    is refused on the slow path naming it (the native path broadcast one value over every
+    head)."""
     be, pool, (layer,), q, g = _decode_fixture(9)
     _, k, v = _mha_kv(2, g)
     before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
     cases = [
-        ((q, k.to(torch.int32), v), {}, TypeError, r"k\.dtype=torch\.int32 must be q's"),
-        ((q, k, v.bool()), {}, TypeError, r"v\.dtype=torch\.bool must be q's"),
-        ((q, k.double(), v), {}, TypeError, r"k\.dtype=torch\.float64 must be q's"),
+        ((q, k.to(torch.int32), v), {}, TypeError, r"k\.dtype=torch\.int32 must be a floating dtype"),
+        ((q, k, v.bool()), {}, TypeError, r"v\.dtype=torch\.bool must be a floating dtype"),
+        ((q, k.double(), v), {}, TypeError, r"k\.dtype=torch\.float64 must be a floating dtype"),
         ((q, k, v), dict(sinks=torch.zeros(1)), BridgeError, r"sinks must have shape \(4,\) \(one per query head\)"),
     ]  # fmt: skip
     for args, kw, err, msg in cases:
@@ -1583,6 +1584,9 @@ def test_input_dtypes_and_sinks_shape_are_checked():
             be.forward_decode(*args, layer, None, pool, 2, save_kv_cache=True, **kw)
     for a, b in zip(before, pool.k_buffer + pool.v_buffer):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), "a refused call wrote"
+    other = torch.float32 if q.dtype != torch.float32 else torch.float16
+    out = be.forward_decode(q, k.to(other), v.to(other), layer, None, pool, 2, save_kv_cache=True)  # the writer casts
+    assert out.shape == (2, 128) and torch.isfinite(out).all()
     mla, mpool, mlayer, H, R, r = _tiny_mla()
     q, qr, c, kr = (torch.randn(2, w).to(DEV) for w in (H * R, H * r, R, r))
     kw = dict(save_kv_cache=True, token_to_kv_pool=mpool)

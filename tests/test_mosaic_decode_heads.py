@@ -358,6 +358,20 @@ def test_one_kv_head_single_query_calls_take_the_per_kv_head_kernel(monkeypatch)
         assert calls == [1] and all_heads == [5, -1]
     want = reference.mha_decode(r(q), r(k), r(v), table, lens)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+    # FP8: the e4m3 query by default; heads_kernel=False keeps the exact query (it took the
+    # e4m3 path there too), on the per-KV-head kernel still
+    kc, vc = jnp.asarray(k, jnp.float8_e4m3fn), jnp.asarray(v, jnp.float8_e4m3fn)
+    fp8 = []
+    monkeypatch.setattr(mh, "mha_decode_heads", lambda q, *a, **kw: fp8.append(kw.get("fp8_qk", False)) or q)
+    md.mha_decode(args[0], kc, vc, table, lens)
+    md.mha_decode(args[0], kc, vc, table, lens, options=md.KernelOptions(heads_kernel=False))
+    assert fp8 == [True, False] and all_heads == [5, -1]
+    # the batch-invariant mode runs the all-heads kernel alone: refused with the reason
+    # (ops passed it explicit block sizes, which skip the route)
+    with gpu_interpret():
+        reason = md.unsupported_reason(args[0], args[1], args[2], batch_invariant=True)
+        assert reason is not None and "one KV head and one query per request" in reason
+        assert md.unsupported_reason(q2, args[1], args[2], max_seqlen_q=2, batch_invariant=True) is None
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")

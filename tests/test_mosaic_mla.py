@@ -306,11 +306,11 @@ def test_unsupported_reasons():
 def test_choose_num_splits():
     assert mm.choose_num_splits(1, 1, 512) == 128  # batch 1 at 32k: one wave, 4 blocks each
     q, cache = jnp.zeros((2, 16, W), jnp.bfloat16), jnp.zeros((4, 64, W), jnp.bfloat16)
-    for splits in (0, -2, 2.0):  # passed on unchecked
+    for splits, rows in ((0, False), (-2, False), (2.0, False), (0, True), (True, True)):  # passed on unchecked
         with pytest.raises(ValueError, match=rf"num_splits={splits!r} must be an int >= 1"):
             mm.mla_decode(
                 q, cache, jnp.zeros((2, 2), jnp.int32), jnp.array([5, 0], jnp.int32), kv_lora_rank=R,
-                softmax_scale=0.1, num_splits=splits,
+                softmax_scale=0.1, num_splits=splits, keys_as_rows=rows,
             )  # fmt: skip
     assert mm.choose_num_splits(64, 1, 64) == 2  # 64 x 4096: 128 CTAs in one wave
     assert mm.choose_num_splits(128, 1, 64) == 1  # 128 x 4096: one wave already
