@@ -238,8 +238,8 @@ def unsupported_reason(
 
 def one_kv_head_single_query(k_cache, max_seqlen_q) -> bool:
     """Whether a call is one the all-heads kernel does not compile on jax 0.11 (one KV head,
-    one query per request: Mosaic's layout inference finds no solution for its last-block
-    V-row mask), so :func:`mha_decode` sends it to the per-KV-head kernel whatever
+    one query per request: Mosaic GPU's layout inference finds no solution for that build;
+    the cause is not found, docs/PERF.md), so :func:`mha_decode` sends it to the per-KV-head kernel whatever
     ``KernelOptions.heads_kernel`` says; with one KV head both kernels stream the same
     rows."""
     return k_cache.shape[2] == 1 and max_seqlen_q == 1
