@@ -9,6 +9,7 @@ shared prompt pages, which go back to the free list when their last holder ends.
 
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
 import numpy as np
@@ -43,15 +44,25 @@ class PagePool:
         return pages
 
     def hold(self, pages: Sequence[int]) -> None:
-        """One more holder of each page (all in use)."""
+        """One more holder of each page (all in use; checked before any count changes)."""
+        idle = [p for p in pages if p not in self.refs]
+        if idle:
+            raise ValueError(f"hold: page {idle[0]} is not in use")
         for p in pages:
             self.refs[p] += 1
 
     def unref(self, pages: Sequence[int]) -> None:
-        """Drops one holder of each page; pages nobody holds go back to the free list."""
+        """Drops one holder of each page (a page listed k times drops k); pages nobody holds
+        go back to the free list. A page with fewer holders than it is listed raises before
+        any count changes, so the pool stays whole."""
+        drops = collections.Counter(pages)
+        over = [p for p, k in drops.items() if self.refs.get(p, 0) < k]
+        if over:
+            p = over[0]
+            raise ValueError(f"unref: page {p} is dropped {drops[p]} times but has {self.refs.get(p, 0)} holders")
         free = []
-        for p in pages:
-            self.refs[p] -= 1
+        for p, k in drops.items():
+            self.refs[p] -= k
             if self.refs[p] == 0:
                 del self.refs[p]
                 free.append(p)

@@ -1029,3 +1029,24 @@ def test_page_pool_counts_holders_and_names_a_leak():
     pool.allocator.alloc(1)  # taken from the free list behind the pool's back
     with pytest.raises(RuntimeError, match="pages leaked in the pool: 3 free \\+ 1 held != 5"):
         pool.check({a[0]: 1})
+
+
+def test_page_pool_refuses_a_bad_release_whole():
+    """A page dropped more times than it is held, or never held, raises before any count
+    changes (the pages dropped before the bad one were lost: in neither the counts nor the
+    free list); so does holding a page not in use."""
+    from jattn.models.pages import PagePool
+
+    pool = PagePool(5)
+    x = pool.alloc(2)
+    with pytest.raises(ValueError, match=rf"unref: page {x[0]} is dropped 2 times but has 1 holders"):
+        pool.unref([x[0], x[0]])
+    with pytest.raises(ValueError, match=r"unref: page 3 is dropped 1 times but has 0 holders"):
+        pool.unref([x[1], 3])
+    assert pool.refs == {x[0]: 1, x[1]: 1} and pool.num_free == 2
+    with pytest.raises(ValueError, match=r"hold: page 3 is not in use"):
+        pool.hold([x[0], 3])
+    assert pool.refs == {x[0]: 1, x[1]: 1}
+    pool.hold([x[0]])
+    pool.unref([x[0], x[0], x[1]])  # a page listed twice drops two holders
+    assert pool.refs == {} and pool.num_free == 4
