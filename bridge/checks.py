@@ -32,15 +32,17 @@ def _check_shape(x, name: str, n: int, forms: tuple, what: str) -> None:
         raise BridgeError(f"{name} must be {what} = {alts}, got {tuple(x.shape)}")
 
 
-def check_input_dtype(x, name: str, like=None) -> None:
-    """Raises TypeError unless the input tensor ``x`` (or None) holds floating-point values,
-    of dtype ``like`` where given (q's: the MHA inputs are staged and written in it); an
-    integer or bool K/V would otherwise be written into the pool as numbers."""
+#: the floating dtypes the bridge takes its inputs (q, k, v, ropes) in
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_input_dtype(x, name: str) -> None:
+    """Raises TypeError unless the input tensor ``x`` (or None) has one of
+    :data:`INPUT_DTYPES`; an integer or bool K/V would otherwise be written into the pool
+    as numbers."""
     if x is None:
         return
-    if like is not None and x.dtype != like:
-        raise TypeError(f"{name}.dtype={x.dtype} must be q's {like} (the step's inputs are staged in q's dtype)")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype: bfloat16, float16 or float32")
 
 

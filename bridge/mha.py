@@ -17,7 +17,7 @@ from jattn.backends import LayerSpec, MHABackend, MHAConfig
 from jattn.kv_cache import PagedKVCache
 
 from .call import _BridgeBase
-from .checks import _check_shape, _rows, check_input_dtype, check_layer_id
+from .checks import INPUT_DTYPES, _check_shape, _rows, check_input_dtype, check_layer_id
 from .convert import BridgeError
 from .native import run_layer
 from .pool import scale_key
@@ -101,7 +101,7 @@ class TorchMHABackend(_BridgeBase):
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
         n = _rows(q, "q")
         _check_shape(q, "q", n, ((hq * d,), (hq, d)), "[tokens, tp_q_head_num * head_dim]")
-        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if q.dtype not in INPUT_DTYPES:
             raise BridgeError(f"q.dtype={q.dtype} is not supported (the step's inputs are staged in q's dtype)")
         if k is not None:
             _check_shape(k, "k", n, ((hkv * d,), (hkv, d)), "[tokens, tp_k_head_num * head_dim] (q's tokens)")

@@ -36,6 +36,7 @@ from jattn.plan_inputs import (
     _as_int_array,
     _check_host_lengths,
     _check_i32,
+    _check_nonnegative,
     _check_num_pages,
     _check_unique_slots,
     _check_writes,
@@ -615,9 +616,7 @@ def plan_prefix_chunks(
     pre = _as_int_array(prefix_lens, "prefix_lens", 1)
     pt = _as_int_array(page_table, "page_table", 2)
     page_size = _positive_int(page_size, "page_size")
-    if (pre < 0).any():
-        b = int(np.argmax(pre < 0))
-        raise ValueError(f"prefix_lens[{b}]={pre[b]} is negative")
+    _check_nonnegative(pre, "prefix_lens")
     chunk_size = _positive_int(chunk_size, "chunk_size")
     if pt.shape[0] < pre.shape[0]:
         raise ValueError(f"page_table has {pt.shape[0]} rows but prefix_lens has {pre.shape[0]} requests")

@@ -28,7 +28,7 @@ import numpy as np
 from jattn.backends import MLABackend, MLAConfig
 from jattn.checks import _concrete, _is_int
 from jattn.metadata import DecodeMetadata, ForwardMode, _slots
-from jattn.plan_inputs import _as_int_array, _check_unique_slots, _check_writes
+from jattn.plan_inputs import _as_int_array, _check_nonnegative, _check_unique_slots, _check_writes
 from jattn.planning import check_capture_bucket
 
 __all__ = ["MLAMultiStepDraftBackend", "MultiStepMetadata"]
@@ -122,9 +122,7 @@ class MLAMultiStepDraftBackend:
         if sl.shape[0] < bs:
             raise ValueError(f"seq_lens must have at least bs={bs} entries, got shape {sl.shape}")
         sl = sl[:bs]
-        if (sl < 0).any():
-            b = int(np.argmax(sl < 0))
-            raise ValueError(f"seq_lens[{b}]={sl[b]} is negative")
+        _check_nonnegative(sl, "seq_lens")
         extra = max(self.num_steps - 1, 0)
         last = np.where(sl > 0, sl + extra, 0)
         try:

@@ -25,6 +25,13 @@ def _check_i32(a: np.ndarray, name: str, what: str) -> None:
         raise ValueError(f"{name}[{i}]={int(a.flat[i])} ({what}) overflows int32")
 
 
+def _check_nonnegative(a: np.ndarray, name: str) -> None:
+    """Refuses a negative entry of ``a``, naming the first one."""
+    if (a < 0).any():
+        b = int(np.argmax(a < 0))
+        raise ValueError(f"{name}[{b}]={a[b]} is negative")
+
+
 def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
     try:
         a = np.asarray(x)
@@ -175,9 +182,7 @@ def extend_prefix(sl: np.ndarray, ext: np.ndarray, extend_prefix_lens=None) -> n
     if ext.shape[0] != bs:
         raise ValueError(f"extend_seq_lens has {ext.shape[0]} entries but seq_lens has {bs}")
     for name, a in (("extend_seq_lens", ext), ("seq_lens", sl)):
-        if (a < 0).any():
-            b = int(np.argmax(a < 0))
-            raise ValueError(f"{name}[{b}]={a[b]} is negative")
+        _check_nonnegative(a, name)
     prefix = sl - ext
     if (prefix < 0).any():
         b = int(np.argmax(prefix < 0))

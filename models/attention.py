@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jattn.ops import mha_prefill
-from jattn.plan_inputs import _as_int_array
+from jattn.plan_inputs import _as_int_array, _check_nonnegative
 
 
 @jax.tree_util.register_dataclass
@@ -31,9 +31,7 @@ class RaggedMetadata:
     def from_lengths(cls, lengths) -> "RaggedMetadata":
         """The metadata of requests of ``lengths`` tokens (a 1-D int sequence, each >= 0)."""
         lengths = _as_int_array(lengths, "lengths", 1)
-        if (lengths < 0).any():
-            i = int(np.argmax(lengths < 0))
-            raise ValueError(f"lengths[{i}]={lengths[i]} is negative")
+        _check_nonnegative(lengths, "lengths")
         cu = np.concatenate([[0], np.cumsum(lengths)])
         if cu[-1] > np.iinfo(np.int32).max:
             raise ValueError(f"lengths add up to {cu[-1]} tokens, past int32")

@@ -154,18 +154,37 @@ def convert_stages_for(kv_itemsize: int, options: KernelOptions) -> int:
     return FP8_CONVERT_STAGES if kv_itemsize == 1 and options.fp8_converter else 0
 
 
+def block_reason(block_tokens, pages_per_block, num_kv_heads, page_size) -> str | None:
+    """Why a KV block of ``pages_per_block`` pieces of ``block_tokens`` tokens of every KV head
+    cannot be the kernel's, else None: a piece divides the page (one TMA box within one page
+    id), several pieces only of whole pages, and the block a multiple of 64 rows (the P@V
+    wgmma contracts over it in 64-element swizzle groups), at most 256 (one TMA box per piece)."""
+    bt, ppb = block_tokens, pages_per_block
+    if bt < 1 or page_size % bt or ppb < 1 or (ppb > 1 and bt != page_size):
+        return (
+            f"block_tokens must divide page_size={page_size}, and pages_per_block > 1 needs whole pages "
+            "(block_tokens == page_size)"
+        )
+    n = bt * ppb * num_kv_heads
+    if n % 64 or n > 256:
+        return (
+            f"a KV block of block_tokens x pages_per_block x {num_kv_heads} KV heads = {n} rows; it must be a "
+            "multiple of 64 and at most 256"
+        )
+    return None
+
+
 def block_shape(num_kv_heads, head_dim, page_size, target_n=None):
-    """(block_tokens, pages_per_block) or None: a KV block of a multiple of 64 rows
-    (the P@V wgmma contracts over it in 64-element swizzle groups), at most 256
-    rows (one TMA box per piece), near 128 rows (64 for head_dim 256: registers)."""
+    """(block_tokens, pages_per_block) or None: the block :func:`block_reason` takes nearest
+    ``target_n`` rows (128; 64 for head_dim 256: registers)."""
     if target_n is None:
         target_n = 128 if head_dim <= 128 else 64
     best = None
     for bt in [t for t in range(1, page_size + 1) if page_size % t == 0]:
         for ppb in [1] if bt < page_size else range(1, 17):
-            n = bt * ppb * num_kv_heads
-            if n % 64 or n > 256:
+            if block_reason(bt, ppb, num_kv_heads, page_size):
                 continue
+            n = bt * ppb * num_kv_heads
             key = (abs(n - target_n), ppb)
             if best is None or key < best[0]:
                 best = (key, (bt, ppb))
@@ -420,17 +439,10 @@ def decode_config(
         if block_sizes.num_splits < 1:
             raise ValueError(f"block_sizes.num_splits={block_sizes.num_splits} must be >= 1")
         bt, ppb = block_sizes.block_tokens, block_sizes.pages_per_block
-        if bt < 1 or page_size % bt or ppb < 1 or (ppb > 1 and bt != page_size):
-            raise ValueError(
-                f"block_sizes={block_sizes}: block_tokens must divide page_size={page_size}, and "
-                "pages_per_block > 1 needs whole pages (block_tokens == page_size)"
-            )
+        reason = block_reason(bt, ppb, num_kv_heads, page_size)
+        if reason:
+            raise ValueError(f"block_sizes={block_sizes}: {reason}")
         n = bt * ppb * num_kv_heads
-        if n % 64 or n > 256:
-            raise ValueError(
-                f"block_sizes={block_sizes}: a KV block of block_tokens x pages_per_block x {num_kv_heads} KV heads "
-                f"= {n} rows; it must be a multiple of 64 and at most 256"
-            )
         need = smem_bytes(
             n, head_dim, kv_itemsize, q_itemsize, block_sizes.compute_wgs, block_sizes.num_stages, convert_stages
         )

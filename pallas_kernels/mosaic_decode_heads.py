@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re
     unsupported_reason,
 )
 from jattn.pallas_kernels.mosaic_decode_heads_kernel import _run
+from jattn.plan_inputs import _positive_int
 
 __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
 
@@ -216,10 +216,8 @@ def mha_decode_heads(
     check_plan(q, page_table, cache_seqlens, max_seqlen_q)
     _, ps, hkv, d = k_cache.shape
     bs, max_pages = page_table.shape
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1
-    ):
-        raise ValueError(f"mha_decode_heads: num_splits={num_splits!r} must be an int >= 1 (or None: chosen)")
+    if num_splits is not None:
+        num_splits = _positive_int(num_splits, "mha_decode_heads: num_splits", "an int >= 1 (or None: chosen)")
     if num_splits is None:
         tiles = row_tiles(max_seqlen_q * (q.shape[1] // hkv), row_tile)
         num_splits = choose_num_splits(bs, hkv, max_pages * ps, tiles, block)

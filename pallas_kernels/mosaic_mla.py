@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.interpret import no_gpu_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs
 from jattn.pallas_kernels.mosaic_mla_kernel import BLOCK_N, FP8_LAND_STAGES, MLADecodeConfig, run
+from jattn.plan_inputs import _positive_int
 
 # FP8 with at most 32 query rows: V^T read from the landed e4m3 tile into registers
 # (MLADecodeConfig.v_regs, measured faster; docs/PERF.md) or (False) the producer's upcast
@@ -206,10 +206,8 @@ def mla_decode(
     Python-number scales) instead of this module's kernel. Off by default: it measured
     slower on the H200 at every 16-head shape (docs/PERF.md).
     """
-    if num_splits is not None and (
-        isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1
-    ):
-        raise ValueError(f"mla_decode: num_splits={num_splits!r} must be an int >= 1 (or None: chosen)")
+    if num_splits is not None:
+        num_splits = _positive_int(num_splits, "mla_decode: num_splits", "an int >= 1 (or None: chosen)")
     if keys_as_rows:
         from jattn.pallas_kernels import mosaic_mla_heads
 
