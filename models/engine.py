@@ -253,9 +253,10 @@ class Engine(_Scheduling):
                 self.metrics.aborted += 1
 
     def release(self, rid: int) -> None:
-        """Forgets finished request ``rid`` (and its samples): drops it from
-        :attr:`requests` once its output is taken. A request not done yet raises
-        ``ValueError`` (``abort`` it first); an unknown id ``KeyError``."""
+        """Forgets finished request ``rid`` (for sample 0 of ``SamplingParams.n > 1``, its
+        samples too; another sample alone): drops it from :attr:`requests` once its output
+        is taken. A request not done yet raises ``ValueError`` (``abort`` it first); an
+        unknown id ``KeyError``."""
         family = self.samples(rid)
         live = [r.rid for r in family if not r.done]
         if live:
@@ -264,9 +265,10 @@ class Engine(_Scheduling):
             self.requests.pop(r.rid, None)
 
     def samples(self, rid: int) -> list[Request]:
-        """The requests of ``rid``'s parallel samples (``SamplingParams.n``), sample 0 first."""
+        """The requests of ``rid``'s parallel samples (``SamplingParams.n``), sample 0 first,
+        less those released already (:meth:`release` of a finished sample)."""
         r = self.requests[rid]
-        return [self.requests[i] for i in (r.samples or (rid,))]
+        return [self.requests[i] for i in (r.samples or (rid,)) if i in self.requests]
 
     # ------------------------------------------------------------------ pages
 

@@ -6,6 +6,8 @@ of a submitted prompt. ``jattn.models.engine`` re-exports them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -16,9 +18,14 @@ __all__ = ["EngineConfig", "EngineMetrics", "REQUEST_STATES", "Request", "StepIn
 
 
 def _validated_prompt(prompt, vocab: int) -> list:
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+    if hasattr(prompt, "__array__") and not isinstance(prompt, (list, tuple)):  # numpy, JAX, torch
+        prompt = np.asarray(prompt)
+        if prompt.ndim != 1:
+            raise TypeError(f"prompt must be one sequence of token ids, got an array of shape {prompt.shape}")
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes, Mapping, AbstractSet)) or not isinstance(prompt, Sequence):
         raise TypeError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
-    toks = list(prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)
+    toks = list(prompt)
     bad = [t for t in toks if not _is_int(t)]
     if bad:
         raise TypeError(f"prompt token ids must be integers, got {bad[0]!r}")
@@ -84,7 +91,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r} must be an integer >= 1")
         for name in ("batch_buckets", "token_buckets"):
             bk = getattr(self, name)
-            if bk is not None and (not bk or not all(_is_int(b) and b >= 1 for b in bk)):
+            if bk is not None and (
+                not isinstance(bk, (tuple, list)) or not bk or not all(_is_int(b) and b >= 1 for b in bk)
+            ):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
@@ -92,11 +101,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.scan_layers={self.scan_layers!r} must be True or False")
         if self.scan_layers and self.mesh is not None:
             raise ValueError("EngineConfig.scan_layers: not supported with a mesh (sharded models keep their layers)")
-        if self.fuse_projections not in (None, True, False):
+        if not (self.fuse_projections is None or isinstance(self.fuse_projections, bool)):  # not 0 or 1
             raise ValueError(
                 f"EngineConfig.fuse_projections={self.fuse_projections!r} must be None (auto), True or False"
             )
-        if self.cascade not in (None, True, False):
+        if not (self.cascade is None or isinstance(self.cascade, bool)):  # 0 is not False here
             raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
 
     @property

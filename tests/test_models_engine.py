@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -237,6 +238,9 @@ def test_more_requests_than_the_largest_batch_bucket(llama):
         ([1, True], SamplingParams(), "prompt token ids must be integers"),
         ("hello", SamplingParams(), "prompt must be a sequence"),
         (np.array([1.5, 2.0]), SamplingParams(), "prompt token ids must be integers"),
+        (np.array(5), SamplingParams(), "prompt must be one sequence of token ids"),
+        ({1: 2}, SamplingParams(), "prompt must be a sequence"),  # its keys were the prompt
+        ({1, 2}, SamplingParams(), "prompt must be a sequence"),
         ([1, 2], SamplingParams(max_new_tokens=2.5), "max_new_tokens"),
         ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
@@ -279,9 +283,10 @@ def test_normalised_fields_serve(llama):
     huge = eng.add_request(p, SamplingParams(max_new_tokens=5, temperature=1.0, seed=-(2**40) + 7))
     none = eng.add_request(p, SamplingParams(max_new_tokens=6, stop_token_ids=None))
     one = eng.add_request(p, SamplingParams(max_new_tokens=6, stop_token_ids=free[2]))
+    arr = eng.add_request(jnp.asarray(p), SamplingParams(max_new_tokens=6))  # was refused as not integers
     _drain(eng)
-    assert all(eng.requests[r].status == "finished" for r in (big, huge, none, one))
-    assert eng.requests[none].output_tokens == free
+    assert all(eng.requests[r].status == "finished" for r in (big, huge, none, one, arr))
+    assert eng.requests[none].output_tokens == free == eng.requests[arr].output_tokens
     assert eng.requests[one].output_tokens == free[: free.index(free[2]) + 1]
     same = _engine(llama).generate([p], SamplingParams(max_new_tokens=5, temperature=1.0, seed=-(2**31)))[0]
     assert same.output_tokens == eng.requests[big].output_tokens  # equal modulo 2**32
@@ -615,6 +620,10 @@ def test_new_weights_through_engine_state(llama):
         (dict(token_buckets=(0, 8)), "token_buckets"),
         (dict(batch_buckets=(0, 4)), "batch_buckets"),
         (dict(cascade="yes"), "cascade"),
+        (dict(cascade=0), "cascade"),  # == False, but read as "not False": always
+        (dict(fuse_projections=1), "fuse_projections"),
+        (dict(batch_buckets=5), "batch_buckets"),
+        (dict(token_buckets=16), "token_buckets"),
         (dict(overlap=None), "overlap"),
         (dict(fuse_projections="yes"), "fuse_projections"),
         (dict(scan_layers=1), "scan_layers"),
@@ -1203,6 +1212,24 @@ def test_abort_and_release(llama, overlap):
     assert eng._live() == []
     with pytest.raises(KeyError):
         eng.abort(10**6)
+
+
+def test_release_of_one_sample_leaves_its_family_whole(llama):
+    """A finished sample released alone (its parent and the other samples live) left its id
+    in sample 0's list: ``samples``, ``abort`` and ``release`` of the parent then raised
+    ``KeyError``, so the family could never be aborted or forgotten."""
+    prompt = _prompts(lens=(9,))[0]
+    eng = _engine(llama)
+    parent = eng.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3))
+    one = eng.samples(parent)[1].rid
+    eng.abort(one)
+    eng.release(one)
+    assert [r.rid for r in eng.samples(parent)] == [parent, one + 1]
+    eng.step()
+    eng.abort(parent)
+    assert all(r.finish_reason == "abort" for r in eng.samples(parent))
+    eng.release(parent)
+    assert eng.requests == {} and all(p.num_free == p.num_pages - 1 for p in eng.pools)
 
 
 def test_cascade_grouping_always_false_makes_none():
