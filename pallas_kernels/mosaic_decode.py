@@ -179,6 +179,9 @@ def mha_decode(
                 persistent=options.heads_persistent,
                 row_tile=options.heads_row_tile,
             )
+    reason = one_kv_head_reason(k_cache, max_seqlen_q, window_left, logit_cap, sinks)
+    if reason is not None:  # a clear error now, not a failed build later
+        raise ValueError(f"mosaic decode: {reason}")
     # A Python 1.0 v_scale is known at trace time: the output then needs no multiply.
     # A Python k_scale is folded into a constant score scale (no kernel computes it).
     unit_v = isinstance(v_scale, (int, float)) and float(v_scale) == 1.0
@@ -217,11 +220,10 @@ def unsupported_reason(
     reason = all_heads_unsupported_reason(
         q, k_cache, v_cache, max_seqlen_q=max_seqlen_q, window_left=window_left, sinks=sinks, **kw
     )
-    if batch_invariant and reason is None and one_kv_head_single_query(k_cache, max_seqlen_q):
-        return (
-            "batch_invariant=True with one KV head and one query per request: the mode runs the all-heads "
-            "kernel, whose build of this call fails Mosaic GPU's layout inference on jax 0.11"
-        )
+    if reason is None:
+        reason = one_kv_head_reason(k_cache, max_seqlen_q, window_left, logit_cap, sinks)
+        if reason is not None and batch_invariant:
+            return f"batch_invariant=True (the mode runs the all-heads kernel alone) with {reason}"
     if reason is None or batch_invariant:
         return reason
     from jattn.pallas_kernels.interpret import no_gpu_reason
@@ -243,6 +245,23 @@ def one_kv_head_single_query(k_cache, max_seqlen_q) -> bool:
     ``KernelOptions.heads_kernel`` says; with one KV head both kernels stream the same
     rows."""
     return k_cache.shape[2] == 1 and max_seqlen_q == 1
+
+
+def one_kv_head_reason(k_cache, max_seqlen_q, window_left=-1, logit_cap=0.0, sinks=None) -> str | None:
+    """Why the all-heads kernel cannot take a call with one KV head and one query per
+    request (:func:`one_kv_head_single_query`), or None: its builds of such calls fail
+    Mosaic GPU's layout inference on jax 0.11 except with a window and neither a logit cap
+    nor sinks, the builds that compiled on the GPU (docs/PERF.md). The per-KV-head kernel
+    serves the calls with none of the three."""
+    if not one_kv_head_single_query(k_cache, max_seqlen_q):
+        return None
+    if window_left >= 0 and not logit_cap and sinks is None:
+        return None
+    return (
+        "one KV head and one query per request with a logit cap or sinks, or without a window: the all-heads "
+        "kernel's build of such a call fails Mosaic GPU's layout inference on jax 0.11 (the per-KV-head "
+        "kernel, which takes the others, has no window, cap or sinks and needs Python-number scales)"
+    )
 
 
 def heads_kernel_for(

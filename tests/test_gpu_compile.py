@@ -75,13 +75,11 @@ _DECODE_GRID += [
     )
 ]
 
-# one KV head at q_len 1 with what the per-KV-head kernel does not serve: these stay on the
-# all-heads kernel, whose build of one KV head at q_len 1 failed layout inference on jax 0.11
+# one KV head at q_len 1 with a window, which the per-KV-head kernel does not serve: it stays
+# on the all-heads kernel, whose build of one KV head at q_len 1 fails layout inference on
+# jax 0.11 except with a window (with a cap or sinks it failed: refused, test_mosaic_decode_heads)
 _DECODE_GRID += [
-    dict(hkv=1, hq=hq, d=d, kv="bf16", q_len=1, opt="default", **extra)
-    for hq in (1, 8)
-    for d in (64, 128)
-    for extra in (dict(window_left=100), dict(logit_cap=30.0), dict(sinks=True))
+    dict(hkv=1, hq=hq, d=d, kv="bf16", q_len=1, opt="default", window_left=100) for hq in (1, 8) for d in (64, 128)
 ]
 
 

@@ -367,11 +367,21 @@ def test_one_kv_head_single_query_calls_take_the_per_kv_head_kernel(monkeypatch)
     md.mha_decode(args[0], kc, vc, table, lens, options=md.KernelOptions(heads_kernel=False))
     assert fp8 == [True, False] and all_heads == [5, -1]
     # the batch-invariant mode runs the all-heads kernel alone: refused with the reason
-    # (ops passed it explicit block sizes, which skip the route)
+    # (ops passed it explicit block sizes, which skip the route), except with a window
     with gpu_interpret():
         reason = md.unsupported_reason(args[0], args[1], args[2], batch_invariant=True)
         assert reason is not None and "one KV head and one query per request" in reason
         assert md.unsupported_reason(q2, args[1], args[2], max_seqlen_q=2, batch_invariant=True) is None
+        assert md.unsupported_reason(*args[:3], window_left=5, batch_invariant=True) is None
+        # a cap or sinks: neither kernel builds it (the all-heads kernel's build fails layout
+        # inference on the GPU, the per-KV-head kernel has neither), so auto passes it on and
+        # a direct call says why instead of failing in the build
+        for kw in (dict(logit_cap=30.0), dict(sinks=jnp.zeros(1)), dict(window_left=5, logit_cap=30.0)):
+            assert "one KV head and one query per request" in md.unsupported_reason(*args[:3], **kw)
+            with pytest.raises(ValueError, match="one KV head and one query per request with a logit cap"):
+                md.mha_decode(*args, **kw)
+        assert md.unsupported_reason(q2, *args[1:3], max_seqlen_q=2, logit_cap=30.0) is None
+    assert all_heads == [5, -1]
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
