@@ -83,22 +83,29 @@ def check_llama_4_scaling_shape(shape, tokens: int) -> None:
         raise ValueError(f"llama_4_scaling shape {shape} must be [T], [T, 1] or [T, 1, 1] with T={tokens}")
 
 
+def check_llama_4_scaling(llama_4_scaling, tokens: int):
+    """``llama_4_scaling`` as f32, checked: a real dtype, shape ``[T]``, ``[T, 1]`` or
+    ``[T, 1, 1]`` with ``T = tokens``, and (where concrete) every scale finite and > 0."""
+    shape, dtype = jnp.shape(llama_4_scaling), getattr(llama_4_scaling, "dtype", None)
+    dtype = np.asarray(llama_4_scaling).dtype if dtype is None else jnp.dtype(dtype)
+    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"llama_4_scaling.dtype={dtype} must be a real number type (f32 scales)")
+    check_llama_4_scaling_shape(shape, tokens)
+    s = jnp.asarray(llama_4_scaling, jnp.float32)
+    v = _concrete(s)
+    if v is not None and not (np.isfinite(v) & (v > 0)).all():
+        t = int(np.flatnonzero(~(np.isfinite(v) & (v > 0)))[0])
+        raise ValueError(f"llama_4_scaling[{t}]={v.reshape(-1)[t].item()!r} must be finite and > 0 (a per-token scale)")
+    return s
+
+
 def apply_llama_4_scaling(query, llama_4_scaling):
     """``query`` [T, H, D] times a per-token scale (f32 ``[T]``, ``[T, 1]`` or
     ``[T, 1, 1]``), computed in f32 and returned in the query's dtype; ``None``: the
     query unchanged."""
     if llama_4_scaling is None:
         return query
-    shape, dtype = jnp.shape(llama_4_scaling), getattr(llama_4_scaling, "dtype", None)
-    dtype = np.asarray(llama_4_scaling).dtype if dtype is None else jnp.dtype(dtype)
-    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise TypeError(f"llama_4_scaling.dtype={dtype} must be a real number type (f32 scales)")
-    check_llama_4_scaling_shape(shape, query.shape[0])
-    s = jnp.asarray(llama_4_scaling, jnp.float32)
-    v = _concrete(s)
-    if v is not None and not (np.isfinite(v) & (v > 0)).all():
-        t = int(np.flatnonzero(~(np.isfinite(v) & (v > 0)))[0])
-        raise ValueError(f"llama_4_scaling[{t}]={v.reshape(-1)[t].item()!r} must be finite and > 0 (a per-token scale)")
+    s = check_llama_4_scaling(llama_4_scaling, query.shape[0])
     return (query.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(query.dtype)
 
 

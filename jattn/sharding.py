@@ -39,9 +39,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jattn import ops
-from jattn.checks import _is_int
+from jattn.checks import _check_cu_seqlens, _check_lengths, _concrete, _is_int
 from jattn.config import LayerSpec
-from jattn.kv_cache import MLAKVCache, PagedKVCache
+from jattn.kv_cache import MLAKVCache, PagedKVCache, is_fp8
+from jattn.mla_backend import check_llama_4_scaling
 from jattn.plan_stack import stack_plans
 
 __all__ = [
@@ -88,8 +89,8 @@ def _axis_size(mesh: Mesh, axis: str, who: str) -> int:
 
 
 def _check_kv_heads(hkv: int, n: int, ax: str) -> None:
-    if hkv < 1:
-        raise ValueError(f"num_kv_heads={hkv} must be >= 1")
+    if not _is_int(hkv) or hkv < 1:  # before any int(): 2.5 heads are not 2
+        raise ValueError(f"num_kv_heads={hkv!r} must be an int >= 1")
     if hkv >= n and hkv % n:
         raise ValueError(
             f"num_kv_heads={hkv} must be divisible by the size {n} of mesh axis {ax!r} "
@@ -216,7 +217,7 @@ class TensorParallel:
         return int(self.mesh.shape[self.axis])
 
     def heads(self, num_q_heads: int, num_kv_heads: int) -> HeadPartition:
-        return HeadPartition(int(num_q_heads), int(num_kv_heads), self.size, self.axis)
+        return HeadPartition(num_q_heads, num_kv_heads, self.size, self.axis)
 
     # ---- placements
 
@@ -234,7 +235,7 @@ class TensorParallel:
         """The KV heads a pool holds for a model of ``num_kv_heads``: ``num_kv_heads``, or
         the axis size when it is smaller (each head replicated); ``ValueError`` as in
         :class:`HeadPartition`."""
-        _check_kv_heads(int(num_kv_heads), self.size, self.axis)
+        _check_kv_heads(num_kv_heads, self.size, self.axis)
         return max(int(num_kv_heads), self.size)
 
     def create_kv_cache(
@@ -287,6 +288,7 @@ class TensorParallel:
         # The global arguments' checks, values included where concrete: inside shard_map each
         # device would see traced slices (and check sinks against its own heads only).
         ops.check_arguments(op, *args, sinks=sinks, return_lse=return_lse, **kwargs)
+        sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)  # a list is one argument
         static, array_keys = _split_kwargs(kwargs)
         extra = ((sinks,) if sinks is not None else ()) + tuple(kwargs[k] for k in array_keys)
         static = tuple(sorted(static.items()))
@@ -399,6 +401,8 @@ class TensorParallelMHABackend(_Wrapped):
         hp, local = self._local(layer, kv_cache, sinks)
         q, k, v = self.backend._heads(layer, q, k, v)  # the inner backend's shape rules and messages
         kc, vc = kv_cache.layer(layer.layer_id)
+        self._check_values(method, q, layer, kc, vc, metadata, sinks)
+        sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
         ax, heads = self.tp.axis, self.tp.head_spec()
         args, specs = [q, kc, vc, metadata], [heads, self.tp.pool_spec(), self.tp.pool_spec(), P()]
         if k is not None:
@@ -417,6 +421,17 @@ class TensorParallelMHABackend(_Wrapped):
         out_specs = (P(None, ax), self.tp.pool_spec(), self.tp.pool_spec())
         out, kc, vc = shard_map(body, self.tp.mesh, tuple(specs), out_specs)(*args)
         return out, kv_cache.replace_layer(layer.layer_id, kc, vc)
+
+    def _check_values(self, method, q, layer, kc, vc, metadata, sinks):
+        """The inner call's argument checks on the global arrays: page ids, lengths, offsets
+        and sinks where concrete (inside ``shard_map`` each device's are traced, and pass)."""
+        opts = dict(self.backend.attention_options(layer, is_fp8(kc.dtype)), sinks=sinks)
+        opts.update(max_seqlen_q=metadata.max_seqlen_q, is_causal=metadata.is_causal and not layer.non_causal)
+        args = (q, kc, vc, metadata.page_table, metadata.cache_seqlens)
+        if method == "forward_decode":
+            ops.check_arguments(ops.mha_decode_with_kvcache, *args, **opts)
+        else:
+            ops.check_arguments(ops.mha_extend_with_kvcache, *args, metadata.cu_seqlens_q, **opts)
 
     def forward_decode(self, q, k, v, layer, kv_cache, metadata, save_kv_cache=True, sinks=None):
         """``MHABackend.forward_decode`` with heads split; returns ``(out [T, Hq * Dv], kv_cache)``."""
@@ -525,13 +540,39 @@ class DataParallelMLABackend(_Wrapped):
             )
         return metadata
 
-    def _run(self, fn, named_args: dict, optional=None, replicated=None, static=None):
+    def _per_device(self, check, *arrays) -> None:
+        """``check(*parts)`` on each device's parts of ``arrays`` (split along their leading
+        axis) where all are concrete, the message naming the device: the inner backend's
+        value checks, which inside ``shard_map`` see traced slices and pass."""
+        vals = [_concrete(a) for a in arrays]
+        if any(v is None for v in vals):
+            return
+        for d, parts in enumerate(zip(*(np.split(v, self.size) for v in vals))):
+            try:
+                check(*parts)
+            except ValueError as e:
+                raise ValueError(f"device {d} of mesh axis {self.axis!r}: {e}") from None
+
+    def _check_plan(self, metadata, pool) -> None:
+        """Each device's page ids and lengths against its own pool's pages."""
+        per = pool.shape[0] // self.size
+        check = functools.partial(_check_lengths, page_size=metadata.page_size, num_pages=per)
+        self._per_device(check, metadata.page_table, metadata.cache_seqlens)
+
+    def _check_offsets(self, name: str, cu, x, x_name: str, max_name: str, max_seqlen: int) -> None:
+        """Each device's ``cu`` ([bs + 1] offsets) against its rows of ``x``."""
+        local = x.shape[0] // self.size
+        self._per_device(lambda c: _check_cu_seqlens(c, name, local, x_name, max_seqlen, max_name), cu)
+
+    def _run(self, fn, named_args: dict, optional=None, replicated=None, static=None, check=None):
         """``fn(*local args, **local optional args)`` on every device. Every argument of
         ``named_args`` (``{name: value}``, passed by position) and of ``optional`` (by
         keyword, left out where None), and every output, is split along its leading axis,
         whose size must be a multiple of the axis size (else a message naming the argument,
         instead of ``shard_map``'s); ``replicated`` arguments (a rope table; left out where
-        None) reach every device whole, ``static`` ones as they are, both by keyword."""
+        None) reach every device whole, ``static`` ones as they are, both by keyword.
+        ``check()``, then, runs the value checks the local calls cannot (their values are
+        traced); a ``llama_4_scaling`` among ``optional`` is checked here."""
         split = {**named_args, **{k: v for k, v in (optional or {}).items() if v is not None}}
         whole = {k: v for k, v in (replicated or {}).items() if v is not None}
         for name, x in split.items():
@@ -543,6 +584,10 @@ class DataParallelMLABackend(_Wrapped):
                         f"devices of mesh axis {self.axis!r}, so it must be a multiple of {self.size} (each "
                         "device's rows, stacked)"
                     )
+        if split.get("llama_4_scaling") is not None:
+            check_llama_4_scaling(split["llama_4_scaling"], np.shape(next(iter(named_args.values())))[0])
+        if check is not None:
+            check()
         n = len(named_args)
         keywords = list(split)[n:] + list(whole)
 
@@ -556,9 +601,13 @@ class DataParallelMLABackend(_Wrapped):
     def fill_block_decode_seq_lens(self, metadata, bs, block_seq_lens):
         """``MLABackend.fill_block_decode_seq_lens`` on each device's plan: ``bs`` i32[n]
         (each device's request count) and ``block_seq_lens`` i32[n * B] (each device's
-        rows of the stacked plan). Jittable."""
+        rows of the stacked plan). Jittable. On an axis of one device a plain plan and
+        ``bs`` are taken too, and a plain plan comes back."""
+        plain = self.size == 1 and np.shape(metadata.num_reqs) == ()
         metadata = self._stacked(metadata)
         bs = jnp.asarray(bs, jnp.int32)
+        if plain and bs.shape == ():
+            bs = bs.reshape(1)
         if bs.shape != (self.size,):
             raise ValueError(f"bs has shape {bs.shape}: one request count per device, ({self.size},)")
 
@@ -567,7 +616,8 @@ class DataParallelMLABackend(_Wrapped):
             return dataclasses.replace(out, num_reqs=jnp.reshape(out.num_reqs, (1,)))
 
         lens = jnp.asarray(block_seq_lens, jnp.int32)
-        return self._run(body, dict(metadata=metadata, bs=bs, block_seq_lens=lens))
+        out = self._run(body, dict(metadata=metadata, bs=bs, block_seq_lens=lens))
+        return _unstack(out) if plain else out
 
     def save_kv(
         self, layer: LayerSpec, kv_cache: MLAKVCache, out_cache_loc, c_kv, k_pe, *, cos_sin_cache=None,
@@ -596,9 +646,10 @@ class DataParallelMLABackend(_Wrapped):
             out, cache = getattr(self.backend, method)(q, k, None, local, cache, _unstack(md), save_kv_cache, **kw)
             return out, cache.kv[0]
 
-        args = dict(q=q, kv_cache=kv_cache.layer(layer.layer_id), metadata=metadata)
-        rope = dict(cos_sin_cache=cos_sin_cache)
-        out, pool = self._run(body, args, split, rope, dict(is_neox=is_neox))
+        pool = kv_cache.layer(layer.layer_id)
+        args = dict(q=q, kv_cache=pool, metadata=metadata)
+        rope, check = dict(cos_sin_cache=cos_sin_cache), functools.partial(self._check_plan, metadata, pool)
+        out, pool = self._run(body, args, split, rope, dict(is_neox=is_neox), check)
         return out, kv_cache.replace_layer(layer.layer_id, pool)
 
     forward_decode = _absorbed_method("forward_decode")
@@ -617,7 +668,11 @@ class DataParallelMLABackend(_Wrapped):
 
         split = dict(q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
         rope, static = dict(cos_sin_cache=cos_sin_cache), dict(is_neox=is_neox)
-        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata), split, rope, static)
+        mq = metadata.max_seqlen_q
+        check = functools.partial(
+            self._check_offsets, "cu_seqlens_q", metadata.cu_seqlens_q, q, "q", "max_seqlen_q", mq
+        )
+        return self._run(body, dict(q=q, k=k, v=v, metadata=metadata), split, rope, static, check)
 
     def forward_prefix_chunk(
         self, q, k, v, layer, cu_seqlens_q, cu_seqlens_kv, *, max_seqlen_q: int, max_seqlen_kv: int, q_rope=None,
@@ -636,4 +691,9 @@ class DataParallelMLABackend(_Wrapped):
 
         split = dict(q_rope=q_rope, k_rope=k_rope, llama_4_scaling=llama_4_scaling, positions=positions)
         named = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
-        return self._run(body, named, split, dict(cos_sin_cache=cos_sin_cache), static)
+
+        def check():
+            self._check_offsets("cu_seqlens_q", cu_seqlens_q, q, "q", "max_seqlen_q", max_seqlen_q)
+            self._check_offsets("cu_seqlens_kv", cu_seqlens_kv, k, "k", "max_seqlen_kv", max_seqlen_kv)
+
+        return self._run(body, named, split, dict(cos_sin_cache=cos_sin_cache), static, check)

@@ -46,6 +46,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -89,6 +90,24 @@ __all__ = [
     "shared_step_fn",
     "state_leaves",
 ]
+
+
+def _like(old, new, hint: str = ""):
+    """``new`` (an ``nnx.State``) checked against ``old`` leaf by leaf (structure, shapes,
+    dtypes) and placed as ``old``'s arrays are; a mismatch names the leaf (and ``hint``)."""
+    paths, tree = jax.tree_util.tree_flatten_with_path(old)
+    leaves, new_tree = jax.tree_util.tree_flatten(new)
+    if new_tree != tree:
+        raise ValueError("Engine.state: the new state's structure differs from the model's (other layers or names)")
+    out = []
+    for (path, a), b in zip(paths, leaves):
+        if (np.shape(a), jnp.dtype(a.dtype)) != (np.shape(b), jnp.dtype(getattr(b, "dtype", np.asarray(b).dtype))):
+            raise ValueError(
+                f"Engine.state: {jax.tree_util.keystr(path)} is {getattr(b, 'dtype', '?')}{list(np.shape(b))}, the "
+                f"model's {a.dtype}{list(np.shape(a))}{hint}"
+            )
+        out.append(jax.device_put(b, a.sharding) if isinstance(a, jax.Array) else b)
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 class Engine(_Scheduling):
@@ -155,12 +174,19 @@ class Engine(_Scheduling):
 
     @property
     def state(self):
-        """The model's ``nnx.State``; assigning a new one (e.g. other weights of the same
-        structure) also refreshes :attr:`params`, the flat tuple the jitted step takes."""
+        """The model's ``nnx.State``; assigning a new one (other weights of the same
+        structure: each array of the shape and dtype it replaces, else ``ValueError``
+        naming it) also refreshes :attr:`params`, the flat tuple the jitted step takes.
+        New arrays are placed as the ones they replace (split over a mesh alike)."""
         return self._state
 
     @state.setter
     def state(self, state):
+        old = getattr(self, "_state", None)
+        if old is not None:
+            tp = self.config.mesh is not None and self.dp == 1
+            hint = " (a tensor-parallel engine's model holds the physical KV heads)" if tp else ""
+            state = _like(old, state, hint)
         self._state = state
         self.params = state_leaves(state)
 

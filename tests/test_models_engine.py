@@ -609,6 +609,12 @@ def test_new_weights_through_engine_state(llama):
     eng.state = nnx.split(other)[1]
     assert len(eng.params) == len(jax.tree_util.tree_leaves(eng.state))
     assert eng.generate([prompt], params)[0].output_tokens == want_other
+    # weights of another shape are refused by name (they reached the step, which failed
+    # every request with a reshape error, or on a mesh lost the weights' split)
+    narrow = Llama(LlamaConfig.tiny(vocab_size=VOCAB, num_q_heads=6, num_kv_heads=1), rngs=nnx.Rngs(7), std=0.3)
+    with pytest.raises(ValueError, match=r"Engine.state: .*k_proj.*kernel.* is float32\[\d+, \d+\], the model's"):
+        eng.state = nnx.split(narrow)[1]
+    assert eng.generate([prompt], params)[0].output_tokens == want_other
 
 
 @pytest.mark.parametrize(

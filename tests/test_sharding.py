@@ -18,6 +18,7 @@ sizes are awkward (head dims 12 and 20, vocabularies of 101, lengths off the pag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -683,6 +684,16 @@ def check_tp_eager_calls():
     _refused(lambda: fwd(qt.reshape(-1, 4, 24), kt, kt, layer, cache, md), "q shape", "[T, 8, 12]")
     _refused(lambda: fwd(qt, kt.reshape(-1, 2, 24), kt, layer, cache, md), "k shape", "[T, 4, 12]")
     _refused(lambda: fwd(qt, kt, None, layer, cache, md), "k and v must both be given")
+    # and the inner call's value checks on the global plan and sinks (each device's were
+    # traced: a page id past the pool was read through a clamped gather, NaN sinks taken),
+    # sinks as a list as the one-device backend takes them (shard_map refused them)
+    bad = dataclasses.replace(md, page_table=np.asarray(md.page_table).copy())
+    bad.page_table[0, 1] = pages + 5
+    _refused(lambda: fwd(qt, kt, kt, layer, cache, bad), "page_table[0, 1]", "out of range")
+    _refused(lambda: fwd(qt, kt, kt, layer, cache, md, sinks=np.full(hq, np.nan, np.float32)), "sinks[0]=nan")
+    out, _ = fwd(qt, kt, kt, layer, cache, md, sinks=[0.5] * hq)
+    want, _ = inner.forward_extend(qt, kt, kt, layer, jattn.PagedKVCache(k=(kc,), v=(vc,)), md, sinks=[0.5] * hq)
+    _close(out, want, 1e-5)
 
 
 def check_mla_dp_one_device():
@@ -789,8 +800,61 @@ def check_mla_dp_draft_block():
         raise AssertionError("a single bs was taken for a stacked plan")
 
 
+def check_mla_dp_eager_values():
+    """Outside jit the data-parallel MLA wrapper checks each device's values as the
+    one-device backend does (inside shard_map they were traced and passed): a page id past
+    the device's pool (it read the next device's pages), offsets past a device's rows or
+    decreasing, a request longer than max_seqlen_q, a zero or NaN llama_4_scaling. On a
+    one-device axis fill_block_decode_seq_lens takes a plain plan and bs, as the inner
+    backend does, and gives a plain plan back."""
+    from jattn import ForwardMode, LayerSpec, MLABackend, MLAConfig
+    from jattn.kv_cache import MLAKVCache
+    from jattn.plan_stack import stack_plans
+    from jattn.sharding import DataParallelMLABackend
+
+    cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                    page_size=4, context_len=32, num_pages=10, dtype="float32", kv_cache_dtype="float32",
+                    batch_buckets=(2,), spec_num_tokens=2)  # fmt: skip
+    inner = MLABackend(cfg)
+    dp = DataParallelMLABackend(inner, _mesh("dp"))
+    layer = LayerSpec(0, 2, 1, 16, v_head_dim=8)
+    rng = np.random.default_rng(90)
+    cache = MLAKVCache((rng.standard_normal((40, 4, 24)).astype(np.float32),), 16)
+    r2p = np.arange(1, 9, dtype=np.int32).reshape(2, 4)
+    plans = [inner.init_forward_metadata(2, np.arange(2), np.array([9, 5]), r2p, ForwardMode.DECODE)] * 4
+    t = plans[0].num_tokens
+    q = rng.standard_normal((4 * t, 2, 24)).astype(np.float32)
+    pt = np.asarray(plans[0].page_table).copy()
+    pt[0, 1] = 13  # device 1's page 3
+    bad = stack_plans([plans[0]] * 3 + [dataclasses.replace(plans[0], page_table=pt)])
+    dec = dp.forward_decode
+    _refused(lambda: dec(q, None, None, layer, cache, bad, False), "device 3 of mesh axis 'dp'", "page_table[0, 1]=13")
+    scale = np.ones(4 * t, np.float32)
+    scale[5] = 0
+    plan = stack_plans(plans)
+    _refused(lambda: dec(q, None, None, layer, cache, plan, False, llama_4_scaling=scale), "llama_4_scaling[5]=0.0")
+    H, nope, r, dv = 2, 8, 8, 8
+    qp = rng.standard_normal((16, H, nope + r)).astype(np.float32)
+    kp = rng.standard_normal((24, H, nope + r)).astype(np.float32)
+    vp = rng.standard_normal((24, H, dv)).astype(np.float32)
+    cu_q, cu_kv = np.array([0, 2, 4] * 4, np.int32), np.array([0, 3, 6] * 4, np.int32)
+    chunk = functools.partial(dp.forward_prefix_chunk, max_seqlen_q=2, max_seqlen_kv=3)
+    _refused(lambda: chunk(qp, kp, vp, layer, cu_q, np.r_[cu_kv[:3], [0, 5, 4], cu_kv[6:]]),
+             "device 1 of mesh axis 'dp'", "cu_seqlens_kv must be non-decreasing")  # fmt: skip
+    _refused(lambda: chunk(qp, kp, vp, layer, np.r_[cu_q[:9], [0, 2, 6]], cu_kv), "cu_seqlens_q[-1]=6 exceeds the 4")
+    _refused(lambda: chunk(qp, kp, vp, layer, np.r_[[0, 1, 4], cu_q[3:]], cu_kv), "request 1 has 3 tokens")
+    o, _ = chunk(qp, kp, vp, layer, cu_q, cu_kv)
+    assert np.isfinite(np.asarray(o)).all()
+    one = DataParallelMLABackend(inner, _mesh("dp", n=1))
+    blk = inner.init_forward_metadata(1, [0], [6], r2p, ForwardMode.DRAFT_BLOCK)
+    got = one.fill_block_decode_seq_lens(blk, 1, np.array([8, 0], np.int32))
+    want = inner.fill_block_decode_seq_lens(blk, 1, np.array([8, 0], np.int32))
+    assert np.shape(got.num_reqs) == () and np.array_equal(got.cache_seqlens, want.cache_seqlens)
+
+
 CHECKS = {
     "tp_sinks": check_tp_sinks_named_globally,
+    "mla_dp_eager_values": check_mla_dp_eager_values,
     "tp_eager": check_tp_eager_calls,
     "mla_dp_one_device": check_mla_dp_one_device,
     "mla_dp_draft_block": check_mla_dp_draft_block,
@@ -929,10 +993,18 @@ def test_head_partition_rules():
     ],
 )
 def test_head_partition_counts_are_ints(args, words):
-    from jattn.sharding import HeadPartition
+    from jattn.sharding import HeadPartition, TensorParallel
 
     with pytest.raises(ValueError, match=re.escape(words)):
         HeadPartition(*args)
+    # TensorParallel's helpers pass them on unconverted (int() made 8.7 heads 8)
+    tp = TensorParallel(_mesh())
+    with pytest.raises(ValueError, match="num_kv_heads=2.5 must be an int"):
+        tp.physical_kv_heads(2.5)
+    with pytest.raises(ValueError, match="num_kv_heads=True must be an int"):
+        tp.create_kv_cache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=True, head_dim=8)
+    with pytest.raises(ValueError, match="num_q_heads=8.7 must be an int"):
+        tp.heads(8.7, 1)
 
 
 def test_stack_plans_stacks_cascade_prefix_pages():
