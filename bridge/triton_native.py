@@ -167,10 +167,10 @@ def mha_decode(
             f"head_dim={d} / max_seqlen_q={max_seqlen_q}: the kernel takes head_dim "
             f"{triton_decode.SUPPORTED_HEAD_DIMS} and max_seqlen_q 1..{triton_decode.MAX_Q_LEN}"
         )
-    if sinks is not None and (sinks.shape != (hq,) or sinks.dtype != torch.float32 or sinks.device != dev):
-        raise BridgeError(
-            f"sinks must be f32 [{hq}] on {dev}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
-        )
+    if sinks is not None:  # read densely by the combine kernel
+        _check(sinks, "sinks", (torch.float32,), 1, dev)
+        if sinks.shape != (hq,):
+            raise BridgeError(f"sinks must be f32 [{hq}] (one per query head), got shape {tuple(sinks.shape)}")
     _check_launch_device(dev)
 
     o_part, lse_part = decode_partials(
@@ -250,7 +250,16 @@ def prefill(
     _check(v, "v", (k.dtype,), k.ndim, dev)
     i32 = lambda a: a.int().to(dev).contiguous()  # noqa: E731
     t, hq, d = q.shape
-    dv = v.shape[-1]
+    dv, hkv = v.shape[-1], k.shape[-2]
+    if k.shape[-1] != d or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise BridgeError(
+            f"k {tuple(k.shape)} must have q's head_dim={d}, and v {tuple(v.shape)} k's shape but for the last "
+            "dimension (head_dim_v)"
+        )
+    if hkv == 0 or hq % hkv:
+        raise BridgeError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv} (k's heads)")
+    if sinks is not None and len(sinks) != hq:
+        raise BridgeError(f"sinks must have {hq} entries (one per query head), got {len(sinks)}")
     paged = page_table is not None
     cu_in = i32(cu_seqlens_q)
     nreq = cu_in.shape[0] - 1
@@ -471,7 +480,12 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
             raise BridgeError(
                 f"{name} {tuple(t.shape)} must be [{out_cache_loc.shape[0]}, {', '.join(map(str, cache.shape[2:]))}]"
             )
-    if k.shape[0] == 0:
+    if v_cache.dtype != k_cache.dtype or v_cache.shape[:3] != k_cache.shape[:3]:  # one slot count, one FP8 flag
+        raise BridgeError(
+            f"v_cache {v_cache.dtype} {tuple(v_cache.shape)} must have k_cache's dtype ({k_cache.dtype}) and "
+            f"pages, page size and heads {tuple(k_cache.shape[:3])}"
+        )
+    if k.shape[0] == 0 or 0 in k_cache.shape[:3]:  # nothing to write (and no empty launch)
         return k_cache, v_cache
     num_pages, page, hkv, d = k_cache.shape
     dv = v_cache.shape[3]
@@ -515,7 +529,7 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None):
         raise BridgeError(
             f"c_kv {tuple(c_kv.shape)} + k_pe {tuple(k_pe.shape)} must give rows of width {kv_cache.shape[2]}"
         )
-    if t == 0:
+    if t == 0 or 0 in kv_cache.shape[:2]:  # nothing to write (and no empty launch)
         return kv_cache
     num_pages, page, w = kv_cache.shape
     fp8 = kv_cache.dtype == torch.float8_e4m3fn

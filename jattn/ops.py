@@ -533,7 +533,8 @@ def set_kv_buffer(k_cache, v_cache, out_cache_loc, k, v, *, k_scale=None, v_scal
         raise ValueError(f"k rows {k.shape[1:]} must match k_cache's [num_kv_heads, head_dim] {k_cache.shape[2:]}")
     if v.shape[1:] != v_cache.shape[2:]:
         raise ValueError(f"v rows {v.shape[1:]} must match v_cache's {v_cache.shape[2:]}")
-    if out_cache_loc.shape[0] == 0:  # no tokens: the caches as they are on every backend (no empty launch)
+    if 0 in (out_cache_loc.shape[0], *k_cache.shape[:3]):  # no tokens, slots or heads: the caches as they are
+        # on every backend (no empty launch)
         _check_backend(backend)
         return k_cache, v_cache
     kw = dict(k_scale=k_scale, v_scale=v_scale)
@@ -566,7 +567,7 @@ def set_mla_kv_buffer(kv_cache, out_cache_loc, c_kv, k_pe, *, kv_scale=None, bac
     rows_ok = all(x.ndim in (2, 3) and x.shape[0] == t and (x.ndim == 2 or x.shape[1] == 1) for x in (c_kv, k_pe))
     if not rows_ok or c_kv.shape[-1] + k_pe.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(f"c_kv {c_kv.shape} + k_pe {k_pe.shape} must give {t} rows of width {kv_cache.shape[-1]}")
-    if t == 0:  # no tokens: the cache as it is on every backend (no empty launch)
+    if 0 in (t, *kv_cache.shape[:2]):  # no tokens or slots: the cache as it is on every backend (no empty launch)
         _check_backend(backend)
         return kv_cache
     impl = _pick("set_mla_kv_buffer", backend, None, None, kv_cache, out_cache_loc, c_kv, k_pe, kv_scale=kv_scale)

@@ -259,8 +259,8 @@ def choose_tuning(heads: int, q_len: int, kv_itemsize: int, sm: int = 80) -> Tun
     if sm < 90:
         return DEFAULT_TUNING
     m = q_len * heads
-    if kv_itemsize != 2:
-        if m <= 16:
+    if kv_itemsize != 2:  # FP8, or f32 rows (which keep the default)
+        if kv_itemsize == 1 and m <= 16:
             return Tuning(block_n=64, num_warps=8, num_stages=1, fp8_math=1, prefetch=1)
         return DEFAULT_TUNING
     if m >= 64:

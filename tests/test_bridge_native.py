@@ -228,6 +228,39 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
         call(sinks=torch.zeros(1))
 
 
+def test_native_kernels_check_what_they_read_and_write():
+    """The native launches refuse, before any kernel runs, what they would read or write
+    wrongly: strided ``sinks`` in decode (the combine read them densely: 0.29 off), a
+    ``v_cache`` of other pages or dtype than ``k_cache`` in the KV write (it took the slot
+    count and the FP8 flag from ``k_cache``: writes past ``v_cache``, V quantised or not
+    by K's dtype), q / k / v heads or dims that disagree in prefill (query heads past the
+    KV heads read past ``k``); a write to a pool with no heads launches nothing."""
+    import torch
+
+    from jattn.bridge import BridgeError
+    from jattn.bridge import triton_native as tn
+
+    f16 = torch.float16
+    q, kc = torch.zeros(2, 4, 64, dtype=f16), torch.zeros(3, 4, 2, 64, dtype=f16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(BridgeError, match=r"sinks with shape \(4,\) and strides \(2,\) is not contiguous"):
+        tn.mha_decode(q, kc, kc, table, lens, sinks=torch.zeros(8)[::2])
+    loc, k = torch.tensor([1], dtype=torch.int32), torch.zeros(1, 2, 64, dtype=f16)
+    for v_cache in (torch.zeros(2, 4, 2, 64, dtype=f16), torch.zeros(3, 4, 2, 64).to(torch.float8_e4m3fn)):
+        with pytest.raises(BridgeError, match=r"v_cache .* must have k_cache's dtype \(torch.float16\) and pages"):
+            tn.set_kv_buffer(kc, v_cache, loc, k, k.to(v_cache.dtype) if v_cache.dtype == f16 else k)
+    empty = torch.zeros(3, 4, 0, 64, dtype=f16)
+    assert tn.set_kv_buffer(empty, empty, loc, k[:, :0], k[:, :0])[0] is empty
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    kv = torch.zeros(2, 4, 64, dtype=f16)
+    with pytest.raises(BridgeError, match=r"num_q_heads=6 must be a multiple of num_kv_heads=4"):
+        tn.prefill(torch.zeros(2, 6, 64, dtype=f16), kv, kv, cu)
+    with pytest.raises(BridgeError, match=r"must have q's head_dim=64, and v"):
+        tn.prefill(torch.zeros(2, 4, 64, dtype=f16), kv, torch.zeros(2, 2, 64, dtype=f16), cu)
+    with pytest.raises(BridgeError, match=r"sinks must have 4 entries"):
+        tn.prefill(torch.zeros(2, 4, 64, dtype=f16), kv, kv, cu, sinks=torch.zeros(1))
+
+
 def _compare(res, atol):
     names = sorted(k[len("jax/") :] for k in res.files if k.startswith("jax/"))
     assert len(names) == 2 * 7 + 4  # 7 steps x 2 layers, 2 pools x 2 layers

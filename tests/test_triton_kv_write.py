@@ -261,6 +261,12 @@ def test_mla_write_backends_and_errors():
             kv[..., None], kv[..., None], loc[:0], jnp.ones((0, 12, 1)), jnp.ones((0, 12, 1)), backend=backend
         )
         assert kc.shape == kv[..., None].shape and vc.shape == kc.shape
+        # tokens but no heads, or no slots: nothing to write either (triton launched a zero grid)
+        none = jnp.zeros((2, 4, 0, 8), jnp.bfloat16)
+        assert (
+            jattn.set_kv_buffer(none, none, loc, jnp.ones((3, 0, 8)), jnp.ones((3, 0, 8)), backend=backend)[0] is none
+        )
+        assert jattn.set_mla_kv_buffer(kv[:0], loc, c_kv, k_pe, backend=backend) is not None
     torch = pytest.importorskip("torch")
     from jattn.bridge import BridgeError, triton_native
 

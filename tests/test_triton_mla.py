@@ -187,6 +187,7 @@ def test_launch_params_and_reasons():
     assert tm.choose_tuning(16, 1, 1, sm=90) == fp8 and tm.choose_tuning(16, 2, 1, sm=90) == tm.DEFAULT_TUNING
     assert tm.launch_params(1, 16, 1, 32768)[0] == (1, 1, tm.MAX_SPLITS)  # batch 1: 128 splits of 256 tokens
     assert tm.choose_tuning(128, 1, 1, sm=90) == tm.choose_tuning(128, 1, 2, sm=80) == tm.DEFAULT_TUNING
+    assert tm.choose_tuning(16, 1, 4, sm=90) == tm.choose_tuning(128, 1, 4, sm=90) == tm.DEFAULT_TUNING  # f32 rows
     q = jnp.zeros((2, 16, 576), jnp.bfloat16)
     kv = jnp.zeros((4, 64, 576), jnp.bfloat16)
     assert tm.unsupported_reason(q, kv, kv_lora_rank=512) is None
