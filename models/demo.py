@@ -70,7 +70,8 @@ def load_model(args):
         from tokenizers import Tokenizer
 
         model = loading.from_pretrained(args.hf, **over)
-        tok = _HFDirTokenizer(Tokenizer.from_file(os.path.join(args.hf, "tokenizer.json")), _hf_eos_ids(args.hf))
+        tk = Tokenizer.from_file(os.path.join(args.hf, "tokenizer.json"))
+        tok = _HFDirTokenizer(tk, _hf_eos_ids(args.hf), *_hf_chat_settings(args.hf))
         return model, tok, f"{model.config.name} from {args.hf}"
     path = args.gguf
     if path is None and args.model in ("auto", "smollm2"):
@@ -122,22 +123,49 @@ def _hf_eos_ids(path: str) -> tuple[int, ...]:
     return ()
 
 
+def _hf_chat_settings(path: str):
+    """``(chat template or None, {"bos": text, "eos": text})`` from the directory's
+    ``tokenizer_config.json`` (a template list: its ``default`` entry)."""
+    import json
+
+    f = os.path.join(path, "tokenizer_config.json")
+    if not os.path.exists(f):
+        return None, {}
+    with open(f) as fh:
+        cfg = json.load(fh)
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    text = lambda t: t.get("content", "") if isinstance(t, dict) else t or ""  # noqa: E731
+    return template, {"bos": text(cfg.get("bos_token")), "eos": text(cfg.get("eos_token"))}
+
+
 class _HFDirTokenizer:
-    def __init__(self, tk, eos_ids=()):
+    def __init__(self, tk, eos_ids=(), chat_template=None, special_text=None):
         self._tk = tk
         self._eos = tuple(eos_ids)
         self.eos_token_id = self._eos[0] if self._eos else None
+        self._template, self._special = chat_template, dict(special_text or {})
 
     def encode(self, text):
         return self._tk.encode(text, add_special_tokens=False).ids
 
-    prompt = encode  # a whole prompt: as encode (no special tokens added)
+    def prompt(self, text):
+        """A whole prompt: with the special tokens the directory's tokenizer adds (BOS for
+        Llama-family checkpoints)."""
+        return self._tk.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids, skip_special_tokens=True):
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(self, user, system=None):
-        return self.encode(user)
+        """The directory's chat template rendered (``jinja2``); without one (or without
+        ``jinja2``), the plain :meth:`prompt`."""
+        from jattn.models.tokenizer import render_chat_template
+
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        text = render_chat_template(self._template, messages, lambda which: self._special.get(which, ""))
+        return self.prompt(user) if text is None else self.encode(text)
 
     def stop_ids(self):
         """The model's end tokens (its config's ``eos_token_id``) and the usual end-of-turn ones."""
@@ -172,7 +200,11 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
     source.add_argument(
         "--hf", help="a Hugging Face model directory (config.json, safetensors, tokenizer.json; instead of --model)"
     )
-    ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt text")
+    ap.add_argument(
+        "--raw",
+        action="store_true",
+        help="no chat template: complete the prompt text (the same with --hf where the directory has no template)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")

@@ -265,15 +265,22 @@ def gguf_llama_config(reader, **kw) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
-    hidden = int(g("embedding_length"))
-    nq = int(g("attention.head_count"))
+
+    def need(key):
+        v = g(key)
+        if v is None:
+            raise KeyError(f"GGUF metadata llama.{key} is missing (a llama model needs it)")
+        return v
+
+    hidden = int(need("embedding_length"))
+    nq = int(need("attention.head_count"))
     names = {t.name for t in reader.tensors}
     vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
     out = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
         num_q_heads=nq,
         num_kv_heads=int(g("attention.head_count_kv", nq)),
         head_dim=int(g("rope.dimension_count", hidden // nq)),
@@ -322,8 +329,12 @@ def gguf_llama_params(reader, cfg: LlamaConfig) -> dict[Path, np.ndarray]:
     out: dict[Path, np.ndarray] = {}
     for t in reader.tensors:
         # GGUF shapes are reversed (ne0 first); dequantize gives the torch [out, in] layout.
-        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
-        w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+        kind = getattr(t.tensor_type, "name", t.tensor_type)
+        try:
+            w = t.data if kind == "F64" else dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"GGUF tensor {t.name!r} has type {kind}, which cannot be read: {e}") from None
+        w = np.asarray(w, np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
         name = t.name
         if name == "token_embd.weight":
             out[("embed_tokens", "embedding")] = w
@@ -348,14 +359,37 @@ def gguf_llama_params(reader, cfg: LlamaConfig) -> dict[Path, np.ndarray]:
     return out
 
 
+def read_gguf(path: str):
+    """``gguf.GGUFReader(path)``, checked: a little-endian file (a big-endian one's values
+    would be read byte-swapped) whose tensors all lie within it; a file the reader refuses
+    (an unknown tensor type, a bad header) raises ``ValueError`` naming the file."""
+    import os
+
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, KeyError, IndexError) as e:
+        raise ValueError(
+            f"{path} ({os.path.getsize(path)} bytes) could not be read as GGUF (a truncated or damaged file, or "
+            f"an unknown tensor type): {e}"
+        ) from None
+    if getattr(reader, "byte_order", "I") != "I":
+        raise ValueError(f"{path} is a big-endian GGUF file: convert it to little-endian (gguf-convert-endian)")
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ValueError(f"{path} is truncated: tensor {t.name!r} ends at byte {end}, the file has {size}")
+    return reader
+
+
 def load_gguf(path: str, **config_overrides):
     """``(model, config, reader)`` from a llama-architecture GGUF file (dequantised to f32
     or ``param_dtype`` given in ``config_overrides``)."""
-    from gguf import GGUFReader
-
     from jattn.models.llama import Llama
 
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     cfg = gguf_llama_config(reader, **config_overrides)
     model = assemble(lambda: Llama(cfg, rngs=nnx.Rngs(0)), gguf_llama_params(reader, cfg))
     return model, cfg, reader

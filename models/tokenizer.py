@@ -27,6 +27,12 @@ PRE_TOKENIZERS = {
 }
 
 
+# llama.cpp's settings per pre-tokenizer where the file does not say: Llama 3 takes a word
+# found whole in the vocabulary as one token whatever the merges build (its tokenizer.json's
+# "ignore_merges"), and starts a prompt with BOS unless tokenizer.ggml.add_bos_token says no.
+_DEFAULTS = {"llama-bpe": dict(ignore_merges=True, add_bos=True)}
+
+
 def _pre_tokenizer(pre):
     """The ``tokenizers`` pre-tokenizer of GGUF ``tokenizer.ggml.pre`` = ``pre``."""
     from tokenizers import Regex, pre_tokenizers
@@ -48,6 +54,30 @@ def _pre_tokenizer(pre):
     return pre_tokenizers.Sequence(steps)
 
 
+_SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def render_chat_template(template, messages: list[dict], token_text) -> str | None:
+    """``template`` (a Hugging Face chat template, Jinja) rendered for ``messages`` with the
+    generation prompt, ``bos_token`` / ``eos_token`` from ``token_text("bos" | "eos")``;
+    None where there is no template or ``jinja2`` is not installed."""
+    if not template:
+        return None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+
+    def raise_exception(message):
+        raise ValueError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(str(template)).render(
+        messages=messages, add_generation_prompt=True, bos_token=token_text("bos"), eos_token=token_text("eos")
+    )
+
+
 class GGUFTokenizer:
     def __init__(self, reader):
         from tokenizers import Tokenizer, decoders, models
@@ -60,8 +90,10 @@ class GGUFTokenizer:
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
+        pre = field("tokenizer.ggml.pre")
+        defaults = _DEFAULTS.get(pre, {})
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=defaults.get("ignore_merges", False)))
+        tk.pre_tokenizer = _pre_tokenizer(pre)
         tk.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
         user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
@@ -74,8 +106,11 @@ class GGUFTokenizer:
         self.vocab_size = len(tokens)
         self.bos_token_id = field("tokenizer.ggml.bos_token_id")
         self.eos_token_id = field("tokenizer.ggml.eos_token_id")
-        # llama.cpp and Hugging Face start a prompt with BOS where the file says so (Llama 3)
-        self.add_bos = bool(field("tokenizer.ggml.add_bos_token")) and self.bos_token_id is not None
+        # llama.cpp and Hugging Face start a prompt with BOS where the file says so (Llama 3),
+        # or, where it does not say, where the pre-tokenizer's default does
+        add_bos = field("tokenizer.ggml.add_bos_token")
+        add_bos = defaults.get("add_bos", False) if add_bos is None else add_bos
+        self.add_bos = bool(add_bos) and self.bos_token_id is not None
         self.chat_template = field("tokenizer.chat_template")
         self.special_ids = {vocab[t] for t in specials}
 
@@ -94,20 +129,31 @@ class GGUFTokenizer:
         return self._tk.token_to_id(token)
 
     def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
-        """The prompt of one user turn ending with the assistant's: ChatML (SmolLM2-Instruct,
-        Qwen) or Llama 3's header format, whichever the vocabulary's tokens name; else the
-        plain :meth:`prompt`."""
+        """The prompt of one user turn ending with the assistant's: the file's own
+        ``tokenizer.chat_template`` rendered (Jinja, as Hugging Face renders it) where it
+        has one and ``jinja2`` is installed; else ChatML (SmolLM2-Instruct, Qwen) or Llama
+        3's header format, whichever the vocabulary's tokens name, or the plain
+        :meth:`prompt`."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        text = render_chat_template(self.chat_template, messages, self._token_text)
+        if text is not None:
+            return self.encode(text)  # the template writes BOS itself where the model wants it
         if self.token_id("<|im_start|>") is not None:
-            system = system or "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-            text = (
-                f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-            )
+            if system is None and _SMOLLM_SYSTEM in (self.chat_template or ""):  # SmolLM2's default system turn
+                system = _SMOLLM_SYSTEM
+            sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+            text = f"{sys_turn}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
             return self.prompt(text)
         if self.token_id("<|start_header_id|>") is not None and self.token_id("<|eot_id|>") is not None:
             head = lambda role: f"<|start_header_id|>{role}<|end_header_id|>\n\n"  # noqa: E731
             text = (f"{head('system')}{system}<|eot_id|>" if system else "") + f"{head('user')}{user}<|eot_id|>"
             return self.prompt(text + head("assistant"))
         return self.prompt(user)
+
+    def _token_text(self, which: str) -> str:
+        """The text of the ``"bos"`` or ``"eos"`` token ("" where the file names none)."""
+        i = self.bos_token_id if which == "bos" else self.eos_token_id
+        return "" if i is None else self._tk.id_to_token(int(i)) or ""
 
     def stop_ids(self) -> tuple[int, ...]:
         ids = {self.eos_token_id}

