@@ -1077,15 +1077,15 @@ def _fp8_query(c, q, kc, vc, sinks, pool, call_kw):
 
 def _run_mosaic(c):
     pool, q, kc, vc, sinks = _decode_inputs(c)
-    reason = mosaic.unsupported_reason(
-        jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), max_seqlen_q=c["q_len"], window_left=c["window_left"]
-    )
-    assume(reason is None or reason.startswith("no GPU"))
     kw = dict(max_seqlen_q=c["q_len"], is_causal=c["is_causal"], **_opts(c, sinks))
     args = (jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pool.page_table), jnp.asarray(pool.lens))
     call_kw = dict(kw, sinks=None if sinks is None else jnp.asarray(sinks), return_lse=c["return_lse"])
     if c["traced_scales"]:
         call_kw.update(k_scale=jnp.float32(c["k_scale"]), v_scale=jnp.float32(c["v_scale"]))
+    reason = mosaic.unsupported_reason(*args[:3], **{k: v for k, v in call_kw.items() if k != "return_lse"})
+    assume(reason is None or reason.startswith("no GPU"))
+    if c["splits"]:  # explicit block sizes: the all-heads kernel, whatever the call
+        assume(mosaic.one_kv_head_reason(kc, c["q_len"], c["window_left"], c["logit_cap"], sinks) is None)
     if c["splits"] == 0 and c["overlap_qk"]:
         res = jattn.mha_decode_with_kvcache(*args, backend="mosaic", **call_kw)
     else:
@@ -1490,7 +1490,7 @@ def test_masked_keys_contribute_nothing_xla(c):
 
 def _run_mosaic_poisoned(c):
     pool, q, kc, vc, sinks, kw, (truth, truth_lse, heads), rows = _poisoned(c)
-    reason = mosaic.unsupported_reason(q, kc, vc, max_seqlen_q=c["q_len"], window_left=c["window_left"])
+    reason = mosaic.unsupported_reason(q, kc, vc, **kw)
     assume(reason is None or reason.startswith("no GPU"))
     out, lse = jattn.mha_decode_with_kvcache(
         jnp.asarray(q),
