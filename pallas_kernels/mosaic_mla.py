@@ -54,6 +54,16 @@ def _interpreting() -> bool:
 
 def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_lora_rank, max_seqlen_q=1, **_):
     """None when the kernel can serve this ``mla_decode_with_kvcache`` call, else a one-line reason."""
+    reason = _build_reason(q, kv_cache, kv_lora_rank, max_seqlen_q)
+    if reason is not None:
+        return reason
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return "no query rows or heads"
+    return no_gpu_reason()
+
+
+def _build_reason(q, kv_cache, kv_lora_rank, max_seqlen_q) -> str | None:
+    """Why the kernel cannot be built for these shapes and dtypes, or None."""
     width = kv_cache.shape[-1]
     fp8 = kv_cache.dtype == jnp.float8_e4m3fn
     # an e4m3 query (quantised by the caller) goes with an e4m3 cache only
@@ -67,9 +77,7 @@ def unsupported_reason(q, kv_cache, page_table=None, cache_seqlens=None, *, kv_l
         return f"page_size={kv_cache.shape[1]} (supported: {SUPPORTED_PAGE_SIZES})"
     if not 1 <= max_seqlen_q <= 8:
         return f"max_seqlen_q={max_seqlen_q} (1..8)"
-    if q.shape[0] == 0 or q.shape[1] == 0:
-        return "no query rows or heads"
-    return no_gpu_reason()
+    return None
 
 
 #: A CTA's fixed cost in block times: the ring's fill and the output and LSE writes.
@@ -225,6 +233,9 @@ def mla_decode(
             num_splits=num_splits,
         )
     check_plan(q, page_table, cache_seqlens, max_seqlen_q)
+    reason = _build_reason(q, kv_cache, kv_lora_rank, max_seqlen_q)
+    if reason is not None:  # named now (a page of 48 rows read past the page and hung)
+        raise ValueError(f"mosaic_mla.mla_decode: {reason}")
     bs, max_pages = page_table.shape
     if bs == 0 or q.shape[1] == 0:  # nothing to compute: no launch
         out_dtype = jnp.bfloat16 if jnp.dtype(q.dtype).itemsize == 1 else q.dtype

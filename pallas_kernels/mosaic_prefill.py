@@ -63,16 +63,25 @@ def _choose_blocks(d: int, dv: int, kv_fp8: bool = False, block_kv: int = 0) -> 
     FP8 at head_dim 256: the landing tiles leave room for one ring slot (the landing
     tiles are then the second buffer). 192/128 takes 128-key blocks where its output
     tiles borrow a ring slot (``PrefillConfig.out_in_ring``) and no FP8 landing tiles
-    are needed. ``block_kv`` (> 0) overrides the block, with two stages."""
-    if block_kv:
-        return block_kv, 2
+    are needed. ``block_kv`` (> 0, ``PrefillOptions.block_kv``) overrides the block: 64
+    keys with the stages the width allows, 128 where the width takes 128 by default (else
+    ``ValueError``: its ring would not fit in shared memory)."""
     if d == 256 and kv_fp8:
-        return 64, 1
-    if (d, dv) == (192, 128) and not kv_fp8:
-        return 128, 2
-    if max(d, dv) > 128:
-        return 64, 2
-    return 128, 2
+        default = 64, 1
+    elif (d, dv) == (192, 128) and not kv_fp8:
+        default = 128, 2
+    elif max(d, dv) > 128:
+        default = 64, 2
+    else:
+        default = 128, 2
+    if block_kv == 64:
+        return 64, default[1]
+    if block_kv == 128 and default[0] != 128:
+        raise ValueError(
+            f"PrefillOptions.block_kv=128 at head dims {d}/{dv}{' with FP8 K/V' if kv_fp8 else ''}: its ring "
+            "does not fit in shared memory (64, or 0 for the width's default)"
+        )
+    return default
 
 
 def unsupported_reason(q, k, v, *, page_size=0, **_) -> str | None:
@@ -89,6 +98,8 @@ def unsupported_reason(q, k, v, *, page_size=0, **_) -> str | None:
     d, dv = q.shape[-1], v.shape[-1]
     if (d, dv) not in SUPPORTED_HEAD_DIMS:
         return f"head dims {d}/{dv} (supported: {SUPPORTED_HEAD_DIMS})"
+    if k.shape[-1] != d or k.shape[:-1] != v.shape[:-1]:
+        return f"k {tuple(k.shape)} must have q's head_dim {d} and v's {tuple(v.shape)} but for the last dimension"
     hq, hkv = q.shape[-2], k.shape[-2]
     if hq % hkv:
         return f"num_q_heads={hq} is not a multiple of num_kv_heads={hkv}"

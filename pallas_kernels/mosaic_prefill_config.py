@@ -26,8 +26,8 @@ class PrefillOptions:
     # block i while its own P V is still on the tensor cores (O is rescaled once that
     # product lands). Not combined with ``prefetch_k``.
     overlap_pv: bool = False
-    # Keys per K/V block (0: by head width, ``mosaic_prefill._choose_blocks``); the
-    # ring keeps two stages.
+    # Keys per K/V block (0: by head width, ``mosaic_prefill._choose_blocks``): 64, with
+    # the ring stages the width allows, or 128 where the width takes 128 by default.
     block_kv: int = 0
     # One CTA per SM, each walking its share of the tiles (see ``_kernel``'s ``tile``):
     # the next tile's K/V stream in while a tile ends, and no CTA launches per tile.

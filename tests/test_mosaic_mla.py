@@ -294,6 +294,13 @@ def test_unsupported_reasons():
     assert "576 / 512" in mm.unsupported_reason(q[..., :320], kv[..., :320], kv_lora_rank=256)
     assert "page_size" in mm.unsupported_reason(q, jnp.zeros((4, 8, W), jnp.bfloat16), kv_lora_rank=R)
     assert "max_seqlen_q" in mm.unsupported_reason(q, kv, kv_lora_rank=R, max_seqlen_q=9)
+    # a direct call refuses them by name (a 48-row page read past the page and hung)
+    table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+    for bad_q, bad_kv, match in ((q, kv[:, :48], "page_size=48"), (q[..., :320], kv[..., :320], "576 / 512")):
+        with pytest.raises(ValueError, match=rf"mosaic_mla.mla_decode: .*{match}"):
+            mm.mla_decode(
+                bad_q, bad_kv, table, lens, kv_lora_rank=R if match != "576 / 512" else 256, softmax_scale=0.1
+            )
     # the keys-as-rows kernel: at most 32 query rows a request, scales known when traced
     from jattn.pallas_kernels import mosaic_mla_heads as mlh
 

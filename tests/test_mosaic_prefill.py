@@ -446,6 +446,24 @@ def test_negative_cta_count_is_refused():
         mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=True, ctas=-1))
 
 
+def test_block_kv_that_does_not_fit_is_refused_by_name():
+    """``PrefillOptions.block_kv`` took any of 64 / 128 with two ring stages: 128 keys at
+    head_dim 256 (or FP8 192/128), and 64 with two stages at FP8 head_dim 256, exceeded
+    shared memory in the build. 64 takes the width's stages, 128 only where the width
+    takes it by default; ``unsupported_reason`` refuses K/V whose dims disagree with q's."""
+    assert mp._choose_blocks(256, 256, True, 64) == mp._choose_blocks(256, 256, True) == (64, 1)
+    assert mp._choose_blocks(192, 128, False, 64) == (64, 2) and mp._choose_blocks(64, 64, True, 128) == (128, 2)
+    for d, dv, fp8 in ((256, 256, False), (256, 256, True), (192, 128, True)):
+        with pytest.raises(ValueError, match=rf"PrefillOptions.block_kv=128 at head dims {d}/{dv}"):
+            mp._choose_blocks(d, dv, fp8, 128)
+    q = jnp.zeros((8, 2, 256), jnp.float16)
+    with pytest.raises(ValueError, match="PrefillOptions.block_kv=128 at head dims 256/256"):
+        mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(block_kv=128))
+    q64 = jnp.zeros((8, 2, 64), jnp.float16)
+    assert "head_dim 64" in mp.unsupported_reason(q64, jnp.zeros((8, 2, 128), jnp.float16), q64)
+    assert "head_dim 64" in mp.unsupported_reason(q64, q64, jnp.zeros((8, 1, 64), jnp.float16))
+
+
 def test_prefetch_k_and_overlap_pv_are_refused_together():
     q = jnp.zeros((8, 1, 64), jnp.float16)
     opts = mp.PrefillOptions(prefetch_k=True, overlap_pv=True)
