@@ -48,7 +48,10 @@ def _is_int(value) -> bool:
 
 
 def _concrete(x):
-    """``x`` as a numpy array, or None while it is traced (checked by its builder instead)."""
+    """``x`` as a numpy array, or None while it is traced (checked by its builder instead)
+    or spans devices of other processes (each process sees only its own shards)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable:
+        return None
     try:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

@@ -124,20 +124,27 @@ def _hf_eos_ids(path: str) -> tuple[int, ...]:
 
 
 def _hf_chat_settings(path: str):
-    """``(chat template or None, {"bos": text, "eos": text})`` from the directory's
-    ``tokenizer_config.json`` (a template list: its ``default`` entry)."""
+    """``(chat template or None, {"bos": text, "eos": text})`` of the directory: the
+    template from ``chat_template.jinja`` or ``chat_template.json`` (as transformers saves
+    it now), else ``tokenizer_config.json``'s (a template list: its ``default`` entry);
+    the special tokens from ``tokenizer_config.json``."""
     import json
 
-    f = os.path.join(path, "tokenizer_config.json")
-    if not os.path.exists(f):
-        return None, {}
-    with open(f) as fh:
-        cfg = json.load(fh)
-    template = cfg.get("chat_template")
+    def read(name):
+        f = os.path.join(path, name)
+        if not os.path.exists(f):
+            return None
+        with open(f) as fh:
+            return fh.read() if name.endswith(".jinja") else json.load(fh)
+
+    cfg = read("tokenizer_config.json") or {}
+    template = read("chat_template.jinja") or (read("chat_template.json") or {}).get("chat_template")
+    template = template or cfg.get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     text = lambda t: t.get("content", "") if isinstance(t, dict) else t or ""  # noqa: E731
-    return template, {"bos": text(cfg.get("bos_token")), "eos": text(cfg.get("eos_token"))}
+    specials = {"bos": text(cfg.get("bos_token")), "eos": text(cfg.get("eos_token"))} if cfg else {}
+    return template, specials
 
 
 class _HFDirTokenizer:

@@ -92,21 +92,23 @@ class EngineConfig:
         for name in ("batch_buckets", "token_buckets"):
             bk = getattr(self, name)
             if bk is not None and (
-                not isinstance(bk, (tuple, list)) or not bk or not all(_is_int(b) and b >= 1 for b in bk)
+                not isinstance(bk, Sequence) or not bk or not all(_is_int(b) and b >= 1 for b in bk)
             ):
-                raise ValueError(f"EngineConfig.{name}={bk!r} must be None or positive integers")
+                raise ValueError(f"EngineConfig.{name}={bk!r} must be None or a sequence of positive integers")
+            if bk is not None:
+                object.__setattr__(self, name, tuple(int(b) for b in bk))  # a range or list: one hashable form
         if not isinstance(self.overlap, bool):
             raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"EngineConfig.scan_layers={self.scan_layers!r} must be True or False")
         if self.scan_layers and self.mesh is not None:
             raise ValueError("EngineConfig.scan_layers: not supported with a mesh (sharded models keep their layers)")
-        if not (self.fuse_projections is None or isinstance(self.fuse_projections, bool)):  # not 0 or 1
-            raise ValueError(
-                f"EngineConfig.fuse_projections={self.fuse_projections!r} must be None (auto), True or False"
-            )
-        if not (self.cascade is None or isinstance(self.cascade, bool)):  # 0 is not False here
-            raise ValueError(f"EngineConfig.cascade={self.cascade!r} must be None (auto), True or False")
+        for name in ("fuse_projections", "cascade"):  # None, True or False: not 0 or 1, which == False / True
+            v = getattr(self, name)
+            if not (v is None or isinstance(v, (bool, np.bool_))):
+                raise ValueError(f"EngineConfig.{name}={v!r} must be None (auto), True or False")
+            if v is not None:
+                object.__setattr__(self, name, bool(v))  # read with `is False` (np.False_ is not False)
 
     @property
     def max_batch(self) -> int:

@@ -64,18 +64,29 @@ def render_chat_template(template, messages: list[dict], token_text) -> str | No
     if not template:
         return None
     try:
+        import jinja2
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         return None
+    import datetime
+    import json
 
     def raise_exception(message):
         raise ValueError(f"the chat template refused the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(str(template)).render(
-        messages=messages, add_generation_prompt=True, bos_token=token_text("bos"), eos_token=token_text("eos")
+    # Hugging Face's environment: loop controls, its own tojson (no HTML escaping), the date
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
     )
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        return env.from_string(str(template)).render(
+            messages=messages, add_generation_prompt=True, bos_token=token_text("bos"), eos_token=token_text("eos")
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template could not be rendered: {type(e).__name__}: {e}") from None
 
 
 class GGUFTokenizer:

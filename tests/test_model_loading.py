@@ -212,6 +212,8 @@ def test_hf_directory_prompts_take_its_bos_and_chat_template(tmp_path):
     assert tok.prompt("hi") == [0] + tok.encode("hi")
     assert tok.chat_prompt("hi") == [0] + tok.encode("[INST] hi [/INST]")
     assert _hf_chat_settings(str(tmp_path / "missing")) == (None, {})
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}[{{ messages[0]['content'] }}]")  # transformers 5
+    assert _HFDirTokenizer(tk, (1,), *_hf_chat_settings(str(tmp_path))).chat_prompt("hi") == [0] + tok.encode("[hi]")
     plain = _HFDirTokenizer(tk, (1,))
     assert plain.chat_prompt("hi") == plain.prompt("hi")
 
@@ -290,6 +292,7 @@ def test_gguf_chat_prompt_follows_the_files_template(monkeypatch):
     added to every ChatML vocabulary); without ``jinja2`` the ChatML fallback adds the
     SmolLM turn only where the file's template has it."""
     pytest.importorskip("jinja2")
+    import json
     import sys
 
     from jattn.models.tokenizer import GGUFTokenizer
@@ -307,6 +310,11 @@ def test_gguf_chat_prompt_follows_the_files_template(monkeypatch):
     fields = dict(real.fields, **{"tokenizer.chat_template": _Field(plain)})
     other = GGUFTokenizer(type("Reader", (), {"fields": fields})())
     assert other.chat_prompt("hi") == tok.encode(turn)
+    # Hugging Face's Jinja: loop controls, and tojson without HTML escaping
+    loops = "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] | tojson }}"
+    fields = dict(real.fields, **{"tokenizer.chat_template": _Field(loops + "{% endfor %}")})
+    got = GGUFTokenizer(type("Reader", (), {"fields": fields})()).chat_prompt("a<b & 'c'", system="x")
+    assert got == tok.encode(json.dumps("a<b & 'c'"))
     monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)  # not installed: the fallback
     assert other.chat_prompt("hi") == tok.encode(turn) and tok.chat_prompt("hi") == tok.encode(smol + turn)
 

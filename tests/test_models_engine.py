@@ -641,6 +641,14 @@ def test_engine_config_refuses_what_cannot_serve(kw, match):
         EngineConfig(**kw)
 
 
+def test_engine_config_normalises_what_it_takes():
+    """Bucket sequences (a range) become tuples; numpy bools are the Python bools the
+    engine tests by identity."""
+    c = EngineConfig(batch_buckets=range(1, 5), token_buckets=[16, 32], cascade=np.True_, fuse_projections=np.False_)
+    assert (c.batch_buckets, c.token_buckets) == ((1, 2, 3, 4), (16, 32))
+    assert c.cascade is True and c.fuse_projections is False
+
+
 def test_parallel_samples_share_the_prompt_pages(llama):
     """``n = 3`` samples of each prompt: each equals a lone request seeded ``seed + i``;
     samples 1 and 2 hold their parent's whole prompt pages (page holders checked every

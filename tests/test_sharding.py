@@ -540,6 +540,34 @@ def check_mla_dp():
         raise AssertionError("6 slots were split over 4 devices")
 
 
+def _dp_mla_eager(mesh, rng):
+    """An eager data-parallel MLA decode over ``mesh``'s axis on global arrays (which span
+    processes on a multi-process mesh: its value checks, which read them on the host,
+    raised there)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jattn import ForwardMode, LayerSpec, MLABackend, MLAConfig
+    from jattn.kv_cache import MLAKVCache
+    from jattn.plan_stack import stack_plans
+    from jattn.sharding import DataParallelMLABackend, put
+
+    dims = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    cfg = MLAConfig(**dims, page_size=4, context_len=32, num_pages=10, dtype="float32", kv_cache_dtype="float32",
+                    batch_buckets=(2,))  # fmt: skip
+    inner = MLABackend(cfg)
+    ax = mesh.axis_names[0]
+    n, split = mesh.devices.size, P(mesh.axis_names[0])
+    plan = inner.init_forward_metadata(
+        2, np.arange(2), np.array([9, 5]), np.arange(1, 9).reshape(2, 4), ForwardMode.DECODE
+    )
+    plans = jax.tree_util.tree_map(lambda x: put(np.asarray(x), mesh, split), stack_plans([plan] * n))
+    pool = MLAKVCache((put(rng.standard_normal((10 * n, 4, 24)).astype(np.float32), mesh, split),), 16)
+    q = put(rng.standard_normal((n * plan.num_tokens, 2, 24)).astype(np.float32), mesh, split)
+    layer = LayerSpec(0, 2, 1, 16, v_head_dim=8)
+    return DataParallelMLABackend(inner, mesh, ax).forward_decode(q, None, None, layer, pool, plans, False)[0]
+
+
 def multihost_case(mesh) -> dict:
     """A tensor-parallel Llama prefill, one TP decode op, the engine on ``mesh`` serving
     a Llama model tensor-parallel and a DeepSeek model data-parallel; host arrays out
@@ -571,6 +599,7 @@ def multihost_case(mesh) -> dict:
     tp = TensorParallel(mesh)
     dec = jax.jit(lambda *a: tp.mha_decode_with_kvcache(*a, backend="xla"), out_shardings=rep)
     out["decode"] = dec(put(q, mesh), put(kc, mesh), put(vc, mesh), dmd.page_table, dmd.cache_seqlens)
+    out["dp_eager"] = jax.jit(lambda x: x, out_shardings=rep)(_dp_mla_eager(mesh, rng))
     out = {k: np.asarray(v.addressable_data(0)) for k, v in out.items()}
     # the engine on the mesh, as is
     from jattn.models.engine import Engine, EngineConfig, SamplingParams
