@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.pallas_kernels.combine import NUM_SMS, choose_num_splits
 
@@ -136,6 +137,16 @@ class KernelOptions:
     fp8_heads: bool = True
     heads_overlap: bool = False
     heads_glue: bool = True
+
+    def __post_init__(self):
+        # checked here: a bad value would otherwise pass on calls the option does not reach
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "heads_row_tile":
+                if v not in (0, 16, 32) or isinstance(v, bool):
+                    raise ValueError(f"KernelOptions.heads_row_tile={v!r} must be 0 (no tiles), 16 or 32")
+            elif not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"KernelOptions.{f.name}={v!r} must be True or False")
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:
@@ -438,6 +449,8 @@ def decode_config(
             )
         if block_sizes.num_splits < 1:
             raise ValueError(f"block_sizes.num_splits={block_sizes.num_splits} must be >= 1")
+        if block_sizes.num_stages < 1:
+            raise ValueError(f"block_sizes.num_stages={block_sizes.num_stages} must be >= 1 (the K/V ring's depth)")
         bt, ppb = block_sizes.block_tokens, block_sizes.pages_per_block
         reason = block_reason(bt, ppb, num_kv_heads, page_size)
         if reason:

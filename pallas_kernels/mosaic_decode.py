@@ -178,6 +178,7 @@ def mha_decode(
                 return_lse=return_lse,
                 persistent=options.heads_persistent,
                 row_tile=options.heads_row_tile,
+                combine_kernel=options.kernel_combine,
             )
     reason = one_kv_head_reason(k_cache, max_seqlen_q, window_left, logit_cap, sinks)
     if reason is not None:  # a clear error now, not a failed build later

@@ -49,12 +49,12 @@ __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
     jax.jit,
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
-        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap", "glue",
+        "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap", "glue", "combine_kernel",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
-            fp8_qk=False, v_regs=False, overlap=False, glue=True):  # fmt: skip
+            fp8_qk=False, v_regs=False, overlap=False, glue=True, combine_kernel=True):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
@@ -109,7 +109,7 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     heads = HeadsLayout(kv_heads=hkv, group=g, width=n, tiles=tiles)
     bad = None if bad is None else bad.reshape(bs, hkv, tiles, n)
     merge = functools.partial(
-        combine_splits, q_len=max_seqlen_q, num_q_heads=hq, sinks=None, out_dtype=q.dtype, use_kernel=True,
+        combine_splits, q_len=max_seqlen_q, num_q_heads=hq, sinks=None, out_dtype=q.dtype, use_kernel=combine_kernel,
         v_scale=None if v_scale == 1.0 else jnp.float32(v_scale),
     )  # fmt: skip
     if glue:
@@ -159,6 +159,7 @@ def mha_decode_heads(
     v_regs: bool = False,
     overlap: bool = False,
     glue: bool = True,
+    combine_kernel: bool = True,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -197,7 +198,8 @@ def mha_decode_heads(
     (``e4m3_query``) and the split combine reads the kernel's partials in its layout
     (``combine.HeadsLayout``), where jax-triton runs; off: XLA ops gather the query and
     move the partials to the rows layout (an A/B of the same results, up to the order in
-    which the two combines sum the splits)."""
+    which the two combines sum the splits). ``combine_kernel``: the split combine as one
+    Triton kernel where jax-triton runs (``KernelOptions.kernel_combine``), else XLA ops."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -244,4 +246,5 @@ def mha_decode_heads(
         v_regs=bool(v_regs),
         overlap=bool(overlap),
         glue=bool(glue),
+        combine_kernel=bool(combine_kernel),
     )

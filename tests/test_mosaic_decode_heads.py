@@ -273,6 +273,35 @@ def _spy(monkeypatch):
     return calls
 
 
+def test_kernel_options_are_checked_and_reach_the_heads_kernel(monkeypatch):
+    """``KernelOptions`` refuses a bad value whatever the call (``heads_row_tile=7`` was
+    taken by calls that stay on the all-heads kernel and refused by the others); an
+    explicit ``num_stages`` below 1 is refused by name (an index or broadcast error deep
+    in the build); ``kernel_combine=False`` reaches the per-KV-head kernel's combine (it
+    always ran the Triton combine there)."""
+    from jattn.pallas_kernels import decode_tuning as dt
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    for kw in (dict(heads_row_tile=7), dict(heads_row_tile=True), dict(overlap_qk=1), dict(fp8_heads=None)):
+        with pytest.raises(ValueError, match=f"KernelOptions.{next(iter(kw))}="):
+            dt.KernelOptions(**kw)
+    assert dt.KernelOptions(heads_row_tile=16, overlap_qk=np.False_).heads_row_tile == 16
+    shape = dict(batch=2, num_kv_heads=2, head_dim=64, page_size=16, max_pages=4)
+    cfg = dict(shape, num_pages=9, num_q_heads=8, q_len=1, is_causal=True, window_left=-1, logit_cap=0.0,
+               kv_itemsize=2, q_itemsize=2, interpret=False, options=dt.KernelOptions())  # fmt: skip
+    bs = dt.choose_block_sizes(**shape, m_rows=8, kv_itemsize=2)
+    with pytest.raises(ValueError, match="block_sizes.num_stages=0 must be >= 1"):
+        dt.decode_config(block_sizes=dataclasses.replace(bs, num_stages=0), **cfg)
+    seen = []
+    monkeypatch.setattr(mh, "decode", lambda *a, **k: seen.append(k["combine_kernel"]) or a[0])
+    q, k = jnp.zeros((4, 32, 64), jnp.bfloat16), jnp.zeros((5, 16, 2, 64), jnp.bfloat16)  # 64 rows: routed
+    table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+    with gpu_interpret():
+        for combine in (False, True):
+            md.mha_decode(q, k, k, table, lens, max_seqlen_q=2, options=md.KernelOptions(kernel_combine=combine))
+    assert seen == [False, True]
+
+
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_verify_calls_route_to_heads_kernel(monkeypatch):
     """A causal verify of 2 tokens x 32 query heads (64 rows: one tile of the all-heads

@@ -137,7 +137,10 @@ def parse_options(spec: str):
         else:
             names = ", ".join(f"{n}={'0|1' if k is bool else 'N'}" for n, k in sorted(kinds.items()))
             raise SystemExit(f"--set {item!r}: expected one of {names}")
-    return KernelOptions(**values)
+    try:
+        return KernelOptions(**values)
+    except ValueError as e:  # a value the field does not take (heads_row_tile=7)
+        raise SystemExit(f"--set {spec!r}: {e}") from None
 
 
 def _heads_splits(bs: int, length: int, page_size: int, q_len: int, row_tile: int) -> int:
