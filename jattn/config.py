@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from jattn.checks import BACKENDS, _check_options, _check_scale, _is_int
+from jattn.checks import BACKENDS, _check_options, _check_scale, _concrete, _is_int
 from jattn.kv_cache import _num_pages, cache_dtype
 from jattn.metadata import DEFAULT_BATCH_BUCKETS, DecodeMetadata
 from jattn.plan_inputs import _positive_int
@@ -51,6 +51,17 @@ def _check_serving(cfg) -> None:
                 f"batch_buckets={cfg.batch_buckets!r} must be a non-empty tuple of positive ints, "
                 "or None (powers of two)"
             )
+        object.__setattr__(cfg, "batch_buckets", tuple(int(b) for b in buckets))  # hashable: a static jit key
+
+
+def _plain_scales(obj, names) -> None:
+    """``obj``'s concrete array scales as Python floats (the same f32 value), so that the
+    frozen config stays hashable, a static ``jit`` argument; traced ones stay as they are."""
+    for name in names:
+        v = getattr(obj, name)
+        c = None if v is None or not hasattr(v, "dtype") else _concrete(v)
+        if c is not None:
+            object.__setattr__(obj, name, float(c))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +99,7 @@ class LayerSpec:
             raise ValueError(str(e).replace("window_left=", "sliding_window_size=", 1)) from None
         for name in ("k_scale", "v_scale", "scaling"):
             _check_scale(getattr(self, name), name, optional=name == "scaling")
+        _plain_scales(self, ("k_scale", "v_scale", "scaling"))
 
     @property
     def head_dim_v(self) -> int:
@@ -142,6 +154,7 @@ class MLAConfig:
         ints = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _check_fields(self, ints=ints)
         _check_scale(self.scaling, "scaling", optional=True)
+        _plain_scales(self, ("scaling",))
         _check_serving(self)
 
     @property

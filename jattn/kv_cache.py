@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import _is_int
+from jattn.checks import _check_bool, _is_int
 from jattn.metadata import DUMMY_PAGE
 from jattn.plan_inputs import _positive_int
 
@@ -191,6 +191,7 @@ class PagedKVCache(_Pools):
         dv = head_dim if head_dim_v is None else head_dim_v
         sizes = dict(num_layers=num_layers, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         num_layers, page_size, num_kv_heads, head_dim, dv = _sizes(**sizes, head_dim_v=dv)
+        _check_bool(stacked, "stacked")  # a string or number would pass the truth test
         if stacked:
             k = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, head_dim), dt),)
             v = (jnp.zeros((num_layers, num_pages, page_size, num_kv_heads, dv), dt),)
@@ -237,6 +238,7 @@ class MLAKVCache(_Pools):
         sizes = dict(num_layers=num_layers, page_size=page_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
         num_layers, page_size, kv_lora_rank, rope_dim = _sizes(**sizes)
         shape = (num_pages, page_size, kv_lora_rank + rope_dim)
+        _check_bool(stacked, "stacked")  # a string or number would pass the truth test
         if stacked:
             return cls(kv=(jnp.zeros((num_layers, *shape), dt),), kv_lora_rank=kv_lora_rank, stacked=True)
         kv = tuple(jnp.zeros(shape, dt) for _ in range(num_layers))

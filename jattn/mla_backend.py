@@ -167,7 +167,17 @@ class MLABackend(_PlanningMixin):
         """The layer's softmax scale: its ``scaling``, else the config's ``softmax_scale``."""
         return self.config.softmax_scale if layer.scaling is None else layer.scaling
 
-    _scale = softmax_scale
+    def _scale(self, layer: LayerSpec) -> float:
+        """:meth:`softmax_scale`, for an attention call: a layer with a logit cap, a sliding
+        window or ``non_causal`` set is refused by name (MLA attention takes none of them,
+        and would run without it)."""
+        for name, off in (("logit_cap", 0.0), ("sliding_window_size", -1), ("non_causal", False)):
+            if getattr(layer, name) != off:
+                raise ValueError(
+                    f"layer.{name}={getattr(layer, name)!r}: the MLA backend takes no {name} (DeepSeek's MLA layers "
+                    "have none); it would run without it"
+                )
+        return self.softmax_scale(layer)
 
     def _decode(self, query, layer, kv_cache: MLAKVCache, metadata, rope=None):
         """The absorbed attention op over the latent cache (FP8: ``layer.k_scale``). A bf16

@@ -4,6 +4,8 @@ these ran silently before, under ``jit`` or even eagerly)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,3 +245,38 @@ _MLA = dict(num_heads=4)
 def test_configs_and_layer_specs_refuse_bad_fields(cls, kw, err, match):
     with pytest.raises(err, match=match):
         cls(**kw)
+
+
+def test_configs_stay_hashable_and_caches_check_stacked():
+    """A config is a static ``jit`` argument: buckets given as a list and scales given as
+    scalar arrays made it unhashable (and unequal to the same config with a tuple); they
+    are stored as a tuple and Python floats. ``create(stacked=...)`` took any truthy value."""
+    cfg = MHAConfig(**_MHA, batch_buckets=[1, 2, 4])
+    assert cfg == MHAConfig(**_MHA, batch_buckets=(1, 2, 4)) and hash(cfg) == hash(
+        MHAConfig(**_MHA, batch_buckets=(1, 2, 4))
+    )
+    layer = LayerSpec(0, **_MHA, k_scale=jnp.float32(0.5), v_scale=np.float32(2.0))
+    assert (layer.k_scale, layer.v_scale) == (0.5, 2.0) and hash(layer) == hash(
+        LayerSpec(0, **_MHA, k_scale=0.5, v_scale=2.0)
+    )
+    assert hash(MLAConfig(**dict(_MLA, scaling=jnp.float32(0.25)))) == hash(MLAConfig(**dict(_MLA, scaling=0.25)))
+    with pytest.raises(TypeError, match="stacked='no' must be a bool"):
+        PagedKVCache.create(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=4, stacked="no")
+    with pytest.raises(TypeError, match="stacked=0.0 must be a bool"):
+        MLAKVCache.create(num_layers=1, num_pages=2, page_size=4, kv_lora_rank=8, rope_dim=2, stacked=0.0)
+
+
+def test_mla_backend_refuses_layer_options_it_does_not_take():
+    """A layer's logit cap, sliding window or ``non_causal`` was ignored by the MLA backend
+    (its outputs bit-equal to a plain layer's): refused by name on every attention path."""
+    rng = np.random.default_rng(4)
+    cfg, be, layer, cache = _mla(rng)
+    r2p = np.zeros((1, cfg.max_num_pages), np.int32)
+    r2p[0, :2] = [3, 5]
+    dec = be.init_forward_metadata(1, np.arange(1), [6], r2p)
+    q = _x(rng, dec.num_tokens, 4, 80)
+    for kw in (dict(logit_cap=1.0), dict(sliding_window_size=0), dict(non_causal=True)):
+        bad = dataclasses.replace(layer, **kw)
+        with pytest.raises(ValueError, match=f"layer.{next(iter(kw))}=.*the MLA backend takes no"):
+            be.forward_decode(q, None, None, bad, cache, dec, save_kv_cache=False)
+    be.forward_decode(q, None, None, layer, cache, dec, save_kv_cache=False)
