@@ -170,8 +170,7 @@ class _HFDirTokenizer:
         ``jinja2``), the plain :meth:`prompt`."""
         from jattn.models.tokenizer import render_chat_template
 
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        text = render_chat_template(self._template, messages, lambda which: self._special.get(which, ""))
+        text = render_chat_template(self._template, user, system, lambda which: self._special.get(which, ""))
         return self.prompt(user) if text is None else self.encode(text)
 
     def stop_ids(self):

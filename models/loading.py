@@ -367,16 +367,16 @@ def read_gguf(path: str):
 
     from gguf import GGUFReader
 
+    size = os.path.getsize(path)
     try:
         reader = GGUFReader(path)
     except (ValueError, KeyError, IndexError) as e:
         raise ValueError(
-            f"{path} ({os.path.getsize(path)} bytes) could not be read as GGUF (a truncated or damaged file, or "
+            f"{path} ({size} bytes) could not be read as GGUF (a truncated or damaged file, or "
             f"an unknown tensor type): {e}"
         ) from None
     if getattr(reader, "byte_order", "I") != "I":
         raise ValueError(f"{path} is a big-endian GGUF file: convert it to little-endian (gguf-convert-endian)")
-    size = os.path.getsize(path)
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:

@@ -57,10 +57,11 @@ def _pre_tokenizer(pre):
 _SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-def render_chat_template(template, messages: list[dict], token_text) -> str | None:
-    """``template`` (a Hugging Face chat template, Jinja) rendered for ``messages`` with the
-    generation prompt, ``bos_token`` / ``eos_token`` from ``token_text("bos" | "eos")``;
-    None where there is no template or ``jinja2`` is not installed."""
+def render_chat_template(template, user: str, system: str | None, token_text) -> str | None:
+    """``template`` (a Hugging Face chat template, Jinja) rendered for one ``user`` turn
+    (after a ``system`` one where given) with the generation prompt, ``bos_token`` /
+    ``eos_token`` from ``token_text("bos" | "eos")``; None where there is no template or
+    ``jinja2`` is not installed."""
     if not template:
         return None
     try:
@@ -81,6 +82,7 @@ def render_chat_template(template, messages: list[dict], token_text) -> str | No
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
     )
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     try:
         return env.from_string(str(template)).render(
             messages=messages, add_generation_prompt=True, bos_token=token_text("bos"), eos_token=token_text("eos")
@@ -145,8 +147,7 @@ class GGUFTokenizer:
         has one and ``jinja2`` is installed; else ChatML (SmolLM2-Instruct, Qwen) or Llama
         3's header format, whichever the vocabulary's tokens name, or the plain
         :meth:`prompt`."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        text = render_chat_template(self.chat_template, messages, self._token_text)
+        text = render_chat_template(self.chat_template, user, system, self._token_text)
         if text is not None:
             return self.encode(text)  # the template writes BOS itself where the model wants it
         if self.token_id("<|im_start|>") is not None:
