@@ -39,9 +39,10 @@ def _check_serving(cfg) -> None:
     for name in ("dtype", "kv_cache_dtype"):
         value = getattr(cfg, name)
         try:
-            cache_dtype(value)
+            canonical = cache_dtype(value).name
         except ValueError:
             raise ValueError(f"{name}={value!r} must be one of bfloat16, float16, float32, float8_e4m3fn") from None
+        object.__setattr__(cfg, name, canonical)  # "bf16", jnp.bfloat16: one config, one jit key
     if cfg.kernel_backend is not None and cfg.kernel_backend not in BACKENDS:
         raise ValueError(f"kernel_backend={cfg.kernel_backend!r} must be one of {BACKENDS} or None")
     if cfg.batch_buckets is not None:
@@ -51,7 +52,8 @@ def _check_serving(cfg) -> None:
                 f"batch_buckets={cfg.batch_buckets!r} must be a non-empty tuple of positive ints, "
                 "or None (powers of two)"
             )
-        object.__setattr__(cfg, "batch_buckets", tuple(int(b) for b in buckets))  # hashable: a static jit key
+        # sorted, no repeats, hashable: one set of buckets is one static jit key
+        object.__setattr__(cfg, "batch_buckets", tuple(sorted({int(b) for b in buckets})))
 
 
 def _plain_scales(obj, names) -> None:

@@ -151,6 +151,8 @@ def _attention(
 ):
     if options.ctas < 0:
         raise ValueError(f"PrefillOptions.ctas={options.ctas}: 0 (one CTA per SM) or a positive count")
+    if options.ctas and options.persistent is False:
+        raise ValueError(f"PrefillOptions.ctas={options.ctas} sizes the persistent launch; persistent=False has none")
     if options.block_kv not in (0, 64, 128):
         raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
@@ -189,8 +191,8 @@ def _attention(
         num_tiles=num_tiles,
     )
     persistent = options.persistent
-    if persistent is None:
-        persistent = d == dv == 128 and not kv_fp8
+    if persistent is None:  # a CTA count asks for the persistent launch
+        persistent = bool(options.ctas) or (d == dv == 128 and not kv_fp8)
     if persistent:
         if cfg.out_in_ring:
             raise ValueError(

@@ -34,7 +34,9 @@ class PrefillOptions:
     # Not where the output tiles borrow a ring slot (192/128). None: on where it was
     # measured faster (head_dim 128 with 2-byte K/V), else one CTA per tile.
     persistent: bool | None = None
-    ctas: int = 0  # the persistent launch's CTA count (0: one per SM)
+    # The persistent launch's CTA count (0: one per SM). A count with persistent=None
+    # turns the persistent launch on; with persistent=False it is an error.
+    ctas: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

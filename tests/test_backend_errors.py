@@ -266,6 +266,20 @@ def test_configs_stay_hashable_and_caches_check_stacked():
         MLAKVCache.create(num_layers=1, num_pages=2, page_size=4, kv_lora_rank=8, rope_dim=2, stacked=0.0)
 
 
+def test_configs_normalise_dtype_aliases_and_bucket_order():
+    """``dtype="bf16"`` and ``dtype="bfloat16"`` (or ``jnp.bfloat16``) are one config, and so
+    are buckets in any order or repeated: they were unequal configs (two jit keys, two
+    compiles), and ``init_cuda_graph_state`` kept unsorted buckets as given."""
+    for alias in ("bf16", jnp.bfloat16, jnp.dtype("bfloat16")):
+        cfg = MHAConfig(**_MHA, dtype=alias, kv_cache_dtype=alias)
+        assert cfg == MHAConfig(**_MHA) and hash(cfg) == hash(MHAConfig(**_MHA)) and cfg.dtype == "bfloat16"
+    assert MLAConfig(**dict(_MLA, kv_cache_dtype="fp8")).kv_cache_dtype == "float8_e4m3fn"
+    cfg = MHAConfig(**_MHA, batch_buckets=(8, 2, 4, 2))
+    assert cfg.batch_buckets == (2, 4, 8) and cfg == MHAConfig(**_MHA, batch_buckets=(2, 4, 8))
+    be = MHABackend(cfg)
+    assert be.init_cuda_graph_state(4) == (2, 4) and be.batch_buckets == (2, 4, 8)
+
+
 def test_mla_backend_refuses_layer_options_it_does_not_take():
     """A layer's logit cap, sliding window or ``non_causal`` was ignored by the MLA backend
     (its outputs bit-equal to a plain layer's): refused by name on every attention path."""

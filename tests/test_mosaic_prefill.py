@@ -464,6 +464,18 @@ def test_block_kv_that_does_not_fit_is_refused_by_name():
     assert "head_dim 64" in mp.unsupported_reason(q64, q64, jnp.zeros((8, 1, 64), jnp.float16))
 
 
+def test_a_cta_count_needs_the_persistent_launch():
+    """``PrefillOptions(ctas=N)`` was ignored where the launch was not persistent: with
+    ``persistent=False`` it is refused by name; with ``persistent=None`` it turns the
+    persistent launch on (refused where the output borrows the ring, as ``True`` is)."""
+    q = jnp.zeros((8, 1, 64), jnp.float16)
+    with pytest.raises(ValueError, match="ctas=4 sizes the persistent launch; persistent=False"):
+        mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=False, ctas=4))
+    q192, v = jnp.zeros((8, 1, 192), jnp.float16), jnp.zeros((8, 1, 128), jnp.float16)
+    with pytest.raises(ValueError, match="head_dim == head_dim_v"):
+        mp.mha_prefill(q192, q192, v, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(ctas=4))
+
+
 def test_prefetch_k_and_overlap_pv_are_refused_together():
     q = jnp.zeros((8, 1, 64), jnp.float16)
     opts = mp.PrefillOptions(prefetch_k=True, overlap_pv=True)
