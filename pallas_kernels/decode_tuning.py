@@ -110,17 +110,21 @@ class KernelOptions:
       (``mha_decode_heads(row_tile=...)``); 0 (the default: the tiles measured slower on
       the H200, docs/PERF.md), all rows in one item.
     fp8_heads: FP8 K/V calls that the per-KV-head kernel serves (decode, target verify
-      and draft blocks) run there with an e4m3 query (``S^T`` on the
-      landed e4m3 K tile) and ``V^T`` read into registers over 64-token blocks
-      (``mha_decode_heads(fp8_qk=True, block=64, v_regs=True)``): faster than this
-      kernel's FP8 path at every shape measured (docs/PERF.md). It changes
+      and draft blocks) run there with an e4m3 query (``S^T`` on the landed e4m3 K
+      tile) over 64-token blocks (``mha_decode_heads(fp8_qk=True, block=64)``): faster
+      than this kernel's FP8 path at every shape measured (docs/PERF.md). It changes
       FP8 results by the query's rounding to e4m3 (docs/SEMANTICS.md), and so do the
       options that move an FP8 call off that path (``heads_kernel=False``) or change its
       scales (``heads_row_tile``, one scale per tile). Off: FP8 runs here with the exact
       query.
-    heads_overlap: the per-KV-head kernel (its 2-byte path and that FP8 path) issues block
-      ``i + 1``'s ``S^T`` before block ``i``'s softmax (``mha_decode_heads(overlap=True)``),
-      as ``overlap_qk`` does here. Off by default: not yet timed on the GPU.
+    heads_v_regs: that FP8 path reads ``V^T`` from the landed e4m3 tile into registers
+      (``mha_decode_heads(v_regs=True)``) instead of upcasting V into an f16 tile in
+      shared memory. Off by default: the f16 tile measured faster at every query length
+      (docs/PERF.md).
+    heads_overlap: the per-KV-head kernel (its 2-byte path, and that FP8 path with
+      ``heads_v_regs``) issues block ``i + 1``'s ``S^T`` before block ``i``'s softmax
+      (``mha_decode_heads(overlap=True)``), as ``overlap_qk`` does here. Off by default:
+      measured slower (docs/PERF.md).
     heads_glue: around the per-KV-head kernel, its FP8 path's e4m3 query comes from one
       Triton kernel and the split combine reads its partials in place
       (``mha_decode_heads(glue=True)``, where jax-triton runs); off, XLA ops gather the
@@ -135,6 +139,7 @@ class KernelOptions:
     heads_persistent: bool = False
     heads_row_tile: int = 0
     fp8_heads: bool = True
+    heads_v_regs: bool = False
     heads_overlap: bool = False
     heads_glue: bool = True
 

@@ -161,7 +161,7 @@ def mha_decode(
         heads = heads_kernel_for(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
             fp8_heads=options.fp8_heads and options.heads_kernel, is_causal=is_causal, overlap=options.heads_overlap,
-            glue=options.heads_glue,
+            glue=options.heads_glue, v_regs=options.heads_v_regs,
         )  # fmt: skip
         if heads is not None:
             return heads(
@@ -267,14 +267,15 @@ def one_kv_head_reason(k_cache, max_seqlen_q, window_left=-1, logit_cap=0.0, sin
 
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-    fp8_heads=True, is_causal=True, overlap=False, glue=True,
+    fp8_heads=True, is_causal=True, overlap=False, glue=True, v_regs=False,
 ):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` or
     :func:`one_kv_head_single_query` picks it and it serves the call (Python-number scales,
     no window, cap or sinks), else None. ``fp8_heads`` (``KernelOptions.fp8_heads``): every
-    FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query and
-    ``V^T`` in registers over 64-token blocks. ``overlap`` and ``glue``: ``KernelOptions.heads_overlap`` and
-    ``heads_glue``, passed on."""
+    FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query over
+    64-token blocks. ``overlap``, ``glue`` and ``v_regs``: ``KernelOptions.heads_overlap``,
+    ``heads_glue`` and ``heads_v_regs``, passed on (FP8 takes ``overlap`` only with
+    ``v_regs``, the one FP8 loop that pipelines)."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -290,8 +291,9 @@ def heads_kernel_for(
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     if fp8_heads and itemsize == 1:
         return functools.partial(
-            mosaic_decode_heads.mha_decode_heads, fp8_qk=True, block=64, v_regs=True, overlap=overlap, glue=glue
-        )
+            mosaic_decode_heads.mha_decode_heads,
+            fp8_qk=True, block=64, v_regs=v_regs, overlap=overlap and v_regs, glue=glue,
+        )  # fmt: skip
     if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or one_kv_head_single_query(k_cache, max_seqlen_q)):
         return None
     return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap, glue=glue)

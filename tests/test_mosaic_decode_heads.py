@@ -336,8 +336,8 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     """By default (``KernelOptions.fp8_heads``) an FP8 single-token decode goes through
-    ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, ``V^T`` in
-    registers and 64-token blocks (matching the reference over that query), and so does a
+    ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, the f16 V
+    tile (``heads_v_regs`` off) and 64-token blocks (matching the reference over that query), and so does a
     causal 2-token verify; every FP8 call with ``fp8_heads=False`` stays on the all-heads
     kernel (stubbed here: its own tests run it)."""
     from jattn.pallas_kernels import mosaic_decode as md
@@ -356,12 +356,14 @@ def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     assert md.KernelOptions().fp8_heads
     with gpu_interpret():
         got = md.mha_decode(*args, k_scale=0.5, v_scale=0.5)
-        assert calls == [(True, 64, True)] and all_heads == []
+        assert calls == [(True, 64, False)] and all_heads == []
         verify = (jnp.concatenate([qh, qh]), *args[1:])  # 2 queries per request (values unchecked)
         md.mha_decode(*verify, k_scale=0.5, v_scale=0.5, max_seqlen_q=2)
-        assert calls == [(True, 64, True)] * 2 and all_heads == [], "a causal FP8 verify takes the e4m3 path"
+        assert calls == [(True, 64, False)] * 2 and all_heads == [], "a causal FP8 verify takes the e4m3 path"
+        md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(heads_v_regs=True))
+        assert calls[2] == (True, 64, True), "heads_v_regs reads V^T into registers"
         md.mha_decode(*args, k_scale=0.5, v_scale=0.5, options=md.KernelOptions(fp8_heads=False))
-        assert len(calls) == 2 and all_heads == [1], "fp8_heads=False keeps FP8 on the all-heads kernel"
+        assert len(calls) == 3 and all_heads == [1], "fp8_heads=False keeps FP8 on the all-heads kernel"
     want = reference.mha_decode(mh.fp8_qk_query(qh, 2), kc, vc, table, lens, k_scale=0.5, v_scale=0.5)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
@@ -497,6 +499,10 @@ GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, fp8=True, fp8_qk=True, block=128, poison=3),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, page_size=16, q_len=4, fp8=True, fp8_qk=True, block=128, poison=1),
     Case(lens=(1500, 0, 64), hq=16, hkv=8, d=64, page_size=128, q_len=2, fp8=True, fp8_qk=True),
+    # the default FP8 path (fp8_qk, f16 V tile, 64-token blocks): decode, 8-token verify, draft block
+    Case(lens=(4096, 97, 0, 1, 2049), hq=32, hkv=8, d=128, page_size=16, fp8=True, fp8_qk=True, poison=3),
+    Case(lens=(3000, 65, 0, 1), hq=32, hkv=8, d=128, page_size=16, q_len=8, fp8=True, fp8_qk=True, poison=1),
+    Case(lens=(2049, 97), hq=32, hkv=8, d=128, page_size=64, q_len=4, causal=False, fp8=True, fp8_qk=True),
     # and V^T in registers (q_len 1 over pages of 16 and 64; a non-causal draft block at d64)
     Case(
         lens=(4096, 97, 0, 1, 2049),

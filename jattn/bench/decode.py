@@ -383,8 +383,14 @@ def main(argv: list[str] | None = None) -> None:
             if heads:  # the row ran the per-KV-head kernel: time the all-heads one
                 other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
             elif kvname == "fp8":  # its FP8 path: the e4m3 query, V^T in registers
-                other = "per-KV-head kernel (fp8_qk, v_regs)"
-                fn = functools.partial(mh.mha_decode_heads, fp8_qk=True, v_regs=True, overlap=opts.heads_overlap)
+                other = "per-KV-head kernel (fp8_qk" + (", v_regs)" if opts.heads_v_regs else ")")
+                fn = functools.partial(
+                    mh.mha_decode_heads,
+                    fp8_qk=True,
+                    block=64,
+                    v_regs=opts.heads_v_regs,
+                    overlap=opts.heads_overlap and opts.heads_v_regs,
+                )
             else:
                 other, fn = "per-KV-head kernel", mh.mha_decode_heads
             line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} {other}: "
