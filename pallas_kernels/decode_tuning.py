@@ -124,7 +124,7 @@ class KernelOptions:
     heads_overlap: the per-KV-head kernel (its 2-byte path, and that FP8 path with
       ``heads_v_regs``) issues block ``i + 1``'s ``S^T`` before block ``i``'s softmax
       (``mha_decode_heads(overlap=True)``), as ``overlap_qk`` does here. Off by default:
-      measured slower (docs/PERF.md).
+      no faster at one token, slower at eight (docs/PERF.md).
     heads_glue: around the per-KV-head kernel, its FP8 path's e4m3 query comes from one
       Triton kernel and the split combine reads its partials in place
       (``mha_decode_heads(glue=True)``, where jax-triton runs); off, XLA ops gather the
