@@ -102,13 +102,13 @@ def _decode_kernel(
     def piece_start(blk, j):
         return blk * BTB + j * BT
 
-    def piece_src_row(blk, j):
+    def piece_src_row(blk, j, clamp=True):
         ps0 = piece_start(blk, j)
         shift = BT - jnp.clip(seq_len - ps0, 0, BT)
         if ALIGN > 1:  # whole 8-row tiles only: the box may end up to ALIGN-1 tokens past L
             shift = lax.div(shift, jnp.int32(ALIGN)) * ALIGN
         row = lax.rem(ps0, jnp.int32(cfg.page_size)) * HKV - shift * HKV
-        if cfg.interpret:  # the interpreter raises on out-of-bounds TMA reads
+        if cfg.interpret and clamp:  # the interpreter raises on out-of-bounds TMA reads
             row = jnp.maximum(row, 0)
         return row
 
@@ -124,6 +124,14 @@ def _decode_kernel(
         rr = cols - j * PR if PPB > 1 else cols
         t_in = lax.div(rr, jnp.int32(HKV))
         return j, t_in, rr - t_in * HKV
+
+    def col_clamped(blk, j):
+        """Interpreter: whether each column's piece was fetched clamped at its page start
+        (its box then holds page rows past the piece, where the GPU's holds zeros)."""
+        clamped = piece_src_row(blk, 0, clamp=False) < 0
+        for jj in range(1, PPB):
+            clamped = jnp.where(j == jj, piece_src_row(blk, jj, clamp=False) < 0, clamped)
+        return clamped
 
     def col_tokens(blk, j, t_in):
         """Token of each column of block ``blk``, and whether it is in range."""
@@ -422,10 +430,14 @@ def _decode_kernel(
                     plgpu.commit_smem()
 
             if cfg.interpret:
-                # Here the last block may hold the page's unused tail (no TMA zero fill
-                # when clamped at the page start): zero those rows as TMA would have.
-                _, vvalid = col_tokens(blk, *col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))[:2])
-                vblk = jnp.where(vvalid, v_tile[...], jnp.zeros((N, D), v_tile.dtype))
+                # A piece clamped at its page start (the interpreter's box, where the GPU's
+                # starts before the page and TMA fills those rows with zeros) holds page
+                # rows past the request's last token: zero those, and only those, so the
+                # kernel's own tail handling is what keeps every other piece clean.
+                j, t_in, _ = col_parts(lax.broadcasted_iota(jnp.int32, (N, D), 0))
+                tok, _ = col_tokens(blk, j, t_in)
+                tail = (tok >= seq_len) & col_clamped(blk, j)
+                vblk = jnp.where(tail, jnp.zeros((N, D), v_tile.dtype), v_tile[...])
                 acc = acc + jnp.dot(p16, vblk, preferred_element_type=jnp.float32)
             else:
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -557,6 +558,39 @@ def test_extend_reads_new_kv_written_by_the_caller():
     assert np.abs(np.asarray(out_a)[:7]).sum() > 0
     with pytest.raises(ValueError, match=r"kv_in_cache=True"):
         be.forward_extend(q, k, v, layer, written, md, save_kv_cache=False)
+
+
+def test_layer_scales_on_a_non_fp8_cache_are_ignored_and_non_causal_layers_extend():
+    """A layer's ``k_scale``/``v_scale`` apply to FP8 caches only (on an f32 cache the
+    outputs equal those of a layer without scales); a ``non_causal`` layer's extend, over a
+    prefix and as a ragged prefill, attends to every key of its request."""
+    rng = np.random.default_rng(12)
+    cfg, be, layer, cache, r2p = _decode_setup(rng)
+    scaled = LayerSpec(0, 4, 2, 16, k_scale=0.5, v_scale=2.0)
+    for lens, new in (([13, 6], [5, 2]), ([5, 2], [5, 2])):  # over a prefix; no prefix (ragged)
+        md = be.init_forward_metadata(2, [0, 1], lens, r2p, ForwardMode.EXTEND, extend_seq_lens=new)
+        t = md.num_tokens
+        q = jnp.asarray(rng.standard_normal((t, 4, 16)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((t, 2, 16)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((t, 2, 16)), jnp.float32)
+        out, written = be.forward_extend(q, k, v, layer, cache, md)
+        np.testing.assert_array_equal(np.asarray(be.forward_extend(q, k, v, scaled, cache, md)[0]), np.asarray(out))
+        full, _ = be.forward_extend(q, k, v, dataclasses.replace(layer, non_causal=True), cache, md)
+        full = np.asarray(full).reshape(t, 4, 16)
+        cu = np.asarray(md.cu_seqlens_q)
+        for b in range(2):
+            kb = naive.gather_paged(written.k[0], r2p[b], lens[b])
+            vb = naive.gather_paged(written.v[0], r2p[b], lens[b])
+            qb = naive.f64(np.asarray(q)[cu[b] : cu[b + 1]])
+            want, _ = naive.attend_one(qb, kb, vb, causal=False, scale=1 / 4)
+            np.testing.assert_allclose(full[cu[b] : cu[b + 1]], want, atol=1e-4, rtol=1e-4)
+    md = be.init_forward_metadata(3, [0, 1, 2], [9, 4, 1], r2p, ForwardMode.DECODE)
+    q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((4, 2, 16)), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(be.forward_decode(q, kv, kv, scaled, cache, md)[0]),
+        np.asarray(be.forward_decode(q, kv, kv, layer, cache, md)[0]),
+    )
 
 
 # ----------------------------------------------------------------------------- registry, demo, CLI

@@ -1277,6 +1277,27 @@ def test_num_pages_of_init_forward_metadata_reaches_the_plan():
     assert be.init_forward_metadata_capture_cuda_graph(2, **kw).num_pages == pool.num_pages
 
 
+def test_fp8_pool_write_saturates_and_matches_the_reference_bits():
+    """``TorchKVPool.set_kv_buffer`` on an FP8 pool: values past ``448 * scale`` are stored as
+    +-448 (not NaN, not wrapped), NaN as NaN, and every byte equals the JAX reference's
+    quantisation at the same scale."""
+    from jattn import reference
+
+    pool = TorchKVPool(
+        num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float8_e4m3fn, device=DEV
+    )
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(5)) * 40
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 300.0, -225.0])  # all past 448 * 0.5 = 224
+    k[1, 0, 0] = float("nan")
+    loc = torch.tensor([5, 9, 2], dtype=torch.int32)
+    pool.set_kv_buffer(AttentionLayer(0, 1, 1, 8), loc.to(DEV), k.to(DEV), k.to(DEV), k_scale=0.5, v_scale=0.25)
+    for buf, scale in ((pool.k_buffer[0], 0.5), (pool.v_buffer[0], 0.25)):
+        got = buf[loc.long().to(DEV)].float().cpu()
+        want = reference.quantize_fp8(jnp.asarray(k.numpy()), scale)
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want, np.float32))
+    assert pool.k_buffer[0][5, 0, :4].float().cpu().tolist() == [448.0, -448.0, 448.0, -448.0]
+
+
 def test_f32_sinks_are_copied_not_aliased():
     """The bridge reads f32 sinks into a copy of its own (as it does bf16 ones): no memory
     shared with the caller's tensor, which it does not keep alive; a write the version

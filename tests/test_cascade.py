@@ -119,6 +119,25 @@ def test_prefix_chunk_size_and_split_count():
     assert prefix_split_count(1, 8, 4, 100) == 1
 
 
+def test_merge_states_ignores_the_output_of_an_empty_part():
+    """A part with LSE ``-inf`` contributes nothing whatever its output holds (NaN
+    included: ``0 * NaN`` must not reach the row); all parts empty give 0 / -inf."""
+    import jax.numpy as jnp
+
+    from jattn.cascade import merge_states
+
+    rng = np.random.default_rng(3)
+    o1 = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    lse1 = rng.standard_normal((2, 3)).astype(np.float32)
+    outs = jnp.asarray(np.stack([o1, np.full_like(o1, np.nan)]))
+    lses = jnp.asarray(np.stack([lse1, np.full_like(lse1, -np.inf)]))
+    o, lse = merge_states(outs, lses, jnp.float32)
+    np.testing.assert_allclose(np.asarray(o), o1, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), lse1, rtol=1e-6)
+    o, lse = merge_states(outs, jnp.full_like(lses, -jnp.inf), jnp.float32)
+    assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
 def test_cascade_errors_name_the_argument():
     q, k, v, ptab, plens, stab, slens = _setup(1, (20,), 2, 1)
     with pytest.raises(ValueError, match=r"suffix_page_table has 2 rows; it must be groups \(1\) \* group_size \(3\)"):

@@ -392,6 +392,23 @@ def test_with_seq_lens_on_device_lengths_reads_no_plan_back(monkeypatch):
     assert plan.page_table.shape in seen
 
 
+def test_plan_prefix_chunks_slots_are_each_chunks_own_tokens():
+    """Chunk ``c`` of request ``b`` holds prefix tokens ``c * chunk + [0, n)`` at their slots
+    ``page * page_size + offset`` (prefixes over several chunks, one of none), padded with
+    the dummy slot."""
+    ps, chunk = 4, 5
+    pre = np.array([13, 0, 9])
+    pt = np.array([[7, 3, 9, 2], [1, 1, 1, 1], [5, 8, 6, 1]])
+    chunks = jattn.plan_prefix_chunks(pre, pt, page_size=ps, chunk_size=chunk, batch_size=4)
+    assert len(chunks) == 3
+    for c, ch in enumerate(chunks):
+        n = np.clip(pre - c * chunk, 0, chunk)
+        np.testing.assert_array_equal(ch.cu_seqlens_kv, np.concatenate([[0], np.cumsum(n), [n.sum()]]))
+        want = [pt[b, p // ps] * ps + p % ps for b in range(3) for p in c * chunk + np.arange(n[b])]
+        np.testing.assert_array_equal(ch.slots[: len(want)], want)
+        assert (np.asarray(ch.slots[len(want) :]) == DUMMY_PAGE * ps).all()
+
+
 def test_plan_prefix_chunks_checks_page_ids():
     pt = np.array([[2, 70], [5, 0]])
     jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8)  # no bound given: not range-checked

@@ -376,6 +376,22 @@ def test_sampling_seeded_and_batch_independent(llama):
     assert d[0].output_tokens == greedy
 
 
+def test_temperature_zero_rows_are_greedy_in_a_sampled_batch():
+    """A row of temperature 0 beside sampled rows takes the argmax (the first of tied
+    tokens) under every seed: it is not sampled at a tiny temperature, which picks between
+    exact ties at random."""
+    import jax.numpy as jnp
+
+    from jattn.models.sampling import sample_tokens
+
+    logits = jnp.asarray([[1.0, 1.0, 0.0], [0.5, 0.2, 0.1]], jnp.float32)
+    temp, top_p = jnp.asarray([0.0, 1.0], jnp.float32), jnp.ones(2, jnp.float32)
+    for seed in range(32):
+        seeds = jnp.full((2,), seed, jnp.int32)
+        got = sample_tokens(logits, temp, top_p, seeds, jnp.zeros(2, jnp.int32), greedy_only=False)
+        assert int(got[0]) == 0, seed
+
+
 def test_sampler_matches_hugging_face_warpers():
     """The distribution ``sample_tokens`` draws from, over 20,000 seeds of one row, equals
     Hugging Face's temperature then top-p warpers' softmax (within 0.01 a token), and the
@@ -882,11 +898,15 @@ def test_overlap_scheduling_gives_the_same_tokens(llama, num_pages):
     assert eng.allocator.num_free == eng.allocator.num_pages - 1 and eng._inflight is None
     assert eng.metrics.generated_tokens == sum(len(r.output_tokens) for r in reqs)
     # a request never decodes past its max_new_tokens: the decode rows of a step never
-    # include one whose token in flight was its last
-    for info in infos:
-        for rid in info.rids if info.mode == "decode" else ():
-            r = eng.requests[rid]
-            assert r.rid in info.finished or not r.done or len(r.output_tokens) <= r.params.max_new_tokens
+    # include one whose token in flight was its last, so one that ends by length (and was
+    # never preempted) had a decode row for each of its tokens after the first, no more
+    # (launched steps only: the last call's info is the read-back of the last step)
+    preempted = {rid for info in infos for rid in info.preempted}
+    launched = [info for info in infos if info.mode == "decode" and info.seconds is None]
+    for r in reqs:
+        if r.finish_reason == "length" and r.rid not in preempted:
+            rows = sum(r.rid in info.rids for info in launched)
+            assert rows == len(r.output_tokens) - 1, (r.rid, rows, len(r.output_tokens))
     if num_pages == 12:
         assert eng.metrics.preemptions == plain.metrics.preemptions > 0
 

@@ -156,7 +156,8 @@ CPU_CASES = {
     "group16": Case(lens=(21,), hq=128),
     "qlen4_causal": Case(lens=(40, 5), q_len=4),
     "qlen4_noncausal": Case(lens=(40, 9), q_len=4, causal=False),
-    "window": Case(lens=(90, 20), hq=8, hkv=2, window_left=24),
+    # request 0's window starts on the last key of a 64-key block (151 - 24 = 127)
+    "window": Case(lens=(152, 20), hq=8, hkv=2, window_left=24),
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
@@ -164,6 +165,9 @@ CPU_CASES = {
     "fp8_kv_qlen2_fp16": Case(lens=(29,), kv="fp8", q_len=2, dtype="float16"),
     "page128_qlen8_two_tiles": Case(lens=(40,), hq=16, page_size=128, q_len=8),
     "hkv2_group4_tail": Case(lens=(45, 7), hq=8, hkv=2, page_size=32),
+    # a piece in a page's second half (not clamped at the page start): its box ends up to
+    # three tokens into the page's NaN tail, which the kernel itself must zero
+    "hkv2_tail_mid_page": Case(lens=(77, 7), hq=8, hkv=2, page_size=128),
     "hkv4_group7_qlen2": Case(lens=(37,), hq=28, hkv=4, q_len=2),
     # one split: the kernel's output is final up to v_scale and sinks (no merge)
     "one_split_fp8_sinks": Case(lens=(61, 0, 7), kv="fp8", sinks=True, splits=1),

@@ -125,8 +125,9 @@ CPU_CASES = [
     # keys as rows: causal verify, 3 queries x 8 heads (N = 32), pages of 16, a NaN only
     # the last two queries see
     Case(lens=(75, 2), heads=8, q_len=3, page_size=16, num_splits=2, poison=1, keys_as_rows=True),
-    # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks
-    Case(lens=(66,), heads=16, q_len=3, page_size=64, poison=1),
+    # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks, the
+    # first draft's last key (63) the last of block 0 and poisoned
+    Case(lens=(65,), heads=16, q_len=3, page_size=64, poison=1),
     # a non-causal draft block over pages of 16
     Case(lens=(130, 64), heads=8, q_len=2, causal=False, page_size=16),
     # two row tiles (80 rows): the last tile loads and writes only its 16 real rows

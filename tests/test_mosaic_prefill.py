@@ -155,14 +155,14 @@ def _oracle(c: Case, x, dtype):
 
 
 def _poison(c: Case, x):
-    """NaN in V of key ``c.poison`` of request 0 and +inf in K of the key after it (all
-    heads); returns the query rows of request 0 that see either (they must come out
+    """NaN in V of key ``c.poison`` of request 0 and +inf in K of the key after it where
+    request 0 has one (all heads); returns the query rows of request 0 that see either (they must come out
     non-finite, every other row as on clean data)."""
     j = c.poison
     prefix = (c.prefix or (0,) * len(c.q_lens))[0]
     kv0 = prefix + c.q_lens[0]
-    assert j + 1 < kv0
-    for key, arr, val in ((j, "v", np.nan), (j + 1, "k", np.inf)):
+    assert j < kv0
+    for key, arr, val in ((j, "v", np.nan), (j + 1, "k", np.inf))[: 1 + (j + 1 < kv0)]:
         if c.page_size:
             x[arr][x["table"][0, key // c.page_size], key % c.page_size] = val
         else:
@@ -209,13 +209,15 @@ CPU_CASES = [
     # FP8 KV: the producer's upcast into the f16 ring, pages smaller than a block, poison
     Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, softmax_scale=0.2),
     Case(q_lens=(21, 6), hq=2, hkv=2, d=192, dv=128, causal=False, softmax_scale=0.11),
-    Case(q_lens=(130, 5)),
+    # request 1 starts 5 rows into an 8-row group (127 + 5 rows: two tiles) after a NaN in
+    # request 0's last key, which request 1's first block reads and must zero
+    Case(q_lens=(101, 127), poison=100),
     Case(q_lens=(70,), hq=2, hkv=1, window_left=20, logit_cap=5.0, sinks=True),
     Case(q_lens=(20, 1, 0), prefix=(150, 7, 4), page_size=64, hq=2, hkv=1),
-    # a NaN below every query's window (prefix key 10; windows start at 20 and later) but in
-    # the window's first block, so only the edge cleaning keeps the rows finite; the same
-    # for a non-causal window over a ragged prefill
-    Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, hq=2, hkv=1, window_left=20, poison=10),
+    # a NaN below every query's window (prefix key 100; windows start at 127, the last key of
+    # a 64-key block, and later) but in the window's first block, so only the edge cleaning
+    # keeps the rows finite; the same for a non-causal window over a ragged prefill
+    Case(q_lens=(9, 3), prefix=(147, 0), page_size=16, hq=2, hkv=1, window_left=20, poison=100),
     Case(q_lens=(40, 3), hq=2, hkv=1, causal=False, window_left=8, poison=5),
     # the intra-warpgroup overlap: runs of 4 unmasked blocks (the ring wraps), of 1, and
     # tiles with none; non-causal with masked first and last blocks around a run of 4

@@ -39,6 +39,8 @@ class Case:
     tuning: tuple = ()  # triton_mla.Tuning fields other than the default's
     fp8: bool = False  # latent rows in FP8 e4m3 (the reference takes the same rounded rows)
     tol: float | None = None
+    kv_scale: float = 1.0  # the cache's scale (on the scores here; the combine puts it on the output)
+    zero_q_row: bool = False  # query row 0, head 0 all zeros (an e4m3 row scale must not divide by 0)
 
 
 CASES = {
@@ -63,7 +65,7 @@ CASES = {
     "fp8_f16_math_swap2": Case(
         lens=(97, 0, 1), num_splits=2, page_size=32, fp8=True, dtype="float16", tuning=(("swap", 2), ("fp8_math", 1))
     ),
-    "fp8_upcast_to_q": Case(lens=(40, 75), heads=16, q_len=2, fp8=True, dtype="float16"),
+    "fp8_upcast_to_q": Case(lens=(40, 75), heads=16, q_len=2, fp8=True, dtype="float16", kv_scale=0.5),
     "fp8_e4m3_scores_prefetch": Case(
         lens=(97, 0, 1),
         page_size=32,
@@ -72,6 +74,7 @@ CASES = {
         dtype="float16",
         tol=6e-2,
         tuning=(("swap", 2), ("fp8_math", 2), ("prefetch", 1)),
+        zero_q_row=True,
     ),
 }
 SCALE = 0.19
@@ -91,6 +94,8 @@ def _inputs(name):
         npg = -(-n // ps)
         table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)
     q = (rng.standard_normal((bs * c.q_len, c.heads, w)) * 0.5).astype(np.float32)
+    if c.zero_q_row:
+        q[0, 0] = 0.0
     kv = kv.astype(jnp.float8_e4m3fn) if c.fp8 else kv.astype(c.dtype)
     return c, q.astype(c.dtype), kv, table, np.asarray(c.lens, np.int32)
 
@@ -124,6 +129,7 @@ def run_interpreted(name: str, path: str) -> None:
             t(lens),
             kv_lora_rank=c.rank,
             softmax_scale=SCALE,
+            kv_scale=c.kv_scale,
             max_seqlen_q=c.q_len,
             is_causal=c.causal,
             num_splits=c.num_splits,
@@ -143,9 +149,10 @@ def test_interpreted_matches_float64(name, interpreted):
     res = interpreted[name]
     c, q, kv, table, lens = _inputs(name)
     kv = kv.astype(np.float32) if c.fp8 else kv
-    want, want_lse = mla_f64(
-        q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE, max_seqlen_q=c.q_len, is_causal=c.causal
-    )
+    want, want_lse = mla_f64(  # the partials' values are unscaled: kv_scale is on the scores alone
+        q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE * c.kv_scale, max_seqlen_q=c.q_len,
+        is_causal=c.causal,
+    )  # fmt: skip
     o, lse = merge_splits_f64(res["o"], res["lse"])
     bs = len(c.lens)
     out = o.reshape(bs * c.q_len, c.heads, c.rank)
@@ -217,8 +224,10 @@ def test_gpu_matches_reference(heads, q_len, lens, fp8):
         kv[table[b, t // ps], t % ps] = rng.standard_normal((n, w)) * 0.5
     q = (rng.standard_normal((len(lens) * q_len, heads, w)) * 0.5).astype(np.float32)
     kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, kd), jnp.asarray(table), jnp.asarray(lens, jnp.int32))
     kw = dict(kv_lora_rank=512, softmax_scale=1 / 192**0.5, max_seqlen_q=q_len, return_lse=True)
+    if fp8:  # a scale other than 1 (on the scores and on the output)
+        kw["kv_scale"], kv = 0.5, kv / 0.5
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, kd), jnp.asarray(table), jnp.asarray(lens, jnp.int32))
     out, lse = jattn.mla_decode_with_kvcache(*args, backend="triton", **kw)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     want, want_lse = reference.mla_decode(f32(args[0]), f32(args[1]), args[2], args[3], **kw)

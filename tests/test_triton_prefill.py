@@ -60,8 +60,17 @@ CASES = {
     "prefill_causal_poison_future_v": Case(
         "prefill", (70, 33), hq=2, hkv=1, poison=41, block_m=16, block_n=16, softmax_scale=-0.2
     ),
-    "prefill_192_128_longer_kv_fp16": Case(
-        "prefill", (20, 1, 9), kv_lens=(50, 7, 0), hq=2, hkv=2, d=192, dv=128, dtype="float16", block_m=16
+    "prefill_192_128_longer_kv_fp16": Case(  # a negative scale: q's columns past 128 too
+        "prefill",
+        (20, 1, 9),
+        kv_lens=(50, 7, 0),
+        hq=2,
+        hkv=2,
+        d=192,
+        dv=128,
+        dtype="float16",
+        block_m=16,
+        softmax_scale=-0.1,
     ),
     "prefill_noncausal_window_cap_sinks": Case(
         "prefill", (33, 5), causal=False, window_left=9, logit_cap=4.0, sinks=True, block_m=16, block_n=16
