@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
             why = mh.unsupported_reason(qs[0], k, v, max_seqlen_q=q_len)
             if heads:  # the row ran the per-KV-head kernel: time the all-heads one
                 other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
-            elif kvname == "fp8":  # its FP8 path: the e4m3 query, V^T in registers
+            elif kvname == "fp8":  # its FP8 path: the e4m3 query (V^T in registers with heads_v_regs)
                 other = "per-KV-head kernel (fp8_qk" + (", v_regs)" if opts.heads_v_regs else ")")
                 fn = functools.partial(
                     mh.mha_decode_heads,
