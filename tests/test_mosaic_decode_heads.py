@@ -60,6 +60,8 @@ def _inputs(c: Case, seed: int):
         npg = -(-n // ps)
         table[b, npg:] = rng.integers(0, num_pages, max_pages - npg)  # never read
     q = rng.standard_normal((bs * c.q_len, c.hq, c.d)).astype(np.float32)
+    if c.fp8_qk and c.row_tile:  # the last query's rows (a tile of their own) at another e4m3 scale
+        q[c.q_len - 1 :: c.q_len] *= 4
     return q, k, v, table, np.asarray(c.lens, np.int32)
 
 
@@ -116,8 +118,8 @@ CPU_CASES = [
     # 12 items on 5 persistent CTAs (3, 3, 2, 2, 2 items; empty splits among them)
     Case(lens=(97, 1, 0), num_splits=2, poison=5, persistent=True, num_ctas=5),
     # causal verify, 3 queries x 4 heads (N = 16), page 128, a NaN in a key only the last
-    # two queries see
-    Case(lens=(130,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
+    # two queries see; the keys only later drafts see cross the block boundary at 128
+    Case(lens=(129,), hq=8, hkv=2, d=128, page_size=128, q_len=3, poison=1),
     # non-causal draft block, 4 queries x 4 heads, two requests
     Case(lens=(70, 5), hq=4, hkv=1, q_len=4, causal=False, softmax_scale=0.31),
     # FP8 e4m3 K/V with scales, causal verify over a page tail, poison
@@ -133,9 +135,12 @@ CPU_CASES = [
     # the same rows in two 16-row tiles (each tile an item; the NaN is seen by queries of
     # the second tile only), two requests, two splits
     Case(lens=(150, 7), hq=8, hkv=2, q_len=8, poison=2, num_splits=2, row_tile=16),
-    # 3 queries x 8 heads = 24 rows in tiles of 16 (the second half padding), FP8, on
+    # 3 queries x 8 heads = 24 rows in tiles of 16 (the second half padding), FP8 with an
+    # e4m3 query (one scale per tile: the last query is 4x larger, so the tiles' differ), on
     # 3 persistent CTAs; a NaN every query sees
-    Case(lens=(97, 0), hq=16, hkv=2, q_len=3, fp8=True, poison=5, row_tile=16, persistent=True, num_ctas=3),
+    Case(
+        lens=(97, 0), hq=16, hkv=2, q_len=3, fp8=True, fp8_qk=True, poison=5, row_tile=16, persistent=True, num_ctas=3
+    ),
     # FP8 with an e4m3 query (S^T on the landed K tile, V upcast alone), two splits, a NaN
     # every query sees
     Case(lens=(97, 1, 0), fp8=True, fp8_qk=True, poison=5, num_splits=2),

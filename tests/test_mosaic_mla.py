@@ -42,6 +42,7 @@ class Case:
     e4m3_q: bool = False  # FP8: q passed in e4m3 (read as it is: no row scales); the output is bf16
     v_regs: bool = True  # FP8: V^T read into registers where it can be (MLADecodeConfig.v_regs)
     softmax_scale: float | None = None  # None: 1/sqrt(192)
+    kv_scale: float | None = None  # a 2-byte cache's scale (the read applies it whatever the dtype)
 
 
 @contextlib.contextmanager
@@ -86,6 +87,8 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     scale = 1.0 / np.sqrt(192.0) if c.softmax_scale is None else c.softmax_scale
     kw = dict(kv_lora_rank=R, softmax_scale=scale, max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True)
     kv_dtype = dtype
+    if c.kv_scale is not None:
+        kw["kv_scale"] = c.kv_scale
     if c.fp8:
         # a traced kv_scale (a kernel operand) in the verify cases, a Python number otherwise
         kv_dtype, kw["kv_scale"] = jnp.float8_e4m3fn, jnp.float32(0.5) if c.q_len > 1 else 0.5
@@ -121,10 +124,21 @@ CPU_CASES = [
     # lengths 0, 1, 97 and a page tail; pages smaller than a block; two splits; poison
     # (both kernels); a softmax scale other than 1/sqrt(192)
     Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, softmax_scale=0.1),
-    Case(lens=(97, 0, 1), heads=4, page_size=32, num_splits=2, poison=3, keys_as_rows=True, softmax_scale=0.1),
+    Case(
+        lens=(97, 0, 1),
+        heads=4,
+        page_size=32,
+        num_splits=2,
+        poison=3,
+        keys_as_rows=True,
+        softmax_scale=0.1,
+        kv_scale=0.5,
+    ),
     # keys as rows: causal verify, 3 queries x 8 heads (N = 32), pages of 16, a NaN only
     # the last two queries see
     Case(lens=(75, 2), heads=8, q_len=3, page_size=16, num_splits=2, poison=1, keys_as_rows=True),
+    # keys as rows, a non-causal draft block of 2 (every query sees the NaN)
+    Case(lens=(40, 3), heads=8, q_len=2, causal=False, page_size=16, poison=0, keys_as_rows=True),
     # causal verify: 3 queries x 16 heads in one row tile, an edge over two blocks, the
     # first draft's last key (63) the last of block 0 and poisoned
     Case(lens=(65,), heads=16, q_len=3, page_size=64, poison=1),
@@ -155,7 +169,7 @@ CPU_CASES = [
 def test_interpreted(c):
     # A second run checks determinism; interpreted, two cases do it (one per kernel).
     with gpu_interpret():
-        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[3], CPU_CASES[7], CPU_CASES[-1]))
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[2], CPU_CASES[4], CPU_CASES[8], CPU_CASES[-1]))
 
 
 GPU_CASES = [

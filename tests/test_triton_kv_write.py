@@ -58,7 +58,7 @@ def _inputs(name):
     dt, ks, vs = CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     loc = rng.permutation(PAGES * PS)[:T].astype(np.int32)
-    loc[3], loc[7] = PAGES * PS + 5, -2  # dropped
+    loc[3], loc[7] = PAGES * PS, -2  # dropped: one past the last slot, and negative
     k = (rng.standard_normal((T, HKV, D)) * 8).astype(np.float32)
     v = (rng.standard_normal((T, HKV, DV)) * 8).astype(np.float32)
     k[0, 0, :4] = [1e4, -1e4, 30.0, -30.0]  # saturate at +-448 after the scale
@@ -79,12 +79,16 @@ def run_interpreted(name: str, path: str) -> None:
 
     dt, ks, vs, loc, k, v = _inputs(name)
     tdt = getattr(torch, dt)
-    kc = torch.full((PAGES, PS, HKV, D), float("nan"), dtype=torch.float32).to(tdt)
-    vc = torch.full((PAGES, PS, HKV, DV), float("nan"), dtype=torch.float32).to(tdt)
+    # the pools are the first PAGES pages of buffers one page longer: a write one slot past
+    # the pool lands in the extra page, which must stay NaN
+    kbig = torch.full((PAGES + 1, PS, HKV, D), float("nan"), dtype=torch.float32).to(tdt)
+    vbig = torch.full((PAGES + 1, PS, HKV, DV), float("nan"), dtype=torch.float32).to(tdt)
+    kc, vc = kbig[:PAGES], vbig[:PAGES]
     triton_native.set_kv_buffer(
         kc, vc, torch.from_numpy(loc), torch.from_numpy(k), torch.from_numpy(v), k_scale=ks, v_scale=vs
     )
-    np.savez(path, k=kc.float().numpy(), v=vc.float().numpy())
+    np.savez(path, k=kc.float().numpy(), v=vc.float().numpy(), past=np.concatenate([
+        kbig[PAGES:].float().numpy().ravel(), vbig[PAGES:].float().numpy().ravel()]))  # fmt: skip
 
 
 # MLA latent rows [c_kv (R), k_pe (RPE)]: cache dtype, c_kv dtype, k_pe dtype, kv_scale, R, 3-D inputs
@@ -103,7 +107,7 @@ def _mla_inputs(name):
     cache_dt, ckv_dt, kpe_dt, scale, r, three_d = MLA_CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     loc = rng.permutation(PAGES * PS)[:T].astype(np.int32)
-    loc[3], loc[7] = PAGES * PS + 5, -2  # dropped
+    loc[3], loc[7] = PAGES * PS, -2  # dropped: one past the last slot, and negative
     c_kv = (rng.standard_normal((T, r)) * 8).astype(ckv_dt)
     k_pe = (rng.standard_normal((T, RPE)) * 8).astype(kpe_dt)
     c_kv[0, :4] = [1e4, -1e4, 30.0, -30.0]  # saturate at +-448 after the scale
@@ -126,12 +130,13 @@ def run_mla_interpreted(name: str, path: str) -> None:
     from jattn.bridge import triton_native
 
     cache_dt, scale, r, loc, c_kv, k_pe = _mla_inputs(name)
-    kv = torch.full((PAGES, PS, r + RPE), float("nan"), dtype=torch.float32).to(getattr(torch, cache_dt))
+    big = torch.full((PAGES + 1, PS, r + RPE), float("nan"), dtype=torch.float32).to(getattr(torch, cache_dt))
+    kv = big[:PAGES]  # a write one slot past the pool would land in the extra page
     got = triton_native.set_mla_kv_buffer(
         kv, torch.from_numpy(loc), torch.from_numpy(c_kv), torch.from_numpy(k_pe), kv_scale=scale
     )
     assert got is kv  # in place
-    np.savez(path, kv=kv.float().numpy())
+    np.savez(path, kv=kv.float().numpy(), past=big[PAGES:].float().numpy())
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +161,7 @@ def _expected(name):
 def test_interpreted_matches_the_float64_write(name, interpreted):
     wk, wv = _expected(name)
     got = interpreted[name]
+    assert np.isnan(got["past"]).all(), "a write past the pool's last slot"
     _, ks, vs, loc, k, v = _inputs(name)
     for g, w, rows, scale in ((got["k"], wk, k, ks), (got["v"], wv, v, vs)):
         _assert_written(g, w, fp8=name == "fp8", quotient=_quotients(w.shape, loc, rows, scale))
@@ -233,6 +239,7 @@ def _mla_expected(name):
 @pytest.mark.parametrize("name", list(MLA_CASES))
 def test_mla_interpreted_matches_the_float64_write(name, interpreted):
     (want, quotient), got = _mla_expected(name), interpreted[name]["kv"]
+    assert np.isnan(interpreted[name]["past"]).all(), "a write past the pool's last slot"
     fp8 = "fp8" in name
     _assert_written(got, want, fp8=fp8, quotient=quotient)
     if name != "mla_t0":
