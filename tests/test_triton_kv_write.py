@@ -87,8 +87,8 @@ def run_interpreted(name: str, path: str) -> None:
     triton_native.set_kv_buffer(
         kc, vc, torch.from_numpy(loc), torch.from_numpy(k), torch.from_numpy(v), k_scale=ks, v_scale=vs
     )
-    np.savez(path, k=kc.float().numpy(), v=vc.float().numpy(), past=np.concatenate([
-        kbig[PAGES:].float().numpy().ravel(), vbig[PAGES:].float().numpy().ravel()]))  # fmt: skip
+    past = torch.cat([kbig[PAGES:].float().ravel(), vbig[PAGES:].float().ravel()])
+    np.savez(path, k=kc.float().numpy(), v=vc.float().numpy(), past=past.numpy())
 
 
 # MLA latent rows [c_kv (R), k_pe (RPE)]: cache dtype, c_kv dtype, k_pe dtype, kv_scale, R, 3-D inputs

@@ -384,13 +384,10 @@ def main(argv: list[str] | None = None) -> None:
                 other, fn = "all-heads kernel", functools.partial(md.mha_decode, options=noheads)
             elif kvname == "fp8":  # its FP8 path: the e4m3 query (V^T in registers with heads_v_regs)
                 other = "per-KV-head kernel (fp8_qk" + (", v_regs)" if opts.heads_v_regs else ")")
-                fn = functools.partial(
-                    mh.mha_decode_heads,
-                    fp8_qk=True,
-                    block=64,
-                    v_regs=opts.heads_v_regs,
-                    overlap=opts.heads_overlap and opts.heads_v_regs,
-                )
+                fn = md.heads_kernel_for(  # as mha_decode routes it with fp8_heads on (None: not served)
+                    qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, fp8_heads=True,
+                    overlap=opts.heads_overlap, glue=opts.heads_glue, v_regs=opts.heads_v_regs,
+                )  # fmt: skip
             else:
                 other, fn = "per-KV-head kernel", mh.mha_decode_heads
             line = f"page {ps} {bs}x{L} q_len {q_len} {kvname} {other}: "
