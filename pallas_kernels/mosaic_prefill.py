@@ -153,6 +153,8 @@ def _attention(
         raise ValueError(f"PrefillOptions.ctas={options.ctas}: 0 (one CTA per SM) or a positive count")
     if options.ctas and options.persistent is False:
         raise ValueError(f"PrefillOptions.ctas={options.ctas} sizes the persistent launch; persistent=False has none")
+    if options.l2_section_kib < 0:
+        raise ValueError(f"PrefillOptions.l2_section_kib={options.l2_section_kib}: 0 (off) or KiB of K/V a section")
     if options.block_kv not in (0, 64, 128):
         raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
@@ -215,6 +217,18 @@ def _attention(
         ]
     ).astype(jnp.float32)
     tile_req, tile_loc = plan.tile_plan(cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left)
+    if options.l2_section_kib:
+        tile_req, tile_loc, item = plan.section_items(
+            tile_req,
+            tile_loc,
+            kv_len,
+            num_q_heads=hq,
+            group=hq // hkv,
+            key_bytes=(d + dv) * jnp.dtype(k.dtype).itemsize,
+            budget=options.l2_section_kib << 10,
+        )
+    else:
+        item = jnp.zeros((1,), jnp.int32)
     # The tiled TMA view of a ragged array needs a multiple of 8 rows; under the
     # interpreter no box may read out of bounds either (the GPU zero-fills those rows).
     qp, kp, vp = q.astype(cdtype), k, v
@@ -226,6 +240,7 @@ def _attention(
     arrays = (
         tile_req,
         tile_loc,
+        item,
         cu_q,
         kv_start,
         kv_len,

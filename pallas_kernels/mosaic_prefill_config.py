@@ -37,6 +37,12 @@ class PrefillOptions:
     # The persistent launch's CTA count (0: one per SM). A count with persistent=None
     # turns the persistent launch on; with persistent=False it is an error.
     ctas: int = 0
+    # Launch order in L2 sections (KiB of K/V a section; 0: off): the tiles request by
+    # request, each request's (tile, query head) items in sections of as many KV heads
+    # as fit this much K/V, section by section (``prefill_plan.section_items``), so the
+    # CTAs in flight share KV streams. Off: tiles longest first across requests, heads
+    # fastest.
+    l2_section_kib: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,7 @@ def _kernel(
     # inputs
     tile_req_ref,  # i32[T]: request of each launched tile (-1: none)
     tile_loc_ref,  # i32[T]: which tile of its request (0, 1, ...)
+    item_ref,  # i32[Hq * T]: the item at each launch position (options.l2_section_kib), else i32[1]
     cu_q_ref,  # i32[bs + 1]
     kv_start_ref,  # i32[bs]: first key row (contiguous) or 0 (paged)
     kv_len_ref,  # i32[bs]
@@ -157,10 +158,13 @@ def _kernel(
         """The scalars of this CTA's item in round ``r``: item ``w`` is query head
         ``w % Hq``, tile ``w // Hq`` (tiles longest first), and the rounds walk the CTAs
         forwards and backwards in turn, so each CTA's items add up to about the same
-        work. An item past the last is a dead tile (no blocks, no stores)."""
+        work. With ``l2_section_kib`` launch position ``w`` runs item ``item_ref[w]``. An
+        item past the last is a dead tile (no blocks, no stores)."""
         c = jnp.where(lax.rem(r, 2) == 0, cta, ctas - 1 - cta)
         w = r * ctas + c
         wc = jnp.minimum(w, cfg.items - 1)
+        if cfg.options.l2_section_kib:
+            wc = item_ref[wc]
         h = lax.rem(wc, jnp.int32(cfg.num_q_heads))
         t = lax.div(wc, jnp.int32(cfg.num_q_heads))
         req = jnp.where(w < cfg.items, tile_req_ref[t], -1)
@@ -562,7 +566,7 @@ _CONSUMER_REGS = {False: 232, True: 224}
 
 def run(cfg: PrefillConfig, dtype, arrays):
     """Launch the kernel: ``(o, lse, o_side, lse_side)`` for ``arrays`` as ``mosaic_prefill`` builds them."""
-    tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
+    tile_req, tile_loc, item, cu_q, kv_start, kv_len, page_table, scales, q, k, v = arrays
     BK, S, D, DV = cfg.block_kv, cfg.num_stages, cfg.head_dim, cfg.head_dim_v
     hq, tq, bs = cfg.num_q_heads, q.shape[0], kv_len.shape[0]
     out_type = (
@@ -589,7 +593,7 @@ def run(cfg: PrefillConfig, dtype, arrays):
     ring_arrivals = 1 if cfg.kv_fp8 else cfg.pieces  # the producer's arrive, or the TMA's
 
     def entry(*refs):
-        ins, outs = refs[:10], refs[10:]
+        ins, outs = refs[:11], refs[11:]
         pl.run_scoped(
             lambda *scratch: _kernel(cfg, dtype, *ins, *outs, *scratch),
             plgpu.SMEM((2, 64, D), dtype, transforms=tq),
@@ -625,4 +629,4 @@ def run(cfg: PrefillConfig, dtype, arrays):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name=name,
     )
-    return kernel(tile_req, tile_loc, cu_q, kv_start, kv_len, page_table, scales, q, k, v)
+    return kernel(tile_req, tile_loc, item, cu_q, kv_start, kv_len, page_table, scales, q, k, v)

@@ -4,6 +4,8 @@ Plain XLA around the kernel, jitted with it:
 
 * :func:`tile_plan`: the 128-row query tiles of every request in launch order,
   longest work first;
+* :func:`section_items`: the same tiles request by request, and the launch order of
+  the (tile, query head) items in sections of KV heads whose K/V fit in L2;
 * :func:`merge_sides`: the output chunks that straddle a request's edge put in
   their rows of the ragged output;
 * :func:`v_may_be_nonfinite`: the per-call check that turns the kernel's edge
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 
 TILE_Q = 128  # query rows per tile (the kernel's two consumer warpgroups of 64)
 
-__all__ = ["TILE_Q", "segment_ids", "tile_plan", "merge_sides", "v_may_be_nonfinite", "pad_rows"]
+__all__ = ["TILE_Q", "segment_ids", "tile_plan", "section_items", "merge_sides", "v_may_be_nonfinite", "pad_rows"]
 
 
 def segment_ids(ends, n: int):
@@ -51,6 +53,51 @@ def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int
     order = jnp.argsort(-work, stable=True).astype(jnp.int32)
     tile_req = jnp.where(valid, req, -1)[order]
     return tile_req, loc[order].astype(jnp.int32)
+
+
+def section_items(tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, key_bytes: int, budget: int):
+    """An L2-aware launch order of the (tile, query head) items.
+
+    The default order (tiles longest first across requests, heads fastest) puts the
+    longest tiles of every request and head in flight at once; where each query head
+    has its own KV head, no two of them read the same K/V. Here the tiles are regrouped
+    request by request (requests in the order of their longest tile, each request's
+    tiles still longest first), and each request's items are laid out in sections of
+    ``hs`` KV heads: section by section, then tile by tile, the section's query heads
+    fastest. ``hs`` is the most KV heads whose keys (``kv_len[b] * key_bytes`` bytes a
+    head) fit in ``budget`` bytes, at least one. The CTAs in flight then share a few
+    KV streams, read from L2 by the tiles that run together.
+
+    Returns ``(tile_req, tile_loc, item)``: the regrouped tile arrays, and
+    ``item[p] = t * num_q_heads + h``, the item (tile ``t`` of the regrouped list,
+    query head ``h``) run at launch position ``p``. Tiles without a request
+    (``tile_req = -1``) stay last and keep their positions."""
+    i32 = jnp.int32
+    nt = tile_req.shape[0]
+    bs = kv_len.shape[0]
+    hq, hkv = num_q_heads, num_q_heads // group
+    ids = jnp.arange(nt, dtype=i32)
+    live = tile_req >= 0
+    req = jnp.where(live, tile_req, bs)  # bs: no request
+    first = jnp.full((bs + 1,), nt, i32).at[req].min(ids)  # each request's longest tile (no request: last)
+    order = jnp.argsort(first[req], stable=True).astype(i32)
+    req, tile_req, tile_loc = req[order], tile_req[order], tile_loc[order]
+    start = jnp.full((bs + 1,), nt, i32).at[req].min(ids)[req]  # first tile of the request
+    count = jnp.zeros((bs + 1,), i32).at[req].add(1)[req]  # its tiles
+    j = ids - start  # which of them
+    keys = jnp.concatenate([kv_len.astype(i32), jnp.zeros((1,), i32)])[req]
+    per_head = jnp.clip(keys, 1, (1 << 30) // key_bytes) * key_bytes  # no int32 overflow
+    hs = jnp.clip(min(budget, 1 << 30) // per_head, 1, hkv)  # KV heads a section: [nt]
+    h = jnp.arange(hq, dtype=i32)
+    sec = (h // group)[None, :] // hs[:, None]  # [nt, hq]
+    s0 = sec * hs[:, None] * group  # the section's first query head
+    size = (jnp.minimum((sec + 1) * hs[:, None], hkv) - sec * hs[:, None]) * group
+    pos = start[:, None] * hq + s0 * count[:, None] + j[:, None] * size + (h[None, :] - s0)
+    # the tiles of no request are one more request without keys, one section of all
+    # heads: their items keep their positions
+    flat = ids[:, None] * hq + h[None, :]
+    item = jnp.zeros((nt * hq,), i32).at[pos.reshape(-1)].set(flat.reshape(-1))
+    return tile_req, tile_loc, item
 
 
 def merge_sides(o, lse, o_side, lse_side, cu_q):

@@ -17,11 +17,12 @@ Variants (block 128 unless named):
 * ``no_pv``: the ``O^T += V^T P^T`` MMA removed (the softmax and ``P^T`` store stay);
 * ``no_qk``: the ``S^T`` MMA removed (scores are zeros; the V upcast stays);
 * ``solo``: one CTA per SM (232 registers) with as many slots as fit (up to 6);
+* ``b64``: 64-token blocks with the shipped ring (the routed FP8 path: the f16 V tile);
 * ``b64_deep``: 64-token blocks, two CTAs per SM, as many slots as fit half the SM (up to 6);
 * ``b64_deep-stream``: the same ring, no math;
 * ``vregs``: ``v_regs=True`` (V^T read into registers, no upcast tile: as many slots as
   fit, up to 6), and ``vregs-stream`` its ring with no math, ``vregs_b64`` at 64-token blocks
-  (the default FP8 path), ``vregs_b64_ovl`` with the pipelined loop (``overlap``),
+  (``KernelOptions.heads_v_regs``), ``vregs_b64_ovl`` with the pipelined loop (``overlap``),
   ``vregs_b64-stream`` its ring with no math.
 """
 
@@ -123,6 +124,7 @@ VARIANTS = {
     "no_pv": dict(),
     "no_qk": dict(),
     "solo": dict(max_stages=6, paired=False),
+    "b64": dict(block=64),
     "b64_deep": dict(max_stages=6, block=64),
     "b64_deep-stream": dict(max_stages=6, block=64),
     "vregs": dict(v_regs=True),
@@ -199,7 +201,7 @@ def main() -> None:
                 ("kernel", _kernel_only(mod, block), (q8, qf, k, v, tables, lens)),
                 ("op", _op(mod, block), (qs, k, v, tables, lens)),
             ):
-                if label == "op" and name not in ("full", "stream", "vregs_b64", "vregs_b64_ovl"):
+                if label == "op" and name not in ("full", "stream", "b64", "vregs_b64", "vregs_b64_ovl"):
                     continue
                 if args.check:
                     jax.jit(lambda *a: step(0, *a)).trace(*targs).lower(lowering_platforms=("cuda",))

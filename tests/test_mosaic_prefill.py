@@ -43,6 +43,7 @@ class Case:
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
     ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
     prefetch: bool = False  # PrefillOptions(prefetch_k=True): the next K awaited during P @ V
+    l2: int = 0  # PrefillOptions(l2_section_kib=l2): the launch order in L2 sections
     softmax_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
 
 
@@ -102,9 +103,13 @@ def _opts(c: Case):
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
     options = None
-    if c.overlap or c.ctas or c.prefetch:
+    if c.overlap or c.ctas or c.prefetch or c.l2:
         options = mp.PrefillOptions(
-            overlap_pv=c.overlap, persistent=c.ctas > 0 or None, ctas=c.ctas, prefetch_k=c.prefetch
+            overlap_pv=c.overlap,
+            persistent=c.ctas > 0 or None,
+            ctas=c.ctas,
+            prefetch_k=c.prefetch,
+            l2_section_kib=c.l2,
         )
     return dict(_opts(c), clean_edges=True if c.poison >= 0 else c.clean_edges, options=options)
 
@@ -228,6 +233,9 @@ CPU_CASES = [
     Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40, ctas=3),
     Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, ctas=2),
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True, ctas=3),
+    # the launch in L2 sections of one KV head each (24-33 KB of K/V a head against 32 KiB),
+    # persistent, the padding request's tiles and dead items last
+    Case(q_lens=(97, 0, 1, 130), hq=2, hkv=2, poison=40, ctas=3, l2=32),
     # 192/128 with 128-key blocks, the output tiles in a V ring slot: tiles of 0 to 3 blocks
     Case(q_lens=(300, 0, 1, 40), hq=2, hkv=2, d=192, dv=128, poison=130),
     # PrefillOptions(prefetch_k=True) with the edge cleaning (a poison case), and over an FP8
@@ -280,6 +288,10 @@ GPU_CASES = [
     ),
     Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, ctas=132),
     Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, overlap=True, ctas=132),
+    # the launch in L2 sections: MHA with 2 KV heads a section (2,049 keys, 1 MB a head,
+    # against 2 MiB), persistent by default; GQA over a paged prefix, one CTA per tile (FP8)
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=16, hkv=16, d=128, poison=500, l2=2048),
+    Case(q_lens=(300, 5, 129), prefix=(2000, 0, 77), page_size=16, hq=32, hkv=8, kv_fp8=True, poison=2100, l2=512),
     # prefetch_k with the edge cleaning (poison), ragged and over an FP8 paged prefix
     Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=128, poison=500, prefetch=True),
     Case(
@@ -349,6 +361,10 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
         assert "jattn_prefill" in jax.jit(pf).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # the persistent launch is the default where it was measured faster: d128, 2-byte K/V
     assert ("_persistent" in text) == (d == dv == 128 and not mode.endswith("_fp8"))
+    if mode == "extend16":  # the launch in L2 sections reads one more array
+        opts = mp.PrefillOptions(l2_section_kib=64)
+        lf = lambda q, k, v, cu: mp.mha_extend(q, k, v, pt, lens, cu, window_left=window, options=opts)  # noqa: E731
+        assert "jattn_prefill" in jax.jit(lf).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _padded_plan_arrays(x, c: Case):
@@ -422,6 +438,54 @@ def test_merge_sides_places_every_row():
             else:
                 want = -1.0  # written by the kernel directly
             assert out[s + r] == want and out_lse[s + r] == want, (b, r)
+
+
+@pytest.mark.parametrize("hq, group", [(8, 1), (8, 4), (6, 2)])
+def test_section_items_orders_requests_then_sections(hq, group):
+    """``prefill_plan.section_items``: a permutation of the (tile, head) items; the
+    regrouped tiles are the same tiles, request by request (in the order of each
+    request's longest tile), each request's still longest first; within a request the
+    items run section by section, the section's query heads fastest, each section as
+    many KV heads as the budget holds (at least one, at most all); the tiles of no
+    request last, in place."""
+    q_lens = [300, 0, 1, 1000, 129, 97]
+    kv_lens = [300, 5, 40, 1000, 2000, 97]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 7
+    cu_p, _, kl, _ = prefill_plan.with_padding_request(
+        jnp.asarray(cu), jnp.zeros(6, jnp.int32), jnp.asarray(kv_lens), jnp.zeros((6, 1), jnp.int32), t
+    )
+    nt = -(-(t + 134 * 7) // 128)
+    req0, loc0 = prefill_plan.tile_plan(cu_p, kl, nt, is_causal=True, window_left=-1)
+    key_bytes, budget, hkv = 256, 1 << 18, hq // group  # 1,024 keys a KV head
+    req, loc, item = (
+        np.asarray(a)
+        for a in prefill_plan.section_items(
+            req0, loc0, kl, num_q_heads=hq, group=group, key_bytes=key_bytes, budget=budget
+        )
+    )
+    req0, loc0 = np.asarray(req0), np.asarray(loc0)
+    assert sorted(item) == list(range(nt * hq))
+    assert sorted(zip(req, loc)) == sorted(zip(req0, loc0))
+    live = req0 >= 0
+    assert (req[~live] == -1).all() and (req[: live.sum()] >= 0).all()
+    first = {b: int(np.argmax(req0 == b)) for b in set(req0[live].tolist())}
+    runs = [int(b) for i, b in enumerate(req[live]) if i == 0 or b != req[i - 1]]
+    assert runs == sorted(first, key=first.get)  # each request once, longest tile first
+    for b in runs:
+        assert list(loc[req == b]) == list(loc0[req0 == b])  # its tiles in the same order
+    items = [(int(w) // hq, int(w) % hq) for w in item]
+    pos = 0
+    for b in runs:
+        tiles = np.flatnonzero(req == b)
+        hs = int(np.clip(budget // max(int(np.asarray(kl)[b]) * key_bytes, 1), 1, hkv))
+        for s0 in range(0, hkv, hs):
+            heads = list(range(s0 * group, min(s0 + hs, hkv) * group))
+            want = [(int(tt), h) for tt in tiles for h in heads]
+            assert items[pos : pos + len(want)] == want, (b, s0)
+            pos += len(want)
+    assert items[pos:] == [(w // hq, w % hq) for w in range(pos, nt * hq)]  # dead tiles in place
+    assert any(int(np.asarray(kl)[b]) * key_bytes > budget for b in runs)  # a request of several sections
 
 
 def test_bench_option_sets_parse_and_refuse_unknown_names():
