@@ -116,6 +116,7 @@ _PREFILL_OPTIONS = {
     "prefetch": mosaic_prefill.PrefillOptions(prefetch_k=True),
     "overlap": mosaic_prefill.PrefillOptions(overlap_pv=True),
     "persistent": mosaic_prefill.PrefillOptions(persistent=True),
+    "l2": mosaic_prefill.PrefillOptions(l2_section_kib=16384),
 }
 _PREFILL_GRID = [
     dict(d=d, dv=dv, paged=paged, kv=kv, opt=opt)
