@@ -96,7 +96,7 @@ class EngineConfig:
             ):
                 raise ValueError(f"EngineConfig.{name}={bk!r} must be None or a sequence of positive integers")
             if bk is not None:
-                object.__setattr__(self, name, tuple(int(b) for b in bk))  # a range or list: one hashable form
+                object.__setattr__(self, name, tuple(sorted({int(b) for b in bk})))  # one sorted hashable form
         if not isinstance(self.overlap, bool):
             raise ValueError(f"EngineConfig.overlap={self.overlap!r} must be True or False")
         if not isinstance(self.scan_layers, bool):

@@ -658,10 +658,14 @@ def test_engine_config_refuses_what_cannot_serve(kw, match):
 
 
 def test_engine_config_normalises_what_it_takes():
-    """Bucket sequences (a range) become tuples; numpy bools are the Python bools the
+    """Bucket sequences (a range, a list out of order with a repeat) become sorted tuples
+    without repeats, so equal configs are equal; numpy bools are the Python bools the
     engine tests by identity."""
-    c = EngineConfig(batch_buckets=range(1, 5), token_buckets=[16, 32], cascade=np.True_, fuse_projections=np.False_)
+    c = EngineConfig(
+        batch_buckets=range(1, 5), token_buckets=[32, 16, 32], cascade=np.True_, fuse_projections=np.False_
+    )
     assert (c.batch_buckets, c.token_buckets) == ((1, 2, 3, 4), (16, 32))
+    assert EngineConfig(batch_buckets=[4, 1, 2]) == EngineConfig(batch_buckets=(1, 2, 4))
     assert c.cascade is True and c.fuse_projections is False
 
 
