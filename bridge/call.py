@@ -156,6 +156,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         they were counted, for messages; None keeps the last); ``capture``: a bucket's
         capture plan (the native path keeps its device tensors for good)."""
         self._note_plan(md, tokens_rule)
+        self._loc_np = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
         if self._native is not None:
             # host arrays: the native layer calls read the plan from NativePlans' device
             # tensors, and what still runs on JAX (MLA's prefix chunks) takes numpy as it is
@@ -174,7 +175,7 @@ class _BridgeBase(_InputChecks, _PoolViews):
         if self._md_sig is None:
             self._md_count += 1
             self._md_sig = self._md_sigs[sig] = self._md_count
-        loc = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
+        loc = self._loc_np
         self._loc_t = torch.from_numpy(loc.astype(np.int64)).to(self.device, non_blocking=True)
         self._loc_stream, self._loc_streams = None, set()
         if self._loc_t.is_cuda:

@@ -94,8 +94,9 @@ class _InputChecks:
     ``_num_real_tokens``, ``_plan_rows``, ``_tokens_rule``, ``forward_mode``) and its
     ``check_slot_values`` setting; a base of ``call._BridgeBase``."""
 
-    #: Range checks of the values of a caller's ``out_cache_loc`` (the slots the torch
-    #: writer writes): ``"host"`` (default) checks a CPU tensor's values on every call
+    #: Checks of the values of a caller's ``out_cache_loc`` (the slots the torch writer
+    #: writes: inside the pool, and the installed plan's slots for the real tokens, which
+    #: the attention reads): ``"host"`` (default) checks a CPU tensor's values on every call
     #: and a CUDA tensor's shape and dtype only (its values would cost a device sync
     #: per layer call; an out-of-range slot there is torch's device-side index error);
     #: ``"always"`` checks CUDA tensors' values too (one sync per call: debugging);
@@ -155,4 +156,29 @@ class _InputChecks:
         values = mode == "always" or (mode == "host" and isinstance(loc, torch.Tensor) and loc.device.type == "cpu")
         layout = f"1-D with a slot for each of the {n} new tokens"
         where = f"the KV pool's slots [0, {slots}) (pages * page_size)"
-        return check_slots(loc, "out_cache_loc", n, layout, slots, where, values=values, at_least=True)
+        loc = check_slots(loc, "out_cache_loc", n, layout, slots, where, values=values, at_least=True)
+        if values:
+            self._check_loc_matches_plan(loc)
+        return loc
+
+    #: The installed plan's slots of its new tokens (numpy, padding rows included).
+    _loc_np = None
+
+    def _check_loc_matches_plan(self, loc) -> None:
+        """Raises unless the real tokens' slots in ``loc`` are the installed plan's: the
+        attention reads each new token where the plan (``req_to_page``, ``seq_lens``) puts
+        it, so a torch write elsewhere would leave it reading a stale slot and overwrite
+        another token. Padding rows are not compared."""
+        plan = self._loc_np
+        if plan is None:
+            return
+        real = min(int(self._num_real_tokens), loc.shape[0], plan.shape[0])
+        got = loc[:real].cpu().numpy()
+        bad = np.flatnonzero(got != plan[:real])
+        if bad.size:
+            i = int(bad[0])
+            raise BridgeError(
+                f"out_cache_loc[{i}]={int(got[i])}, but the installed plan puts new token {i} at slot "
+                f"{int(plan[i])} (from req_to_page and seq_lens): the attention would read that slot while "
+                f"the pool's writer wrote elsewhere; pass the slots of the plan ({len(bad)} of {real} differ)"
+            )

@@ -302,9 +302,10 @@ class TorchMHABackend(_BridgeBase):
             (then they must be in the pool already).
           layer: see :class:`jattn.bridge.TorchAttentionLayer`.
           out_cache_loc: slots of the new tokens, 1-D integer (used by
-            ``kv_writer="torch"``; the JAX writer uses the plan's slots, which are the same
-            for a consistent ``req_to_page``); values are range-checked as
-            :attr:`check_slot_values` says. token_to_kv_pool: the torch pool. bs: requests.
+            ``kv_writer="torch"``; the JAX writer uses the plan's slots). They must be the
+            plan's slots (the attention reads those): where :attr:`check_slot_values` says,
+            they are range-checked and compared with the plan's (the real tokens' rows).
+            token_to_kv_pool: the torch pool. bs: requests.
           save_kv_cache: write k/v into the pool first (in place).
           kwargs: ``sinks`` f32[tp_q_head_num] (gpt-oss).
 

@@ -258,8 +258,9 @@ class TorchMLABackend(_BridgeBase):
           v: unused (the value is the latent). forward_batch: the plan of
             ``init_forward_metadata`` is used, but its ``out_cache_loc`` (or an
             ``out_cache_loc`` keyword) is where the pool's own writer (``kv_writer="torch"``)
-            writes; the JAX writer writes the plan's slots, the same ones for an engine
-            whose ``req_to_token`` and ``out_cache_loc`` agree.
+            writes; the JAX writer writes the plan's slots. The two must agree (the
+            attention reads the plan's): where the slot values are checked
+            (``check_slot_values``) other slots are refused by name.
           cos_sin_cache: [max_position, rope] (cos then sin; any float dtype, read as f32):
             q_rope / k_rope arrive unrotated and the core rotates them at the plan's
             positions (``is_neox`` picks the pairing); on an FP8 pool the query is also

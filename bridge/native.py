@@ -78,8 +78,8 @@ class NativePlans:
                 while len(self._bufs) >= self.maxsize:
                     self._bufs.pop(next(iter(self._bufs)))
                 self._bufs[key] = bufs
-        for n, a in arrays.items():
-            bufs[n].copy_(torch.from_numpy(a))
+        for n, a in arrays.items():  # (a read-only array, e.g. from a JAX plan, is copied: torch warns on those)
+            bufs[n].copy_(torch.from_numpy(a if a.flags.writeable else a.copy()))
         rows = int(arrays["out_cache_loc"].shape[0])
         return NativePlan(
             tensors=bufs,

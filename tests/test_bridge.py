@@ -1755,7 +1755,7 @@ def test_bad_out_cache_loc_is_refused():
         be.check_slot_values = "always"
         be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([9, 5]), _R2P, ForwardMode.DECODE)
     _, k, v = _mha_kv(2, g)
-    good = torch.tensor([8 * 4 + 0, 6 * 4 + 0], device=DEV)  # any slots in the pool
+    good = torch.as_tensor(np.asarray(be.forward_metadata.out_cache_loc)[:2].astype(np.int64), device=DEV)  # the plan's
     for _ in range(2):  # the hot-path plan checks them too
         be.forward_decode(q, k, v, layer, good, pool, 2, save_kv_cache=True)
     before = pool.k_buffer[0].clone()
@@ -1765,6 +1765,13 @@ def test_bad_out_cache_loc_is_refused():
         (torch.tensor([4, 64], device=DEV), r"out_cache_loc holds slot 64, outside the KV pool's slots \[0, 64\)"),
         (torch.tensor([-1, 4], device=DEV), r"out_cache_loc holds slot -1, outside the KV pool's slots \[0, 64\)"),
         (good.float(), r"out_cache_loc must hold integer slots, got dtype torch.float32"),
+        # slots in the pool but not the plan's: attention reads the plan's (a stale slot)
+        (
+            good.flip(0),
+            rf"out_cache_loc\[0\]={int(good[1])}, but the installed plan puts new token 0 at slot "
+            rf"{int(good[0])} .* \(2 of 2 differ\)",
+        ),
+        (torch.stack([good[0], good[0] + 1]), rf"out_cache_loc\[1\]={int(good[0]) + 1}, .* \(1 of 2 differ\)"),
     ]:
         with pytest.raises(BridgeError, match=msg):
             be.forward_decode(q, k, v, layer, loc, pool, 2, save_kv_cache=True)
@@ -1785,6 +1792,14 @@ def test_bad_out_cache_loc_is_refused():
     kw = dict(save_kv_cache=True, k_rope=kr, token_to_kv_pool=mpool)
     with pytest.raises(BridgeError, match=r"out_cache_loc holds slot 32, outside the KV pool's slots \[0, 32\)"):
         mla.forward_decode(qm, c, None, mlayer, out_cache_loc=torch.tensor([4, 32], device=DEV), **kw)
+    mloc = np.asarray(mla.forward_metadata.out_cache_loc)[:2].astype(np.int64)
+    before = mpool.kv_buffer[0].clone()
+    with pytest.raises(
+        BridgeError, match=rf"out_cache_loc\[1\]={mloc[1] + 1}, but the installed plan puts new token 1"
+    ):
+        mla.forward_decode(qm, c, None, mlayer, out_cache_loc=torch.tensor([mloc[0], mloc[1] + 1], device=DEV), **kw)
+    torch.testing.assert_close(mpool.kv_buffer[0], before, rtol=0, atol=0, equal_nan=True)  # nothing written
+    mla.forward_decode(qm, c, None, mlayer, out_cache_loc=torch.as_tensor(mloc, device=DEV), **kw)  # the plan's: fine
     # the pool's own writer names loc
     with pytest.raises(BridgeError, match=r"loc must be \[2\] \(one slot per row of cache_k\), got shape \(1,\)"):
         pool.set_kv_buffer(layer, good[:1], k, v)

@@ -74,7 +74,9 @@ def test_fp8_scale_set_after_the_first_call_reaches_the_attention():
 def test_torch_writer_writes_at_forward_batch_out_cache_loc():
     """SGLang's MLA backend writes the latent at ``forward_batch.out_cache_loc``; so does
     the bridge's torch writer when no ``out_cache_loc`` keyword is given (it wrote the
-    plan's slots before, silently)."""
+    plan's slots before, silently). Slots other than the plan's are refused by name
+    (the attention reads the plan's slots: it would read a stale one), before any write;
+    the ``out_cache_loc`` keyword is checked the same way and wins over the batch's."""
     c, p = _config(), _pool()
     layer = AttentionLayer(0, H, 1, R + RP, v_head_dim=R)
     be = TorchMLABackend(c, p)
@@ -83,15 +85,25 @@ def test_torch_writer_writes_at_forward_batch_out_cache_loc():
     q, qr, ck, kp = _decode_inputs()
     buf = p.kv_buffer[0].view(-1, R + RP)
     plan = [3 * PS + 2, 5 * PS + 1]  # the plan's slots: token 11 of pages [1, 2, 3], token 6 of [4, 5]
-    before = buf[plan].clone()
+    before = buf.clone()
     fb = types.SimpleNamespace(out_cache_loc=torch.tensor([40, 41]))
+    with pytest.raises(
+        BridgeError, match=rf"out_cache_loc\[0\]=40, but the installed plan puts new token 0 at slot {plan[0]}"
+    ):
+        be.forward_decode(q, ck, None, layer, fb, save_kv_cache=True, q_rope=qr, k_rope=kp)
+    assert torch.equal(buf, before)  # nothing written
+    fb = types.SimpleNamespace(out_cache_loc=torch.tensor(plan))
     be.forward_decode(q, ck, None, layer, fb, save_kv_cache=True, q_rope=qr, k_rope=kp)
-    assert torch.equal(buf[40:42, :R], ck) and torch.equal(buf[40:42, R:], kp)
-    assert torch.equal(buf[plan], before)
+    assert torch.equal(buf[plan, :R], ck) and torch.equal(buf[plan, R:], kp)
+    bad = types.SimpleNamespace(out_cache_loc=torch.tensor([40, 41]))
     be.forward_decode(
-        q, 2 * ck, None, layer, fb, save_kv_cache=True, q_rope=qr, k_rope=kp, out_cache_loc=torch.tensor(plan)
+        q, 2 * ck, None, layer, bad, save_kv_cache=True, q_rope=qr, k_rope=kp, out_cache_loc=torch.tensor(plan)
     )
     assert torch.equal(buf[plan, :R], 2 * ck)  # the keyword wins
+    with pytest.raises(BridgeError, match=r"out_cache_loc\[1\]=41, .* \(1 of 2 differ\)"):
+        be.forward_decode(
+            q, ck, None, layer, fb, save_kv_cache=True, q_rope=qr, k_rope=kp, out_cache_loc=torch.tensor([plan[0], 41])
+        )
 
 
 def test_prefix_chunk_must_cover_the_batch():

@@ -161,7 +161,7 @@ def _one_token_write(kernels: str, out_cache_loc, strided=False):
 def run_slots(name: str, path: str) -> None:
     import torch
 
-    loc = None if name in ("plan_slot", "strided") else torch.tensor([200])
+    loc = None if name in ("plan_slot", "strided") else torch.tensor([84])  # the plan's slot, given
     kw = dict(strided=name == "strided")
     np.savez(path, jax=_one_token_write("jax", loc, **kw), native=_one_token_write("triton_native", loc, **kw))
 
@@ -176,10 +176,11 @@ def interpreted(tmp_path_factory):
 
 
 def test_interpreted_native_writes_the_callers_slots(interpreted):
-    """``out_cache_loc`` names the slots on the native path as on the JAX path (the plan's
-    slot, 84, only where it is None); k / v that are strided views are written as their
-    values (the native path refused them as not contiguous)."""
-    for name, slot in (("plan_slot", 84), ("caller_slot", 200), ("strided", 84)):
+    """The native path writes the new token where the JAX path does: the plan's slot, 84,
+    whether ``out_cache_loc`` is None or names it (other slots are refused:
+    ``test_native_checks_pool_buffers_and_slots_as_the_jax_path``); k / v that are strided
+    views are written as their values (the native path refused them as not contiguous)."""
+    for name, slot in (("plan_slot", 84), ("caller_slot", 84), ("strided", 84)):
         res = interpreted[name]
         for kind in ("jax", "native"):
             written = np.flatnonzero(np.abs(res[kind]).sum(axis=1))
@@ -220,6 +221,9 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
         call(loc=torch.tensor([10**6]))
     with pytest.raises(BridgeError, match=r"out_cache_loc must hold integer slots"):
         call(loc=torch.tensor([1.5]))
+    # a slot in the pool but not the plan's (token 4 of pages [1, 2, ...]: slot 8)
+    with pytest.raises(BridgeError, match=r"out_cache_loc\[0\]=9, but the installed plan puts new token 0 at slot 8"):
+        call(loc=torch.tensor([9]))
     # the caller's q (not the pool) named for a dtype the pool does not have; sinks of
     # another length than the query heads (one value was broadcast over every head)
     with pytest.raises(BridgeError, match=r"q\.dtype=torch\.float32 must be the KV pool's torch\.bfloat16"):
