@@ -306,7 +306,9 @@ class TorchMHABackend(_BridgeBase):
             plan's slots (the attention reads those): where :attr:`check_slot_values` says,
             they are range-checked and compared with the plan's (the real tokens' rows).
             token_to_kv_pool: the torch pool. bs: requests.
-          save_kv_cache: write k/v into the pool first (in place).
+          save_kv_cache: write k/v into the pool first (in place). Default False, as in
+            tokenspeed's backend: k/v given without it are not written, and the attention
+            reads what the pool holds at their slots (the engine must have written them).
           kwargs: ``sinks`` f32[tp_q_head_num] (gpt-oss).
 
         Returns:

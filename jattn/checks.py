@@ -65,6 +65,10 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
         raise ValueError(f"logit_cap={logit_cap!r} must be a finite Python number >= 0 (0 disables it)")
     if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
         raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
+    if sinks is not None:
+        dt = np.dtype(sinks.dtype) if hasattr(sinks, "dtype") else np.asarray(sinks).dtype
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"sinks must hold float logits (any float dtype, read as f32), got dtype {dt}")
     s = None if sinks is None else _concrete(sinks)
     s32 = None if s is None else s.astype(np.float32)
     bad = None if s is None else np.isnan(s32) | (s32 == np.inf)

@@ -110,6 +110,12 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MHAConfig:
+    """A paged MHA/GQA backend's settings. ``num_q_heads``, ``num_kv_heads`` and
+    ``head_dim`` describe the model (per tensor-parallel rank) and are validated, but the
+    calls follow each layer's own counts (an :class:`AttentionLayer`'s), as the upstream
+    backends do: layers of one model may differ (per-layer GQA), and q and the caches are
+    checked against the layer."""
+
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
@@ -137,6 +143,9 @@ class MHAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
+    """A DeepSeek MLA backend's settings. ``num_heads`` describes the model (per rank);
+    the calls follow each layer's own head count, against which q is checked."""
+
     num_heads: int
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128

@@ -249,7 +249,8 @@ def run(
     ok = worst <= tol and alloc.num_free == num_pages - 1
     if verbose:
         print(f"jattn synthetic serving demo: {num_requests} requests, {step} steps, {tokens} tokens")
-        print(f"  device: {jax.devices()[0].device_kind} ({device_kind()}), kernel backend: {backend or 'auto'}")
+        label = backend or ("auto: every op on xla here" if device_kind() == "cpu" else "auto")
+        print(f"  device: {jax.devices()[0].device_kind} ({device_kind()}), kernel backend: {label}")
         print(
             f"  attention: {num_q_heads} q heads / {num_kv_heads} kv heads, head_dim {head_dim}, "
             f"page {page_size}, kv cache {dtype}"

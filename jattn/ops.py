@@ -12,8 +12,10 @@ its empty or all-zero result, or the caches as they are, whatever the backend: t
 have no empty launch.)
 What each op computes (masks, window, cap, sinks, FP8, LSE) is in docs/SEMANTICS.md.
 
-Shapes and dtypes are checked at trace time with errors that name the argument;
-values (page ids, lengths) are checked by the host-side planners. Empty calls (no
+Shapes and dtypes are checked at trace time with errors that name the argument.
+Values (page ids, lengths, ``cu_seqlens``) are checked where they are concrete: an eager
+call checks them; under ``jax.jit`` they are traced and pass unchecked, and the host-side
+planners, which see numpy arrays, are what check a jitted step's values. Empty calls (no
 requests, ``max_seqlen_q=0``, no query rows) return outputs of the usual shapes and
 dtypes on every backend.
 """
@@ -94,7 +96,8 @@ def mha_decode_with_kvcache(
       is_causal: query ``i`` sees keys ``j <= L - max_seqlen_q + i``; else all ``L``.
       window_left: sliding window (``-1`` off): also ``j >= L - max_seqlen_q + i - window_left``.
       logit_cap: ``c * tanh(x / c)`` on the scaled scores; 0 disables.
-      sinks: f32[num_q_heads] per-head sink logits (denominator only, not scaled), or None.
+      sinks: [num_q_heads] per-head sink logits (any float dtype, read as f32; denominator
+        only, not scaled), or None.
       softmax_scale: python float or f32 scalar; defaults to ``1/sqrt(head_dim)``.
       k_scale, v_scale: FP8 dequantisation scales (python float or f32 scalar), applied
         whatever the cache dtype: pass 1.0 for bf16/fp16/f32 caches.

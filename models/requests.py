@@ -234,10 +234,12 @@ class EngineMetrics:
         return 1e3 * float(np.median(self.decode_step_times)) if self.decode_step_times else 0.0
 
     def summary(self) -> str:
+        extra = self.steps - self.prefill_steps - self.decode_steps
+        calls = f"; {extra} more step() call(s): idle, or reading back the last step" if extra > 0 else ""
         return (
             f"{self.generated_tokens} tokens in {self.prefill_steps} prefill and {self.decode_steps} decode "
-            f"steps ({self.steps} step calls); {self.tokens_per_s:.1f} tok/s overall, "
-            f"{self.decode_tokens_per_s:.1f} tok/s decode; median decode step "
-            f"{self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
-            f"({self.compile_time:.1f} s in compiling steps)"
+            f"steps{calls}; {self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
+            f"(both over the {self.prefill_steps + self.decode_steps - self.compile_steps} steps that did not "
+            f"compile); median decode step {self.median_decode_step_ms:.2f} ms; {self.compilations} compilations "
+            f"({self.compile_time:.1f} s in the {self.compile_steps} compiling steps)"
         )

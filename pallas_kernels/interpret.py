@@ -180,5 +180,9 @@ def no_gpu_reason() -> str | None:
     import jax
 
     if jax.default_backend() != "gpu" and not interpreting():
-        return "no GPU (the mosaic backend needs an sm90 GPU or the Mosaic GPU interpreter)"
+        return (
+            "no GPU (the mosaic backend needs an sm90 GPU, or the Mosaic GPU interpreter on the CPU: "
+            "call jattn.pallas_kernels.interpret.widen_cpu_pool() before JAX's first computation, then trace the "
+            "call inside `with jattn.pallas_kernels.interpret.gpu_interpret():`; slow, small shapes only)"
+        )
     return None

@@ -109,6 +109,12 @@ SHAPE_CASES = [
     ("sinks-shape", dict(sinks=jnp.ones((2,), F32)), ValueError, r"sinks must have shape \(4,\)"),
     ("sinks-nan", dict(sinks=jnp.array([0.0, 1.0, jnp.nan, 2.0], F32)), ValueError, r"sinks\[2\]=nan must be a finite"),
     ("sinks-inf", dict(sinks=jnp.array([0.0, jnp.inf, 1.0, 2.0], F32)), ValueError, r"sinks\[1\]=inf must be a finite"),
+    (
+        "sinks-int",
+        dict(sinks=jnp.array([0, 1, 2, 3], jnp.int32)),
+        ValueError,
+        r"sinks must hold float logits .* got dtype int32",
+    ),
     ("list-lengths", dict(cache_seqlens=[3, 3]), TypeError, r"cache_seqlens must be an array \[batch\], got list"),
     ("list-q", dict(q=[[[1.0] * 8] * 4] * 2), TypeError, r"q must be an array \[tokens, num_q_heads, head_dim\]"),
     (
