@@ -550,9 +550,9 @@ class _BridgeBase(_InputChecks, _PoolViews):
 
         ``head``: the jitted call's leading extra arguments (the parameters, read per
         call). ``prep(pool, layer, *inputs)`` does the torch-side work (torch KV write,
-        staging copy into ``stage_t[:n]``); ``checks`` are ``(getter, data_ptr)`` pairs,
-        ``getter(pool)`` a pool buffer: a moved buffer returns None and the caller takes
-        the slow path (re-import). Built only after a slow-path call of the same key
+        staging copy into ``stage_t[:n]``); ``checks`` are ``(getter, data_ptr, shape)``
+        triples, ``getter(pool)`` a pool buffer: a moved or reshaped buffer returns None and
+        the caller takes the slow path (re-import and its checks). Built only after a slow-path call of the same key
         verified every alias."""
         sync = self.sync
         fenced = sync.jax_fence
@@ -572,8 +572,9 @@ class _BridgeBase(_InputChecks, _PoolViews):
         def plan(pool, layer, head, *inputs):
             if sync.jax_fence != fenced:
                 return None  # the sync mode changed: rebuild on the slow path
-            for get, ptr in checks:
-                if get(pool).data_ptr() != ptr:
+            for get, ptr, shape in checks:
+                buf = get(pool)
+                if buf.data_ptr() != ptr or buf.shape != shape:
                     return None
             prep(pool, layer, *inputs)
             extra = head + tuple(v.jax for v in ro_views)

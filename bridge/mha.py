@@ -251,8 +251,8 @@ class TorchMHABackend(_BridgeBase):
         i, ks, vs = spec.layer_id, spec.k_scale, spec.v_scale
         slots, out_loc = views[0].torch.shape[0] * self.page_size, self._out_loc
         checks = (
-            (lambda pool: pool.get_key_buffer(i), views[0].torch.data_ptr()),
-            (lambda pool: pool.get_value_buffer(i), views[1].torch.data_ptr()),
+            (lambda pool: pool.get_key_buffer(i), views[0].torch.data_ptr(), views[0].src_shape),
+            (lambda pool: pool.get_value_buffer(i), views[1].torch.data_ptr(), views[1].src_shape),
         )
         cat = torch.cat
 

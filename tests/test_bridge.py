@@ -1746,6 +1746,24 @@ def test_scales_that_are_not_one_finite_positive_value_are_refused():
     assert fp8.k_buffer[0][4].float().abs().max() > 0
 
 
+def test_a_buffer_shrunk_at_the_same_address_is_checked_again():
+    """A pool buffer replaced by a smaller one at the same address (a view of its first
+    pages) is checked again, on the slow path (a new call signature) and on the hot path
+    of a repeated call (it checked only the address)."""
+    be, pool, (layer,), q, _ = _decode_fixture(9)
+    for _ in range(2):  # the second call sets up the hot path
+        be.forward_decode(q, None, None, layer, None, pool, 2)
+    full = pool.k_buffer[0]
+    pool.k_buffer[0] = full[: 8 * 4]  # the same data pointer: 8 of the 16 pages
+    msg = r"k_buffer\[layer 0\] has 8 pages, config.num_pages=16"
+    with pytest.raises(BridgeError, match=msg):
+        be.forward_decode(q, None, None, layer, None, pool, 2)  # the hot path's call
+    with pytest.raises(BridgeError, match=msg):
+        be.forward_decode(q, None, None, layer, None, pool, 2, sinks=torch.zeros(4, device=DEV))  # a new call
+    pool.k_buffer[0] = full
+    be.forward_decode(q, None, None, layer, None, pool, 2)
+
+
 def test_bad_out_cache_loc_is_refused():
     """The torch writer's out_cache_loc: too short, out of the pool, negative or float
     gave torch's index_copy_ errors (or wrote where it should not), not naming it."""

@@ -217,6 +217,11 @@ def test_native_checks_pool_buffers_and_slots_as_the_jax_path():
         call(cfg_pages=None)
     with pytest.raises(BridgeError, match=r"has 32 pages, but the plan's page ids were checked against num_pages=64"):
         call(cfg_pages=None, pool_pages=32, num_pages=64)
+    # one page short, not only half the pages
+    with pytest.raises(BridgeError, match=r"k_buffer\[layer 0\] has 63 pages, config\.num_pages=64"):
+        call(pool_pages=63)
+    with pytest.raises(BridgeError, match=r"has 63 pages, but the plan's page ids were checked against num_pages=64"):
+        call(cfg_pages=None, pool_pages=63, num_pages=64)
     with pytest.raises(BridgeError, match=r"out_cache_loc holds slot 1000000, outside the KV pool's slots \[0, 256\)"):
         call(loc=torch.tensor([10**6]))
     with pytest.raises(BridgeError, match=r"out_cache_loc must hold integer slots"):

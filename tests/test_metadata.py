@@ -416,3 +416,40 @@ def test_plan_prefix_chunks_checks_page_ids():
         jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8, num_pages=64)
     chunks = jattn.plan_prefix_chunks([20, 3], pt, page_size=16, chunk_size=8, num_pages=71)
     assert max(int(c.slots.max()) for c in chunks) < 71 * 16
+
+
+def test_with_seq_lens_keeps_rows_past_num_reqs_empty():
+    """Rows past ``num_reqs`` (padding of the bucket) get length 0 and the dummy slot,
+    for host and device lengths alike."""
+    md = jattn.plan_decode(
+        [5, 6, 7], page_size=4, page_table=np.array([[1, 2], [3, 4], [5, 6]]), num_pages=8, batch_buckets=(4,)
+    )
+    for lens in (np.array([5, 6, 7]), jnp.array([5, 6, 7], jnp.int32)):
+        out = md.with_seq_lens(lens, 2)
+        np.testing.assert_array_equal(out.cache_seqlens, [5, 6, 0, 0])
+        np.testing.assert_array_equal(np.asarray(out.out_cache_loc)[2:], 0)
+
+
+def test_cascade_plan_with_a_partial_last_group():
+    """Three requests in groups of two are two groups (the last one partial): one
+    ``prefix_pages`` entry per group, a count of whole groups refused by name."""
+    kw = dict(page_size=4, page_table=np.array([[1, 2], [1, 3], [4, 5]]), num_pages=8, batch_buckets=(4,), group_size=2)
+    np.testing.assert_array_equal(jattn.plan_decode([6, 7, 5], prefix_pages=[1, 0], **kw).prefix_pages, [1, 0])
+    with pytest.raises(ValueError, match="prefix_pages has 1 entries; the 3 requests form 2 groups"):
+        jattn.plan_decode([6, 7, 5], prefix_pages=[1], **kw)
+
+
+def test_plan_decode_reads_the_mode_off_q_len_and_causality():
+    kw = dict(page_size=4, page_table=np.array([[1]]))
+    assert jattn.plan_decode([3], **kw).forward_mode is ForwardMode.DECODE
+    assert jattn.plan_decode([3], q_len=2, **kw).forward_mode is ForwardMode.TARGET_VERIFY
+    assert jattn.plan_decode([3], q_len=2, is_causal=False, **kw).forward_mode is ForwardMode.DRAFT_BLOCK
+
+
+def test_with_seq_lens_takes_host_lengths_shorter_than_q_len():
+    """A length below ``q_len`` (the first tokens of a verify block have no position yet):
+    those rows write the dummy slot, and no clash with another request is reported."""
+    md = jattn.plan_decode([3, 3], page_size=4, page_table=np.array([[1], [3]]), q_len=3, num_pages=8, max_pages=2)
+    np.testing.assert_array_equal(
+        np.asarray(md.with_seq_lens(np.array([2, 2])).out_cache_loc)[:6], [0, 4, 5, 0, 12, 13]
+    )

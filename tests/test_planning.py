@@ -114,6 +114,10 @@ def test_plans_refuse_writes_into_pages_another_request_holds():
         md.with_seq_lens(np.array([6]))
     with pytest.raises(ValueError, match="page_table must be a rectangular 2-D int array"):
         jattn.plan_decode([6, 3], page_size=4, page_table=[[3, 4], [5]], num_pages=8)
+    # the rule is per slot: writing past the tokens another request holds in a page is fine
+    jattn.plan_extend([2, 4], [0, 2], page_size=4, page_table=np.array([[3], [3]]), num_pages=8)
+    with pytest.raises(ValueError, match="which request 0 holds as its token 2"):
+        jattn.plan_extend([3, 4], [0, 2], page_size=4, page_table=np.array([[3], [3]]), num_pages=8)
 
 
 def test_plans_refuse_a_row_that_repeats_a_page_it_writes():
@@ -150,6 +154,9 @@ def test_draft_block_padding_row_holds_no_pages():
     filled = be.fill_block_decode_seq_lens(md, 4, jnp.array([12, 8, 9, 0]))
     slots = np.asarray(filled.out_cache_loc).reshape(4, 3)
     assert (slots[3] // 4 == 0).all() and (slots[0] // 4 == 3).all()  # padding: the dummy page only
+    # a page id past the pool in a DRAFT_BLOCK row is dropped, not kept for the block to grow into
+    md2 = be.init_forward_metadata(1, [0], [5], np.array([[5, 6, 40, 0]]), ForwardMode.DRAFT_BLOCK)
+    np.testing.assert_array_equal(md2.page_table[0], [5, 6, 0, 0])  # 40 >= num_pages=32
 
 
 def test_ragged_metadata_refuses_bad_lengths():
