@@ -552,8 +552,8 @@ class _BridgeBase(_InputChecks, _PoolViews):
         call). ``prep(pool, layer, *inputs)`` does the torch-side work (torch KV write,
         staging copy into ``stage_t[:n]``); ``checks`` are ``(getter, data_ptr, shape)``
         triples, ``getter(pool)`` a pool buffer: a moved or reshaped buffer returns None and
-        the caller takes the slow path (re-import and its checks). Built only after a slow-path call of the same key
-        verified every alias."""
+        the caller takes the slow path (re-import and its checks). Built only after a
+        slow-path call of the same key verified every alias."""
         sync = self.sync
         fenced = sync.jax_fence
         fn = self._fns.get(fkey + (fenced,))
