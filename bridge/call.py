@@ -156,7 +156,6 @@ class _BridgeBase(_InputChecks, _PoolViews):
         they were counted, for messages; None keeps the last); ``capture``: a bucket's
         capture plan (the native path keeps its device tensors for good)."""
         self._note_plan(md, tokens_rule)
-        self._loc_np = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
         if self._native is not None:
             # host arrays: the native layer calls read the plan from NativePlans' device
             # tensors, and what still runs on JAX (MLA's prefix chunks) takes numpy as it is

@@ -108,12 +108,14 @@ class _InputChecks:
     # were counted (for messages); None until a plan is installed
     _plan_rows: int | None = None
     _plan_decode: bool | None = None
+    _loc_np = None  # the plan's slots of its token rows (numpy, padding rows included)
     _tokens_rule: str = ""
 
     def _note_plan(self, md, tokens_rule: str | None) -> None:
         """Records what the checks need of plan ``md`` being installed (``tokens_rule``:
         how its new tokens were counted; None keeps the last)."""
-        self._plan_rows = int(np.shape(md.out_cache_loc)[0])
+        self._loc_np = np.asarray(md.out_cache_loc)  # padding rows' slots are the dummy page's
+        self._plan_rows = int(self._loc_np.shape[0])
         self._plan_decode = ForwardMode.parse(md.forward_mode).is_decode()
         if tokens_rule is not None:
             self._tokens_rule = tokens_rule
@@ -161,9 +163,6 @@ class _InputChecks:
             self._check_loc_matches_plan(loc)
         return loc
 
-    #: The installed plan's slots of its new tokens (numpy, padding rows included).
-    _loc_np = None
-
     def _check_loc_matches_plan(self, loc) -> None:
         """Raises unless the real tokens' slots in ``loc`` are the installed plan's: the
         attention reads each new token where the plan (``req_to_page``, ``seq_lens``) puts
@@ -172,7 +171,7 @@ class _InputChecks:
         plan = self._loc_np
         if plan is None:
             return
-        real = min(int(self._num_real_tokens), loc.shape[0], plan.shape[0])
+        real = min(self._num_real_tokens, loc.shape[0], plan.shape[0])
         got = loc[:real].cpu().numpy()
         bad = np.flatnonzero(got != plan[:real])
         if bad.size:

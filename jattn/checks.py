@@ -63,9 +63,9 @@ def _check_options(window_left, logit_cap, sinks, num_q_heads, is_causal=True):
         raise ValueError(f"window_left={window_left!r} must be an int >= -1 (-1 disables it)")
     if not isinstance(logit_cap, numbers.Real) or isinstance(logit_cap, bool) or not 0 <= logit_cap < float("inf"):
         raise ValueError(f"logit_cap={logit_cap!r} must be a finite Python number >= 0 (0 disables it)")
-    if sinks is not None and tuple(jnp.shape(sinks)) != (num_q_heads,):
-        raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
     if sinks is not None:
+        if tuple(jnp.shape(sinks)) != (num_q_heads,):
+            raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got {jnp.shape(sinks)}")
         dt = np.dtype(sinks.dtype) if hasattr(sinks, "dtype") else np.asarray(sinks).dtype
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"sinks must hold float logits (any float dtype, read as f32), got dtype {dt}")
