@@ -28,7 +28,7 @@ from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.combine import NUM_SMS
 from jattn.pallas_kernels.interpret import no_gpu_reason
 from jattn.pallas_kernels.mosaic_common import fold_softmax_scale
-from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions
+from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions, resolve_l2_section_kib
 from jattn.pallas_kernels.mosaic_prefill_kernel import run
 
 __all__ = [
@@ -153,8 +153,6 @@ def _attention(
         raise ValueError(f"PrefillOptions.ctas={options.ctas}: 0 (one CTA per SM) or a positive count")
     if options.ctas and options.persistent is False:
         raise ValueError(f"PrefillOptions.ctas={options.ctas} sizes the persistent launch; persistent=False has none")
-    if options.l2_section_kib < 0:
-        raise ValueError(f"PrefillOptions.l2_section_kib={options.l2_section_kib}: 0 (off) or KiB of K/V a section")
     if options.block_kv not in (0, 64, 128):
         raise ValueError(f"PrefillOptions.block_kv={options.block_kv}: 0 (by head width), 64 or 128")
     if options.prefetch_k and options.overlap_pv:
@@ -162,6 +160,7 @@ def _attention(
     t, hq, d = q.shape
     dv = v.shape[-1]
     hkv = k.shape[-2]
+    options = dataclasses.replace(options, l2_section_kib=resolve_l2_section_kib(options, hq, hkv))
     # The rows past cu_q[-1] (padding) are one more request with no keys: the kernel
     # writes them as 0 / -inf, so every output row is written once, by the kernel.
     cu_q, kv_start, kv_len, page_table = plan.with_padding_request(cu_q, kv_start, kv_len, page_table, t)

@@ -8,7 +8,7 @@ import dataclasses
 
 from jattn.pallas_kernels.prefill_plan import TILE_Q
 
-__all__ = ["PrefillConfig", "PrefillOptions", "TILE_Q"]
+__all__ = ["AUTO_L2_SECTION_KIB", "PrefillConfig", "PrefillOptions", "TILE_Q", "resolve_l2_section_kib"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,25 @@ class PrefillOptions:
     # request, each request's (tile, query head) items in sections of as many KV heads
     # as fit this much K/V, section by section (``prefill_plan.section_items``), so the
     # CTAs in flight share KV streams. Off: tiles longest first across requests, heads
-    # fastest.
-    l2_section_kib: int = 0
+    # fastest. None: ``AUTO_L2_SECTION_KIB`` where each query head has its own KV head
+    # (MHA, MLA prefill: no two CTAs of the default order share a stream), else off
+    # (with GQA the query heads of a KV head already share it).
+    l2_section_kib: int | None = None
+
+
+# The sections' size where ``l2_section_kib`` is None: half the L2 of an H100 / H200
+# (50 MB), so a section's K/V stays in L2 beside the other data in flight.
+AUTO_L2_SECTION_KIB = 24576
+
+
+def resolve_l2_section_kib(options: PrefillOptions, num_q_heads: int, num_kv_heads: int) -> int:
+    """``options.l2_section_kib`` for a call with these head counts (None resolved)."""
+    kib = options.l2_section_kib
+    if kib is None:
+        return AUTO_L2_SECTION_KIB if num_q_heads == num_kv_heads else 0
+    if isinstance(kib, bool) or not isinstance(kib, int) or kib < 0:
+        raise ValueError(f"PrefillOptions.l2_section_kib={kib!r}: None (auto), 0 (off) or KiB of K/V a section")
+    return kib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,9 +31,11 @@ Layout of the work (FlashAttention-3 style):
   - **one CTA per tile** (the rest): the hardware places each CTA as an SM frees
     up, in the same longest-first order, so the CTAs launched last are the short
     ones and the SMs finish together.
-  - either launch may take the items in **L2 sections** instead
-    (``PrefillOptions.l2_section_kib``, ``prefill_plan.section_items``): request by
-    request, a few KV heads at a time, so the CTAs in flight read the same K/V.
+  - either launch takes the items in **L2 sections** instead where each query head
+    has its own KV head (``PrefillOptions.l2_section_kib``, by default on there,
+    ``prefill_plan.section_items``): request by request, a few KV heads at a time,
+    so the CTAs in flight read the same K/V from L2 rather than one stream each
+    from HBM.
 * A **producer** warpgroup streams K and V blocks of ``block_kv`` tokens of the
   query head's KV head by TMA into a ring of ``num_stages`` slots. Only the blocks
   the tile can see are fetched: with a causal mask the blocks past the tile's last

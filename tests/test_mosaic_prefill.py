@@ -11,7 +11,9 @@ the rows past the ragged totals, unused pages and page tails hold NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,7 +45,7 @@ class Case:
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
     ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
     prefetch: bool = False  # PrefillOptions(prefetch_k=True): the next K awaited during P @ V
-    l2: int = 0  # PrefillOptions(l2_section_kib=l2): the launch order in L2 sections
+    l2: int | None = None  # PrefillOptions(l2_section_kib=l2): the launch order in L2 sections (None: auto)
     softmax_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
 
 
@@ -103,7 +105,7 @@ def _opts(c: Case):
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
     options = None
-    if c.overlap or c.ctas or c.prefetch or c.l2:
+    if c.overlap or c.ctas or c.prefetch or c.l2 is not None:
         options = mp.PrefillOptions(
             overlap_pv=c.overlap,
             persistent=c.ctas > 0 or None,
@@ -326,7 +328,6 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
     tiling rules run at lowering, so this catches, without a GPU, programs the
     interpreter accepts and the GPU compiler rejects (e.g. a GMEM row count that is not
     a multiple of 8, which the kernel pads)."""
-    import jax
 
     t = 1001  # not a multiple of 8
     q = jnp.zeros((t, 8, d), jnp.bfloat16)
@@ -495,9 +496,45 @@ def test_bench_option_sets_parse_and_refuse_unknown_names():
     got = parse_options("default; overlap_pv=1,fence_softmax=0")
     assert got == [("", None), ("overlap_pv=1,fence_softmax=0", mp.PrefillOptions(overlap_pv=True))]
     assert parse_options("block_kv=64")[0][1] == mp.PrefillOptions(block_kv=64)
+    # an ``int | None`` field stays an int: 0 turns the L2 sections off, not False
+    assert parse_options("l2_section_kib=0")[0][1].l2_section_kib == 0
+    assert parse_options("l2_section_kib=24576")[0][1].l2_section_kib == 24576
     for bad in ("overlap=1", "overlap_pv=x", "overlap_pv"):
         with pytest.raises(ValueError, match="NAME=INT"):
             parse_options(bad)
+
+
+def test_l2_sections_are_on_by_default_only_where_each_query_head_has_its_own_kv_head(monkeypatch):
+    """``PrefillOptions.l2_section_kib=None`` resolves to ``AUTO_L2_SECTION_KIB`` for
+    MHA and MLA prefill (one query head a KV head) and to 0 with GQA; a set value is
+    kept, and a bad one is refused by name. A call plans the sections (and lowers)
+    exactly where the resolved value is not 0."""
+    from jattn.pallas_kernels.mosaic_prefill_config import AUTO_L2_SECTION_KIB, resolve_l2_section_kib
+
+    auto = mp.PrefillOptions()
+    assert resolve_l2_section_kib(auto, 32, 32) == AUTO_L2_SECTION_KIB > 0
+    assert resolve_l2_section_kib(auto, 128, 128) == AUTO_L2_SECTION_KIB
+    assert resolve_l2_section_kib(auto, 32, 8) == 0
+    assert resolve_l2_section_kib(mp.PrefillOptions(l2_section_kib=0), 32, 32) == 0
+    assert resolve_l2_section_kib(mp.PrefillOptions(l2_section_kib=64), 32, 8) == 64
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="l2_section_kib"):
+            resolve_l2_section_kib(mp.PrefillOptions(l2_section_kib=bad), 4, 4)
+    calls = []
+    real = prefill_plan.section_items
+    monkeypatch.setattr(prefill_plan, "section_items", lambda *a, **kw: calls.append(kw["budget"]) or real(*a, **kw))
+    q, cu = jnp.zeros((64, 4, 64), jnp.bfloat16), jnp.array([0, 64], jnp.int32)
+    for hkv, options, want in (
+        (4, None, [AUTO_L2_SECTION_KIB << 10]),
+        (1, None, []),
+        (4, mp.PrefillOptions(l2_section_kib=0), []),
+        (1, mp.PrefillOptions(l2_section_kib=8), [8 << 10]),
+    ):
+        calls.clear()
+        k = jnp.zeros((64, hkv, 64), jnp.bfloat16)
+        fn = functools.partial(mp.mha_prefill, options=options)
+        assert "jattn_prefill" in jax.jit(fn).trace(q, k, k, cu).lower(lowering_platforms=("cuda",)).as_text()
+        assert calls == want, (hkv, options)
 
 
 def test_persistent_launch_is_refused_where_the_output_borrows_the_ring():

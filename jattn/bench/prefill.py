@@ -176,8 +176,8 @@ def parse_launches(text: str) -> list[tuple[int, int, int, int] | None]:
 def parse_options(text: str) -> list[tuple[str, PrefillOptions | None]]:
     """``'default;overlap_pv=1,block_kv=64'`` -> ``[(label, PrefillOptions or None)]``."""
     fields = {f.name for f in dataclasses.fields(PrefillOptions)}
-    # integer fields by their defaults' type (the flags default to False or None)
-    ints = {f.name for f in dataclasses.fields(PrefillOptions) if type(f.default) is int}
+    # integer fields by their annotations (``int``, ``int | None``); the rest are flags
+    ints = {f.name for f in dataclasses.fields(PrefillOptions) if "int" in str(f.type)}
     out = []
     for spec in (text or "default").split(";"):
         spec = spec.strip()
