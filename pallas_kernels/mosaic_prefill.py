@@ -225,6 +225,7 @@ def _attention(
             group=hq // hkv,
             key_bytes=(d + dv) * jnp.dtype(k.dtype).itemsize,
             budget=options.l2_section_kib << 10,
+            ctas=cfg.launch_ctas if cfg.ctas and options.fold_sections else 0,
         )
     else:
         item = jnp.zeros((1,), jnp.int32)

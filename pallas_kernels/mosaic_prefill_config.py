@@ -45,6 +45,11 @@ class PrefillOptions:
     # (MHA, MLA prefill: no two CTAs of the default order share a stream), else off
     # (with GQA the query heads of a KV head already share it).
     l2_section_kib: int | None = None
+    # With the sections and the persistent launch: each section folded so that every
+    # CTA's two items of a round pair are a long and a short tile
+    # (``prefill_plan._fold_for_walk``). False: the sections' plain order, in which a
+    # section ending mid-round leaves the CTAs' work uneven.
+    fold_sections: bool = True
 
 
 # The sections' size where ``l2_section_kib`` is None: half the L2 of an H100 / H200

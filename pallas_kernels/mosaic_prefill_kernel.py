@@ -35,7 +35,8 @@ Layout of the work (FlashAttention-3 style):
     has its own KV head (``PrefillOptions.l2_section_kib``, by default on there,
     ``prefill_plan.section_items``): request by request, a few KV heads at a time,
     so the CTAs in flight read the same K/V from L2 rather than one stream each
-    from HBM.
+    from HBM; for the persistent walk each section is folded so that its rounds
+    stay even (``PrefillOptions.fold_sections``).
 * A **producer** warpgroup streams K and V blocks of ``block_kv`` tokens of the
   query head's KV head by TMA into a ring of ``num_stages`` slots. Only the blocks
   the tile can see are fetched: with a causal mask the blocks past the tile's last

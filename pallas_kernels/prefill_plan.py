@@ -55,7 +55,9 @@ def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int
     return tile_req, loc[order].astype(jnp.int32)
 
 
-def section_items(tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, key_bytes: int, budget: int):
+def section_items(
+    tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, key_bytes: int, budget: int, ctas: int = 0
+):
     """An L2-aware launch order of the (tile, query head) items.
 
     The default order (tiles longest first across requests, heads fastest) puts the
@@ -66,12 +68,15 @@ def section_items(tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, k
     ``hs`` KV heads: section by section, then tile by tile, the section's query heads
     fastest. ``hs`` is the most KV heads whose keys (``kv_len[b] * key_bytes`` bytes a
     head) fit in ``budget`` bytes, at least one. The CTAs in flight then share a few
-    KV streams, read from L2 by the tiles that run together.
+    KV streams, read from L2 by the tiles that run together. With ``ctas`` (the
+    persistent launch's CTA count) each section is folded for that walk
+    (:func:`_fold_for_walk`), so that the CTAs' work stays even.
 
     Returns ``(tile_req, tile_loc, item)``: the regrouped tile arrays, and
     ``item[p] = t * num_q_heads + h``, the item (tile ``t`` of the regrouped list,
     query head ``h``) run at launch position ``p``. Tiles without a request
-    (``tile_req = -1``) stay last and keep their positions."""
+    (``tile_req = -1``) stay last in the tile list; their items keep their positions,
+    except that the fold may mix them into the last round pair."""
     i32 = jnp.int32
     nt = tile_req.shape[0]
     bs = kv_len.shape[0]
@@ -92,12 +97,34 @@ def section_items(tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, k
     sec = (h // group)[None, :] // hs[:, None]  # [nt, hq]
     s0 = sec * hs[:, None] * group  # the section's first query head
     size = (jnp.minimum((sec + 1) * hs[:, None], hkv) - sec * hs[:, None]) * group
-    pos = start[:, None] * hq + s0 * count[:, None] + j[:, None] * size + (h[None, :] - s0)
     # the tiles of no request are one more request without keys, one section of all
     # heads: their items keep their positions
+    pos = start[:, None] * hq + s0 * count[:, None] + j[:, None] * size + (h[None, :] - s0)
+    if ctas:
+        pos = _fold_for_walk(pos, start[:, None] * hq + s0 * count[:, None], count[:, None] * size, nt * hq, ctas)
     flat = ids[:, None] * hq + h[None, :]
     item = jnp.zeros((nt * hq,), i32).at[pos.reshape(-1)].set(flat.reshape(-1))
     return tile_req, tile_loc, item
+
+
+def _fold_for_walk(pos, first, size, n: int, ctas: int):
+    """The positions ``pos`` of a section order laid out for the persistent walk of
+    ``ctas`` CTAs, which gives CTA ``c`` positions ``2kC + c`` and ``2kC + 2C - 1 - c``
+    in rounds ``2k`` and ``2k + 1``. Each section (``first``: its first position,
+    ``size``: its items; longest tile first) is folded so that its k-th longest and
+    k-th shortest items are neighbours, and each pair of neighbours goes to those two
+    positions of one CTA. The tiles of a request grow by the same step, so each CTA's
+    two items of a round pair add up to about the same work, as the default order's
+    longest-first walk gives; without the fold a section that ends mid-round puts its
+    longest tiles on the CTAs that already took the last section's longest. Items stay
+    within a round pair of their section order, so the CTAs in flight still share
+    KV streams."""
+    k = pos - first
+    v = first + jnp.where(k < (size + 1) // 2, 2 * k, 2 * (size - 1 - k) + 1)
+    block = v // (2 * ctas)
+    rem = jnp.minimum(2 * ctas, n - block * 2 * ctas)  # positions in this round pair
+    lane = (v % (2 * ctas)) // 2
+    return block * 2 * ctas + jnp.where(v % 2 == 0, lane, rem - 1 - lane)
 
 
 def merge_sides(o, lse, o_side, lse_side, cu_q):

@@ -489,6 +489,61 @@ def test_section_items_orders_requests_then_sections(hq, group):
     assert any(int(np.asarray(kl)[b]) * key_bytes > budget for b in runs)  # a request of several sections
 
 
+def _walk_loads(costs, ctas):
+    """Each CTA's work in the persistent walk: round ``r`` gives CTA ``c`` launch position
+    ``r * ctas + c`` in even rounds and ``r * ctas + ctas - 1 - c`` in odd ones."""
+    loads = np.zeros(ctas)
+    for w, x in enumerate(costs):
+        r, c = divmod(w, ctas)
+        loads[c if r % 2 == 0 else ctas - 1 - c] += x
+    return loads
+
+
+@pytest.mark.parametrize(
+    "q_lens, hq, ctas, heads",
+    # the last: 4 x 4096 MHA at 24 MiB sections (2 MiB a head), as measured on the GPU
+    [((1024, 1024), 8, 6, 3), ((1500, 1500, 700), 8, 8, 3), ((4096,) * 4, 32, 132, 12)],
+)
+def test_folded_sections_even_out_the_persistent_walk(q_lens, hq, ctas, heads):
+    """``section_items(..., ctas=C)`` folds each section for the persistent walk: still
+    a permutation of the items, each item within the round pairs its section spans, and
+    the CTAs' work (a tile's key blocks plus one) even where the plain section order
+    leaves it uneven (sections of ``heads`` heads of the longest request, ending
+    mid-round)."""
+    kv_lens = list(q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1])
+    bs = len(q_lens)
+    nt = -(-(t + 134 * bs) // 128)
+    kl = jnp.asarray(np.array(kv_lens, np.int32))
+    req0, loc0 = prefill_plan.tile_plan(jnp.asarray(cu), kl, nt, is_causal=True, window_left=-1)
+    kw = dict(num_q_heads=hq, group=1, key_bytes=512, budget=heads * max(kv_lens) * 512)
+
+    def loads_and_items(c):
+        req, loc, item = (np.asarray(a) for a in prefill_plan.section_items(req0, loc0, kl, ctas=c, **kw))
+        work = np.array([0 if r < 0 else -(-min((j + 1) * 128, kv_lens[r]) // 128) + 1 for r, j in zip(req, loc)])
+        return _walk_loads(work[item // hq], ctas), item, req
+
+    plain, item0, req = loads_and_items(0)
+    folded, item, _ = loads_and_items(ctas)
+    assert sorted(item) == list(range(nt * hq))
+    # the fold moves an item only within the round pairs its section's plain order spans
+
+    def section(w):  # (request, which section of its heads)
+        b = int(req[w // hq])
+        return b, (w % hq) // (hq if b < 0 else max(1, min(hq, kw["budget"] // (kv_lens[b] * 512))))
+
+    span = {}  # section -> its first and last plain positions
+    for p0, w in enumerate(item0):
+        lo, hi = span.get(section(int(w)), (p0, p0))
+        span[section(int(w))] = (min(lo, p0), max(hi, p0))
+    for p, w in enumerate(item):
+        lo, hi = span[section(int(w))]
+        assert lo // (2 * ctas) <= p // (2 * ctas) <= hi // (2 * ctas), (p, int(w))
+    assert plain.max() / plain.mean() > 1.06
+    assert folded.max() / folded.mean() < 1.05, folded.max() / folded.mean()
+
+
 def test_bench_option_sets_parse_and_refuse_unknown_names():
     from jattn.bench.prefill import parse_options
 
@@ -508,7 +563,8 @@ def test_l2_sections_are_on_by_default_only_where_each_query_head_has_its_own_kv
     """``PrefillOptions.l2_section_kib=None`` resolves to ``AUTO_L2_SECTION_KIB`` for
     MHA and MLA prefill (one query head a KV head) and to 0 with GQA; a set value is
     kept, and a bad one is refused by name. A call plans the sections (and lowers)
-    exactly where the resolved value is not 0."""
+    exactly where the resolved value is not 0, folded for the persistent walk's CTAs
+    unless ``fold_sections=False``."""
     from jattn.pallas_kernels.mosaic_prefill_config import AUTO_L2_SECTION_KIB, resolve_l2_section_kib
 
     auto = mp.PrefillOptions()
@@ -522,13 +578,19 @@ def test_l2_sections_are_on_by_default_only_where_each_query_head_has_its_own_kv
             resolve_l2_section_kib(mp.PrefillOptions(l2_section_kib=bad), 4, 4)
     calls = []
     real = prefill_plan.section_items
-    monkeypatch.setattr(prefill_plan, "section_items", lambda *a, **kw: calls.append(kw["budget"]) or real(*a, **kw))
+    record = lambda *a, **kw: calls.append((kw["budget"], kw["ctas"])) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(prefill_plan, "section_items", record)
     q, cu = jnp.zeros((64, 4, 64), jnp.bfloat16), jnp.array([0, 64], jnp.int32)
+    auto = AUTO_L2_SECTION_KIB << 10
     for hkv, options, want in (
-        (4, None, [AUTO_L2_SECTION_KIB << 10]),
+        (4, None, [(auto, 0)]),  # d64: one CTA per tile, nothing to fold for
         (1, None, []),
         (4, mp.PrefillOptions(l2_section_kib=0), []),
-        (1, mp.PrefillOptions(l2_section_kib=8), [8 << 10]),
+        (1, mp.PrefillOptions(l2_section_kib=8), [(8 << 10, 0)]),
+        # the persistent walk folds the sections for its CTA count (at most one per item)
+        (4, mp.PrefillOptions(persistent=True, ctas=3), [(auto, 3)]),
+        (4, mp.PrefillOptions(persistent=True, ctas=50), [(auto, 12)]),  # 4 heads x 3 tiles (slack included)
+        (4, mp.PrefillOptions(persistent=True, ctas=3, fold_sections=False), [(auto, 0)]),
     ):
         calls.clear()
         k = jnp.zeros((64, hkv, 64), jnp.bfloat16)
