@@ -7,6 +7,7 @@ pool, stream ordering in both directions with large buffers, bf16 and FP8.
 
 import contextlib
 import functools
+import gc
 import math
 import time
 import types
@@ -2052,13 +2053,23 @@ def test_a_scale_tensor_replaced_at_the_freed_ones_address_is_read_again():
     be = TorchMHABackend(cfg)
     layer = AttentionLayer(0, 4, 2, 32, k_scale=torch.tensor(1.0), v_scale=1.0)
     assert be._spec(layer).k_scale == 1.0
-    for _ in range(500):  # CPython hands a freed tensor's address to the next one, mostly at once
-        old = id(layer.k_scale)
-        layer.k_scale = None
-        layer.k_scale = torch.tensor(4.0)
-        if id(layer.k_scale) == old:
-            break
+    # New tensors, each kept alive until one lands at the freed address (the allocator
+    # hands out its other free blocks first); a few fresh tries where it never does.
+    t = old = None
+    for _ in range(8):
         layer.k_scale = torch.tensor(1.0)
         assert be._spec(layer).k_scale == 1.0
-    assert id(layer.k_scale) == old, "no address was reused: the case did not arise"
+        old = id(layer.k_scale)
+        layer.k_scale = None  # freed: the spec cache holds it weakly
+        gc.collect()
+        held = []
+        for _ in range(20_000):
+            t = torch.tensor(4.0)
+            if id(t) == old:
+                break
+            held.append(t)
+        if id(t) == old:
+            break
+    assert id(t) == old, "no address was reused: the case did not arise"
+    layer.k_scale = t
     assert be._spec(layer).k_scale == 4.0
