@@ -110,12 +110,15 @@ def tile_iota(shape, dim: int, *, interpret: bool):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def split_blocks(seq_len, block: int, num_splits: int, split):
+def split_blocks(seq_len, block: int, num_splits: int, split, per=None):
     """``(first block, block count)`` of split ``split`` when a request of ``seq_len`` keys
     in blocks of ``block`` is cut into ``num_splits`` ranges of ``ceil(blocks / num_splits)``
-    blocks (the last ones short or empty)."""
+    blocks (the last ones short or empty), or, with ``per`` (a traced split size shared
+    by every request, at least ``ceil(blocks / num_splits)``), into ranges of ``per``
+    blocks."""
     nblk = lax.div(seq_len + block - 1, jnp.int32(block))
-    per = lax.div(nblk + num_splits - 1, jnp.int32(num_splits))
+    if per is None:
+        per = lax.div(nblk + num_splits - 1, jnp.int32(num_splits))
     lo = jnp.minimum(split * per, nblk)
     return lo, jnp.minimum(lo + per, nblk) - lo
 

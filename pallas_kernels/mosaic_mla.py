@@ -41,7 +41,14 @@ from jattn.plan_inputs import _positive_int
 # (MLADecodeConfig.v_regs, measured faster; docs/PERF.md) or (False) the producer's upcast
 FP8_V_REGS = True
 
-__all__ = ["mla_decode", "unsupported_reason", "MLADecodeConfig", "choose_num_splits"]
+__all__ = [
+    "mla_decode",
+    "unsupported_reason",
+    "MLADecodeConfig",
+    "choose_num_splits",
+    "balanced_num_splits",
+    "balanced_split_size",
+]
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 
@@ -99,6 +106,40 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
     return best
 
 
+# Balanced splits (``mla_decode(balanced_splits=...)``): off by default until timed on a GPU
+# (docs/PERF.md, waiting list).
+BALANCED_SPLITS = False
+
+
+def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
+    """The static split count of a balanced call: the even-length choice, or enough
+    splits that a request as long as the page table holds could take about two waves
+    of the SMs alone, whichever is more (the splits a call's lengths do not need are
+    empty CTAs)."""
+    programs = max(1, batch * m_tiles)
+    room = -(-2 * NUM_SMS // programs)
+    return max(choose_num_splits(batch, m_tiles, max_blocks), min(max(1, max_blocks), room))
+
+
+def balanced_split_size(lens, block: int, num_splits: int, m_tiles: int, max_blocks: int):
+    """i32[1]: the split size in blocks that every request of this call shares, chosen on
+    the device from the traced lengths: the size ``p`` with the shortest predicted
+    makespan ``ceil(ctas(p) / NUM_SMS) * (p + SPLIT_OVERHEAD_BLOCKS)``, where request
+    ``b`` takes ``ceil(blocks_b / p)`` CTAs per row tile, among the sizes that cover the
+    longest request in ``num_splits`` splits; the largest ``p`` (fewest splits) on a
+    tie. With equal lengths this is the split of :func:`choose_num_splits`; with uneven
+    ones the long requests take more splits than the short ones, so the CTAs' work
+    evens out."""
+    nblk = (jnp.maximum(lens, 0) + block - 1) // block  # [bs]
+    sizes = jnp.arange(1, max(1, max_blocks) + 1, dtype=jnp.int32)  # candidate p
+    ctas = m_tiles * jnp.sum((nblk[None, :] + sizes[:, None] - 1) // sizes[:, None], axis=1)
+    cost = ((ctas + NUM_SMS - 1) // NUM_SMS) * (sizes + SPLIT_OVERHEAD_BLOCKS)
+    smallest = jnp.maximum(1, (jnp.max(nblk, initial=0) + num_splits - 1) // num_splits)
+    cost = jnp.where(sizes >= smallest, cost, jnp.iinfo(jnp.int32).max)
+    best = sizes.shape[0] - 1 - jnp.argmin(cost[::-1])  # the last minimum: the largest size
+    return sizes[best].reshape(1)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -111,6 +152,7 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
         "land_stages",
         "options",
         "interpret",
+        "balanced",
     ),
 )
 def _mla_decode(
@@ -130,6 +172,7 @@ def _mla_decode(
     land_stages,
     interpret,
     options=(),
+    balanced=False,
 ):
     num_pages, page_size, width = kv_cache.shape
     bs = page_table.shape[0]
@@ -151,6 +194,7 @@ def _mla_decode(
         fp8=fp8,
         row_scales=fp8 and not q_e4m3,
         land_stages=land_stages,
+        balanced=balanced,
     )
     # options: (field, value) pairs over the defaults (experiments, tests)
     cfg = dataclasses.replace(cfg, **{"v_regs": cfg.v_regs_ok, **dict(options)})
@@ -166,6 +210,10 @@ def _mla_decode(
     if score_scale is None:
         scale = (jnp.asarray(softmax_scale, jnp.float32) * jnp.asarray(kv_scale, jnp.float32)).reshape(1)
     lens = cache_seqlens.astype(jnp.int32)
+    if balanced:  # the call's split size rides after the lengths
+        max_blocks = -(-(page_table.shape[1] * page_size) // BLOCK_N)
+        per = balanced_split_size(lens, BLOCK_N, num_splits, cfg.m_tiles, max_blocks)
+        lens = jnp.concatenate([lens, per])
     # FP8: P, the upcast V and the partial outputs in f16 (the GPU converts e4m3 to f16 only)
     part_dtype = jnp.float16 if cfg.fp8 else out_dtype
     o_part, lse_part = run(cfg, part_dtype, page_table.astype(jnp.int32), lens, scale, qs, q3, kv_cache)
@@ -197,6 +245,7 @@ def mla_decode(
     return_lse: bool = False,
     num_splits: int | None = None,
     keys_as_rows: bool = False,
+    balanced_splits: bool | None = None,
 ):
     """MLA absorbed decode over the latent paged cache (Mosaic GPU, Hopper).
 
@@ -213,7 +262,17 @@ def mla_decode(
     the MMA rows, the query rows as its N; at most 32 query rows per request,
     Python-number scales) instead of this module's kernel. Off by default: it measured
     slower on the H200 at every 16-head shape (docs/PERF.md).
+
+    ``balanced_splits`` (None: :data:`BALANCED_SPLITS`; not with ``num_splits``): the
+    split size is chosen on the device from the call's lengths
+    (:func:`balanced_split_size`), shared by every request, so a long request takes
+    more splits than a short one; otherwise each request's blocks are cut into the
+    same number of splits, chosen from the page table's width.
     """
+    if balanced_splits is None:
+        balanced_splits = BALANCED_SPLITS and num_splits is None
+    elif balanced_splits and num_splits is not None:
+        raise ValueError("mla_decode: balanced_splits chooses the split size itself; it takes no num_splits")
     if num_splits is not None:
         num_splits = _positive_int(num_splits, "mla_decode: num_splits", "an int >= 1 (or None: chosen)")
     if keys_as_rows:
@@ -243,7 +302,8 @@ def mla_decode(
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
-        num_splits = choose_num_splits(bs, m_tiles, max_blocks)
+        choose = balanced_num_splits if balanced_splits else choose_num_splits
+        num_splits = choose(bs, m_tiles, max_blocks)
     return _mla_decode(
         q,
         kv_cache,
@@ -260,6 +320,7 @@ def mla_decode(
         land_stages=FP8_LAND_STAGES,
         interpret=_interpreting(),
         options=() if FP8_V_REGS else (("v_regs", False),),
+        balanced=bool(balanced_splits),
     )
 
 

@@ -37,6 +37,11 @@ class MLADecodeConfig:
     land_stages: int = FP8_LAND_STAGES  # FP8: slots of the ring the TMA lands e4m3 tiles in
     v_regs: bool = False  # FP8, at most 32 query rows (v_regs_ok): V^T read into registers
     v_split: int = 128  # v_regs: the value columns warpgroup 0 accumulates (warpgroup 1 the rest)
+    # balanced splits: the lengths operand ends with one more entry, the split size in blocks
+    # every request shares this call (``mosaic_mla.balanced_split_size``), so a request
+    # takes as many splits as its length needs; else each request cuts its own blocks
+    # into ``num_splits`` ranges
+    balanced: bool = False
 
     def __post_init__(self):
         if self.v_regs and not self.v_regs_ok:

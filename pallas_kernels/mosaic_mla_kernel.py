@@ -107,7 +107,7 @@ def _kernel(
     dtype,
     # inputs
     page_table_ref,  # i32[bs, max_pages]
-    lens_ref,  # i32[bs]
+    lens_ref,  # i32[bs] (balanced: i32[bs + 1], the split size last)
     scale_ref,  # f32[1]: score scale (softmax_scale * kv_scale); None when cfg.score_scale is
     qs_ref,  # row_scales: f32[bs, m_tiles * 64], each query row's factor (1 / its scale); else None
     q_ref,  # [bs, m_rows8, W] (FP8: e4m3)
@@ -135,7 +135,8 @@ def _kernel(
     wg = lax.axis_index("wg")
     interp = cfg.interpret
     seq_len = lens_ref[b]
-    lo, count = split_blocks(seq_len, BN, cfg.num_splits, split)
+    per = lens_ref[lens_ref.shape[0] - 1] if cfg.balanced else None  # the call's split size
+    lo, count = split_blocks(seq_len, BN, cfg.num_splits, split, per)
     # the first key that some query row of the request does not see (causal drafts)
     first_partial = seq_len - cfg.q_len + 1 if cfg.is_causal else seq_len
 

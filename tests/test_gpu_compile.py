@@ -157,6 +157,8 @@ _MLA_GRID = [
     )
     if not (rows and (heads * q_len > 32 or kv == "fp8"))  # keys as rows: 2-byte KV, at most 32 query rows
 ]
+# balanced splits (the split size from the lengths, read by the kernel after them)
+_MLA_GRID += [dict(heads=h, kv=kv, q_len=1, rows=False, splits="balanced") for h in (16, 128) for kv in ("bf16", "fp8")]
 
 
 @pytest.mark.parametrize("c", _MLA_GRID, ids=_id)
@@ -169,7 +171,8 @@ def test_mla_decode_compiles(c):
     def fn(q, cache, table, lens):
         return mosaic_mla.mla_decode(
             q, cache, table, lens, kv_lora_rank=rank, softmax_scale=0.07, max_seqlen_q=c["q_len"],
-            kv_scale=0.5 if fp8 else 1.0, return_lse=True, num_splits=c["splits"], keys_as_rows=c["rows"],
+            kv_scale=0.5 if fp8 else 1.0, return_lse=True, keys_as_rows=c["rows"],
+            **({"balanced_splits": True} if c["splits"] == "balanced" else {"num_splits": c["splits"]}),
         )  # fmt: skip
 
     _compile(fn, q, cache, _s((bs, width), _I32), _s((bs,), _I32))

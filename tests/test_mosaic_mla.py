@@ -43,6 +43,7 @@ class Case:
     v_regs: bool = True  # FP8: V^T read into registers where it can be (MLADecodeConfig.v_regs)
     softmax_scale: float | None = None  # None: 1/sqrt(192)
     kv_scale: float | None = None  # a 2-byte cache's scale (the read applies it whatever the dtype)
+    balanced: bool = False  # mla_decode(balanced_splits=True): the split size from the lengths
 
 
 @contextlib.contextmanager
@@ -99,7 +100,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=True):
     bad = _poison(c, kv, table) if c.poison >= 0 else np.zeros(0, int)
     q_dtype = jnp.float8_e4m3fn if c.e4m3_q else dtype
     args = (jnp.asarray(q, q_dtype), jnp.asarray(kv, kv_dtype), jnp.asarray(table), jnp.asarray(lens))
-    kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows)
+    kw.update(num_splits=c.num_splits, keys_as_rows=c.keys_as_rows, balanced_splits=c.balanced)
     with _v_regs(c.v_regs):
         o, lse = mm.mla_decode(*args, **kw)
     assert o.dtype == (jnp.bfloat16 if c.e4m3_q else dtype)
@@ -161,6 +162,10 @@ CPU_CASES = [
     Case(lens=(97, 0, 1), heads=8, q_len=2, page_size=32, num_splits=2, poison=0, fp8=True, e4m3_q=True, v_regs=False),
     Case(lens=(130, 5), heads=16, q_len=2, page_size=64, num_splits=1, poison=1, fp8=True),
     Case(lens=(130, 5), heads=16, q_len=2, page_size=64, num_splits=3, poison=1, fp8=True),
+    # balanced splits: a split size of one block, so request 0 (3 blocks, poison) takes three
+    # splits, the request of 97 two, the others one or none; FP8 with V^T in registers
+    Case(lens=(150, 0, 1, 97), heads=4, page_size=32, poison=3, balanced=True),
+    Case(lens=(150, 0, 1, 97), heads=8, q_len=2, page_size=32, poison=1, fp8=True, balanced=True),
 ]
 
 
@@ -192,6 +197,10 @@ GPU_CASES = [
     Case(lens=(32768,), heads=16, page_size=128, fp8=True),
     Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, fp8=True, e4m3_q=True),
     Case(lens=(3000, 65), heads=128, q_len=2, page_size=64, poison=1, fp8=True, e4m3_q=True),
+    # balanced splits: uneven lengths, 16 and 128 heads, FP8
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, balanced=True),
+    Case(lens=(3000, 65, 700), heads=128, q_len=2, page_size=64, poison=1, balanced=True),
+    Case(lens=(4096, 97, 0, 1, 2049, 777), heads=16, page_size=64, poison=0, fp8=True, balanced=True),
 ]
 # the FP8 cases of at most 32 query rows (V^T in registers) also on the upcast path
 GPU_CASES += [dataclasses.replace(c, v_regs=False) for c in GPU_CASES if c.fp8 and c.heads * c.q_len <= 32]
@@ -323,6 +332,41 @@ def test_unsupported_reasons():
     assert "32 rows" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=4)
     assert "Python numbers" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=jnp.float32(0.1))
     assert "dtypes" in mlh.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R, softmax_scale=0.1)
+
+
+def test_balanced_split_size_evens_out_uneven_lengths():
+    """``balanced_split_size``: equal lengths get the split of ``choose_num_splits``; uneven
+    ones a size every request shares, at least what covers the longest in the static
+    split count, with a predicted makespan no longer than the per-request split's; and
+    ``balanced_splits`` refuses a fixed ``num_splits``."""
+    block = mm.BLOCK_N
+
+    def makespan(nblk, per):  # CTAs in launch order to the first free SM (block times)
+        loads = np.zeros(mm.NUM_SMS)
+        for n in nblk:
+            for lo in range(0, max(int(n), 1), per):
+                loads[np.argmin(loads)] += min(per, n - lo) + mm.SPLIT_OVERHEAD_BLOCKS if n else 0
+        return loads.max()
+
+    for bs, max_blocks in ((64, 64), (128, 64), (1, 512), (8, 256)):
+        s_even = mm.choose_num_splits(bs, 1, max_blocks)
+        s = mm.balanced_num_splits(bs, 1, max_blocks)
+        assert s >= s_even
+        lens = jnp.full((bs,), max_blocks * block, jnp.int32)
+        per = int(mm.balanced_split_size(lens, block, s, 1, max_blocks)[0])
+        assert per == -(-max_blocks // s_even), (bs, max_blocks, per)
+    rng = np.random.default_rng(0)
+    lens_np = rng.integers(512, 4097, 64).astype(np.int32)
+    s = mm.balanced_num_splits(64, 1, 64)
+    per = int(mm.balanced_split_size(jnp.asarray(lens_np), block, s, 1, 64)[0])
+    nblk = -(-lens_np // block)
+    assert -(-nblk.max() // s) <= per < -(-64 // mm.choose_num_splits(64, 1, 64))
+    static = max(-(-n // 2) for n in nblk) + mm.SPLIT_OVERHEAD_BLOCKS  # 2 splits each, one wave
+    assert makespan(nblk, per) < 0.85 * static, (makespan(nblk, per), static)
+    q = jnp.zeros((1, 16, W), jnp.bfloat16)
+    kv, table, one = jnp.zeros((2, 64, W), jnp.bfloat16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="balanced_splits"):
+        mm.mla_decode(q, kv, table, one, kv_lora_rank=R, softmax_scale=0.1, num_splits=2, balanced_splits=True)
 
 
 def test_choose_num_splits():

@@ -2,8 +2,9 @@
 
 The latent cache is ``[pages, 64, 576]`` (512 latent + 64 rope columns), the output
 512 wide. Each row (batch, length, heads, q_len, lengths even or uneven, cache
-dtype) times jattn's Mosaic GPU kernel and its Triton kernel (where jax-triton
-imports) beside JAX's reference path (XLA) on the same data, one line per
+dtype) times jattn's Mosaic GPU kernel (also with the split size chosen from the
+lengths, ``balanced_splits=True``, while that is opt-in) and its Triton kernel (where
+jax-triton imports) beside JAX's reference path (XLA) on the same data, one line per
 backend, in GPU time per call (``common.time_rotated(device=True)``, each output
 its own array), and reports the achieved bandwidth (each request's latent rows counted
 once, whatever a kernel rereads; the query and output counted too) against the copy
@@ -270,6 +271,12 @@ def main(argv: list[str] | None = None) -> None:
 
             return time_calls(f"{row.label}: mosaic keys as rows", call, arrays, n_hi)
 
+        def timed_balanced():
+            def call(q, kv, table, lens):
+                return mosaic_mla.mla_decode(q, kv, table, lens, balanced_splits=True, **kw)
+
+            return time_calls(f"{row.label}: mosaic balanced", call, arrays, n_hi)
+
         def timed_splits(splits):
             def call(q, kv, table, lens):
                 return mosaic_mla.mla_decode(q, kv, table, lens, num_splits=splits, **kw)
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
+            if not mosaic_mla.BALANCED_SPLITS:  # the split size from the lengths, while opt-in
+                kernels.append(("mosaic balanced", timed_balanced()))
             if mosaic_mla_heads.unsupported_reason(qs[0], kv, **kw) is None:
                 kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
             if row.fp8:
