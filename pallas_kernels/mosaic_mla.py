@@ -270,9 +270,11 @@ def mla_decode(
     same number of splits, chosen from the page table's width.
     """
     if balanced_splits is None:
-        balanced_splits = BALANCED_SPLITS and num_splits is None
+        balanced_splits = BALANCED_SPLITS and num_splits is None and not keys_as_rows
     elif balanced_splits and num_splits is not None:
         raise ValueError("mla_decode: balanced_splits chooses the split size itself; it takes no num_splits")
+    elif balanced_splits and keys_as_rows:
+        raise ValueError("mla_decode: balanced_splits is a choice of this module's kernel, not of keys_as_rows")
     if num_splits is not None:
         num_splits = _positive_int(num_splits, "mla_decode: num_splits", "an int >= 1 (or None: chosen)")
     if keys_as_rows:

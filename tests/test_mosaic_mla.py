@@ -338,7 +338,7 @@ def test_balanced_split_size_evens_out_uneven_lengths():
     """``balanced_split_size``: equal lengths get the split of ``choose_num_splits``; uneven
     ones a size every request shares, at least what covers the longest in the static
     split count, with a predicted makespan no longer than the per-request split's; and
-    ``balanced_splits`` refuses a fixed ``num_splits``."""
+    ``balanced_splits`` refuses a fixed ``num_splits`` and the keys-as-rows kernel."""
     block = mm.BLOCK_N
 
     def makespan(nblk, per):  # CTAs in launch order to the first free SM (block times)
@@ -355,6 +355,8 @@ def test_balanced_split_size_evens_out_uneven_lengths():
         lens = jnp.full((bs,), max_blocks * block, jnp.int32)
         per = int(mm.balanced_split_size(lens, block, s, 1, max_blocks)[0])
         assert per == -(-max_blocks // s_even), (bs, max_blocks, per)
+    empty = mm.balanced_split_size(jnp.zeros((4,), jnp.int32), block, 3, 1, 10)  # no keys at all
+    assert 1 <= int(empty[0]) <= 10
     rng = np.random.default_rng(0)
     lens_np = rng.integers(512, 4097, 64).astype(np.int32)
     s = mm.balanced_num_splits(64, 1, 64)
@@ -365,8 +367,11 @@ def test_balanced_split_size_evens_out_uneven_lengths():
     assert makespan(nblk, per) < 0.85 * static, (makespan(nblk, per), static)
     q = jnp.zeros((1, 16, W), jnp.bfloat16)
     kv, table, one = jnp.zeros((2, 64, W), jnp.bfloat16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
-    with pytest.raises(ValueError, match="balanced_splits"):
-        mm.mla_decode(q, kv, table, one, kv_lora_rank=R, softmax_scale=0.1, num_splits=2, balanced_splits=True)
+    kw = dict(kv_lora_rank=R, softmax_scale=0.1, balanced_splits=True)
+    with pytest.raises(ValueError, match="balanced_splits .*num_splits"):
+        mm.mla_decode(q, kv, table, one, num_splits=2, **kw)
+    with pytest.raises(ValueError, match="balanced_splits .*keys_as_rows"):
+        mm.mla_decode(q, kv, table, one, keys_as_rows=True, **kw)
 
 
 def test_choose_num_splits():
