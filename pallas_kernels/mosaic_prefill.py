@@ -215,7 +215,9 @@ def _attention(
             jnp.reshape(v_bad, (1,)).astype(jnp.float32),
         ]
     ).astype(jnp.float32)
-    tile_req, tile_loc = plan.tile_plan(cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left)
+    tile_req, tile_loc, work = plan.tile_plan(
+        cu_q, kv_len, num_tiles, is_causal=is_causal, window_left=window_left, with_work=True
+    )
     if options.l2_section_kib:
         tile_req, tile_loc, item = plan.section_items(
             tile_req,
@@ -226,6 +228,7 @@ def _attention(
             key_bytes=(d + dv) * jnp.dtype(k.dtype).itemsize,
             budget=options.l2_section_kib << 10,
             ctas=cfg.launch_ctas if cfg.ctas and options.fold_sections else 0,
+            work=work,
         )
     else:
         item = jnp.zeros((1,), jnp.int32)

@@ -47,7 +47,8 @@ class PrefillOptions:
     l2_section_kib: int | None = None
     # With the sections and the persistent launch: each section folded so that every
     # CTA's two items of a round pair are a long and a short tile
-    # (``prefill_plan._fold_for_walk``). False: the sections' plain order, in which a
+    # (``prefill_plan._fold_for_walk``), where the plan's count of each CTA's work says
+    # it loads the busiest CTA no more. False: the sections' plain order, in which a
     # section ending mid-round leaves the CTAs' work uneven.
     fold_sections: bool = True
 

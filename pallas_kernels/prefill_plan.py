@@ -30,9 +30,10 @@ def segment_ids(ends, n: int):
     return jnp.cumsum(marks).astype(jnp.int32)
 
 
-def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int):
+def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int, with_work: bool = False):
     """Tiles of every request in launch order, longest work first: ``tile_req`` (-1:
-    no tile) and ``tile_loc`` (which tile of its request), i32[num_tiles].
+    no tile) and ``tile_loc`` (which tile of its request), i32[num_tiles]; with
+    ``with_work`` also each tile's work, the keys it sees plus one (0: no tile).
 
     Tile ``j`` of a request covers the rows ``8 * (cu_q[b] // 8) + 128 * j + [0, 128)``
     (8-row aligned, see the kernel)."""
@@ -52,11 +53,22 @@ def tile_plan(cu_q, kv_len, num_tiles: int, *, is_causal: bool, window_left: int
     work = jnp.where(valid, jnp.maximum(hi - lo, 0) + 1, -1)  # +1: a tile of no keys still writes
     order = jnp.argsort(-work, stable=True).astype(jnp.int32)
     tile_req = jnp.where(valid, req, -1)[order]
+    if with_work:
+        return tile_req, loc[order].astype(jnp.int32), jnp.maximum(work, 0)[order]
     return tile_req, loc[order].astype(jnp.int32)
 
 
 def section_items(
-    tile_req, tile_loc, kv_len, *, num_q_heads: int, group: int, key_bytes: int, budget: int, ctas: int = 0
+    tile_req,
+    tile_loc,
+    kv_len,
+    *,
+    num_q_heads: int,
+    group: int,
+    key_bytes: int,
+    budget: int,
+    ctas: int = 0,
+    work=None,
 ):
     """An L2-aware launch order of the (tile, query head) items.
 
@@ -70,23 +82,28 @@ def section_items(
     head) fit in ``budget`` bytes, at least one. The CTAs in flight then share a few
     KV streams, read from L2 by the tiles that run together. With ``ctas`` (the
     persistent launch's CTA count) each section is folded for that walk
-    (:func:`_fold_for_walk`), so that the CTAs' work stays even.
+    (:func:`_fold_for_walk`), so that the CTAs' work stays even; given ``work`` (each
+    tile's, as :func:`tile_plan` returns it), only where the walk's most loaded CTA
+    then has no more work than without the fold (a tile counted as its keys plus one
+    block of fixed cost). Where the call's K/V (every request's keys of every KV
+    head) fit in ``budget``, the default order is returned as it is (``item`` the
+    identity): L2 holds it all whatever the order.
 
     Returns ``(tile_req, tile_loc, item)``: the regrouped tile arrays, and
     ``item[p] = t * num_q_heads + h``, the item (tile ``t`` of the regrouped list,
     query head ``h``) run at launch position ``p``. Tiles without a request
-    (``tile_req = -1``) stay last in the tile list; their items keep their positions,
-    except that the fold may mix them into the last round pair."""
+    (``tile_req = -1``) stay last in the tile list, their items after every live one."""
     i32 = jnp.int32
     nt = tile_req.shape[0]
     bs = kv_len.shape[0]
     hq, hkv = num_q_heads, num_q_heads // group
     ids = jnp.arange(nt, dtype=i32)
+    tile_req0, tile_loc0 = tile_req, tile_loc
     live = tile_req >= 0
     req = jnp.where(live, tile_req, bs)  # bs: no request
     first = jnp.full((bs + 1,), nt, i32).at[req].min(ids)  # each request's longest tile (no request: last)
     order = jnp.argsort(first[req], stable=True).astype(i32)
-    req, tile_req, tile_loc = req[order], tile_req[order], tile_loc[order]
+    req, tile_req, tile_loc, live = req[order], tile_req[order], tile_loc[order], live[order]
     start = jnp.full((bs + 1,), nt, i32).at[req].min(ids)[req]  # first tile of the request
     count = jnp.zeros((bs + 1,), i32).at[req].add(1)[req]  # its tiles
     j = ids - start  # which of them
@@ -101,30 +118,56 @@ def section_items(
     # heads: their items keep their positions
     pos = start[:, None] * hq + s0 * count[:, None] + j[:, None] * size + (h[None, :] - s0)
     if ctas:
-        pos = _fold_for_walk(pos, start[:, None] * hq + s0 * count[:, None], count[:, None] * size, nt * hq, ctas)
+        n_live = jnp.sum(live.astype(i32)) * hq  # the live items hold positions [0, n_live)
+        folded = _fold_for_walk(pos, start[:, None] * hq + s0 * count[:, None], count[:, None] * size, n_live, ctas)
+        folded = jnp.where(live[:, None], folded, pos)
+        if work is not None:
+            cost = jnp.where(live, work[order] + TILE_Q, 0)[:, None] + jnp.zeros((1, hq), i32)
+            better = _walk_max(folded, cost, ctas) <= _walk_max(pos, cost, ctas)
+            folded = jnp.where(better, folded, pos)
+        pos = folded
     flat = ids[:, None] * hq + h[None, :]
     item = jnp.zeros((nt * hq,), i32).at[pos.reshape(-1)].set(flat.reshape(-1))
-    return tile_req, tile_loc, item
+    # A call whose K/V all fit in one section's budget reads it from L2 in any order:
+    # the default order then, which balances the CTAs best.
+    total = jnp.sum(jnp.maximum(kv_len, 0).astype(jnp.float32)) * (hkv * key_bytes)
+    fits = total <= budget
+    tile_req = jnp.where(fits, tile_req0, tile_req)
+    tile_loc = jnp.where(fits, tile_loc0, tile_loc)
+    return tile_req, tile_loc, jnp.where(fits, jnp.arange(nt * hq, dtype=i32), item)
 
 
-def _fold_for_walk(pos, first, size, n: int, ctas: int):
-    """The positions ``pos`` of a section order laid out for the persistent walk of
-    ``ctas`` CTAs, which gives CTA ``c`` positions ``2kC + c`` and ``2kC + 2C - 1 - c``
-    in rounds ``2k`` and ``2k + 1``. Each section (``first``: its first position,
-    ``size``: its items; longest tile first) is folded so that its k-th longest and
-    k-th shortest items are neighbours, and each pair of neighbours goes to those two
-    positions of one CTA. The tiles of a request grow by the same step, so each CTA's
-    two items of a round pair add up to about the same work, as the default order's
-    longest-first walk gives; without the fold a section that ends mid-round puts its
-    longest tiles on the CTAs that already took the last section's longest. Items stay
-    within a round pair of their section order, so the CTAs in flight still share
-    KV streams."""
+def _walk_max(pos, cost, ctas: int):
+    """The most work any CTA gets in the persistent walk of ``ctas`` CTAs (round ``r``
+    gives CTA ``c`` launch position ``r * ctas + c`` in even rounds and ``r * ctas +
+    ctas - 1 - c`` in odd ones) when the item of cost ``cost`` runs at position ``pos``."""
+    r, c = pos // ctas, pos % ctas
+    cta = jnp.where(r % 2 == 0, c, ctas - 1 - c)
+    return jnp.zeros((ctas,), cost.dtype).at[cta.reshape(-1)].add(cost.reshape(-1)).max()
+
+
+def _fold_for_walk(pos, first, size, n_live, ctas: int):
+    """The positions ``pos`` of a section order (live items, positions ``[0, n_live)``)
+    laid out for the persistent walk of ``ctas`` CTAs, which gives CTA ``c`` positions
+    ``2kC + c`` and ``2kC + 2C - 1 - c`` in rounds ``2k`` and ``2k + 1``. Each section
+    (``first``: its first position, ``size``: its items; longest tile first) is folded
+    so that its k-th longest and k-th shortest items are neighbours, and each pair of
+    neighbours goes to the two positions of one CTA. The tiles of a request grow by the
+    same step, so each CTA's two items of a round pair add up to about the same work, as
+    the default order's longest-first walk gives; without the fold a section that ends
+    mid-round puts its longest tiles on the CTAs that already took the last section's
+    longest. In the last, partial round pair (``rem`` positions) the CTAs that take two
+    positions take a pair and the others one item each. Items stay within the round
+    pairs of their section order, so the CTAs in flight still share KV streams."""
     k = pos - first
     v = first + jnp.where(k < (size + 1) // 2, 2 * k, 2 * (size - 1 - k) + 1)
     block = v // (2 * ctas)
-    rem = jnp.minimum(2 * ctas, n - block * 2 * ctas)  # positions in this round pair
-    lane = (v % (2 * ctas)) // 2
-    return block * 2 * ctas + jnp.where(v % 2 == 0, lane, rem - 1 - lane)
+    u = v - block * 2 * ctas  # place in the round pair
+    rem = jnp.clip(n_live - block * 2 * ctas, 0, 2 * ctas)  # its live positions
+    pairs = jnp.maximum(rem - ctas, 0)  # CTAs with two of them: lanes 2C - rem ...
+    lane = 2 * ctas - rem + u // 2
+    paired = jnp.where(u % 2 == 0, lane, rem - 1 - u // 2)
+    return block * 2 * ctas + jnp.where(u < 2 * pairs, paired, u - 2 * pairs)
 
 
 def merge_sides(o, lse, o_side, lse_side, cu_q):

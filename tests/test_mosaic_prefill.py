@@ -544,6 +544,39 @@ def test_folded_sections_even_out_the_persistent_walk(q_lens, hq, ctas, heads):
     assert folded.max() / folded.mean() < 1.05, folded.max() / folded.mean()
 
 
+@pytest.mark.parametrize(
+    "q_lens, hq, heads",
+    # the fold gains (the first), loses (the second: sections of 10 heads end mid-round), ties
+    [((1000,), 40, 4), ((983, 249), 16, 10), ((2048,) * 3, 8, 1)],
+)
+def test_sections_fold_only_where_the_walk_gains_and_not_where_l2_holds_everything(q_lens, hq, heads):
+    """With each tile's work (``tile_plan(with_work=True)``), ``section_items`` keeps the
+    fold only where the walk's most loaded CTA gets no more work than in the plain
+    section order (a tile: its keys plus 128), so it is never worse than either; and a
+    call whose K/V fit in the budget keeps the default order (the identity)."""
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    bs, ctas = len(q_lens), 132
+    nt = -(-(int(cu[-1]) + 134 * bs) // 128)
+    kl = jnp.asarray(np.array(q_lens, np.int32))
+    req0, loc0, work = prefill_plan.tile_plan(jnp.asarray(cu), kl, nt, is_causal=True, window_left=-1, with_work=True)
+    kw = dict(num_q_heads=hq, group=1, key_bytes=512, budget=heads * max(q_lens) * 512)
+
+    def walk_max(c, w=None):
+        req, loc, item = (np.asarray(a) for a in prefill_plan.section_items(req0, loc0, kl, ctas=c, work=w, **kw))
+        assert sorted(item) == list(range(nt * hq))
+        cost = np.array([0 if r < 0 else min((j + 1) * 128, q_lens[r]) + 1 + 128 for r, j in zip(req, loc)])
+        return _walk_loads(cost[item // hq], ctas).max()
+
+    plain, folded, chosen = walk_max(0), walk_max(ctas), walk_max(ctas, work)
+    assert chosen == min(plain, folded), (plain, folded, chosen)
+    assert (folded < plain) == (q_lens == (1000,)) and (folded > plain) == (q_lens == (983, 249))
+    # the whole call's K/V in one budget: the default order, untouched
+    big = dict(kw, budget=sum(q_lens) * hq * 512)
+    req, loc, item = prefill_plan.section_items(req0, loc0, kl, ctas=ctas, work=work, **big)
+    assert (np.asarray(item) == np.arange(nt * hq)).all()
+    assert (np.asarray(req) == np.asarray(req0)).all() and (np.asarray(loc) == np.asarray(loc0)).all()
+
+
 def test_bench_option_sets_parse_and_refuse_unknown_names():
     from jattn.bench.prefill import parse_options
 
