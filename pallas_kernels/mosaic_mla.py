@@ -269,6 +269,8 @@ def mla_decode(
     more splits than a short one; otherwise each request's blocks are cut into the
     same number of splits, chosen from the page table's width.
     """
+    if balanced_splits is not None and not isinstance(balanced_splits, bool):
+        raise ValueError(f"mla_decode: balanced_splits={balanced_splits!r} must be True, False or None (the default)")
     if balanced_splits is None:
         balanced_splits = BALANCED_SPLITS and num_splits is None and not keys_as_rows
     elif balanced_splits and num_splits is not None:

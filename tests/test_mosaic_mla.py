@@ -372,6 +372,8 @@ def test_balanced_split_size_evens_out_uneven_lengths():
         mm.mla_decode(q, kv, table, one, num_splits=2, **kw)
     with pytest.raises(ValueError, match="balanced_splits .*keys_as_rows"):
         mm.mla_decode(q, kv, table, one, keys_as_rows=True, **kw)
+    with pytest.raises(ValueError, match="balanced_splits='no' must be True, False or None"):
+        mm.mla_decode(q, kv, table, one, **dict(kw, balanced_splits="no"))
 
 
 def test_choose_num_splits():
