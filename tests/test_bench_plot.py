@@ -122,6 +122,22 @@ def test_decode_verify_ratios_compare_rows_of_one_run():
     assert lines == ["page 16 64x4096 q_len 4: 275.0 us against q_len 1's 250.0 (+10.0%)"]
 
 
+def test_decode_uneven_shapes_count_the_bytes_of_their_own_lengths():
+    """``--shapes 64x4096u``: lengths spread from length/8 to length, the bytes counted from
+    them (not from the shape's length), and a label apart from the even row's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    assert decode.parse_shapes("1x4096, 8x512u") == [(1, 4096, False), (8, 512, True)]
+    args = (8, 512, 16, 1, jnp.bfloat16)  # batch, length, page size, q_len, KV dtype
+    _, _, _, _, lens, kv_bytes = decode._setup(*args, np.random.default_rng(0), 1, uneven=True)
+    lens = np.asarray(lens)
+    assert lens.min() >= 64 and lens.max() <= 512 and len(set(lens.tolist())) > 1
+    assert kv_bytes == 2 * int(lens.sum()) * decode.HKV * decode.D * 2
+    _, _, _, _, even, even_bytes = decode._setup(*args, np.random.default_rng(0), 1)
+    assert np.all(np.asarray(even) == 512) and even_bytes == 2 * 8 * 512 * decode.HKV * decode.D * 2
+
+
 def test_rows_that_share_a_label_give_one_bar_per_label(tmp_path):
     """Two rows with one label (a sweep line under its row): one value per label, the first."""
     res = _results(tmp_path)

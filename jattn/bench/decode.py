@@ -51,7 +51,7 @@ HEADER = (
 )
 
 
-def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q):
+def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q, uneven=False):
     max_pages = -(-length // page_size)
     itemsize = jnp.dtype(kv_dtype).itemsize
     page_bytes = 2 * page_size * HKV * D * itemsize
@@ -64,9 +64,23 @@ def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q):
         k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     # one distinct q per call: identical calls inside one jit would be deduplicated
     qs = jax.random.normal(jax.random.key(3), (num_q, bs * q_len, HQ, D), jnp.bfloat16)
-    lens = jnp.full((bs,), length, jnp.int32)
-    kv_bytes = 2 * bs * length * HKV * D * itemsize
-    return qs, k, v, jnp.asarray(tables), lens, kv_bytes
+    lens = np.full((bs,), length, np.int32)
+    if uneven:  # spread from length/8 to length, as a serving batch's are
+        lens = rng.integers(length // 8, length + 1, bs).astype(np.int32)
+    kv_bytes = 2 * int(lens.sum()) * HKV * D * itemsize
+    return qs, k, v, jnp.asarray(tables), jnp.asarray(lens), kv_bytes
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int, bool]]:
+    """``"1x4096,64x4096u"`` -> ``[(1, 4096, False), (64, 4096, True)]``: batch x length, a
+    trailing ``u`` for lengths spread from length/8 to length."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        uneven = item.endswith("u")
+        bs, length = item.removesuffix("u").split("x")
+        out.append((int(bs), int(length), uneven))
+    return out
 
 
 def _jax_paged_attention(qs, k, v, tables, lens, page_size):
@@ -197,7 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench decode", description=__doc__)
     ap.add_argument("--page-sizes", default="16,64")
     ap.add_argument(
-        "--shapes", default=None, help=f"e.g. 1x4096,64x4096 (default: {','.join(f'{b}x{n}' for b, n in SHAPES)})"
+        "--shapes",
+        default=None,
+        help=f"e.g. 1x4096,64x4096,64x4096u (a trailing u: lengths spread from length/8 to length; "
+        f"default: {','.join(f'{b}x{n}' for b, n in SHAPES)})",
     )
     ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
     ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
@@ -280,27 +297,28 @@ def main(argv: list[str] | None = None) -> None:
 
     copy_bw, how, dev = common.announce_device()
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
-    shapes = (
-        SHAPES if args.shapes is None else tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
-    )
-    rows_spec = [(ps, bs, L, 1, jnp.bfloat16) for ps in page_sizes for bs, L in shapes]
+    shapes = [(bs, L, False) for bs, L in SHAPES] if args.shapes is None else parse_shapes(args.shapes)
+    rows_spec = [(ps, bs, L, 1, jnp.bfloat16, u) for ps in page_sizes for bs, L, u in shapes]
     if not args.no_extra:
         for ps in page_sizes:
             for ql in (int(x) for x in args.q_lens.split(",")):
-                rows_spec += [(ps, 64, 4096, ql, jnp.bfloat16), (ps, 1, 32768, ql, jnp.bfloat16)]
+                rows_spec += [(ps, 64, 4096, ql, jnp.bfloat16, False), (ps, 1, 32768, ql, jnp.bfloat16, False)]
             for ql in [] if args.no_fp8 else (int(x) for x in args.fp8_q_lens.split(",")):
-                rows_spec += [(ps, 64, 4096, ql, jnp.float8_e4m3fn), (ps, 1, 32768, ql, jnp.float8_e4m3fn)]
+                rows_spec += [
+                    (ps, 64, 4096, ql, jnp.float8_e4m3fn, False),
+                    (ps, 1, 32768, ql, jnp.float8_e4m3fn, False),
+                ]
 
     rng = np.random.default_rng(0)
     header = list(HEADER) + (["max err"] if args.check else [])
     rows, sweep, profiles = [], [], []
-    for ps, bs, L, q_len, kv_dtype in rows_spec:
+    for ps, bs, L, q_len, kv_dtype, uneven in rows_spec:
         kvname = "fp8" if kv_dtype == jnp.float8_e4m3fn else "bf16"
-        label = [ps, f"{bs}x{L}", q_len, kvname]
+        label = [ps, f"{bs}x{L}" + ("u" if uneven else ""), q_len, kvname]
         itemsize = jnp.dtype(kv_dtype).itemsize
         n_hi = args.n_hi if 2 * bs * L * HKV * D * itemsize >= (512 << 20) else 4 * args.n_hi
         try:
-            qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, n_hi)
+            qs, k, v, tables, lens, kv_bytes = _setup(bs, L, ps, q_len, kv_dtype, rng, n_hi, uneven)
         except Exception as e:  # noqa: BLE001
             rows.append(label + ["-", f"setup failed: {type(e).__name__}"] + [""] * (len(header) - 6))
             continue
