@@ -414,6 +414,14 @@ def page_rotations(
     return perm.reshape(num_rot, bs, max_pages), num_pages
 
 
+def batch_lengths(rng: np.random.Generator, bs: int, length: int, uneven: bool) -> np.ndarray:
+    """i32[bs]: every request ``length`` long, or (``uneven``) lengths drawn uniformly from
+    ``length // 8`` to ``length``, as a serving batch's are spread."""
+    if not uneven:
+        return np.full((bs,), length, np.int32)
+    return rng.integers(length // 8, length + 1, bs).astype(np.int32)
+
+
 def random_page_tables(rng: np.random.Generator, num_rot: int, bs: int, max_pages: int, num_pages: int) -> np.ndarray:
     """i32[num_rot, bs, max_pages]: each rotation a random set of distinct pages."""
     need = bs * max_pages

@@ -64,9 +64,7 @@ def _setup(bs, length, page_size, q_len, kv_dtype, rng, num_q, uneven=False):
         k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     # one distinct q per call: identical calls inside one jit would be deduplicated
     qs = jax.random.normal(jax.random.key(3), (num_q, bs * q_len, HQ, D), jnp.bfloat16)
-    lens = np.full((bs,), length, np.int32)
-    if uneven:  # spread from length/8 to length, as a serving batch's are
-        lens = rng.integers(length // 8, length + 1, bs).astype(np.int32)
+    lens = common.batch_lengths(rng, bs, length, uneven)
     kv_bytes = 2 * int(lens.sum()) * HKV * D * itemsize
     return qs, k, v, jnp.asarray(tables), jnp.asarray(lens), kv_bytes
 

@@ -62,9 +62,7 @@ ROWS = (
 
 
 def lengths(row: Row, rng) -> np.ndarray:
-    if not row.uneven:
-        return np.full((row.bs,), row.length, np.int32)
-    return rng.integers(row.length // 8, row.length + 1, row.bs).astype(np.int32)
+    return common.batch_lengths(rng, row.bs, row.length, row.uneven)
 
 
 def row_bytes_flops(row: Row, lens: np.ndarray, q_itemsize: int = 2) -> tuple[float, float]:
