@@ -245,7 +245,9 @@ def _invariant_splits(impl, q, k_cache, page_table, max_seqlen_q) -> dict:
             q_itemsize=jnp.dtype(q.dtype).itemsize,
         )
         blocks = -(-width // (bsz.block_tokens * bsz.pages_per_block))
-        return {"block_sizes": dataclasses.replace(bsz, num_splits=min(splits, blocks))}
+        # balanced splits size a request's splits by the other requests' lengths: off here
+        options = dataclasses.replace(mod.KernelOptions(), balanced_splits=False)
+        return {"block_sizes": dataclasses.replace(bsz, num_splits=min(splits, blocks)), "options": options}
     if impl is reference.mha_decode:
         return {"key_chunk": reference.INVARIANT_KEY_CHUNK}
     return {}

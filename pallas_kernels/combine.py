@@ -258,6 +258,33 @@ def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int =
     return best
 
 
+def balanced_split_blocks(nblk, num_splits: int, programs: int, max_blocks: int, overhead_blocks: int):
+    """i32[1]: a split size in key blocks shared by every request of a call, chosen on
+    the device from each request's traced block count ``nblk`` (i32[bs]): the size ``p``
+    with the shortest predicted makespan ``ceil(ctas(p) / NUM_SMS) * (p +
+    overhead_blocks)``, where request ``b`` takes ``programs * ceil(nblk_b / p)`` CTAs,
+    among the sizes that cover the longest request in ``num_splits`` splits (the static
+    split count of the launch; a request uses its first ``ceil(nblk_b / p)`` splits, the
+    rest are empty CTAs); the largest ``p`` on a tie. Long requests so take more splits
+    than short ones, and the CTAs' work evens out."""
+    nblk = jnp.maximum(nblk, 0)
+    sizes = jnp.arange(1, max(1, max_blocks) + 1, dtype=jnp.int32)  # candidate p
+    ctas = programs * jnp.sum((nblk[None, :] + sizes[:, None] - 1) // sizes[:, None], axis=1)
+    cost = ((ctas + NUM_SMS - 1) // NUM_SMS) * (sizes + overhead_blocks)
+    smallest = jnp.maximum(1, (jnp.max(nblk, initial=0) + num_splits - 1) // num_splits)
+    cost = jnp.where(sizes >= smallest, cost, jnp.iinfo(jnp.int32).max)
+    best = sizes.shape[0] - 1 - jnp.argmin(cost[::-1])  # the last minimum: the largest size
+    return sizes[best].reshape(1)
+
+
+def balanced_split_count(static_splits: int, programs: int, max_blocks: int) -> int:
+    """The static split count of a balanced launch: ``static_splits`` (the even-length
+    choice), or enough splits that a request as long as the page table holds could take
+    about two waves of the SMs alone, whichever is more."""
+    room = -(-2 * NUM_SMS // max(1, programs))
+    return max(static_splits, min(max(1, max_blocks), room))
+
+
 def wave_splits(programs: int, most: int, *, waves: int = 2, cap: int = 64) -> int:
     """Splits per request so that about ``waves`` waves of ``programs * splits`` programs
     (or CTAs) cover the SMs, at most ``most`` (what the length allows: a split's shortest

@@ -24,7 +24,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.pallas_kernels.combine import NUM_SMS, choose_num_splits
+from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_count, choose_num_splits
 
 __all__ = [
     "DecodeConfig",
@@ -130,6 +130,14 @@ class KernelOptions:
       (``mha_decode_heads(glue=True)``, where jax-triton runs); off, XLA ops gather the
       query and transpose the partials (one more kernel or more per call; the same
       results up to the order in which the two combines sum the splits).
+    balanced_splits: this kernel cuts every request of a call into splits of one shared
+      size, chosen on the device from the traced lengths
+      (:func:`~jattn.pallas_kernels.combine.balanced_split_blocks`), over a static split
+      count large enough for a request as long as the page table
+      (:func:`~jattn.pallas_kernels.combine.balanced_split_count`): a long request takes
+      more splits than a short one, so the CTAs of an uneven batch carry even work. Off
+      (the default until it is timed on a GPU), each request is cut into the same number
+      of splits, so the longest request's CTAs set the call's time.
     """
 
     overlap_qk: bool = True
@@ -142,6 +150,7 @@ class KernelOptions:
     heads_v_regs: bool = False
     heads_overlap: bool = False
     heads_glue: bool = True
+    balanced_splits: bool = False
 
     def __post_init__(self):
         # checked here: a bad value would otherwise pass on calls the option does not reach
@@ -280,6 +289,8 @@ def choose_block_sizes(
     (bt, ppb), compute_wgs, num_stages = choice
     max_blocks = -(-max_pages * page_size // (bt * ppb))
     num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
+    if options.balanced_splits:
+        num_splits = balanced_split_count(num_splits, batch * (m_tiles // compute_wgs), max_blocks)
     return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
 
@@ -404,6 +415,7 @@ class DecodeConfig:
     interpret: bool
     overlap_qk: bool  # KernelOptions.overlap_qk
     convert_stages: int = 0  # FP8 converter warpgroup's f16 ring slots (0: in-chain upcast)
+    balanced: bool = False  # KernelOptions.balanced_splits: the split size follows the lengths
 
     @property
     def block_n(self):
@@ -500,4 +512,5 @@ def decode_config(
         interpret=interpret,
         overlap_qk=options.overlap_qk,
         convert_stages=convert_stages,
+        balanced=bool(options.balanced_splits),
     )

@@ -4,7 +4,11 @@ Layout of the work:
 
 * Grid ``(num_splits, batch, m_groups)``. One CTA takes one request and one
   contiguous range of its KV blocks, and covers *all* KV heads at once, so
-  every page is read from HBM exactly once per request (GQA packed).
+  every page is read from HBM exactly once per request (GQA packed). A request's
+  blocks are cut into ``num_splits`` equal ranges, or, with
+  ``KernelOptions(balanced_splits=True)``, into ranges of one size shared by the whole
+  call and chosen on the device from all the lengths (it rides after them in the lengths
+  operand), so that a long request takes more splits than a short one.
 * A KV *block* is ``block_tokens`` consecutive tokens of one page across all KV
   heads: with ``k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)``
   it is one TMA box of ``block_n = block_tokens * num_kv_heads`` rows
@@ -75,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.pallas_kernels.combine import combine_splits
+from jattn.pallas_kernels.combine import balanced_split_blocks, combine_splits
 from jattn.pallas_kernels.decode_tuning import (
     SUPPORTED_HEAD_DIMS,
     SUPPORTED_PAGE_SIZES,
@@ -90,6 +94,10 @@ from jattn.pallas_kernels.decode_tuning import (
 from jattn.pallas_kernels.decode_tuning import unsupported_reason as all_heads_unsupported_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
+
+# KernelOptions(balanced_splits=True): a CTA's fixed cost (prologue, epilogue, its share of
+# the combine) in KV blocks, in the predicted makespan the split size is chosen by.
+BALANCED_OVERHEAD_BLOCKS = 2
 
 __all__ = [
     "mha_decode",
@@ -376,9 +384,10 @@ def _mha_decode(
         q3 = jnp.pad(q3, ((0, 0), (0, cfg.o_rows - m_rows), (0, 0)))
     k2 = k_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
     v2 = v_cache.reshape(num_pages, page_size * num_kv_heads, head_dim)
-    o_part, lse_part = _run_kernel(
-        cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), scale, q3, k2, v2
-    )
+    lens = cache_seqlens.astype(jnp.int32)
+    if cfg.balanced:  # the call's split size rides after the lengths
+        lens = jnp.concatenate([lens, _balanced_split_size(cfg, lens)])
+    o_part, lse_part = _run_kernel(cfg, cdtype, page_table.astype(jnp.int32), lens, scale, q3, k2, v2)
     out, lse = combine_splits(
         o_part,
         lse_part,
@@ -390,3 +399,16 @@ def _mha_decode(
         use_kernel=options.kernel_combine,
     )
     return (out, lse) if return_lse else out
+
+
+def _balanced_split_size(cfg, lens):
+    """i32[1]: the split size in KV blocks of a balanced call, from the blocks each
+    request's CTAs walk (the kernel's own count: the window's first block on)."""
+    btb = cfg.bs.block_tokens * cfg.bs.pages_per_block
+    hi = (jnp.maximum(lens, 0) + btb - 1) // btb
+    lo = 0
+    if cfg.window_left >= 0:
+        lo = jnp.maximum(lens - cfg.q_len - cfg.window_left, 0) // btb
+    max_blocks = -(-(cfg.max_pages * cfg.page_size) // btb)
+    programs = cfg.m_tiles // cfg.bs.compute_wgs
+    return balanced_split_blocks(hi - lo, cfg.bs.num_splits, programs, max_blocks, BALANCED_OVERHEAD_BLOCKS)

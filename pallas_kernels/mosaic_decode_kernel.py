@@ -42,7 +42,7 @@ def _decode_kernel(
     dtype,
     # inputs
     page_table_ref,  # i32[bs, max_pages]            GMEM
-    lens_ref,  # i32[bs]                       GMEM
+    lens_ref,  # i32[bs] (balanced: [bs + 1], the split size last) GMEM
     scale_ref,  # f32[1] score scale (sm_scale * k_scale)
     q_ref,  # [bs, m_pad, D]                GMEM
     k_ref,  # [num_pages, page_size*Hkv, D] GMEM
@@ -89,7 +89,10 @@ def _decode_kernel(
     else:
         lo_blk = jnp.int32(0)
     num_blk = jnp.maximum(hi_blk - lo_blk, 0)
-    chunk = lax.div(num_blk + (bs.num_splits - 1), jnp.int32(bs.num_splits))
+    if cfg.balanced:  # the call's split size, chosen from all the lengths, rides after them
+        chunk = lens_ref[cfg.batch]
+    else:
+        chunk = lax.div(num_blk + (bs.num_splits - 1), jnp.int32(bs.num_splits))
     start = lo_blk + split * chunk
     count = jnp.maximum(jnp.minimum(start + chunk, hi_blk) - start, 0)
 
@@ -604,8 +607,10 @@ def _run_kernel(cfg: DecodeConfig, dtype, page_table, lens, scale, q3, k2, v2):
             collective_axes="wg",
         )
 
-    name = f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}_splits{bs.num_splits}" + (
-        f"_conv{SC}" if SC else ""
+    name = (
+        f"jattn_paged_decode_bt{bs.block_tokens}x{bs.pages_per_block}_n{N}_d{D}_s{S}_c{C}_splits{bs.num_splits}"
+        + (f"_conv{SC}" if SC else "")
+        + ("_bal" if cfg.balanced else "")
     )
     kernel = plgpu_kernel(
         entry,

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn.pallas_kernels.combine import NUM_SMS, combine_splits
+from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_blocks, balanced_split_count, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.interpret import no_gpu_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs
@@ -112,32 +112,20 @@ BALANCED_SPLITS = False
 
 
 def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
-    """The static split count of a balanced call: the even-length choice, or enough
-    splits that a request as long as the page table holds could take about two waves
-    of the SMs alone, whichever is more (the splits a call's lengths do not need are
-    empty CTAs)."""
+    """The static split count of a balanced call (:func:`~jattn.pallas_kernels.combine.balanced_split_count`
+    over this module's even-length choice)."""
     programs = max(1, batch * m_tiles)
-    room = -(-2 * NUM_SMS // programs)
-    return max(choose_num_splits(batch, m_tiles, max_blocks), min(max(1, max_blocks), room))
+    return balanced_split_count(choose_num_splits(batch, m_tiles, max_blocks), programs, max_blocks)
 
 
 def balanced_split_size(lens, block: int, num_splits: int, m_tiles: int, max_blocks: int):
-    """i32[1]: the split size in blocks that every request of this call shares, chosen on
-    the device from the traced lengths: the size ``p`` with the shortest predicted
-    makespan ``ceil(ctas(p) / NUM_SMS) * (p + SPLIT_OVERHEAD_BLOCKS)``, where request
-    ``b`` takes ``ceil(blocks_b / p)`` CTAs per row tile, among the sizes that cover the
-    longest request in ``num_splits`` splits; the largest ``p`` (fewest splits) on a
-    tie. With equal lengths this is the split of :func:`choose_num_splits`; with uneven
-    ones the long requests take more splits than the short ones, so the CTAs' work
-    evens out."""
+    """i32[1]: the split size in blocks that every request of this call shares
+    (:func:`~jattn.pallas_kernels.combine.balanced_split_blocks` over the requests'
+    blocks of ``block`` keys). With equal lengths this is the split of
+    :func:`choose_num_splits`; with uneven ones the long requests take more splits than
+    the short ones."""
     nblk = (jnp.maximum(lens, 0) + block - 1) // block  # [bs]
-    sizes = jnp.arange(1, max(1, max_blocks) + 1, dtype=jnp.int32)  # candidate p
-    ctas = m_tiles * jnp.sum((nblk[None, :] + sizes[:, None] - 1) // sizes[:, None], axis=1)
-    cost = ((ctas + NUM_SMS - 1) // NUM_SMS) * (sizes + SPLIT_OVERHEAD_BLOCKS)
-    smallest = jnp.maximum(1, (jnp.max(nblk, initial=0) + num_splits - 1) // num_splits)
-    cost = jnp.where(sizes >= smallest, cost, jnp.iinfo(jnp.int32).max)
-    best = sizes.shape[0] - 1 - jnp.argmin(cost[::-1])  # the last minimum: the largest size
-    return sizes[best].reshape(1)
+    return balanced_split_blocks(nblk, num_splits, m_tiles, max_blocks, SPLIT_OVERHEAD_BLOCKS)
 
 
 @functools.partial(

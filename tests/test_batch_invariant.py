@@ -122,6 +122,7 @@ def test_mosaic_split_count_follows_the_batch_unless_invariant(monkeypatch):
     q, k, v, table, lens = _inputs(np.float32)
     pick = jattn.ops._invariant_splits(md.mha_decode, q[:1], k, table[:1], 1)
     assert pick["block_sizes"].num_splits == 4
+    assert not pick["options"].balanced_splits  # a split size from the other requests' lengths
     assert jattn.ops._invariant_splits(md.mha_decode, q, k, table, 1) == pick
 
 

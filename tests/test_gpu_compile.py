@@ -53,12 +53,18 @@ _DECODE_OPTIONS = {
     "default": mosaic_decode.KernelOptions(),
     "no_overlap": mosaic_decode.KernelOptions(overlap_qk=False),
     "all_heads": mosaic_decode.KernelOptions(heads_kernel=False),
+    "balanced": mosaic_decode.KernelOptions(heads_kernel=False, fp8_heads=False, balanced_splits=True),
 }
 _DECODE_GRID = [
     dict(hkv=hkv, hq=hq, d=d, kv=kv, q_len=q_len, opt=opt)
     for (hkv, hq), d, kv, q_len, opt in itertools.product(
-        _DECODE_HEADS, (64, 128), ("bf16", "fp8"), (1, 4), _DECODE_OPTIONS
+        _DECODE_HEADS, (64, 128), ("bf16", "fp8"), (1, 4), [o for o in _DECODE_OPTIONS if o != "balanced"]
     )
+]
+# the all-heads kernel with balanced splits (the split size read after the lengths)
+_DECODE_GRID += [
+    dict(hkv=8, hq=32, d=128, kv=kv, q_len=q_len, opt="balanced", **extra)
+    for kv, q_len, extra in (("bf16", 1, {}), ("fp8", 1, {}), ("bf16", 4, {}), ("bf16", 1, dict(window_left=100)))
 ]
 # features on one GQA shape each: window, logit cap, sinks, non-causal draft block, page 64
 _DECODE_GRID += [

@@ -20,6 +20,7 @@ import pytest
 
 from jattn import reference
 from jattn.pallas_kernels import mosaic_decode as md
+from jattn.pallas_kernels.combine import NUM_SMS
 from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
 
 FP8 = jnp.float8_e4m3fn
@@ -175,6 +176,8 @@ CPU_CASES = {
     "three_splits_qlen2": Case(lens=(97, 2), q_len=2, splits=3),
     # more KV blocks than ring stages in one CTA: the ring wraps around
     "ring_wraps_one_split": Case(lens=(65,), hq=8, hkv=8, d=64, page_size=16, splits=1),
+    # two splits of 13 blocks: balanced splits must take 7 blocks a split (the even size)
+    "two_splits_13_blocks": Case(lens=(200, 3), hq=8, hkv=8, d=64, page_size=16, splits=2),
 }
 
 
@@ -204,6 +207,11 @@ OTHER_SETTING_CPU = [
     ("overlap_qk", n)
     for n in ("lens_0_1_97", "logit_cap_sinks", "qlen4_causal", "hkv2_group4_tail", "one_split_bf16", "window")
 ] + [("fp8_converter", "fp8_kv_scales"), ("fp8_converter", "fp8_kv_qlen2_fp16")]
+# balanced_splits: the split size chosen from the lengths (request 97 over several splits
+# of one block beside the empty and one-block requests; the window's own first block)
+OTHER_SETTING_CPU += [
+    ("balanced_splits", n) for n in ("lens_0_1_97", "window", "qlen4_causal", "fp8_kv_scales", "two_splits_13_blocks")
+]
 
 
 @needs_interp
@@ -484,6 +492,47 @@ OVERLAP_GPU = [
 def test_gpu_overlap_qk_option(name):
     """The block loop with the other setting of overlap_qk (both must stay right)."""
     _check(GPU_CASES[name], interpret=False, options=_flipped("overlap_qk"))
+
+
+BALANCED_GPU = ["llama8b_b4_l4096_p16", "llama8b_b3_p64_ragged", "window_cap_sinks", "qlen4_verify", "fp8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BALANCED_GPU)
+def test_gpu_balanced_splits_option(name):
+    """Balanced splits (the split size from the lengths) give the same answers."""
+    _check(GPU_CASES[name], interpret=False, options=_flipped("balanced_splits"))
+
+
+def test_balanced_split_size_evens_out_an_uneven_batch():
+    """The balanced split size covers the longest request in the launch's splits, counts
+    a window's blocks from its first one, and on an uneven batch of 64 x 4096 (lengths
+    from 512 to 4096) cuts the counted makespan (CTAs in waves of the SMs, each its
+    blocks plus the fixed cost) well below the even split's."""
+    opts = dataclasses.replace(BASE, balanced_splits=True)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(512, 4097, 64).astype(np.int32)
+    kw = dict(num_pages=64 * 256, page_size=16, max_pages=256, num_kv_heads=8, num_q_heads=32, head_dim=128,
+              q_len=1, is_causal=True, logit_cap=0.0, block_sizes=None, kv_itemsize=2, q_itemsize=2,
+              interpret=False)  # fmt: skip
+    even = md.decode_config(batch=64, window_left=-1, options=BASE, **kw)
+    cfg = md.decode_config(batch=64, window_left=-1, options=opts, **kw)
+    assert cfg.balanced and not even.balanced and cfg.bs.num_splits >= even.bs.num_splits
+    btb = cfg.bs.block_tokens * cfg.bs.pages_per_block
+    nblk = -(-lens // btb)
+    per = int(md._balanced_split_size(cfg, jnp.asarray(lens))[0])
+    assert per * cfg.bs.num_splits >= nblk.max()
+
+    def makespan(ctas_per_request, size):
+        return -(-int(np.sum(ctas_per_request)) // NUM_SMS) * (size + md.BALANCED_OVERHEAD_BLOCKS)
+
+    even_chunk = -(-nblk // even.bs.num_splits)
+    assert makespan(-(-nblk // per), per) < 0.75 * makespan(even.bs.num_splits * np.ones(64), even_chunk.max())
+    # a window: request 0 walks 3 blocks (its window's), however long it is
+    win = md.decode_config(batch=2, window_left=2 * btb, options=opts, **kw)
+    wlens = jnp.asarray([4000, 3 * btb], jnp.int32)
+    per_w = int(md._balanced_split_size(win, wlens)[0])
+    assert per_w * win.bs.num_splits >= 3 and per_w <= 3
 
 
 FP8_GPU = ["fp8", "fp8_qlen4_page64", "hkv4_fp8", "one_split_sinks_fp8"]
