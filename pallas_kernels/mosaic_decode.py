@@ -93,7 +93,7 @@ from jattn.pallas_kernels.decode_tuning import (
 )
 from jattn.pallas_kernels.decode_tuning import unsupported_reason as all_heads_unsupported_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs, fold_softmax_scale
-from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel
+from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel, request_blocks
 
 # KernelOptions(balanced_splits=True): a CTA's fixed cost (prologue, epilogue, its share of
 # the combine) in KV blocks, in the predicted makespan the split size is chosen by.
@@ -403,12 +403,10 @@ def _mha_decode(
 
 def _balanced_split_size(cfg, lens):
     """i32[1]: the split size in KV blocks of a balanced call, from the blocks each
-    request's CTAs walk (the kernel's own count: the window's first block on)."""
-    btb = cfg.bs.block_tokens * cfg.bs.pages_per_block
-    hi = (jnp.maximum(lens, 0) + btb - 1) // btb
-    lo = 0
-    if cfg.window_left >= 0:
-        lo = jnp.maximum(lens - cfg.q_len - cfg.window_left, 0) // btb
-    max_blocks = -(-(cfg.max_pages * cfg.page_size) // btb)
+    request's CTAs walk (the kernel's own count, :func:`request_blocks`)."""
+    lo, hi = request_blocks(cfg, lens)
+    max_blocks = -(-(cfg.max_pages * cfg.page_size) // (cfg.bs.block_tokens * cfg.bs.pages_per_block))
     programs = cfg.m_tiles // cfg.bs.compute_wgs
-    return balanced_split_blocks(hi - lo, cfg.bs.num_splits, programs, max_blocks, BALANCED_OVERHEAD_BLOCKS)
+    return balanced_split_blocks(
+        jnp.maximum(hi - lo, 0), cfg.bs.num_splits, programs, max_blocks, BALANCED_OVERHEAD_BLOCKS
+    )

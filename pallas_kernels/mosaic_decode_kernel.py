@@ -37,6 +37,19 @@ def _has_partial_columns(cfg: DecodeConfig) -> bool:
     return cfg.q_len > 1 and (cfg.is_causal or cfg.window_left >= 0)
 
 
+def request_blocks(cfg: DecodeConfig, seq_len):
+    """``(first, end)`` KV block a request of ``seq_len`` keys is read over: from the
+    window's first block (0 without a window) to the block past its last key. Scalars in
+    the kernel; arrays of lengths too (the balanced split size counts them the same way)."""
+    btb = jnp.int32(cfg.bs.block_tokens * cfg.bs.pages_per_block)
+    hi_blk = lax.div(seq_len + (btb - 1), btb)
+    if cfg.window_left >= 0:
+        lo_blk = lax.div(jnp.maximum(seq_len - cfg.q_len - cfg.window_left, 0), btb)
+    else:
+        lo_blk = jnp.int32(0)
+    return lo_blk, hi_blk
+
+
 def _decode_kernel(
     cfg: DecodeConfig,
     dtype,
@@ -82,12 +95,7 @@ def _decode_kernel(
 
     # Which KV blocks this CTA covers (same arithmetic in every warpgroup).
     seq_len = lens_ref[b]
-    hi_blk = lax.div(seq_len + (BTB - 1), jnp.int32(BTB))
-    if cfg.window_left >= 0:
-        lo_tok = jnp.maximum(seq_len - n - cfg.window_left, 0)
-        lo_blk = lax.div(lo_tok, jnp.int32(BTB))
-    else:
-        lo_blk = jnp.int32(0)
+    lo_blk, hi_blk = request_blocks(cfg, seq_len)
     num_blk = jnp.maximum(hi_blk - lo_blk, 0)
     if cfg.balanced:  # the call's split size, chosen from all the lengths, rides after them
         chunk = lens_ref[cfg.batch]
