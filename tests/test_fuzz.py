@@ -1031,6 +1031,7 @@ def mosaic_cases(draw, big: bool = False):
         splits=splits,  # 0: the kernel's choice (through jattn's dispatch); else forced
         overlap_qk=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
+        balanced=draw(st.booleans()),  # KernelOptions.balanced_splits (all-heads kernel calls)
     )
 
 
@@ -1101,7 +1102,7 @@ def _run_mosaic(c):
                 kv_itemsize=kc.dtype.itemsize,
             )
             bsz = dataclasses.replace(bsz, num_splits=c["splits"])
-        opts = mosaic.KernelOptions(overlap_qk=c["overlap_qk"])
+        opts = mosaic.KernelOptions(overlap_qk=c["overlap_qk"], balanced_splits=c.get("balanced", False))
         res = mosaic.mha_decode(*args, block_sizes=bsz, options=opts, **call_kw)
     out, lse = _unpack(res, c["return_lse"])
     assert out.dtype == q.dtype and out.shape == q.shape
