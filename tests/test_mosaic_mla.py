@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jattn import reference
 from jattn.mla_rope import quantize_query_fp8
@@ -212,6 +215,62 @@ def test_gpu(c):
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, tol=5e-2 if c.raw_q else 3e-2)
+
+
+@st.composite
+def _fuzz_cases(draw):
+    """A random GPU case: heads, query length, page size, lengths (short ones near the
+    block edges, long ones to 5,000), the cache dtype and the query's form, causal or
+    not, forced or chosen splits, balanced splits, poison, scales; each option only where
+    the kernel takes it (keys as rows: a 2-byte cache and at most 32 query rows;
+    balanced: no forced split count)."""
+    keys_as_rows = draw(st.sampled_from([False, False, False, True]))
+    if keys_as_rows:
+        heads = draw(st.sampled_from([16, 32]))
+        q_len = draw(st.integers(1, 32 // heads))
+    else:
+        heads, q_len = draw(st.sampled_from([16, 32, 64, 128])), draw(st.integers(1, 8))
+    bs = draw(st.integers(1, 5))
+    length = st.one_of(st.integers(0, 70), st.integers(60, 300), st.integers(0, 5000))
+    lens = tuple(draw(st.lists(length, min_size=bs, max_size=bs)))
+    fp8 = not keys_as_rows and draw(st.booleans())
+    e4m3_q = fp8 and draw(st.booleans())
+    num_splits = None if keys_as_rows else draw(st.sampled_from([None, None, 1, 2, 5, 17]))
+    return Case(
+        lens=lens,
+        heads=heads,
+        q_len=q_len,
+        causal=draw(st.booleans()),
+        page_size=draw(st.sampled_from(mm.SUPPORTED_PAGE_SIZES)),
+        num_splits=num_splits,
+        poison=draw(st.integers(-1, min(lens[0], 6) - 1)),
+        keys_as_rows=keys_as_rows,
+        fp8=fp8,
+        raw_q=fp8 and not e4m3_q and draw(st.booleans()),
+        e4m3_q=e4m3_q,
+        v_regs=draw(st.booleans()),
+        softmax_scale=draw(st.sampled_from([None, 0.05, 0.12])),
+        kv_scale=None if fp8 else draw(st.sampled_from([None, 0.7])),
+        balanced=num_splits is None and not keys_as_rows and draw(st.booleans()),
+    )
+
+
+@pytest.mark.gpu
+@settings(
+    max_examples=int(os.environ.get("JATTN_MLA_FUZZ_EXAMPLES", "12")),  # each example compiles a kernel
+    deadline=None,
+    derandomize=os.environ.get("JATTN_FUZZ_RANDOM", "") in ("", "0"),
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(c=_fuzz_cases(), seed=st.integers(0, 2**31 - 1))
+def test_gpu_fuzz(c, seed):
+    """Random combinations of the GPU cases' options (``JATTN_MLA_FUZZ_EXAMPLES`` examples,
+    derandomized unless ``JATTN_FUZZ_RANDOM=1``) against the f32 reference, with the same
+    poison, NaN padding, empty-request and determinism checks as :func:`test_gpu`."""
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    _check(c, jnp.bfloat16, seed=seed, tol=5e-2 if c.raw_q else 3e-2)
 
 
 def _check_non_finite_query_rows(c: Case, dtype, nan_head: int, **mla_kw):
