@@ -218,24 +218,28 @@ def test_gpu(c):
 
 
 @st.composite
-def _fuzz_cases(draw):
-    """A random GPU case: heads, query length, page size, lengths (short ones near the
-    block edges, long ones to 5,000), the cache dtype and the query's form, causal or
+def _fuzz_cases(draw, small: bool = False):
+    """A random case: heads, query length, page size, lengths (short ones near the block
+    edges; long ones to 5,000 on the GPU), the cache dtype and the query's form, causal or
     not, forced or chosen splits, balanced splits, poison, scales; each option only where
     the kernel takes it (keys as rows: a 2-byte cache and at most 32 query rows;
-    balanced: no forced split count)."""
+    balanced: no forced split count). ``small``: shapes the interpreter runs in seconds
+    (4 or 8 heads, at most 3 requests of at most 140 keys)."""
     keys_as_rows = draw(st.sampled_from([False, False, False, True]))
-    if keys_as_rows:
+    if small:
+        heads, q_len = draw(st.sampled_from([4, 8])), draw(st.integers(1, 3))
+    elif keys_as_rows:
         heads = draw(st.sampled_from([16, 32]))
         q_len = draw(st.integers(1, 32 // heads))
     else:
         heads, q_len = draw(st.sampled_from([16, 32, 64, 128])), draw(st.integers(1, 8))
-    bs = draw(st.integers(1, 5))
-    length = st.one_of(st.integers(0, 70), st.integers(60, 300), st.integers(0, 5000))
+    bs = draw(st.integers(1, 3 if small else 5))
+    length = st.integers(0, 140) if small else st.one_of(st.integers(0, 70), st.integers(60, 300), st.integers(0, 5000))
     lens = tuple(draw(st.lists(length, min_size=bs, max_size=bs)))
     fp8 = not keys_as_rows and draw(st.booleans())
     e4m3_q = fp8 and draw(st.booleans())
-    num_splits = None if keys_as_rows else draw(st.sampled_from([None, None, 1, 2, 5, 17]))
+    splits = [None, None, 1, 2, 3] if small else [None, None, 1, 2, 5, 17]
+    num_splits = None if keys_as_rows else draw(st.sampled_from(splits))
     return Case(
         lens=lens,
         heads=heads,
@@ -255,19 +259,33 @@ def _fuzz_cases(draw):
     )
 
 
+def _fuzz_settings(env: str, default: int):
+    """Hypothesis settings of the fuzz properties: ``env`` examples (each compiles or
+    interprets a kernel), derandomized unless ``JATTN_FUZZ_RANDOM=1``, nothing stored."""
+    return settings(
+        max_examples=int(os.environ.get(env, str(default))),
+        deadline=None,
+        derandomize=os.environ.get("JATTN_FUZZ_RANDOM", "") in ("", "0"),
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+@_fuzz_settings("JATTN_MLA_FUZZ_CPU_EXAMPLES", 4)
+@given(c=_fuzz_cases(small=True), seed=st.integers(0, 2**31 - 1))
+def test_interpreted_fuzz(c, seed):
+    """Random combinations of the kernel's options at small shapes, interpreted (f16)."""
+    with gpu_interpret():
+        _check(c, jnp.float16, seed=seed, tol=5e-2 if c.raw_q else 3e-2)
+
+
 @pytest.mark.gpu
-@settings(
-    max_examples=int(os.environ.get("JATTN_MLA_FUZZ_EXAMPLES", "12")),  # each example compiles a kernel
-    deadline=None,
-    derandomize=os.environ.get("JATTN_FUZZ_RANDOM", "") in ("", "0"),
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+@_fuzz_settings("JATTN_MLA_FUZZ_EXAMPLES", 12)
 @given(c=_fuzz_cases(), seed=st.integers(0, 2**31 - 1))
 def test_gpu_fuzz(c, seed):
-    """Random combinations of the GPU cases' options (``JATTN_MLA_FUZZ_EXAMPLES`` examples,
-    derandomized unless ``JATTN_FUZZ_RANDOM=1``) against the f32 reference, with the same
-    poison, NaN padding, empty-request and determinism checks as :func:`test_gpu`."""
+    """Random combinations of the GPU cases' options against the f32 reference, with the
+    same poison, NaN padding, empty-request and determinism checks as :func:`test_gpu`."""
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, seed=seed, tol=5e-2 if c.raw_q else 3e-2)
