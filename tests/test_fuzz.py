@@ -1215,7 +1215,43 @@ def prefill_kernel_cases(draw, big: bool = False):
         q=draw(st.sampled_from(["bf16", "f16"])),
         return_lse=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
+        options=draw(_prefill_options(big, dims)),
     )
+
+
+@st.composite
+def _prefill_options(draw, big: bool, dims: tuple[int, int]):
+    """``PrefillOptions`` fields for a case (empty: the defaults, through jattn's op): the
+    launch (one CTA per tile, or a persistent walk over an SM's worth or a few CTAs; not
+    where 192/128 stages its output in the ring), the L2-section order with or without the
+    fold, the loop variant (intra-warpgroup overlap or the early K wait), the key block."""
+    if draw(st.booleans()):
+        return {}
+    persistent = draw(st.sampled_from([None, False] if dims[0] != dims[1] else [None, True, False]))
+    ctas = (
+        0 if persistent is False or dims[0] != dims[1] else draw(st.sampled_from([0, 7, 132] if big else [0, 1, 2, 3]))
+    )
+    loop = draw(st.sampled_from(["plain", "plain", "overlap_pv", "prefetch_k"]))
+    return dict(
+        persistent=persistent,
+        ctas=ctas,
+        l2_section_kib=draw(st.sampled_from([None, 0, 1, 2, 8, 32] if not big else [None, 0, 512, 2048, 24576])),
+        fold_sections=draw(st.booleans()),
+        overlap_pv=loop == "overlap_pv",
+        prefetch_k=loop == "prefetch_k",
+        block_kv=draw(st.sampled_from([0, 64])),
+    )
+
+
+def _prefill_call(c, name: str):
+    """The op for a prefill kernel case: jattn's (``backend="mosaic"``) with the default
+    options, else ``mosaic_prefill``'s own function with the drawn ``PrefillOptions``."""
+    if not c.get("options"):
+        op = {"mha_extend": jattn.mha_extend_with_kvcache, "mha_prefill": jattn.mha_prefill}[name]
+        return functools.partial(op, backend="mosaic")
+    from jattn.pallas_kernels import mosaic_prefill
+
+    return functools.partial(getattr(mosaic_prefill, name), options=mosaic_prefill.PrefillOptions(**c["options"]))
 
 
 def _run_mosaic_prefill(c):
@@ -1240,7 +1276,7 @@ def _run_mosaic_prefill(c):
         pool = Pool(rng, c["kv_lens"], c["page_size"])
         kc, vc = _cast(pool.fill(rng, (hkv, d)), dt), _cast(pool.fill(rng, (hkv, dv)), dt)
         args = (q, kc, vc, pool.page_table, pool.lens, cu_q)
-        res = jattn.mha_extend_with_kvcache(*map(jnp.asarray, args), max_seqlen_q=max_q, backend="mosaic", **jopts)
+        res = _prefill_call(c, "mha_extend")(*map(jnp.asarray, args), max_seqlen_q=max_q, **jopts)
     else:
         kv_lens = c["q_lens"] if c["kv_lens"] is None else c["kv_lens"]
         cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
@@ -1256,9 +1292,7 @@ def _run_mosaic_prefill(c):
         kv_kw = {}
         if c["kv_lens"] is not None:
             kv_kw = dict(cu_seqlens_kv=jnp.asarray(cu_kv), max_seqlen_kv=_pow2(max(kv_lens + [1])))
-        res = jattn.mha_prefill(
-            *map(jnp.asarray, (q, k, v, cu_q)), max_seqlen_q=max_q, backend="mosaic", **kv_kw, **jopts
-        )
+        res = _prefill_call(c, "mha_prefill")(*map(jnp.asarray, (q, k, v, cu_q)), max_seqlen_q=max_q, **kv_kw, **jopts)
     out, lse = _unpack(res, c["return_lse"])
     assert out.dtype == q.dtype
     if c["big"]:
@@ -1315,6 +1349,32 @@ def _run_mosaic_prefill(c):
         q="f16",
         return_lse=True,
         seed=4,
+    )
+)
+@example(
+    c=dict(
+        big=False,
+        paged=False,
+        page_size=0,
+        hkv=2,
+        hq=4,
+        d=64,
+        dv=64,
+        q_lens=[40, 9, 17],
+        kv_lens=None,
+        pad_tokens=2,
+        is_causal=True,
+        window_left=-1,
+        logit_cap=0.0,
+        sinks=False,
+        softmax_scale=None,
+        q="f16",
+        return_lse=True,
+        seed=5,
+        # two CTAs walk the L2-section order (one KV head a section): the options' path
+        options=dict(
+            persistent=True, ctas=2, l2_section_kib=1, fold_sections=True, overlap_pv=True, prefetch_k=False, block_kv=0
+        ),
     )
 )
 def test_mosaic_prefill_interpreted(c):
