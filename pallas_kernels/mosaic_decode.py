@@ -304,7 +304,8 @@ def heads_kernel_for(
         )  # fmt: skip
     if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or one_kv_head_single_query(k_cache, max_seqlen_q)):
         return None
-    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap, glue=glue)
+    # an FP8 cache here (one KV head, one query, no fp8_heads) takes the upcast, which does not pipeline
+    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap and itemsize == 2, glue=glue)
 
 
 @functools.partial(

@@ -1032,6 +1032,25 @@ def mosaic_cases(draw, big: bool = False):
         overlap_qk=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
         balanced=draw(st.booleans()),  # KernelOptions.balanced_splits (all-heads kernel calls)
+        heads_opts=draw(_heads_options()),
+    )
+
+
+@st.composite
+def _heads_options(draw):
+    """``KernelOptions`` fields of the per-KV-head kernel for a case (empty: the defaults):
+    whether calls go to it, its persistent launch, query-row tiles, the FP8 path (the e4m3
+    query, ``V^T`` in registers), the pipelined loop, the split combine kernel."""
+    if draw(st.booleans()):
+        return {}
+    return dict(
+        heads_kernel=draw(st.booleans()),
+        heads_persistent=draw(st.booleans()),
+        heads_row_tile=draw(st.sampled_from([0, 16, 32])),
+        fp8_heads=draw(st.booleans()),
+        heads_v_regs=draw(st.booleans()),
+        heads_overlap=draw(st.booleans()),
+        kernel_combine=draw(st.booleans()),
     )
 
 
@@ -1052,27 +1071,29 @@ def _naive_decode(c, q, kc, vc, pool, kw):
     return truth, truth_lse, heads
 
 
-def _fp8_query(c, q, kc, vc, sinks, pool, call_kw):
-    """The query the call attends with: on an FP8 cache, where ``mosaic_decode`` sends the
-    call (no forced splits) to the per-KV-head kernel's e4m3-query path
-    (``KernelOptions.fp8_heads``, the default), ``q`` rounded as that path rounds it
-    (docs/SEMANTICS.md); else ``q``."""
+def _fp8_query(c, q, kc, vc, sinks, pool, call_kw, opts):
+    """The query the call attends with: on an FP8 cache, where ``mosaic_decode`` with the
+    options ``opts`` sends the call (no forced splits) to the per-KV-head kernel's
+    e4m3-query path (``KernelOptions.fp8_heads``), ``q`` rounded as that path rounds it
+    (docs/SEMANTICS.md; one scale per query-row tile with ``heads_row_tile``); else ``q``."""
     from jattn.checks import _window_within
     from jattn.pallas_kernels import mosaic_decode_heads
 
     if c["kv"] != "fp8" or c["splits"]:
         return q
+    if not (opts.heads_kernel or mosaic.one_kv_head_single_query(kc, c["q_len"])):
+        return q
     window = c["window_left"]
-    if c["overlap_qk"]:  # through jattn.mha_decode_with_kvcache, which normalises the window
+    if c["splits"] == 0 and c["overlap_qk"]:  # through jattn.mha_decode_with_kvcache: it normalises the window
         window = _window_within(window, pool.width * c["page_size"])
     kw = {k: call_kw[k] for k in ("softmax_scale", "k_scale", "v_scale")}
     routed = mosaic.heads_kernel_for(
         jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), c["q_len"], window, c["logit_cap"], sinks, **kw,
-        fp8_heads=mosaic.KernelOptions().fp8_heads, is_causal=c["is_causal"],
+        fp8_heads=opts.fp8_heads and opts.heads_kernel, is_causal=c["is_causal"],
     )  # fmt: skip
-    if routed is None:
+    if routed is None or not routed.keywords.get("fp8_qk"):
         return q
-    rounded = mosaic_decode_heads.fp8_qk_query(jnp.asarray(q), c["hkv"], c["q_len"])
+    rounded = mosaic_decode_heads.fp8_qk_query(jnp.asarray(q), c["hkv"], c["q_len"], opts.heads_row_tile)
     return np.asarray(rounded, np.float32)
 
 
@@ -1087,6 +1108,7 @@ def _run_mosaic(c):
     assume(reason is None or reason.startswith("no GPU"))
     if c["splits"]:  # explicit block sizes: the all-heads kernel, whatever the call
         assume(mosaic.one_kv_head_reason(kc, c["q_len"], c["window_left"], c["logit_cap"], sinks) is None)
+    opts = mosaic.KernelOptions()  # jattn's op runs the defaults
     if c["splits"] == 0 and c["overlap_qk"]:
         res = jattn.mha_decode_with_kvcache(*args, backend="mosaic", **call_kw)
     else:
@@ -1102,11 +1124,13 @@ def _run_mosaic(c):
                 kv_itemsize=kc.dtype.itemsize,
             )
             bsz = dataclasses.replace(bsz, num_splits=c["splits"])
-        opts = mosaic.KernelOptions(overlap_qk=c["overlap_qk"], balanced_splits=c.get("balanced", False))
+        opts = mosaic.KernelOptions(
+            overlap_qk=c["overlap_qk"], balanced_splits=c.get("balanced", False), **c.get("heads_opts", {})
+        )
         res = mosaic.mha_decode(*args, block_sizes=bsz, options=opts, **call_kw)
     out, lse = _unpack(res, c["return_lse"])
     assert out.dtype == q.dtype and out.shape == q.shape
-    truth, truth_lse, heads = _naive_decode(c, _fp8_query(c, q, kc, vc, sinks, pool, call_kw), kc, vc, pool, kw)
+    truth, truth_lse, heads = _naive_decode(c, _fp8_query(c, q, kc, vc, sinks, pool, call_kw, opts), kc, vc, pool, kw)
     tol = _mosaic_tol(c)
     out = np.asarray(out.astype(jnp.float32))[:, heads]
     lse = None if lse is None else np.asarray(lse)[:, heads]

@@ -395,13 +395,18 @@ def test_one_kv_head_single_query_calls_take_the_per_kv_head_kernel(monkeypatch)
     want = reference.mha_decode(r(q), r(k), r(v), table, lens)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
     # FP8: the e4m3 query by default; heads_kernel=False keeps the exact query (it took the
-    # e4m3 path there too), on the per-KV-head kernel still
+    # e4m3 path there too), on the per-KV-head kernel still; the pipelined loop
+    # (heads_overlap) is not asked of that exact-query FP8 path, which has none (it raised)
     kc, vc = jnp.asarray(k, jnp.float8_e4m3fn), jnp.asarray(v, jnp.float8_e4m3fn)
     fp8 = []
-    monkeypatch.setattr(mh, "mha_decode_heads", lambda q, *a, **kw: fp8.append(kw.get("fp8_qk", False)) or q)
+    monkeypatch.setattr(
+        mh, "mha_decode_heads", lambda q, *a, **kw: fp8.append((kw.get("fp8_qk", False), kw["overlap"])) or q
+    )
     md.mha_decode(args[0], kc, vc, table, lens)
     md.mha_decode(args[0], kc, vc, table, lens, options=md.KernelOptions(heads_kernel=False))
-    assert fp8 == [True, False] and all_heads == [5, -1]
+    md.mha_decode(args[0], kc, vc, table, lens, options=md.KernelOptions(fp8_heads=False, heads_overlap=True))
+    md.mha_decode(args[0], *args[1:], options=md.KernelOptions(heads_overlap=True))  # 2-byte: pipelined
+    assert fp8 == [(True, False), (False, False), (False, False), (False, True)] and all_heads == [5, -1]
     # the batch-invariant mode runs the all-heads kernel alone: refused with the reason
     # (ops passed it explicit block sizes, which skip the route), except with a window
     with gpu_interpret():
