@@ -1038,9 +1038,10 @@ def mosaic_cases(draw, big: bool = False):
 
 @st.composite
 def _heads_options(draw):
-    """``KernelOptions`` fields of the per-KV-head kernel for a case (empty: the defaults):
-    whether calls go to it, its persistent launch, query-row tiles, the FP8 path (the e4m3
-    query, ``V^T`` in registers), the pipelined loop, the split combine kernel."""
+    """``KernelOptions`` fields for a case (empty: the defaults): whether calls go to the
+    per-KV-head kernel, its persistent launch, query-row tiles, FP8 path (the e4m3 query,
+    ``V^T`` in registers), pipelined loop and glue kernels; the split combine kernel; the
+    all-heads kernel's FP8 converter warpgroup."""
     if draw(st.booleans()):
         return {}
     return dict(
@@ -1050,7 +1051,9 @@ def _heads_options(draw):
         fp8_heads=draw(st.booleans()),
         heads_v_regs=draw(st.booleans()),
         heads_overlap=draw(st.booleans()),
+        heads_glue=draw(st.booleans()),
         kernel_combine=draw(st.booleans()),
+        fp8_converter=draw(st.booleans()),
     )
 
 
