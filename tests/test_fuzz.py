@@ -1353,52 +1353,43 @@ def _run_mosaic_prefill(c):
     _check(out, truth, tol=tol, lse=lse, truth_lse=truth_lse, name="mosaic prefill")
 
 
+# A paged extend with every feature the interpreter runs quickly (sinks, an empty request).
+PREFILL_EXAMPLE = dict(
+    big=False,
+    paged=True,
+    page_size=16,
+    hkv=2,
+    hq=4,
+    d=64,
+    dv=64,
+    q_lens=[9, 0, 30],
+    kv_lens=[9 + 40, 5, 30 + 17],
+    pad_tokens=3,
+    is_causal=True,
+    window_left=-1,
+    logit_cap=0.0,
+    sinks=True,
+    softmax_scale=None,
+    q="f16",
+    return_lse=True,
+    seed=4,
+)
+
+
 @needs_interp
 @settings(SLOW, max_examples=max(2, EXAMPLES // 2))
 @given(prefill_kernel_cases())
-@example(
+@example(c=PREFILL_EXAMPLE)
+@example(  # a ragged prefill whose two CTAs walk the L2-section order (one KV head a section)
     c=dict(
-        big=False,
-        paged=True,
-        page_size=16,
-        hkv=2,
-        hq=4,
-        d=64,
-        dv=64,
-        q_lens=[9, 0, 30],
-        kv_lens=[9 + 40, 5, 30 + 17],
-        pad_tokens=3,
-        is_causal=True,
-        window_left=-1,
-        logit_cap=0.0,
-        sinks=True,
-        softmax_scale=None,
-        q="f16",
-        return_lse=True,
-        seed=4,
-    )
-)
-@example(
-    c=dict(
-        big=False,
+        PREFILL_EXAMPLE,
         paged=False,
         page_size=0,
-        hkv=2,
-        hq=4,
-        d=64,
-        dv=64,
         q_lens=[40, 9, 17],
         kv_lens=None,
         pad_tokens=2,
-        is_causal=True,
-        window_left=-1,
-        logit_cap=0.0,
         sinks=False,
-        softmax_scale=None,
-        q="f16",
-        return_lse=True,
         seed=5,
-        # two CTAs walk the L2-section order (one KV head a section): the options' path
         options=dict(
             persistent=True, ctas=2, l2_section_kib=1, fold_sections=True, overlap_pv=True, prefetch_k=False, block_kv=0
         ),
