@@ -102,6 +102,7 @@ BALANCED_OVERHEAD_BLOCKS = 2
 __all__ = [
     "mha_decode",
     "heads_kernel_for",
+    "routed_heads_kernel",
     "unsupported_reason",
     "auto_skip_reason",
     "BlockSizes",
@@ -165,11 +166,10 @@ def mha_decode(
     if page_table.shape[0] == 0 or q.shape[1] == 0:  # nothing to compute: no launch
         return empty_outputs(q, v_cache.shape[-1], q.dtype, return_lse)
     softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
-    if block_sizes is None and (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q)):
-        heads = heads_kernel_for(
+    if block_sizes is None:
+        heads = routed_heads_kernel(
             q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-            fp8_heads=options.fp8_heads and options.heads_kernel, is_causal=is_causal, overlap=options.heads_overlap,
-            glue=options.heads_glue, v_regs=options.heads_v_regs,
+            is_causal=is_causal, options=options,
         )  # fmt: skip
         if heads is not None:
             return heads(
@@ -271,6 +271,25 @@ def one_kv_head_reason(k_cache, max_seqlen_q, window_left=-1, logit_cap=0.0, sin
         "kernel's build of such a call fails Mosaic GPU's layout inference on jax 0.11 (the per-KV-head "
         "kernel, which takes the others, has no window, cap or sinks and needs Python-number scales)"
     )
+
+
+def routed_heads_kernel(
+    q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
+    *, is_causal, options,
+):  # fmt: skip
+    """The per-KV-head kernel call (:func:`heads_kernel_for`) that :func:`mha_decode` makes
+    with ``options`` and no explicit block sizes, or None where the call stays on the
+    all-heads kernel: only with ``options.heads_kernel``, or for a call with one KV head
+    and one query per request (:func:`one_kv_head_single_query`), which takes it whatever
+    the options say; FP8 calls go to its e4m3-query path with ``fp8_heads`` and
+    ``heads_kernel`` both on."""
+    if not (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q)):
+        return None
+    return heads_kernel_for(
+        q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
+        fp8_heads=options.fp8_heads and options.heads_kernel, is_causal=is_causal, overlap=options.heads_overlap,
+        glue=options.heads_glue, v_regs=options.heads_v_regs,
+    )  # fmt: skip
 
 
 def heads_kernel_for(

@@ -1084,15 +1084,13 @@ def _fp8_query(c, q, kc, vc, sinks, pool, call_kw, opts):
 
     if c["kv"] != "fp8" or c["splits"]:
         return q
-    if not (opts.heads_kernel or mosaic.one_kv_head_single_query(kc, c["q_len"])):
-        return q
     window = c["window_left"]
-    if c["splits"] == 0 and c["overlap_qk"]:  # through jattn.mha_decode_with_kvcache: it normalises the window
+    if c["overlap_qk"]:  # through jattn.mha_decode_with_kvcache, which normalises the window
         window = _window_within(window, pool.width * c["page_size"])
     kw = {k: call_kw[k] for k in ("softmax_scale", "k_scale", "v_scale")}
-    routed = mosaic.heads_kernel_for(
+    routed = mosaic.routed_heads_kernel(
         jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), c["q_len"], window, c["logit_cap"], sinks, **kw,
-        fp8_heads=opts.fp8_heads and opts.heads_kernel, is_causal=c["is_causal"],
+        is_causal=c["is_causal"], options=opts,
     )  # fmt: skip
     if routed is None or not routed.keywords.get("fp8_qk"):
         return q
