@@ -1031,20 +1031,20 @@ def mosaic_cases(draw, big: bool = False):
         splits=splits,  # 0: the kernel's choice (through jattn's dispatch); else forced
         overlap_qk=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
-        balanced=draw(st.booleans()),  # KernelOptions.balanced_splits (all-heads kernel calls)
-        heads_opts=draw(_heads_options()),
+        kernel_opts=draw(_kernel_options()),
     )
 
 
 @st.composite
-def _heads_options(draw):
-    """``KernelOptions`` fields for a case (empty: the defaults): whether calls go to the
-    per-KV-head kernel, its persistent launch, query-row tiles, FP8 path (the e4m3 query,
-    ``V^T`` in registers), pipelined loop and glue kernels; the split combine kernel; the
-    all-heads kernel's FP8 converter warpgroup."""
+def _kernel_options(draw):
+    """``KernelOptions`` fields for a case besides ``overlap_qk`` (empty: the defaults):
+    whether calls go to the per-KV-head kernel, its persistent launch, query-row tiles, FP8
+    path (the e4m3 query, ``V^T`` in registers), pipelined loop and glue kernels; the split
+    combine kernel; the all-heads kernel's FP8 converter warpgroup and balanced splits."""
     if draw(st.booleans()):
         return {}
     return dict(
+        balanced_splits=draw(st.booleans()),
         heads_kernel=draw(st.booleans()),
         heads_persistent=draw(st.booleans()),
         heads_row_tile=draw(st.sampled_from([0, 16, 32])),
@@ -1125,9 +1125,7 @@ def _run_mosaic(c):
                 kv_itemsize=kc.dtype.itemsize,
             )
             bsz = dataclasses.replace(bsz, num_splits=c["splits"])
-        opts = mosaic.KernelOptions(
-            overlap_qk=c["overlap_qk"], balanced_splits=c.get("balanced", False), **c.get("heads_opts", {})
-        )
+        opts = mosaic.KernelOptions(overlap_qk=c["overlap_qk"], **c.get("kernel_opts", {}))
         res = mosaic.mha_decode(*args, block_sizes=bsz, options=opts, **call_kw)
     out, lse = _unpack(res, c["return_lse"])
     assert out.dtype == q.dtype and out.shape == q.shape
