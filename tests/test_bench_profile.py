@@ -267,6 +267,20 @@ def test_decode_bench_set_parses_kernel_options():
             parse_options(bad)
 
 
+def test_decode_bench_heads_parse_the_geometry():
+    """``bench decode --heads Q/KV --head-dim D``: the query heads a multiple of the KV heads,
+    a head size the kernels take."""
+    from jattn.bench.decode import parse_heads
+
+    assert parse_heads("32/8", 128) == (32, 8, 128)
+    assert parse_heads("28/4", 64) == (28, 4, 64)
+    for bad in ("32", "32/0", "30/8", "a/8", "-8/8"):
+        with pytest.raises(SystemExit, match="--heads"):
+            parse_heads(bad, 128)
+    with pytest.raises(SystemExit, match="--head-dim"):
+        parse_heads("32/8", 96)
+
+
 def test_prefill_bench_options_parse_ints_and_flags():
     """``bench prefill --options``: integer fields stay integers, flags become bools."""
     from jattn.bench.prefill import parse_options

@@ -1,6 +1,8 @@
-"""``python -m jattn bench decode``: paged MHA/GQA decode, Llama-3-8B shape.
+"""``python -m jattn bench decode``: paged MHA/GQA decode, Llama-3-8B shape by default.
 
-32 q heads, 8 kv heads, head_dim 128, bf16 (plus q_len 4 verify and FP8 KV rows).
+32 q heads, 8 kv heads, head_dim 128, bf16 (plus q_len 4 verify and FP8 KV rows);
+``--heads`` and ``--head-dim`` time other geometries (e.g. ``--heads 64/8`` for Llama-3-70B
+on one GPU, ``--heads 28/4`` for a KV head count that is not a multiple of 8).
 For each (page size, batch, length): jattn's mosaic kernel time per call, achieved
 TB/s (K and V bytes read once), percent of the device copy bandwidth measured in
 the same run, and JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention`` on
@@ -29,7 +31,7 @@ from jax import lax
 from jattn.bench import common
 
 SHAPES = ((1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384))
-HQ, HKV, D = 32, 8, 128
+HQ, HKV, D = 32, 8, 128  # the geometry of every row; main() sets it from --heads / --head-dim
 HEADER = (
     "page",
     "batch x len",
@@ -79,6 +81,17 @@ def parse_shapes(spec: str) -> list[tuple[int, int, bool]]:
         bs, length = item.removesuffix("u").split("x")
         out.append((int(bs), int(length), uneven))
     return out
+
+
+def parse_heads(spec: str, head_dim: int) -> tuple[int, int, int]:
+    """``"32/8"``, ``128`` -> ``(32, 8, 128)``: query heads / KV heads and the head size, the
+    query heads a multiple of the KV heads."""
+    hq, _, hkv = spec.partition("/")
+    if not (hq.isdigit() and hkv.isdigit() and int(hkv) > 0 and int(hq) % int(hkv) == 0):
+        raise SystemExit(f"--heads {spec!r}: expected Q/KV, two positive integers, Q a multiple of KV")
+    if head_dim not in (64, 128, 256):
+        raise SystemExit(f"--head-dim {head_dim}: expected 64, 128 or 256")
+    return int(hq), int(hkv), head_dim
 
 
 def _jax_paged_attention(qs, k, v, tables, lens, page_size):
@@ -214,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         help=f"e.g. 1x4096,64x4096,64x4096u (a trailing u: lengths spread from length/8 to length; "
         f"default: {','.join(f'{b}x{n}' for b, n in SHAPES)})",
     )
+    ap.add_argument("--heads", default="32/8", help="query heads / KV heads of every row (default 32/8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="64, 128 or 256 (default 128)")
     ap.add_argument("--no-peer", action="store_true", help="skip JAX paged_attention")
     ap.add_argument("--no-extra", action="store_true", help="skip q_len 4 and FP8 rows")
     ap.add_argument(
@@ -289,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         fa3 = None
 
     opts = parse_options(args.set)
+    global HQ, HKV, D
+    HQ, HKV, D = parse_heads(args.heads, args.head_dim)
     if common.no_gpu("decode"):
         return 1
     print(f"kernel options: {opts}")
