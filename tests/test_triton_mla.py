@@ -7,12 +7,15 @@ float64 MLA decode of ``tests/naive.py``. GPU (marker ``gpu``):
 ``mla_decode_with_kvcache(backend="triton")`` in bf16 and FP8 against the f32
 reference. Latent width 64 + 16 on the CPU (the kernel takes any powers of two),
 576 on the GPU. Unused pages and page tails hold NaN, page tables are permuted,
-one case puts NaN in a later draft token that earlier queries do not see.
+one case puts NaN in a later draft token that earlier queries do not see. Eight more CPU
+cases are drawn at random from a fixed seed (`random_cases`; `JATTN_TRITON_FUZZ_SEED` and
+`JATTN_TRITON_FUZZ_CASES` draw others).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 
 import jax.numpy as jnp
@@ -77,6 +80,49 @@ CASES = {
         zero_q_row=True,
     ),
 }
+
+
+def random_cases(seed: int, n: int) -> dict[str, Case]:
+    """``n`` cases drawn from ``seed``: lengths at and around the page and block edges
+    (0 and 1 among them), heads, query lengths, causal or not, forced splits, FP8 with a
+    scale, a poisoned token, and any ``triton_mla.Tuning`` the kernel takes. The names
+    carry the seed, so the interpreter's subprocess draws the same cases."""
+    rng = np.random.default_rng(seed)
+    domains = dict(block_m=(16, 32, 64), block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3))
+    domains.update(waves=(1, 2, 3), swap=(0, 1, 2), prefetch=(0, 1))
+    out = {}
+    for i in range(n):
+        fp8 = bool(rng.random() < 0.3)
+        q_len = int(rng.integers(1, 5))
+        lens = tuple(int(x) for x in rng.choice((0, 1, 2, 15, 16, 17, 31, 33, 64, 97, 130), int(rng.integers(1, 4))))
+        pick = {k: int(rng.choice(v)) for k, v in domains.items() if rng.random() < 0.5}
+        if fp8 and rng.random() < 0.7:
+            pick["fp8_math"] = int(rng.integers(1, 3))
+        out[f"random_{seed}_{i}"] = Case(
+            lens=lens,
+            heads=int(rng.choice((1, 4, 8, 16, 20))),
+            q_len=q_len,
+            causal=bool(q_len == 1 or rng.random() < 0.7),
+            rank=int(rng.choice((32, 64))),
+            page_size=int(rng.choice((16, 32, 64))),
+            num_splits=None if rng.random() < 0.5 else int(rng.integers(1, 5)),
+            # FP8 rows without poison: the interpreter reads an e4m3 NaN as 480
+            poison=bool(not fp8 and lens[0] > 0 and rng.random() < 0.5),
+            dtype="float16" if fp8 or rng.random() < 0.5 else "float32",
+            tuning=tuple(sorted(pick.items())),
+            fp8=fp8,
+            tol=6e-2 if pick.get("fp8_math") == 2 else None,
+            kv_scale=float(rng.choice((1.0, 0.5))) if fp8 else 1.0,
+        )
+    return out
+
+
+# JATTN_TRITON_FUZZ_SEED / _CASES: other draws (the default seed is fixed, so CI is repeatable)
+CASES.update(
+    random_cases(
+        int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
+    )
+)
 SCALE = 0.19
 
 
