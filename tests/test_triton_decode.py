@@ -7,12 +7,15 @@ and compared with the float64 decode of ``tests/naive.py``. GPU (marker ``gpu``)
 ``jattn.mha_decode_with_kvcache(backend="triton")`` through jax-triton in bf16 and
 FP8 against the f32 reference. Inputs are fresh random draws; unused pages and page
 tails hold NaN, page tables are permuted, and poison cases put NaN in the V of a
-draft token that earlier queries do not see.
+draft token that earlier queries do not see. Eight more CPU cases are drawn at random from a
+fixed seed (``random_cases``; ``JATTN_TRITON_FUZZ_SEED`` and ``JATTN_TRITON_FUZZ_CASES`` draw
+others).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 
 import jax.numpy as jnp
@@ -55,6 +58,44 @@ CASES = {
     "window_hides_nan": Case(lens=(130, 5), hq=4, hkv=4, window_left=20, hidden_nan=(100, 108), num_splits=2),
     "window_hides_nan_q3": Case(lens=(130,), hq=4, hkv=2, q_len=3, window_left=20, hidden_nan=(100, 106)),
 }
+
+
+def random_cases(seed: int, n: int) -> dict[str, Case]:
+    """``n`` cases drawn from ``seed``: lengths at and around the page and block edges
+    (0 and 1 among them), GQA groups, head sizes, query lengths, causal or not, a window,
+    a logit cap, forced splits, sinks, ``v_scale`` and a poisoned token. The names carry
+    the seed, so the interpreter's subprocess draws the same cases."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(n):
+        q_len = int(rng.integers(1, 5))
+        hkv = int(rng.choice((1, 2, 3)))
+        lens = tuple(int(x) for x in rng.choice((0, 1, 2, 15, 16, 17, 33, 64, 97, 130), int(rng.integers(1, 4))))
+        out[f"random_{seed}_{i}"] = Case(
+            lens=lens,
+            hq=hkv * int(rng.choice((1, 2, 4))),
+            hkv=hkv,
+            d=int(rng.choice((64, 64, 64, 128))),
+            page_size=int(rng.choice((16, 32))),
+            q_len=q_len,
+            causal=bool(q_len == 1 or rng.random() < 0.7),
+            window_left=int(rng.choice((3, 20, 40))) if rng.random() < 0.4 else -1,
+            logit_cap=5.0 if rng.random() < 0.3 else 0.0,
+            num_splits=None if rng.random() < 0.5 else int(rng.integers(1, 5)),
+            poison=bool(lens[0] > 0 and rng.random() < 0.5),
+            dtype=str(rng.choice(("float16", "float32"))),
+            v_scale=float(rng.choice((1.0, 0.7))),
+            sinks=bool(rng.random() < 0.3),
+        )
+    return out
+
+
+# JATTN_TRITON_FUZZ_SEED / _CASES: other draws (the default seed is fixed, so CI is repeatable)
+CASES.update(
+    random_cases(
+        int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
+    )
+)
 
 
 def _inputs(name):

@@ -8,8 +8,8 @@ float64 MLA decode of ``tests/naive.py``. GPU (marker ``gpu``):
 reference. Latent width 64 + 16 on the CPU (the kernel takes any powers of two),
 576 on the GPU. Unused pages and page tails hold NaN, page tables are permuted,
 one case puts NaN in a later draft token that earlier queries do not see. Eight more CPU
-cases are drawn at random from a fixed seed (`random_cases`; `JATTN_TRITON_FUZZ_SEED` and
-`JATTN_TRITON_FUZZ_CASES` draw others).
+cases are drawn at random from a fixed seed (``random_cases``; ``JATTN_TRITON_FUZZ_SEED``
+and ``JATTN_TRITON_FUZZ_CASES`` draw others).
 """
 
 from __future__ import annotations
