@@ -9,12 +9,15 @@ a subprocess with ``TRITON_INTERPRET=1``; f16/f32 queries, since the interpreter
 
 Inputs are fresh random draws at awkward sizes (lengths 0, 1, 97); padding query and key
 rows, unused pages and page tails hold NaN, page tables are permuted, and poison cases
-put NaN in the V of a key that earlier queries do not see.
+put NaN in the V of a key that earlier queries do not see. Eight more CPU cases are drawn
+at random from a fixed seed (``random_cases``; ``JATTN_TRITON_FUZZ_SEED`` and
+``JATTN_TRITON_FUZZ_CASES`` draw others).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 
 import jax.numpy as jnp
@@ -105,6 +108,55 @@ CASES = {
         dtype="float16", fp8=True, block_m=16,
     ),
 }  # fmt: skip
+
+
+def random_cases(seed: int, n: int) -> dict[str, Case]:
+    """``n`` cases drawn from ``seed``: ragged prefill or paged extend, query lengths at
+    and around the tile edges (0 and 1 among them), longer key sides, GQA groups, head
+    sizes (192/128 for prefill), causal or not, a window, a logit cap, sinks, scales, FP8
+    (extend), a poisoned key, a softmax scale and the tiles. The names carry the seed, so
+    the interpreter's subprocess draws the same cases."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(n):
+        kind = str(rng.choice(("prefill", "extend")))
+        q_lens = tuple(int(x) for x in rng.choice((0, 1, 2, 15, 16, 17, 33, 40), int(rng.integers(1, 4))))
+        kv_lens = tuple(q + int(rng.choice((0, 0, 1, 9, 30))) for q in q_lens)
+        hkv = int(rng.choice((1, 2)))
+        d, dv = (192, 128) if kind == "prefill" and rng.random() < 0.2 else (int(rng.choice((64, 128))),) * 2
+        fp8 = bool(kind == "extend" and rng.random() < 0.3)
+        out[f"random_{seed}_{i}"] = Case(
+            kind,
+            q_lens,
+            kv_lens=None if kind == "prefill" and rng.random() < 0.4 else kv_lens,
+            hq=hkv * int(rng.choice((1, 2, 4))),
+            hkv=hkv,
+            d=d,
+            dv=dv,
+            page_size=int(rng.choice((8, 16, 32))),
+            causal=bool(rng.random() < 0.7),
+            window_left=int(rng.choice((3, 12, 25))) if rng.random() < 0.4 else -1,
+            logit_cap=4.0 if rng.random() < 0.3 else 0.0,
+            sinks=bool(rng.random() < 0.3),
+            k_scale=float(rng.choice((1.0, 0.5))) if kind == "extend" else 1.0,
+            v_scale=float(rng.choice((1.0, 2.0))) if kind == "extend" else 1.0,
+            # FP8 rows without poison: the interpreter reads an e4m3 NaN as a number
+            poison=int(rng.integers(0, q_lens[0])) if q_lens[0] > 0 and not fp8 and rng.random() < 0.5 else None,
+            dtype="float16" if fp8 or rng.random() < 0.5 else "float32",
+            fp8=fp8,
+            block_m=None if rng.random() < 0.4 else int(rng.choice((16, 32, 64))),
+            block_n=None if rng.random() < 0.4 else int(rng.choice((16, 32))),
+            softmax_scale=None if rng.random() < 0.7 else float(rng.choice((0.3, -0.2))),
+        )
+    return out
+
+
+# JATTN_TRITON_FUZZ_SEED / _CASES: other draws (the default seed is fixed, so CI is repeatable)
+CASES.update(
+    random_cases(
+        int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
+    )
+)
 
 
 # GPU only (long enough that tiles of 128 rows have blocks below the diagonal), each
