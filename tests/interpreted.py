@@ -44,6 +44,13 @@ def run_in_interpreter(tmp_path_factory, module: str, runs: dict[str, list[str]]
     return {n: np.load(d / f"{n}.npz") for names in runs.values() for n in names}
 
 
+def random_draw() -> tuple[int, int]:
+    """``(seed, count)`` of the random cases a Triton test module adds to its own:
+    ``JATTN_TRITON_FUZZ_SEED`` (default 0, so CI is repeatable) and
+    ``JATTN_TRITON_FUZZ_CASES`` (default 8)."""
+    return int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
+
+
 def merge_splits_f64(o, lse):
     """float64 merge of split partials ``o [S, ..., D]``, ``lse [S, ...]`` (base 2; a NaN
     partial or LSE poisons its row); returns ``(o, natural-log lse)``."""

@@ -15,13 +15,12 @@ and ``JATTN_TRITON_FUZZ_CASES`` draw others).
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from interpreted import merge_splits_f64, run_in_interpreter
+from interpreted import merge_splits_f64, random_draw, run_in_interpreter
 from naive import mla_decode as mla_f64
 
 from jattn.pallas_kernels.interpret import on_gpu
@@ -117,12 +116,7 @@ def random_cases(seed: int, n: int) -> dict[str, Case]:
     return out
 
 
-# JATTN_TRITON_FUZZ_SEED / _CASES: other draws (the default seed is fixed, so CI is repeatable)
-CASES.update(
-    random_cases(
-        int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
-    )
-)
+CASES.update(random_cases(*random_draw()))
 SCALE = 0.19
 
 

@@ -17,14 +17,13 @@ at random from a fixed seed (``random_cases``; ``JATTN_TRITON_FUZZ_SEED`` and
 from __future__ import annotations
 
 import dataclasses
-import os
 import zlib
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from interpreted import run_in_interpreter
+from interpreted import random_draw, run_in_interpreter
 from naive import Pool
 from naive import mha_extend as extend_f64
 from naive import mha_prefill as prefill_f64
@@ -151,12 +150,7 @@ def random_cases(seed: int, n: int) -> dict[str, Case]:
     return out
 
 
-# JATTN_TRITON_FUZZ_SEED / _CASES: other draws (the default seed is fixed, so CI is repeatable)
-CASES.update(
-    random_cases(
-        int(os.environ.get("JATTN_TRITON_FUZZ_SEED", "0")), int(os.environ.get("JATTN_TRITON_FUZZ_CASES", "8"))
-    )
-)
+CASES.update(random_cases(*random_draw()))
 
 
 # GPU only (long enough that tiles of 128 rows have blocks below the diagonal), each
