@@ -44,8 +44,9 @@ Multi-token calls whose query rows fill at least one 64-row tile go to the per-K
 kernel (``mosaic_decode_heads``) where ``decode_tuning.prefer_heads_kernel`` picks it and
 it serves the call (``KernelOptions.heads_kernel``; explicit ``block_sizes`` keep them
 here), and so do FP8 calls (``KernelOptions.fp8_heads``: an e4m3 query there,
-docs/SEMANTICS.md) and calls with one KV head and one query per request
-(:func:`one_kv_head_single_query`). The entry point
+docs/SEMANTICS.md), calls with one KV head and one query per request
+(:func:`one_kv_head_single_query`) and calls whose heads this kernel cannot tile
+(:func:`no_all_heads_block`). The entry point
 is :func:`mha_decode` (here); the kernel body and its launch are
 ``mosaic_decode_kernel``; ``decode_tuning`` holds its static configuration
 (:class:`BlockSizes`, :class:`KernelOptions`, the choosers) and
@@ -54,7 +55,8 @@ oracle is ``jattn.reference.mha_decode``.
 
 Limits (checked by :func:`unsupported_reason`; other calls go to the xla
 backend): head_dim 64/128/256, page_size 16/32/64/128, GQA group 1..16, any
-num_kv_heads that makes a KV block of 64..256 rows, q_len 1..8, bf16/f16 q with
+num_kv_heads that makes a KV block of 64..256 rows (larger groups and other KV head
+counts on the per-KV-head kernel, where it serves the call), q_len 1..8, bf16/f16 q with
 KV of the same dtype or FP8 e4m3 KV. FP8: the ring holds FP8 tiles (half the
 bytes); here each K and V tile is upcast through registers into an f16 tile for the
 wgmma (q is cast to f16 for these calls; the output is returned in q's dtype),
@@ -81,11 +83,13 @@ import numpy as np
 
 from jattn.pallas_kernels.combine import balanced_split_blocks, combine_splits
 from jattn.pallas_kernels.decode_tuning import (
+    MAX_GROUP,
     SUPPORTED_HEAD_DIMS,
     SUPPORTED_PAGE_SIZES,
     BlockSizes,
     KernelOptions,
     auto_skip_reason,
+    block_shape,
     choose_block_sizes,
     choose_num_splits,
     decode_config,
@@ -256,6 +260,18 @@ def one_kv_head_single_query(k_cache, max_seqlen_q) -> bool:
     return k_cache.shape[2] == 1 and max_seqlen_q == 1
 
 
+def no_all_heads_block(q, k_cache) -> bool:
+    """Whether the all-heads kernel has no tiling for the call's heads: a GQA group past
+    ``MAX_GROUP`` (MQA with 32 or 64 query heads), or KV heads whose KV block cannot be a
+    multiple of 64 rows and at most 256 (5, 7 or 10 of them). The per-KV-head kernel,
+    which tiles one KV head's query rows, takes such calls where it serves them, whatever
+    ``KernelOptions.heads_kernel`` says."""
+    if q.ndim != 3 or k_cache.ndim != 4 or q.shape[1] % k_cache.shape[2]:
+        return False
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    return q.shape[1] // num_kv_heads > MAX_GROUP or block_shape(num_kv_heads, head_dim, page_size) is None
+
+
 def one_kv_head_reason(k_cache, max_seqlen_q, window_left=-1, logit_cap=0.0, sinks=None) -> str | None:
     """Why the all-heads kernel cannot take a call with one KV head and one query per
     request (:func:`one_kv_head_single_query`), or None: its builds of such calls fail
@@ -280,10 +296,11 @@ def routed_heads_kernel(
     """The per-KV-head kernel call (:func:`heads_kernel_for`) that :func:`mha_decode` makes
     with ``options`` and no explicit block sizes, or None where the call stays on the
     all-heads kernel: only with ``options.heads_kernel``, or for a call with one KV head
-    and one query per request (:func:`one_kv_head_single_query`), which takes it whatever
-    the options say; FP8 calls go to its e4m3-query path with ``fp8_heads`` and
-    ``heads_kernel`` both on."""
-    if not (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q)):
+    and one query per request (:func:`one_kv_head_single_query`) or heads the all-heads
+    kernel cannot tile (:func:`no_all_heads_block`), which take it whatever the options
+    say; FP8 calls go to its e4m3-query path with ``fp8_heads`` and ``heads_kernel`` both
+    on."""
+    if not (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q) or no_all_heads_block(q, k_cache)):
         return None
     return heads_kernel_for(
         q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
@@ -296,8 +313,9 @@ def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
     fp8_heads=True, is_causal=True, overlap=False, glue=True, v_regs=False,
 ):  # fmt: skip
-    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` or
-    :func:`one_kv_head_single_query` picks it and it serves the call (Python-number scales,
+    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel`,
+    :func:`one_kv_head_single_query` or :func:`no_all_heads_block` picks it and it serves
+    the call (Python-number scales,
     no window, cap or sinks), else None. ``fp8_heads`` (``KernelOptions.fp8_heads``): every
     FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query over
     64-token blocks. ``overlap``, ``glue`` and ``v_regs``: ``KernelOptions.heads_overlap``,
@@ -321,9 +339,13 @@ def heads_kernel_for(
             mosaic_decode_heads.mha_decode_heads,
             fp8_qk=True, block=64, v_regs=v_regs, overlap=overlap and v_regs, glue=glue,
         )  # fmt: skip
-    if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or one_kv_head_single_query(k_cache, max_seqlen_q)):
+    if not (
+        prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize)
+        or one_kv_head_single_query(k_cache, max_seqlen_q)
+        or no_all_heads_block(q, k_cache)
+    ):
         return None
-    # an FP8 cache here (one KV head, one query, no fp8_heads) takes the upcast, which does not pipeline
+    # an FP8 cache here (no fp8_heads) takes the upcast, which does not pipeline
     return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap and itemsize == 2, glue=glue)
 
 

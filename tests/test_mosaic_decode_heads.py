@@ -339,6 +339,33 @@ def test_verify_calls_route_to_heads_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+@pytest.mark.parametrize("hq, hkv, q_len", [(10, 5, 1), (32, 1, 2)], ids=["five_kv_heads", "mqa_group_32_verify"])
+def test_heads_the_all_heads_kernel_cannot_tile_take_the_per_kv_head_kernel(monkeypatch, hq, hkv, q_len):
+    """Five KV heads (no all-heads KV block of 64..256 rows) and a GQA group of 32 (past
+    the all-heads kernel's 16): the mosaic backend serves them on the per-KV-head kernel,
+    ``heads_kernel=False`` notwithstanding, and matches the reference; with a window,
+    which that kernel does not serve, the backend refuses them with the all-heads
+    kernel's reason (auto passes such calls on)."""
+    from jattn import ops
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    c = Case(lens=(97, 0, 1), hq=hq, hkv=hkv, d=64, page_size=16, q_len=q_len)
+    (q, k, v, table, lens), r, args, calls, all_heads = _routing(monkeypatch, c, 11)
+    kw = dict(max_seqlen_q=q_len)
+    with gpu_interpret():
+        assert md.unsupported_reason(*args[:3], **kw) is None
+        want = np.asarray(reference.mha_decode(r(q), r(k), r(v), table, lens, **kw))
+        got = np.asarray(ops.mha_decode_with_kvcache(*args, backend="mosaic", **kw), np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+        md.mha_decode(*args, **kw, options=md.KernelOptions(heads_kernel=False))
+        assert calls == [q_len, q_len] and all_heads == []
+        reason = md.unsupported_reason(*args[:3], **kw, window_left=5)
+        assert reason is not None and ("GQA group size 32" in reason or "no KV block" in reason), reason
+        with pytest.raises(NotImplementedError, match="mosaic"):
+            ops.mha_decode_with_kvcache(*args, backend="mosaic", **kw, window_left=5)
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
 def test_fp8_heads_option_routes_fp8_decode(monkeypatch):
     """By default (``KernelOptions.fp8_heads``) an FP8 single-token decode goes through
     ``mosaic_decode.mha_decode`` to the per-KV-head kernel with the e4m3 query, the f16 V
@@ -605,6 +632,33 @@ def test_gpu_verify_through_ops(monkeypatch):
     args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), table, lens)
     got = np.asarray(ops.mha_decode_with_kvcache(*args, max_seqlen_q=4), np.float32)
     assert calls == [4]
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hq, hkv, q_len, fp8", [(40, 10, 1, False), (40, 10, 2, True), (32, 1, 2, False), (64, 1, 1, True)], ids=str
+)
+def test_gpu_heads_the_all_heads_kernel_cannot_tile_through_ops(monkeypatch, hq, hkv, q_len, fp8):
+    """On the GPU, ``jattn.ops`` (auto backend) runs 40/10 heads (no all-heads KV block)
+    and MQA groups of 32 and 64 on the per-KV-head kernel and gets the reference's
+    result (FP8: the reference over the e4m3 query the kernel uses)."""
+    if not on_gpu():
+        pytest.skip("needs a GPU")
+    from jattn import ops
+    from jattn.pallas_kernels import mosaic_decode as md
+
+    c = Case(lens=(3000, 97, 0, 1), hq=hq, hkv=hkv, d=128, page_size=16, q_len=q_len)
+    q, k, v, table, lens = _inputs(c, 9)
+    kd = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, kd), jnp.asarray(v, kd), table, lens)
+    qr = mh.fp8_qk_query(args[0], hkv, q_len, 0) if fp8 else args[0]
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    want = np.asarray(reference.mha_decode(f32(qr), f32(args[1]), f32(args[2]), table, lens, max_seqlen_q=q_len))
+    calls = _spy(monkeypatch)
+    assert md.unsupported_reason(*args[:3], max_seqlen_q=q_len) is None
+    got = np.asarray(ops.mha_decode_with_kvcache(*args, max_seqlen_q=q_len), np.float32)
+    assert calls == [q_len]
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
