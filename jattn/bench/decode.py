@@ -360,21 +360,22 @@ def main(argv: list[str] | None = None) -> None:
             )
 
         # the call runs the per-KV-head kernel where mosaic_decode routes it (splits column: "h" + its count)
-        heads = (
-            md.heads_kernel_for(qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, opts.fp8_heads, True)
-            is not None
-            and opts.heads_kernel
-        )
+        route = (qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale)
+        heads = md.routed_heads_kernel(*route, is_causal=True, options=opts) is not None
         noheads = dataclasses.replace(opts, heads_kernel=False)
-        bsz = md.choose_block_sizes(
-            batch=bs,
-            num_kv_heads=HKV,
-            head_dim=D,
-            page_size=ps,
-            max_pages=tables.shape[-1],
-            m_rows=q_len * HQ,
-            kv_itemsize=jnp.dtype(kv_dtype).itemsize,
-            options=opts,
+        bsz = (
+            None
+            if heads
+            else md.choose_block_sizes(
+                batch=bs,
+                num_kv_heads=HKV,
+                head_dim=D,
+                page_size=ps,
+                max_pages=tables.shape[-1],
+                m_rows=q_len * HQ,
+                kv_itemsize=jnp.dtype(kv_dtype).itemsize,
+                options=opts,
+            )
         )
         try:
             t = common.time_rotated(step, (qs, k, v, tables, lens), n_hi=n_hi, device=True)
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001
                 sweep.append(f"page {ps} {bs}x{L} {how_timed}: failed {type(e).__name__}: {str(e)[:160]}")
             print(sweep[-1], flush=True)
-        if args.splits_sweep and bs == 1 and q_len == 1 and kvname == "bf16":
+        if args.splits_sweep and bsz is not None and bs == 1 and q_len == 1 and kvname == "bf16":
             for sp in [int(x) for x in args.splits_sweep.split(",")]:
                 bsz_sp = dataclasses.replace(bsz, num_splits=sp)
 
