@@ -107,6 +107,7 @@ __all__ = [
     "mha_decode",
     "heads_kernel_for",
     "routed_heads_kernel",
+    "no_all_heads_block",
     "unsupported_reason",
     "auto_skip_reason",
     "BlockSizes",

@@ -986,8 +986,10 @@ def test_mla_backend_absorbed(mode, h, page_size, kv, lens, new, spec, seed):
 def mosaic_cases(draw, big: bool = False):
     """Kernel cases: tiny shapes for the interpreter, larger ones on the GPU."""
     if big:
-        hkv = draw(st.sampled_from([1, 2, 4, 8]))
-        group = draw(st.sampled_from([1, 2, 4, 8, 16]))
+        # 5 and 10 KV heads and a group of 32: heads the all-heads kernel cannot tile
+        # (mosaic_decode.no_all_heads_block), which run on the per-KV-head kernel
+        hkv = draw(st.sampled_from([1, 2, 4, 8, 5, 10]))
+        group = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
         d = draw(st.sampled_from([64, 128, 256]))
         ps = draw(st.sampled_from([16, 32, 64, 128]))
         bs = draw(st.integers(1, 4))
@@ -1109,6 +1111,7 @@ def _run_mosaic(c):
     assume(reason is None or reason.startswith("no GPU"))
     if c["splits"]:  # explicit block sizes: the all-heads kernel, whatever the call
         assume(mosaic.one_kv_head_reason(kc, c["q_len"], c["window_left"], c["logit_cap"], sinks) is None)
+        assume(not mosaic.no_all_heads_block(args[0], kc))
     opts = mosaic.KernelOptions()  # jattn's op runs the defaults
     if c["splits"] == 0 and c["overlap_qk"]:
         res = jattn.mha_decode_with_kvcache(*args, backend="mosaic", **call_kw)
