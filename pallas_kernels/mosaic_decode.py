@@ -227,7 +227,8 @@ def unsupported_reason(
 ) -> str | None:  # fmt: skip
     """None if :func:`mha_decode` (default options, no block sizes) serves the call, else why
     not: the all-heads kernel's limits, except for a call :func:`heads_kernel_for` sends to
-    the per-KV-head kernel (e.g. FP8 with KV heads or a group no all-heads block fits).
+    the per-KV-head kernel (e.g. KV heads or a group no all-heads block fits,
+    :func:`no_all_heads_block`).
     ``batch_invariant`` (set by the ops): the all-heads kernel alone, whose block sizes
     carry the invariant split count (not for one KV head and one query per request, which
     that kernel does not compile: :func:`one_kv_head_single_query`)."""
