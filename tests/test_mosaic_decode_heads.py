@@ -713,7 +713,10 @@ def test_gpu_glue_kernels_same_bits(q_len, fp8):
 
 LOWER = [(32, 8, 128, 64, 1, True, False), (32, 8, 128, 64, 4, True, False), (16, 8, 64, 128, 8, False, False),
          (32, 8, 128, 64, 1, True, True), (32, 8, 128, 128, 4, True, True), (32, 8, 128, 16, 4, True, False),
-         (32, 8, 128, 32, 1, True, True), (32, 8, 128, 16, 8, False, False)]  # fmt: skip
+         (32, 8, 128, 32, 1, True, True), (32, 8, 128, 16, 8, False, False),
+         # heads the all-heads kernel cannot tile (10 KV heads; MQA groups of 32 and 64)
+         (40, 10, 128, 16, 1, True, False), (40, 10, 128, 16, 2, True, True), (32, 1, 128, 64, 2, True, False),
+         (64, 1, 128, 16, 1, True, True)]  # fmt: skip
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
