@@ -378,17 +378,19 @@ def unsupported_reason(
 
 
 def auto_skip_reason(q, k_cache, v_cache, **unused) -> str | None:
-    """Why automatic dispatch should not pick this kernel for a call it can serve
-    (measured slower than the xla backend there, see docs/PERF.md), else None.
-    ``backend="mosaic"`` still runs it."""
+    """Why automatic dispatch should not pick the mosaic decode for a call it can serve
+    (measured slower than the next kernel in auto's order there, see docs/PERF.md), else
+    None: auto then runs the Triton kernel where it runs, else xla. ``backend="mosaic"``
+    still runs it."""
     del q, v_cache, unused
     num_kv_heads = k_cache.shape[2]
     if num_kv_heads % 8:
-        # Few KV heads make small KV blocks (token * num_kv_heads rows) and the
-        # aligned tail boxes of the kernel; measured slower than xla there.
+        # Few KV heads make small KV blocks (token * num_kv_heads rows) and the aligned
+        # tail boxes of the all-heads kernel (measured slower than xla there); heads that
+        # kernel cannot tile run on the per-KV-head kernel, measured slower than Triton.
         return (
-            f"num_kv_heads={num_kv_heads} is not a multiple of 8: the aligned-box path "
-            "is correct but measured slower than xla"
+            f"num_kv_heads={num_kv_heads} is not a multiple of 8: the mosaic decode is correct "
+            "but measured slower than the next kernel in auto's order"
         )
     return None
 

@@ -640,9 +640,11 @@ def test_gpu_verify_through_ops(monkeypatch):
     "hq, hkv, q_len, fp8", [(40, 10, 1, False), (40, 10, 2, True), (32, 1, 2, False), (64, 1, 1, True)], ids=str
 )
 def test_gpu_heads_the_all_heads_kernel_cannot_tile_through_ops(monkeypatch, hq, hkv, q_len, fp8):
-    """On the GPU, ``jattn.ops`` (auto backend) runs 40/10 heads (no all-heads KV block)
-    and MQA groups of 32 and 64 on the per-KV-head kernel and gets the reference's
-    result (FP8: the reference over the e4m3 query the kernel uses)."""
+    """On the GPU, ``jattn.ops`` with ``backend="mosaic"`` runs 40/10 heads (no all-heads
+    KV block) and MQA groups of 32 and 64 on the per-KV-head kernel and gets the
+    reference's result (FP8: the reference over the e4m3 query the kernel uses). Auto
+    leaves them to the next kernel (KV heads not a multiple of 8: measured faster on
+    Triton, docs/PERF.md)."""
     if not on_gpu():
         pytest.skip("needs a GPU")
     from jattn import ops
@@ -657,7 +659,8 @@ def test_gpu_heads_the_all_heads_kernel_cannot_tile_through_ops(monkeypatch, hq,
     want = np.asarray(reference.mha_decode(f32(qr), f32(args[1]), f32(args[2]), table, lens, max_seqlen_q=q_len))
     calls = _spy(monkeypatch)
     assert md.unsupported_reason(*args[:3], max_seqlen_q=q_len) is None
-    got = np.asarray(ops.mha_decode_with_kvcache(*args, max_seqlen_q=q_len), np.float32)
+    assert md.auto_skip_reason(*args[:3]) is not None
+    got = np.asarray(ops.mha_decode_with_kvcache(*args, max_seqlen_q=q_len, backend="mosaic"), np.float32)
     assert calls == [q_len]
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
