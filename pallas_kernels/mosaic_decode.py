@@ -274,6 +274,14 @@ def no_all_heads_block(q, k_cache) -> bool:
     return q.shape[1] // num_kv_heads > MAX_GROUP or block_shape(num_kv_heads, head_dim, page_size) is None
 
 
+def heads_kernel_required(q, k_cache, max_seqlen_q) -> bool:
+    """Whether a call goes to the per-KV-head kernel whatever ``KernelOptions.heads_kernel``
+    says (where that kernel serves it): one KV head and one query per request
+    (:func:`one_kv_head_single_query`), or heads the all-heads kernel cannot tile
+    (:func:`no_all_heads_block`)."""
+    return one_kv_head_single_query(k_cache, max_seqlen_q) or no_all_heads_block(q, k_cache)
+
+
 def one_kv_head_reason(k_cache, max_seqlen_q, window_left=-1, logit_cap=0.0, sinks=None) -> str | None:
     """Why the all-heads kernel cannot take a call with one KV head and one query per
     request (:func:`one_kv_head_single_query`), or None: its builds of such calls fail
@@ -297,12 +305,10 @@ def routed_heads_kernel(
 ):  # fmt: skip
     """The per-KV-head kernel call (:func:`heads_kernel_for`) that :func:`mha_decode` makes
     with ``options`` and no explicit block sizes, or None where the call stays on the
-    all-heads kernel: only with ``options.heads_kernel``, or for a call with one KV head
-    and one query per request (:func:`one_kv_head_single_query`) or heads the all-heads
-    kernel cannot tile (:func:`no_all_heads_block`), which take it whatever the options
-    say; FP8 calls go to its e4m3-query path with ``fp8_heads`` and ``heads_kernel`` both
-    on."""
-    if not (options.heads_kernel or one_kv_head_single_query(k_cache, max_seqlen_q) or no_all_heads_block(q, k_cache)):
+    all-heads kernel: only with ``options.heads_kernel``, or for a call that
+    :func:`heads_kernel_required` sends there whatever the options say; FP8 calls go to
+    its e4m3-query path with ``fp8_heads`` and ``heads_kernel`` both on."""
+    if not (options.heads_kernel or heads_kernel_required(q, k_cache, max_seqlen_q)):
         return None
     return heads_kernel_for(
         q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
@@ -315,9 +321,8 @@ def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
     fp8_heads=True, is_causal=True, overlap=False, glue=True, v_regs=False,
 ):  # fmt: skip
-    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel`,
-    :func:`one_kv_head_single_query` or :func:`no_all_heads_block` picks it and it serves
-    the call (Python-number scales,
+    """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` or
+    :func:`heads_kernel_required` picks it and it serves the call (Python-number scales,
     no window, cap or sinks), else None. ``fp8_heads`` (``KernelOptions.fp8_heads``): every
     FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query over
     64-token blocks. ``overlap``, ``glue`` and ``v_regs``: ``KernelOptions.heads_overlap``,
@@ -341,11 +346,7 @@ def heads_kernel_for(
             mosaic_decode_heads.mha_decode_heads,
             fp8_qk=True, block=64, v_regs=v_regs, overlap=overlap and v_regs, glue=glue,
         )  # fmt: skip
-    if not (
-        prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize)
-        or one_kv_head_single_query(k_cache, max_seqlen_q)
-        or no_all_heads_block(q, k_cache)
-    ):
+    if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or heads_kernel_required(q, k_cache, max_seqlen_q)):
         return None
     # an FP8 cache here (no fp8_heads) takes the upcast, which does not pipeline
     return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap and itemsize == 2, glue=glue)
