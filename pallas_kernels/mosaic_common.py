@@ -147,7 +147,7 @@ def check_plan(q, page_table, cache_seqlens, max_seqlen_q: int) -> None:
 
 
 def empty_outputs(q, width: int, dtype, return_lse: bool):
-    """The result of a decode with no requests or no heads: zero output rows of ``width``
+    """The result of a call with no requests, query rows or heads: zero output rows of ``width``
     in ``dtype`` and, with ``return_lse``, an LSE of -inf; no kernel is launched."""
     out = jnp.zeros((q.shape[0], q.shape[1], width), dtype)
     return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out

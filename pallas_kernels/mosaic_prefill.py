@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.combine import NUM_SMS
 from jattn.pallas_kernels.interpret import no_gpu_reason
-from jattn.pallas_kernels.mosaic_common import fold_softmax_scale
+from jattn.pallas_kernels.mosaic_common import empty_outputs, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions, resolve_l2_section_kib
 from jattn.pallas_kernels.mosaic_prefill_kernel import run
 
@@ -160,6 +160,8 @@ def _attention(
     t, hq, d = q.shape
     dv = v.shape[-1]
     hkv = k.shape[-2]
+    if t == 0 or hq == 0:  # nothing to compute (and no TMA descriptor of an empty array): no launch
+        return empty_outputs(q, dv, q.dtype, return_lse)
     options = dataclasses.replace(options, l2_section_kib=resolve_l2_section_kib(options, hq, hkv))
     # The rows past cu_q[-1] (padding) are one more request with no keys: the kernel
     # writes them as 0 / -inf, so every output row is written once, by the kernel.
@@ -237,8 +239,8 @@ def _attention(
     qp, kp, vp = q.astype(cdtype), k, v
     if interpret or t % 8:
         qp = plan.pad_rows(qp, TILE_Q if interpret else -t % 8)
-    if not page_size and (interpret or k.shape[0] % 8):
-        extra = bk if interpret else -k.shape[0] % 8
+    if not page_size and (interpret or k.shape[0] % 8 or not k.shape[0]):
+        extra = bk if interpret else -k.shape[0] % 8 or 8
         kp, vp = plan.pad_rows(k, extra), plan.pad_rows(v, extra)
     arrays = (
         tile_req,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jattn.dispatch import device_kind
 from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.combine import wave_splits
+from jattn.pallas_kernels.mosaic_common import empty_outputs
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
@@ -237,6 +238,8 @@ def _mha_decode(
     bs = page_table.shape[0]
     _, page, hkv, d = k_cache.shape
     hq = q.shape[1]
+    if bs == 0 or hq == 0:  # nothing to compute (a grid of 0 blocks is no launch): no kernel
+        return empty_outputs(q, v_cache.shape[-1], q.dtype, return_lse)
     grid, params = launch_params(bs, hq, hkv, d, max_seqlen_q, page_table.shape[1] * page, num_splits)
     splits = params["SPLITS"]
     rows = max_seqlen_q * hq

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jattn.dispatch import device_kind
 from jattn.pallas_kernels import triton_glue
 from jattn.pallas_kernels.combine import wave_splits
+from jattn.pallas_kernels.mosaic_common import empty_outputs
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
@@ -330,6 +331,8 @@ def _mla_decode(
     from jattn.pallas_kernels.combine import combine_splits
 
     bs, h = page_table.shape[0], q.shape[1]
+    if bs == 0 or h == 0:  # nothing to compute (a grid of 0 blocks is no launch): no kernel
+        return empty_outputs(q, kv_lora_rank, q.dtype, return_lse)
     if tuning is None:
         itemsize = jnp.dtype(kv_cache.dtype).itemsize
         tuning = choose_tuning(h, max_seqlen_q, itemsize, triton_glue.capability())

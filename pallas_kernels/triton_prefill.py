@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels import prefill_plan, triton_glue
+from jattn.pallas_kernels.mosaic_common import empty_outputs
 
 try:  # the kernel source needs triton.language only when it is compiled or interpreted
     import triton.language as tl
@@ -425,6 +426,8 @@ def _attention(
 
     t, hq, _ = q.shape
     dv = v.shape[-1]
+    if t == 0 or hq == 0:  # nothing to compute (a grid of 0 blocks is no launch): no kernel
+        return empty_outputs(q, dv, q.dtype, return_lse)
     has_sinks = params.shape[0] > 2
     if not has_sinks:
         params = jnp.concatenate([params, jnp.zeros((hq,), jnp.float32)])

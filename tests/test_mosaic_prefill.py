@@ -10,6 +10,7 @@ the rows past the ragged totals, unused pages and page tails hold NaN.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -308,6 +309,35 @@ def test_gpu(c):
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, tol=3e-2)
+
+
+@pytest.mark.skipif(not (on_gpu() or interpreter_available()), reason="needs a GPU or the interpreter")
+@pytest.mark.parametrize("n_q, with_sinks", [(0, False), (5, False), (5, True)], ids=str)
+def test_empty_queries_or_keys(n_q, with_sinks):
+    """No query rows, or query rows whose requests have no keys at all (``k``/``v`` with
+    0 rows): the former returns empty arrays without a launch, the latter gives 0 and an
+    LSE of -inf (or the sink's logit), as the reference does. A TMA descriptor cannot
+    describe a 0-row array, so the kernel pads ``k``/``v`` to 8 rows there (the GPU
+    raised a ZeroDivisionError at lowering before)."""
+    rng = np.random.default_rng(3)
+    dt = jnp.bfloat16 if on_gpu() else jnp.float16
+    q = jnp.asarray(rng.standard_normal((n_q, 4, 128)), dt)
+    k, v = jnp.zeros((0, 2, 128), dt), jnp.zeros((0, 2, 128), dt)
+    cu_q = jnp.array([0, min(n_q, 3), n_q], jnp.int32)
+    cu_kv = jnp.zeros((3,), jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32) if with_sinks else None
+    kw = dict(cu_seqlens_kv=cu_kv, sinks=sinks, return_lse=True, max_seqlen_q=4, max_seqlen_kv=1)
+    with contextlib.nullcontext() if on_gpu() else gpu_interpret():
+        out, lse = mp.mha_prefill(q, k, v, cu_q, **kw)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref, ref_lse = reference.mha_prefill(f32(q), f32(k), f32(v), cu_q, **kw)
+    assert out.shape == (n_q, 4, 128) and lse.shape == (n_q, 4)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    if not on_gpu():  # what the GPU compiler sees, lowered on this CPU
+        fn = functools.partial(mp.mha_prefill, **kw)
+        text = jax.jit(fn).trace(q, k, v, cu_q).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("jattn_prefill" in text) == bool(n_q)
 
 
 LOWER_CASES = [

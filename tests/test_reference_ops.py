@@ -845,6 +845,45 @@ def _shapes(result):
     return [(tuple(x.shape), jnp.dtype(x.dtype)) for x in result]
 
 
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_kernel_entry_points_launch_nothing_for_empty_calls(backend):
+    """The kernels' own entry points (not only the ops, which route empty calls to the
+    reference) return empty outputs for no requests / no query rows, without a launch: a
+    grid of 0 blocks or a TMA descriptor of a 0-row array fails on the GPU. On this CPU
+    a launch would fail too (no Triton runtime, no Mosaic GPU compiler outside the
+    interpreter), so the test holds everywhere."""
+    from jattn.pallas_kernels import mosaic_decode, mosaic_mla, mosaic_prefill, triton_decode, triton_mla, triton_prefill
+
+    dec, mla, pre = {
+        "mosaic": (mosaic_decode, mosaic_mla, mosaic_prefill),
+        "triton": (triton_decode, triton_mla, triton_prefill),
+    }[backend]
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    kc = jnp.zeros((4, 16, 2, 128), bf16)
+    e_pt, e_len, cu0 = jnp.zeros((0, 2), i32), jnp.zeros((0,), i32), jnp.zeros((1,), i32)
+    q0 = jnp.zeros((0, 4, 128), bf16)
+    results = [
+        dec.mha_decode(q0, kc, kc, e_pt, e_len, return_lse=True),
+        mla.mla_decode(
+            jnp.zeros((0, 16, 576), bf16),
+            jnp.zeros((4, 16, 576), bf16),
+            e_pt,
+            e_len,
+            kv_lora_rank=512,
+            softmax_scale=0.1,
+            return_lse=True,
+        ),
+        pre.mha_prefill(q0, q0[:, :2], q0[:, :2], cu0, max_seqlen_q=1, return_lse=True),
+        pre.mha_extend(q0, kc, kc, e_pt, e_len, cu0, max_seqlen_q=1, return_lse=True),
+    ]
+    assert [_shapes(r) for r in results] == [
+        [((0, 4, 128), bf16), ((0, 4), jnp.float32)],
+        [((0, 16, 512), bf16), ((0, 16), jnp.float32)],
+        [((0, 4, 128), bf16), ((0, 4), jnp.float32)],
+        [((0, 4, 128), bf16), ((0, 4), jnp.float32)],
+    ]
+
+
 def test_empty_sizes_give_empty_outputs():
     """No requests, max_seqlen_q = 0, no tokens, no pages: outputs of the usual shapes and
     dtypes (rows that exist are empty: 0 and -inf), on every backend that is asked."""
