@@ -11,6 +11,9 @@ weighting their outputs; attention sinks and ``v_scale`` are applied after it:
     o *= v_scale
 
 A row whose splits are all empty gives ``o = 0``, ``lse = -inf`` (sinks leave it 0).
+An empty split's partial output is never read (the kernels skip its loads: its weight
+is 0, and a short request leaves the splits past its keys empty), so it may hold
+anything, NaN included.
 
 Two implementations, same results:
 
@@ -112,7 +115,8 @@ def _combine_kernel(
         s = s.to(tl.int64)
     ok = s < NUM_SPLITS
     lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
-    o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
+    keys = ok & (lse > float("-inf"))  # an empty split's output is not read
+    o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=keys[:, None], other=0.0)
     m_i = tl.max(lse, axis=0)
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     w = tl.exp2(lse - m_use)  # 0 for an empty split
@@ -125,7 +129,8 @@ def _combine_kernel(
             s = s.to(tl.int64)
         ok = s < NUM_SPLITS
         lse = tl.load(lse_base + s * (BS * ROWS_LSE), mask=ok, other=float("-inf"))
-        o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=ok[:, None], other=0.0)
+        keys = ok & (lse > float("-inf"))  # an empty split's output is not read
+        o = tl.load(o_base + s[:, None] * (BS * ROWS * D), mask=keys[:, None], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -194,7 +199,8 @@ def _combine_heads_kernel(
         s = s.to(tl.int64)
     ok = (s[:, None] < NUM_SPLITS) & real[None, :]  # [CHUNK, NT]
     lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
-    o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
+    keys = ok & (lse > float("-inf"))  # an empty split's output is not read
+    o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=keys[:, None, :], other=0.0)
     m_i = tl.max(lse, axis=0)  # [NT]
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
     w = tl.exp2(lse - m_use[None, :])  # 0 for an empty split
@@ -207,7 +213,8 @@ def _combine_heads_kernel(
             s = s.to(tl.int64)
         ok = (s[:, None] < NUM_SPLITS) & real[None, :]
         lse = tl.load(lse_base + s[:, None] * lse_split, mask=ok, other=float("-inf"))
-        o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=ok[:, None, :], other=0.0)
+        keys = ok & (lse > float("-inf"))  # an empty split's output is not read
+        o = tl.load(o_base + s[:, None, None] * (lse_split * D), mask=keys[:, None, :], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -398,6 +405,7 @@ def _combine_xla(o_part, lse_part, *, m_rows):
     """Merged ``(o f32 [bs, m, D], lse f32 [bs, m] natural log, empty bool [bs, m])``."""
     o = o_part[:, :, :m_rows].astype(jnp.float32)  # [S, bs, m, D]
     lse2 = jnp.broadcast_to(lse_part[:, :, :m_rows, None], o.shape)
+    o = jnp.where(jnp.isneginf(lse2), 0.0, o)  # an empty split's output is not read
     mx = jnp.max(lse2, axis=0)
     mx = jnp.where(jnp.isneginf(mx), 0.0, mx)
     w = jnp.exp2(lse2 - mx[None])  # 0 for empty splits

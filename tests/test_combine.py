@@ -80,8 +80,10 @@ def _heads_inputs(name):
     lse[:, -1, 0, 0, 0] = -np.inf  # query 0, head 0 of the last request sees no key
     lse_rows[:, -1, 0] = -np.inf
     flag_rows[-1, 0] = flags[-1, 0, 0, 0] = True  # ... and is flagged: it stays 0 / -inf
-    o = np.where(np.isneginf(lse)[..., None, :], np.float32(0), o)  # a split with no keys writes 0
-    o_rows = np.where(np.isneginf(lse_rows)[..., None], np.float32(0), o_rows)
+    # an empty split's output is never read by a merge; one split is final: its kernel writes 0
+    fill = np.float32(np.nan if splits > 1 else 0)
+    o = np.where(np.isneginf(lse)[..., None, :], fill, o)
+    o_rows = np.where(np.isneginf(lse_rows)[..., None], fill, o_rows)
     return o, lse, flags, o_rows, lse_rows, flag_rows, q_len, hq, v_scale
 
 
@@ -161,6 +163,7 @@ def _inputs(name):
     lse[::3, :1] = -np.inf  # empty splits
     lse[:, -1:, min(1, m - 1)] = -np.inf  # a row with no keys at all
     o[:, :, m:] = np.nan  # rows past m are never read
+    o[np.isneginf(lse)] = np.nan  # nor are the outputs of empty splits
     sk = (rng.standard_normal(hq) * 2).astype(np.float32) if sinks else None
     return o, lse, sk, v_scale, m, hq
 
@@ -168,7 +171,7 @@ def _inputs(name):
 def _merge_ref(o, lse, m, sinks, v_scale, hq):
     """float64 merge, as the module docstring states it."""
     lse = np.asarray(lse, np.float64)[:, :, :m]
-    o = np.asarray(o, np.float64)[:, :, :m]
+    o = np.where(np.isneginf(lse)[..., None], 0.0, np.asarray(o, np.float64)[:, :, :m])  # weight 0
     mx = lse.max(0)
     mxs = np.where(np.isneginf(mx), 0.0, mx)
     w = np.exp2(lse - mxs)

@@ -852,7 +852,14 @@ def test_kernel_entry_points_launch_nothing_for_empty_calls(backend):
     grid of 0 blocks or a TMA descriptor of a 0-row array fails on the GPU. On this CPU
     a launch would fail too (no Triton runtime, no Mosaic GPU compiler outside the
     interpreter), so the test holds everywhere."""
-    from jattn.pallas_kernels import mosaic_decode, mosaic_mla, mosaic_prefill, triton_decode, triton_mla, triton_prefill
+    from jattn.pallas_kernels import (
+        mosaic_decode,
+        mosaic_mla,
+        mosaic_prefill,
+        triton_decode,
+        triton_mla,
+        triton_prefill,
+    )
 
     dec, mla, pre = {
         "mosaic": (mosaic_decode, mosaic_mla, mosaic_prefill),
