@@ -136,8 +136,9 @@ class KernelOptions:
       count large enough for a request as long as the page table
       (:func:`~jattn.pallas_kernels.combine.balanced_split_count`): a long request takes
       more splits than a short one, so the CTAs of an uneven batch carry even work. Off
-      (the default until it is timed on a GPU), each request is cut into the same number
-      of splits, so the longest request's CTAs set the call's time.
+      (the default: timed faster with uneven lengths at large batches only, docs/PERF.md),
+      each request is cut into the same number of splits, so the longest request's CTAs
+      set the call's time.
     """
 
     overlap_qk: bool = True

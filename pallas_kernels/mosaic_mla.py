@@ -106,8 +106,8 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
     return best
 
 
-# Balanced splits (``mla_decode(balanced_splits=...)``): off by default until timed on a GPU
-# (docs/PERF.md, waiting list).
+# Balanced splits (``mla_decode(balanced_splits=...)``): off by default, timed faster with
+# uneven lengths and slower with equal ones (docs/PERF.md, waiting list).
 BALANCED_SPLITS = False
 
 
