@@ -378,14 +378,15 @@ def mha_extend(
       Other arguments as in :func:`mha_prefill`.
     """
     softmax_scale, k_scale = fold_softmax_scale(softmax_scale, k_scale)
+    page_table, lens = plan.no_pages_no_keys(jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_seqlens, jnp.int32))
     return _attention(
         q,
         k_cache,
         v_cache,
         jnp.asarray(cu_seqlens_q, jnp.int32),
-        jnp.zeros_like(jnp.asarray(cache_seqlens, jnp.int32)),
-        jnp.asarray(cache_seqlens, jnp.int32),
-        jnp.asarray(page_table, jnp.int32),
+        jnp.zeros_like(lens),
+        lens,
+        page_table,
         None if sinks is None else jnp.asarray(sinks, jnp.float32),
         k_scale,
         _v_scale_arg(v_scale),

@@ -219,6 +219,16 @@ def pad_rows(x, rows: int):
     return jnp.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
 
 
+def no_pages_no_keys(page_table, lens):
+    """``(page_table, lens)`` of an extend, where a page table with no columns becomes one
+    column of page 0 with every length 0: such a table holds no keys (a length past what
+    a table holds is out of range, which the ops check where the lengths are concrete),
+    and the kernels' page lookups need a column to index."""
+    if page_table.shape[1]:
+        return page_table, lens
+    return jnp.zeros((page_table.shape[0], 1), jnp.int32), jnp.zeros_like(lens)
+
+
 def with_padding_request(cu_q, kv_start, kv_len, page_table, num_tokens: int):
     """The arrays with one more request appended: the rows past ``cu_q[-1]`` (padding, up
     to ``num_tokens``) as a request without keys, so a kernel writes every output row

@@ -564,7 +564,9 @@ def mha_extend(
 ):
     """Ragged queries over a paged cache that already holds their K/V, through
     jax-triton; arguments as in ``jattn.ops.mha_extend_with_kvcache``."""
-    lens = jnp.asarray(cache_seqlens, jnp.int32)
+    page_table, lens = prefill_plan.no_pages_no_keys(
+        jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_seqlens, jnp.int32)
+    )
     return _attention(
         q,
         k_cache,
@@ -572,7 +574,7 @@ def mha_extend(
         jnp.asarray(cu_seqlens_q, jnp.int32),
         jnp.zeros_like(lens),
         lens,
-        jnp.asarray(page_table, jnp.int32),
+        page_table,
         _params(softmax_scale, k_scale, v_scale, sinks, q.shape[-1]),
         paged=True,
         is_causal=bool(is_causal),

@@ -340,6 +340,30 @@ def test_empty_queries_or_keys(n_q, with_sinks):
         assert ("jattn_prefill" in text) == bool(n_q)
 
 
+@pytest.mark.skipif(not (on_gpu() or interpreter_available()), reason="needs a GPU or the interpreter")
+def test_extend_over_a_page_table_with_no_columns():
+    """A page table with no columns holds no keys: query rows over it give 0 and an LSE
+    of -inf (the sinks' logit with sinks), whatever ``cache_seqlens`` says under a trace,
+    as the reference does with lengths clipped to the table (the op raises for such
+    lengths where they are concrete). The page lookups indexed a column that was not
+    there before (a TypeError at trace time)."""
+    rng = np.random.default_rng(5)
+    dt = jnp.bfloat16 if on_gpu() else jnp.float16
+    q = jnp.asarray(rng.standard_normal((9, 4, 128)), dt)
+    kc = jnp.asarray(rng.standard_normal((3, 16, 2, 128)), dt)
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    pt, lens, cu = jnp.zeros((2, 0), jnp.int32), jnp.array([5, 4], jnp.int32), jnp.array([0, 5, 9], jnp.int32)
+    kw = dict(sinks=sinks, return_lse=True, max_seqlen_q=8)
+    with contextlib.nullcontext() if on_gpu() else gpu_interpret():
+        out, lse = jax.jit(functools.partial(mp.mha_extend, **kw))(q, kc, kc, pt, lens, cu)
+    ref, ref_lse = reference.mha_extend(
+        q.astype(jnp.float32), kc.astype(jnp.float32), kc.astype(jnp.float32), pt, jnp.zeros_like(lens), cu, **kw
+    )
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
+    assert (np.asarray(out) == 0).all()
+
+
 LOWER_CASES = [
     ("prefill", 128, 128, False, -1),
     ("prefill", 192, 128, True, -1),
