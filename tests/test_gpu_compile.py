@@ -182,3 +182,42 @@ def test_mla_decode_compiles(c):
         )  # fmt: skip
 
     _compile(fn, q, cache, _s((bs, width), _I32), _s((bs,), _I32))
+
+
+# ------------------------------------------------------------------ edge sizes, every entry point
+
+# The smallest and emptiest arrays each entry takes (one request, a page table of 0 or 1
+# columns, 1 query row, 0 key rows, row counts not a multiple of 8): TMA descriptors and
+# page lookups are where such sizes broke (a 0-row array has no descriptor).
+_EDGE_GRID = (
+    [dict(op="decode", bs=bs, width=w, q_len=ql) for bs in (1, 3) for w in (0, 1) for ql in (1, 4)]
+    + [dict(op="mla", bs=bs, width=w, q_len=1) for bs in (1, 3) for w in (0, 1)]
+    + [dict(op="prefill", t=t, tk=tk) for t in (0, 1, 9) for tk in (0, 1, 9)]
+    + [dict(op="extend", t=t, width=w) for t in (0, 1, 9) for w in (0, 1)]
+)
+
+
+def _edge_call(c):
+    """``(fn, args)`` of one edge-size call; abstract inputs."""
+    if c["op"] == "decode":
+        q, cache = _s((c["bs"] * c["q_len"], 32, 128), _BF16), _s((5, 16, 8, 128), _BF16)
+        fn = functools.partial(mosaic_decode.mha_decode, max_seqlen_q=c["q_len"], return_lse=True)
+        return fn, (q, cache, cache, _s((c["bs"], c["width"]), _I32), _s((c["bs"],), _I32))
+    if c["op"] == "mla":
+        q, cache = _s((c["bs"], 16, 576), _BF16), _s((5, 64, 576), _BF16)
+        fn = functools.partial(mosaic_mla.mla_decode, kv_lora_rank=512, softmax_scale=0.07, return_lse=True)
+        return fn, (q, cache, _s((c["bs"], c["width"]), _I32), _s((c["bs"],), _I32))
+    q = _s((c["t"], 8, 128), _BF16)
+    if c["op"] == "prefill":
+        k = _s((c["tk"], 2, 128), _BF16)
+        fn = functools.partial(mosaic_prefill.mha_prefill, max_seqlen_q=16, max_seqlen_kv=16, return_lse=True)
+        return fn, (q, k, k, _s((2,), _I32), _s((2,), _I32))
+    cache = _s((5, 16, 2, 128), _BF16)
+    fn = functools.partial(mosaic_prefill.mha_extend, max_seqlen_q=16, return_lse=True)
+    return fn, (q, cache, cache, _s((1, c["width"]), _I32), _s((1,), _I32), _s((2,), _I32))
+
+
+@pytest.mark.parametrize("c", _EDGE_GRID, ids=_id)
+def test_edge_sizes_compile(c):
+    fn, args = _edge_call(c)
+    _compile(fn, *args)

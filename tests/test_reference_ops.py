@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn.pallas_kernels.interpret import on_gpu
 
 F32_TOL = dict(atol=2e-5, rtol=2e-5)
 BF16_ATOL = 2e-3
@@ -889,6 +890,29 @@ def test_kernel_entry_points_launch_nothing_for_empty_calls(backend):
         [((0, 4, 128), bf16), ((0, 4), jnp.float32)],
         [((0, 4, 128), bf16), ((0, 4), jnp.float32)],
     ]
+
+
+_EDGE_CASES = {
+    "decode-w0": dict(op="decode", bs=1, width=0, q_len=1),
+    "decode-w1": dict(op="decode", bs=1, width=1, q_len=1),
+    "mla-w0": dict(op="mla", bs=1, width=0, q_len=1),
+    "mla-w1": dict(op="mla", bs=1, width=1, q_len=1),
+    "prefill-tk0": dict(op="prefill", t=9, tk=0),
+    "prefill-t1": dict(op="prefill", t=1, tk=1),
+    "extend-w0": dict(op="extend", t=9, width=0),
+}
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU compiles the grid (test_gpu_compile)")
+@pytest.mark.parametrize("name", list(_EDGE_CASES))
+def test_edge_sizes_lower_for_cuda(name, monkeypatch):
+    """CPU CI's share of ``test_gpu_compile``'s edge grid: one request, page tables of 0 or 1
+    columns, 1 query row, 0 key rows; each lowers for CUDA (TMA descriptors, page lookups)."""
+    from test_gpu_compile import _compile, _edge_call
+
+    monkeypatch.setenv("JATTN_LOWER_ONLY", "1")
+    fn, args = _edge_call(_EDGE_CASES[name])
+    _compile(fn, *args)
 
 
 def test_empty_sizes_give_empty_outputs():
