@@ -268,6 +268,16 @@ def _kernel(
             pl.when(mt < cfg.m_tiles - 1)(functools.partial(fn, 64))
             pl.when(mt == cfg.m_tiles - 1)(functools.partial(fn, cfg.last_rows8))
 
+    def store_output(fn):
+        """:func:`per_tile` for the output's stores, skipped by a split with no key blocks
+        when there are several: the combine never reads an empty split's output (its LSE,
+        -inf, is still written), so the splits a short request leaves empty write 64 LSE
+        values each instead of the output's rows. One split's output is final: written."""
+        if cfg.num_splits == 1:
+            per_tile(fn)
+        else:
+            pl.when(count > 0)(lambda: per_tile(fn))
+
     def cast(x, layout):
         return cast_layout(x, layout, interpret=interp)
 
@@ -349,7 +359,7 @@ def _kernel(
                         stage.at[pl.ds(r, 8)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(col0 + 64 * c, 64)]
                     )
 
-            per_tile(store)
+            store_output(store)
 
     def write_out(acc, inv, col0):
         """This warpgroup's normalised half of the output through the output tile (Q's
@@ -367,7 +377,7 @@ def _kernel(
                         out_smem.at[pl.ds(r, 8), pl.ds(c, 64)], o_ref.at[split, b, pl.ds(mt * 64 + r, 8), pl.ds(c, 64)]
                     )
 
-        per_tile(store)
+        store_output(store)
 
     def acc_init(cols=HALF):
         """A warpgroup's zero output: ``[64, HALF]``, or with ``v_regs`` the ``O^T`` chunks of
