@@ -137,7 +137,10 @@ def _decode_kernel(
     out = acc * inv[:, None]
     lse = tl.where(empty, float("-inf"), tl.where(empty, 0.0, m_i) + tl.log2(tl.where(empty, 1.0, l_i)))
     orow = ((s * BS + b) * (Q_LEN * HQ) + qi * HQ + head).to(tl.int64)
-    tl.store(o_ptr + orow[:, None] * D + cols[None, :], out, mask=row_ok[:, None])
+    # a split without keys leaves its output unwritten where a merge follows (one reads
+    # only its LSE, -inf); one split's output is final
+    o_ok = tl.where(t_hi > t_lo, row_ok, False) if SPLITS > 1 else row_ok
+    tl.store(o_ptr + orow[:, None] * D + cols[None, :], out, mask=o_ok[:, None])
     tl.store(lse_ptr + orow, lse, mask=row_ok)
 
 

@@ -188,10 +188,13 @@ def _mla_kernel(
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), tl.where(empty, 0.0, m_i) + tl.log2(tl.where(empty, 1.0, l_i)))
     orow = ((s * BS + b) * M + rows).to(tl.int64)
+    # a split without keys leaves its output unwritten where a merge follows (one reads
+    # only its LSE, -inf); one split's output is final
+    o_ok = tl.where(t_hi > t_lo, row_ok, False) if SPLITS > 1 else row_ok
     if SWAP == 2:
-        tl.store(o_ptr + orow[None, :] * R + cr[:, None], acc * inv[None, :], mask=row_ok[None, :])
+        tl.store(o_ptr + orow[None, :] * R + cr[:, None], acc * inv[None, :], mask=o_ok[None, :])
     else:
-        tl.store(o_ptr + orow[:, None] * R + cr[None, :], acc * inv[:, None], mask=row_ok[:, None])
+        tl.store(o_ptr + orow[:, None] * R + cr[None, :], acc * inv[:, None], mask=o_ok[:, None])
     tl.store(lse_ptr + orow, lse, mask=row_ok)
 
 

@@ -208,7 +208,8 @@ def test_interpreted_matches_float64(name, interpreted):
     np.testing.assert_allclose(lse[rows][fin], want_lse[rows][fin], atol=tol, rtol=tol)
     empty = np.repeat(lens == 0, c.q_len)
     assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
-    np.testing.assert_array_equal(res["o"], res["o2"])  # deterministic: a second run is bit-identical
+    written = ~np.isneginf(res["lse"])[..., None]  # an empty split's output is left unwritten
+    np.testing.assert_array_equal(np.where(written, res["o"], 0), np.where(written, res["o2"], 0))  # deterministic
     np.testing.assert_array_equal(res["lse"], res["lse2"])
 
 
