@@ -89,7 +89,8 @@ def decode_partials(
 ):
     """The decode kernel alone, launched on torch tensors (unchecked; :func:`mha_decode`
     checks first): the split partials ``(o f32 [S, bs, q_len * Hq, D], lse f32 [S, bs,
-    q_len * Hq])`` (base-2 LSE) for the combine."""
+    q_len * Hq])`` (base-2 LSE) for the combine. With several splits, a split without keys
+    (LSE -inf) leaves its output rows unwritten: a merge must not read them."""
     import math
 
     from jattn.pallas_kernels import triton_decode, triton_glue
@@ -341,8 +342,8 @@ def mla_decode_partials(
     tuning=None,
 ):
     """The Triton MLA decode kernel alone, launched on torch tensors (unchecked): the split
-    partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE);
-    ``tuning``: a ``triton_mla.Tuning`` (``triton_mla.choose_tuning``'s when None)."""
+    partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE; with
+    several splits a split without keys leaves its output rows unwritten); ``tuning``: a ``triton_mla.Tuning`` (``triton_mla.choose_tuning``'s when None)."""
     from jattn.pallas_kernels import triton_glue, triton_mla
 
     bs, h = page_table.shape[0], q.shape[1]
