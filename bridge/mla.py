@@ -42,7 +42,7 @@ def _llama_4_scaled(x, llama_4_scaling):
         return x
     s = llama_4_scaling
     check_llama_4_scaling_shape(s.shape, x.shape[0])
-    y = x.reshape(x.shape[0], -1).float() * s.reshape(-1, 1).to(device=x.device, dtype=torch.float32)
+    y = x.flatten(1).float() * s.reshape(-1, 1).to(device=x.device, dtype=torch.float32)
     return y.to(x.dtype).reshape(x.shape)
 
 
@@ -147,7 +147,7 @@ class TorchMLABackend(_BridgeBase):
             fn = self._fns[("mla_rope_key", is_neox)] = jax.jit(
                 lambda kr, pos, cs: MLARope(pos[: kr.shape[0]], cs, is_neox).key(kr)
             )
-        out = fn(to_jax_input(k_rope.reshape(n, -1), "k_rope"), self.forward_metadata.positions, cs)
+        out = fn(to_jax_input(k_rope.reshape(n, self.qk_rope_head_dim), "k_rope"), self.forward_metadata.positions, cs)
         self.sync.after_jax(out)
         return torch.from_dlpack(out)
 
@@ -175,7 +175,7 @@ class TorchMLABackend(_BridgeBase):
                 pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R), k_rope.reshape(n, r))
             else:  # the rotated k_pe (f32), quantised by the pool's writer
                 pool.set_mla_kv_buffer(layer, loc, k.reshape(n, R).float(), self._rope_key(k_rope, n, cs, is_neox))
-        parts = [q.reshape(n, -1)]
+        parts = [q.flatten(1)]  # (not reshape(n, -1): ambiguous at n = 0)
         if q_rope is not None:
             parts.append(q_rope.reshape(n, H * r).to(q.dtype))
         if jax_writes:
@@ -423,8 +423,8 @@ class TorchMLABackend(_BridgeBase):
         spec = self._spec(layer)
         H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
         n = v.reshape(-1, H * V).shape[0]
-        qa = q.reshape(n, H, -1)
-        ka = k.reshape(n, H, -1).to(q.dtype)
+        qa = q.reshape(n, H, q.flatten(1).shape[1] // H)  # (not -1: ambiguous at n = 0)
+        ka = k.reshape(n, H, k.flatten(1).shape[1] // H).to(q.dtype)
         if q_rope is not None:
             qa = torch.cat([qa, q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
         if k_rope is not None:
@@ -474,7 +474,7 @@ class TorchMLABackend(_BridgeBase):
         cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
         max_kv = bucket(max(max_given, 1))
         n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
-        qj = to_jax_input(q.reshape(n, H, -1), "q")
+        qj = to_jax_input(q.reshape(n, H, q.flatten(1).shape[1] // H), "q")  # (not -1: ambiguous at n = 0)
         kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
         kj, vj = to_jax_input(kt, "k"), to_jax_input(v.reshape(-1, H, V), "v")
         qr = None if q_rope is None else to_jax_input(q_rope.reshape(n, H, r), "q_rope")
@@ -555,9 +555,9 @@ class TorchMLABackend(_BridgeBase):
                 "in shape and dtype"
             )
         o, lse = self._jbackend.merge_state(
-            to_jax_input(o_a.reshape(t, h, -1), "o_a"),
+            to_jax_input(o_a.reshape(t, h, o_a.shape[-1] if o_a.dim() == 3 else o_a.shape[1] // h), "o_a"),
             to_jax_input(lse_a.float(), "lse_a"),
-            to_jax_input(o_b.reshape(t, h, -1), "o_b"),
+            to_jax_input(o_b.reshape(t, h, o_b.shape[-1] if o_b.dim() == 3 else o_b.shape[1] // h), "o_b"),
             to_jax_input(lse_b.float(), "lse_b"),
         )
         self.sync.after_jax(o)
@@ -568,10 +568,10 @@ class TorchMLABackend(_BridgeBase):
         md = self.forward_metadata
         H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
         n = v.reshape(-1, H * V).shape[0]
-        parts = [q.reshape(n, -1)]
+        parts = [q.flatten(1)]  # (not reshape(n, -1): ambiguous at n = 0)
         if q_rope is not None:
             parts.append(q_rope.reshape(n, H * r))
-        parts.append(k.reshape(n, -1))
+        parts.append(k.flatten(1))
         if k_rope is not None:
             parts.append(k_rope.reshape(n, r))
         parts.append(v.reshape(n, H * V))

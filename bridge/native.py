@@ -291,4 +291,4 @@ def run_mla_prefill(plans: NativePlans, plan: NativePlan | None, *, q, k, v, sof
     out, lse = tn.prefill(
         qs, ks, vs, plan.tensors["cu_seqlens_q"], is_causal=plan.is_causal, softmax_scale=softmax_scale
     )
-    return out[:n].reshape(n, -1), lse[:n]
+    return out[:n].flatten(1), lse[:n]  # (not reshape(n, -1): ambiguous at n = 0)

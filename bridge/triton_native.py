@@ -343,7 +343,8 @@ def mla_decode_partials(
 ):
     """The Triton MLA decode kernel alone, launched on torch tensors (unchecked): the split
     partials ``(o f32 [S, bs, q_len * H, R], lse f32 [S, bs, q_len * H])`` (base-2 LSE; with
-    several splits a split without keys leaves its output rows unwritten); ``tuning``: a ``triton_mla.Tuning`` (``triton_mla.choose_tuning``'s when None)."""
+    several splits a split without keys leaves its output rows unwritten); ``tuning``: a
+    ``triton_mla.Tuning`` (``triton_mla.choose_tuning``'s when None)."""
     from jattn.pallas_kernels import triton_glue, triton_mla
 
     bs, h = page_table.shape[0], q.shape[1]

@@ -140,3 +140,55 @@ def test_prefix_chunk_must_cover_the_batch():
         BridgeError, match=r"holds a request of 5 keys > forward_batch\.prefix_chunk_max_seq_lens\[0\]=2"
     ):
         chunk([0, 5, 6, 9], 2)
+
+
+def test_calls_with_no_new_tokens_give_no_rows():
+    """Every MLA call of a step with no new tokens (a batch of 0 requests, or requests with 0
+    new tokens each) returns 0 rows, as the MHA calls do: the adapters' ``reshape(n, -1)``
+    raised torch's "cannot reshape tensor of 0 elements ... ambiguous" instead (absorbed
+    decode / verify / draft extend, with ``llama_4_scaling`` and the fused rope, the ragged
+    prefill, the prefix chunk, ``merge_state``)."""
+    c, p = _config(batch_buckets=(1, 2, 4)), _pool()
+    absorbed = AttentionLayer(0, H, 1, R + RP, v_head_dim=R)
+    be = TorchMLABackend(c, p)
+    z = lambda *s: torch.zeros(*s)  # noqa: E731
+    cs = torch.randn(32, RP)
+    for mode, lens, ext in (
+        (ForwardMode.DECODE, [], None),
+        (ForwardMode.TARGET_VERIFY, [], None),
+        (ForwardMode.DRAFT_EXTEND, [3, 5], [0, 0]),
+        (ForwardMode.EXTEND, [3, 5], [0, 0]),  # absorbed inputs: the absorbed extend
+    ):
+        bs = len(lens)
+        be.init_forward_metadata(
+            bs, 0, torch.arange(bs), torch.tensor(lens, dtype=torch.int32), R2P, mode,
+            extend_seq_lens=None if ext is None else torch.tensor(ext),
+        )  # fmt: skip
+        fwd = be.forward_decode if mode is ForwardMode.DECODE else be.forward_extend
+        inputs = dict(q_rope=z(0, H * RP), k_rope=z(0, RP))
+        for kw in (
+            {},
+            {"llama_4_scaling": z(0)},
+            {"cos_sin_cache": cs},
+            {"cos_sin_cache": cs, "llama_4_scaling": z(0)},
+        ):
+            out = fwd(z(0, H * R), z(0, R), None, absorbed, None, save_kv_cache=True, **inputs, **kw)
+            assert out.shape == (0, H * R), (mode, kw)
+    # the ragged prefill, with and without the LSE, and with split ropes
+    prefill = AttentionLayer(0, H, H, 8 + RP, v_head_dim=8)
+    be.init_forward_metadata(
+        2, 2, torch.arange(2), torch.tensor([3, 5]), R2P, ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor([0, 0]), extend_prefix_lens=torch.tensor([3, 5]),
+    )  # fmt: skip
+    qk, v0 = z(0, H * (8 + RP)), z(0, H * 8)
+    o, lse = be.forward_extend(qk, qk, v0, prefill, None, False, return_lse=True)
+    assert o.shape == (0, H * 8) and lse.shape == (0, H)
+    o = be.forward_extend(v0, v0, v0, prefill, None, False, q_rope=z(0, H * RP), k_rope=z(0, RP))
+    assert o.shape == (0, H * 8)
+    # a prefix chunk of 4 + 2 keys attended by no new token
+    fb = types.SimpleNamespace(attn_attend_prefix_cache=True, prefix_chunk_idx=0)
+    fb.prefix_chunk_cu_seq_lens, fb.prefix_chunk_max_seq_lens = [torch.tensor([0, 4, 6], dtype=torch.int32)], [4]
+    o, lse = be.forward_extend(qk, torch.randn(6, H * (8 + RP)), torch.randn(6, H * 8), prefill, fb, False)
+    assert o.shape == (0, H * 8) and lse.shape == (0, H)
+    o, lse = be.merge_state(o, lse, o, lse)
+    assert o.shape == (0, H * 8) and lse.shape == (0, H)
