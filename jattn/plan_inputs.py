@@ -47,11 +47,15 @@ def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> np.ndarray:
+def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int):
+    """``(page_table [bs, width], entry)``: the per-request table, from ``page_table`` or as
+    ``req_to_page[req_pool_indices]``, and ``entry(b, i)``, the name of its entry ``[b, i]``
+    in the caller's own arrays (for error messages)."""
     if page_table is not None:
         if req_to_page is not None or req_pool_indices is not None:
             raise ValueError("pass either page_table or (req_to_page, req_pool_indices), not both")
         pt = _as_int_array(page_table, "page_table", 2)
+        entry = _page_table_entry
     else:
         if req_to_page is None or req_pool_indices is None:
             raise ValueError("page_table or both req_to_page and req_pool_indices are required")
@@ -64,9 +68,17 @@ def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int) -> n
             i = int(np.argmax(bad))
             raise ValueError(f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page")
         pt = r2p[idx]
+
+        def entry(b, i):
+            return f"req_to_page[{idx[b]}, {i}]"  # request b's row: req_pool_indices[b]
+
     if pt.shape[0] != bs:
         raise ValueError(f"page_table has {pt.shape[0]} rows but seq_lens has {bs} requests")
-    return pt
+    return pt, entry
+
+
+def _page_table_entry(b, i) -> str:
+    return f"page_table[{b}, {i}]"
 
 
 def _check_num_pages(num_pages) -> int | None:

@@ -640,7 +640,7 @@ def test_backends_refuse_plans_not_checked_against_their_cache():
     assert unchecked.num_pages is None
     with pytest.raises(ValueError, match=r"metadata\.num_pages is None: the plan's page_table ids .* num_pages=12"):
         be.forward_decode(q, None, None, layer, cache, unchecked)
-    with pytest.raises(ValueError, match=r"page_table\[1, 1\]=1000000 out of range \[0, 12\)"):
+    with pytest.raises(ValueError, match=r"req_to_page\[1, 1\]=1000000 out of range \[0, 12\)"):
         be.init_forward_metadata(2, np.arange(2), np.array([7, 6]), r2p, num_pages=num_pages)
     too_big = jattn.plan_decode([7, 6], page_size=ps, page_table=[[3, 4], [5, 20]], num_pages=21, max_pages=8)
     with pytest.raises(

@@ -563,6 +563,18 @@ PLAN_CASES = [
         ValueError,
         r"req_pool_indices\[1\]=2 out of range \[0, 2\) of req_to_page",
     ),
+    (  # a bad page named in the caller's own array: row 1 of req_to_page, batch row 0
+        "req-to-page-entry-range",
+        lambda: jattn.plan_decode([5], page_size=8, req_to_page=PT, req_pool_indices=[1], num_pages=2),
+        ValueError,
+        r"req_to_page\[1, 0\]=4 out of range \[0, 2\)",
+    ),
+    (
+        "req-to-page-columns",
+        lambda: jattn.plan_decode([25], page_size=8, req_to_page=PT, req_pool_indices=[1]),
+        ValueError,
+        r"seq_lens\[0\]=25 needs 4 pages of page_size=8 but req_to_page has only 3 columns",
+    ),
     (
         "page-table-rows",
         lambda: jattn.plan_decode([5, 1, 1], page_size=8, page_table=PT),
