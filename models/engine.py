@@ -633,7 +633,10 @@ class Engine(_Scheduling):
         shapes compiles nothing more. Cascade plans (parallel samples) are not among them.
         The placeholders are dropped from :attr:`requests` and the metrics keep only the
         compilations. A placeholder the engine cannot serve (its prompt past
-        ``max_context`` or the pool) raises ``ValueError``."""
+        ``max_context`` or the pool) raises ``ValueError``, as does a warmup while requests
+        are queued or running (it would run them and then drop their metrics)."""
+        if self.has_work():
+            raise ValueError("warmup: the engine has queued or running requests; warm up before adding any")
         greedy, sampled = SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=2, temperature=0.8, seed=0)
         for params in (greedy, sampled):
             for bs in batch_sizes:

@@ -968,6 +968,9 @@ def test_warmup_compiles_greedy_and_sampled_and_leaves_no_requests(llama):
     assert eng.metrics.compilations == n
     with pytest.raises(ValueError, match=r"warmup\(batch_sizes=\(1,\), prompt_len=60\): "):
         eng.warmup(prompt_len=60)  # past max_context=40
+    eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"warmup: the engine has queued or running requests"):
+        eng.warmup()  # would run the request and then drop its metrics
 
 
 def test_context_past_the_models_positions_warns(llama):
