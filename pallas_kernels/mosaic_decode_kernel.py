@@ -537,10 +537,19 @@ def _decode_kernel(
         qo_smem[...] = acc.astype(dtype)
         lse_smem[wg] = lse
         plgpu.commit_smem()
-        if cfg.m_tiles == 1 and cfg.q_rows != 64:  # only the rows that hold queries
-            plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, cfg.q_rows)], o_ref.at[split, b])
+
+        def store_output():
+            if cfg.m_tiles == 1 and cfg.q_rows != 64:  # only the rows that hold queries
+                plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, cfg.q_rows)], o_ref.at[split, b])
+            else:
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
+
+        # A split with no key blocks leaves its output unwritten where a merge follows (the
+        # merge reads only its LSE, -inf); one split's output is final.
+        if bs.num_splits == 1:
+            store_output()
         else:
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
+            pl.when(count > 0)(store_output)
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
         plgpu.wait_smem_to_gmem(0)
 
