@@ -1,5 +1,9 @@
-"""`bench mla`'s summary of the FP8 rows against their bf16 twins (no GPU needed)."""
+"""`bench mla`'s summary of the FP8 rows against their bf16 twins and its row selection (no
+GPU needed)."""
 
+import pytest
+
+from jattn.bench import mla
 from jattn.bench.mla import fp8_against_bf16
 
 
@@ -16,3 +20,13 @@ def test_fp8_against_bf16_takes_the_fastest_mosaic_column_of_each_twin():
     ]
     lines = fp8_against_bf16(out)
     assert lines == ["64x4096 h16 q1 fp8: 76.4 us (mosaic q e4m3) against bf16 84.8 us (mosaic): 1.11x tokens/s"]
+
+
+def test_rows_run_in_the_order_given():
+    """``--rows`` names the rows to time in that order (a short lease reaches the first);
+    repeats count once, an unknown label is refused with the choices."""
+    rows = mla.select_rows("64x4096 h16 q1 uneven, 1x32768 h16 q1,64x4096 h16 q1 uneven")
+    assert [r.label for r in rows] == ["64x4096 h16 q1 uneven", "1x32768 h16 q1"]
+    assert mla.select_rows("") == list(mla.ROWS)
+    with pytest.raises(ValueError, match=r"unknown 2x2 h1 q1; choose from 64x4096 h16 q1, "):
+        mla.select_rows("2x2 h1 q1")

@@ -44,6 +44,17 @@ class Row:
         return f"{self.bs}x{self.length} h{self.heads} q{self.q_len}{extra}"
 
 
+def select_rows(spec: str) -> list:
+    """The rows named in ``spec`` (comma-separated labels), in the order given, so that a
+    short GPU lease reaches the rows named first; every row when ``spec`` is empty."""
+    by_label = {r.label: r for r in ROWS}
+    want = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    unknown = [w for w in want if w not in by_label]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)}; choose from {', '.join(by_label)}")
+    return [by_label[w] for w in want] if want else list(ROWS)
+
+
 ROWS = (
     Row(64, 4096, 16),
     Row(128, 4096, 16),
@@ -189,7 +200,9 @@ def fp8_against_bf16(out: list[list[str]]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m jattn bench mla", description=__doc__)
     ap.add_argument(
-        "--rows", default="", help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS)
+        "--rows",
+        default="",
+        help="comma-separated row labels, timed in that order (default: all): " + ", ".join(r.label for r in ROWS),
     )
     ap.add_argument("--no-xla", action="store_true", help="time jattn only")
     ap.add_argument(
@@ -220,10 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         mosaic_splits = [int(v) for v in args.mosaic_splits.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--mosaic-splits: {args.mosaic_splits!r} is not a comma-separated list of integers")
-    want = {r.strip() for r in args.rows.split(",") if r.strip()}
-    unknown = want - {r.label for r in ROWS}
-    if unknown:
-        ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}")
+    try:
+        rows = select_rows(args.rows)
+    except ValueError as e:
+        ap.error(f"--rows: {e}")
     if common.no_gpu("mla"):
         return 1
     import jattn
@@ -242,9 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     out, profiles = [], []
     rng = np.random.default_rng(0)
     n_hi = 8
-    for row in ROWS:
-        if want and row.label not in want:
-            continue
+    for row in rows:
         qs, kv, tables, lens, lens_np = _setup(row, rng, n_hi)
         nbytes, flops = row_bytes_flops(row, lens_np)
         kw = dict(kv_lora_rank=R, softmax_scale=SCALE, max_seqlen_q=row.q_len, is_causal=True)
