@@ -3,7 +3,8 @@ GPU needed)."""
 
 import pytest
 
-from jattn.bench import mla
+from jattn.bench import mla, prefill
+from jattn.bench.common import select_rows
 from jattn.bench.mla import fp8_against_bf16
 
 
@@ -23,10 +24,16 @@ def test_fp8_against_bf16_takes_the_fastest_mosaic_column_of_each_twin():
 
 
 def test_rows_run_in_the_order_given():
-    """``--rows`` names the rows to time in that order (a short lease reaches the first);
-    repeats count once, an unknown label is refused with the choices."""
-    rows = mla.select_rows("64x4096 h16 q1 uneven, 1x32768 h16 q1,64x4096 h16 q1 uneven")
+    """``--rows`` (``bench mla``, ``bench prefill``) names the rows to time in that order (a
+    short lease reaches the first); repeats count once, an unknown label is refused with the
+    choices."""
+    rows, _ = select_rows(mla.ROWS, "64x4096 h16 q1 uneven, 1x32768 h16 q1,64x4096 h16 q1 uneven")
     assert [r.label for r in rows] == ["64x4096 h16 q1 uneven", "1x32768 h16 q1"]
-    assert mla.select_rows("") == list(mla.ROWS)
+    assert select_rows(mla.ROWS, "") == (list(mla.ROWS), set())
     with pytest.raises(ValueError, match=r"unknown 2x2 h1 q1; choose from 64x4096 h16 q1, "):
-        mla.select_rows("2x2 h1 q1")
+        select_rows(mla.ROWS, "2x2 h1 q1")
+    # bench prefill's extra step, named or implied
+    rows, extras = select_rows(prefill.ROWS, "merge," + prefill.ROWS[1].label, extra=("merge",))
+    assert rows == [prefill.ROWS[1]] and extras == {"merge"}
+    assert select_rows(prefill.ROWS, "", extra=("merge",)) == (list(prefill.ROWS), {"merge"})
+    assert select_rows(prefill.ROWS, prefill.ROWS[0].label, extra=("merge",))[1] == set()

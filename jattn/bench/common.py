@@ -479,3 +479,19 @@ def save_outputs(args, bench: str, header, rows, meta: dict) -> None:
         from jattn.bench import plot
 
         print(plot.draw(_results(bench, header, rows, meta), args.plot))
+
+
+def select_rows(rows, spec: str, extra: tuple = ()) -> tuple[list, set]:
+    """``(the rows named in spec, the extra names in it)``: ``spec`` is comma-separated
+    labels of ``rows`` (objects with a ``label``) or of ``extra`` (named steps that are not
+    rows), timed in the order given so that a short GPU lease reaches the rows named first;
+    repeats count once. An empty ``spec`` names every row and every extra. Raises
+    ``ValueError`` naming an unknown label and the choices."""
+    by_label = {r.label: r for r in rows}
+    want = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    unknown = [w for w in want if w not in by_label and w not in extra]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)}; choose from {', '.join([*by_label, *extra])}")
+    if not want:
+        return list(rows), set(extra)
+    return [by_label[w] for w in want if w in by_label], {w for w in want if w in extra}

@@ -44,17 +44,6 @@ class Row:
         return f"{self.bs}x{self.length} h{self.heads} q{self.q_len}{extra}"
 
 
-def select_rows(spec: str) -> list:
-    """The rows named in ``spec`` (comma-separated labels), in the order given, so that a
-    short GPU lease reaches the rows named first; every row when ``spec`` is empty."""
-    by_label = {r.label: r for r in ROWS}
-    want = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
-    unknown = [w for w in want if w not in by_label]
-    if unknown:
-        raise ValueError(f"unknown {', '.join(unknown)}; choose from {', '.join(by_label)}")
-    return [by_label[w] for w in want] if want else list(ROWS)
-
-
 ROWS = (
     Row(64, 4096, 16),
     Row(128, 4096, 16),
@@ -234,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         ap.error(f"--mosaic-splits: {args.mosaic_splits!r} is not a comma-separated list of integers")
     try:
-        rows = select_rows(args.rows)
+        rows, _ = common.select_rows(ROWS, args.rows)
     except ValueError as e:
         ap.error(f"--rows: {e}")
     if common.no_gpu("mla"):

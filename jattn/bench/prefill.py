@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--rows",
         default="",
-        help="comma-separated row labels (default: all): " + ", ".join(r.label for r in ROWS) + ", merge",
+        help="comma-separated row labels, timed in that order (default: all): "
+        + ", ".join(r.label for r in ROWS)
+        + ", merge",
     )
     ap.add_argument("--no-peers", action="store_true", help="time jattn only")
     common.add_output_args(ap)
@@ -355,10 +357,10 @@ def main(argv: list[str] | None = None) -> None:
         for clean in cleans
         for label, opts in option_sets
     ]
-    want = {r.strip() for r in args.rows.split(",") if r.strip()}
-    unknown = want - {r.label for r in ROWS} - {"merge"}
-    if unknown:
-        ap.error(f"--rows: unknown {', '.join(sorted(unknown))}; choose from {', '.join(r.label for r in ROWS)}, merge")
+    try:
+        rows, extras = common.select_rows(ROWS, args.rows, extra=("merge",))
+    except ValueError as e:
+        ap.error(f"--rows: {e}")
     if common.no_gpu("prefill"):
         return 1
     from jattn.pallas_kernels import mosaic_prefill as mp
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             ap.error(f"--triton-sweep: {e}")
         print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; Triton kernel alone, TFLOP/s")
-        header, out = triton_sweep([r for r in ROWS if not want or r.label in want], launches)
+        header, out = triton_sweep(rows, launches)
         print(common.fmt_table(header, out))
         common.save_outputs(args, "prefill_triton_sweep", header, out, dict(device=jax.devices()[0].device_kind))
         return
@@ -390,9 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         header += [f"{label} ms", f"{label} TFLOP/s"]
     header += ["triton TFLOP/s", "FA3 TFLOP/s", "cuDNN TFLOP/s", "torch flash TFLOP/s", "torch cuDNN TFLOP/s"]
     out = []
-    for spec in ROWS:
-        if want and spec.label not in want:
-            continue
+    for spec in rows:
         inp = build_row(spec)
         lens, d, causal, flops = spec.lens, spec.d, spec.causal, inp.flops
 
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     print(common.fmt_table(header, out))
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, matmul_tflops=rate / 1e12)
     common.save_outputs(args, "prefill", header, out, meta)
-    if not want or "merge" in want:
+    if "merge" in extras:
         _merge_row(np.random.default_rng(0))
 
 
