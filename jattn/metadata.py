@@ -31,16 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.checks import _check_causal, _concrete, first_page_outside
+from jattn.checks import _check_causal, _concrete
 from jattn.plan_inputs import (
     _as_int_array,
     _check_host_lengths,
     _check_i32,
     _check_nonnegative,
     _check_num_pages,
+    _check_pages,
     _check_unique_slots,
     _check_writes,
-    _page_table_entry,
     _positive_int,
     _resolve_page_table,
     extend_prefix,
@@ -300,36 +300,6 @@ def bucket(n: int, buckets: Sequence[int] | None = None, *, name: str = "size") 
     raise ValueError(f"{name}={n} exceeds the largest bucket {max(buckets)}")
 
 
-def _check_pages(
-    pt: np.ndarray, seq_lens: np.ndarray, page_size: int, num_pages: int | None, lens_name="seq_lens", entry=None
-):
-    """Refuses a table that cannot hold the lengths, or whose used entries are not page ids
-    of the pool or are the dummy page; ``entry(b, i)`` names entry ``[b, i]`` in the
-    caller's arrays (default ``page_table[b, i]``)."""
-    entry = entry or _page_table_entry
-    _check_i32(seq_lens, lens_name, "a length")
-    need = -(-seq_lens // page_size)
-    if need.size and need.max() > pt.shape[1]:
-        b = int(np.argmax(need))
-        raise ValueError(
-            f"{lens_name}[{b}]={seq_lens[b]} needs {need[b]} pages of page_size={page_size} but "
-            f"{'page_table' if entry is _page_table_entry else 'req_to_page'} has only {pt.shape[1]} columns"
-        )
-    used = np.arange(pt.shape[1])[None, :] < need[:, None]
-    ids = np.where(used, pt, 1)
-    hi = np.iinfo(np.int32).max if num_pages is None else num_pages
-    bad = first_page_outside(pt, seq_lens, page_size, hi)
-    if bad is not None:
-        b, i = bad
-        if num_pages is None:
-            raise ValueError(f"{entry(b, i)}={pt[b, i]} is not a page id (negative or past int32)")
-        raise ValueError(f"{entry(b, i)}={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)")
-    dummy = used & (ids == DUMMY_PAGE)
-    if dummy.any():
-        b, i = map(int, np.argwhere(dummy)[0])
-        raise ValueError(f"{entry(b, i)} is the reserved dummy page {DUMMY_PAGE}: padded rows write there")
-
-
 def _pad_table(pt: np.ndarray, seq_lens: np.ndarray, page_size: int, bs_pad: int, width: int):
     """Page table padded to [bs_pad, width]; unused entries point at the dummy page."""
     out = np.full((bs_pad, width), DUMMY_PAGE, np.int32)
@@ -419,8 +389,8 @@ def plan_decode(
             f"seq_lens[{b}]={sl[b]} < q_len={q_len}: decode lengths count the new tokens (0 marks a padding row)"
         )
     num_pages = _check_num_pages(num_pages)
-    pt, entry = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
-    _check_pages(pt, sl, page_size, num_pages, entry=entry)
+    pt, table_name, rows = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
+    _check_pages(pt, sl, page_size, num_pages, table_name=table_name, rows=rows)
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
     width = _width(sl, page_size, max_pages)
     # A DRAFT_BLOCK plan keeps each request's whole row of valid page ids:
@@ -543,8 +513,8 @@ def plan_extend(
     bs = sl.shape[0]
     prefix = extend_prefix(sl, ext, extend_prefix_lens)
     num_pages = _check_num_pages(num_pages)
-    pt, entry = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
-    _check_pages(pt, sl, page_size, num_pages, entry=entry)
+    pt, table_name, rows = _resolve_page_table(page_table, req_to_page, req_pool_indices, bs)
+    _check_pages(pt, sl, page_size, num_pages, table_name=table_name, rows=rows)
     bs_pad = bucket(max(bs, 1), batch_buckets, name="batch size")
     width = _width(sl, page_size, max_pages)
     table = _pad_table(pt, sl, page_size, bs_pad, width)

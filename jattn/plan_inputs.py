@@ -1,11 +1,14 @@
 """Host-side checks and conversions of the planners' inputs (:mod:`jattn.metadata`):
-integer arrays, page tables given directly or through a request-to-page pool, the pool's
-page count, positive sizes, the int32 range of the device arrays, and KV slots that two
-new tokens would both write. Each error names the argument and the rule it broke."""
+integer arrays, page tables given directly or through a request-to-page pool and their
+page ids, the pool's page count, positive sizes, the int32 range of the device arrays,
+and KV slots that two new tokens would both write. Each error names the argument (the
+caller's own array) and the rule it broke."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from jattn.checks import first_page_outside
 
 _I32_MAX = int(np.iinfo(np.int32).max)
 
@@ -48,14 +51,15 @@ def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
 
 
 def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int):
-    """``(page_table [bs, width], entry)``: the per-request table, from ``page_table`` or as
-    ``req_to_page[req_pool_indices]``, and ``entry(b, i)``, the name of its entry ``[b, i]``
-    in the caller's own arrays (for error messages)."""
+    """``(page_table [bs, width], table_name, rows)``: the per-request table, from
+    ``page_table`` or as ``req_to_page[req_pool_indices]``, with the name of the caller's
+    array it came from and, for ``req_to_page``, that array's row of each request (None:
+    request ``b`` is row ``b``), so that errors name the caller's own entries."""
     if page_table is not None:
         if req_to_page is not None or req_pool_indices is not None:
             raise ValueError("pass either page_table or (req_to_page, req_pool_indices), not both")
         pt = _as_int_array(page_table, "page_table", 2)
-        entry = _page_table_entry
+        name, rows = "page_table", None
     else:
         if req_to_page is None or req_pool_indices is None:
             raise ValueError("page_table or both req_to_page and req_pool_indices are required")
@@ -68,17 +72,51 @@ def _resolve_page_table(page_table, req_to_page, req_pool_indices, bs: int):
             i = int(np.argmax(bad))
             raise ValueError(f"req_pool_indices[{i}]={idx[i]} out of range [0, {r2p.shape[0]}) of req_to_page")
         pt = r2p[idx]
-
-        def entry(b, i):
-            return f"req_to_page[{idx[b]}, {i}]"  # request b's row: req_pool_indices[b]
-
+        name, rows = "req_to_page", idx
     if pt.shape[0] != bs:
         raise ValueError(f"page_table has {pt.shape[0]} rows but seq_lens has {bs} requests")
-    return pt, entry
+    return pt, name, rows
 
 
-def _page_table_entry(b, i) -> str:
-    return f"page_table[{b}, {i}]"
+def _check_pages(
+    pt: np.ndarray,
+    seq_lens: np.ndarray,
+    page_size: int,
+    num_pages: int | None,
+    lens_name="seq_lens",
+    *,
+    table_name="page_table",
+    rows=None,
+):
+    """Refuses a table that cannot hold the lengths, or whose used entries are not page ids
+    of the pool or are the dummy page. Errors name entry ``[b, i]`` as
+    ``table_name[rows[b], i]`` (``rows`` None: ``[b, i]``), the caller's own array."""
+    from jattn.metadata import DUMMY_PAGE
+
+    def entry(b, i):
+        return f"{table_name}[{b if rows is None else int(rows[b])}, {i}]"
+
+    _check_i32(seq_lens, lens_name, "a length")
+    need = -(-seq_lens // page_size)
+    if need.size and need.max() > pt.shape[1]:
+        b = int(np.argmax(need))
+        raise ValueError(
+            f"{lens_name}[{b}]={seq_lens[b]} needs {need[b]} pages of page_size={page_size} but "
+            f"{table_name} has only {pt.shape[1]} columns"
+        )
+    used = np.arange(pt.shape[1])[None, :] < need[:, None]
+    ids = np.where(used, pt, 1)
+    hi = np.iinfo(np.int32).max if num_pages is None else num_pages
+    bad = first_page_outside(pt, seq_lens, page_size, hi)
+    if bad is not None:
+        b, i = bad
+        if num_pages is None:
+            raise ValueError(f"{entry(b, i)}={pt[b, i]} is not a page id (negative or past int32)")
+        raise ValueError(f"{entry(b, i)}={pt[b, i]} out of range [0, {num_pages}) (num_pages of the pool)")
+    dummy = used & (ids == DUMMY_PAGE)
+    if dummy.any():
+        b, i = map(int, np.argwhere(dummy)[0])
+        raise ValueError(f"{entry(b, i)} is the reserved dummy page {DUMMY_PAGE}: padded rows write there")
 
 
 def _check_num_pages(num_pages) -> int | None:
