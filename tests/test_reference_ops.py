@@ -892,26 +892,23 @@ def test_kernel_entry_points_launch_nothing_for_empty_calls(backend):
     ]
 
 
-_EDGE_CASES = {
-    "decode-w0": dict(op="decode", bs=1, width=0, q_len=1),
-    "decode-w1": dict(op="decode", bs=1, width=1, q_len=1),
-    "mla-w0": dict(op="mla", bs=1, width=0, q_len=1),
-    "mla-w1": dict(op="mla", bs=1, width=1, q_len=1),
-    "prefill-tk0": dict(op="prefill", t=9, tk=0),
-    "prefill-t1": dict(op="prefill", t=1, tk=1),
-    "extend-w0": dict(op="extend", t=9, width=0),
-}
+def _one_request_edges():
+    """``test_gpu_compile``'s edge grid at one request and one query token: the share CPU
+    CI lowers (the grid itself is marked ``gpu``)."""
+    from test_gpu_compile import _EDGE_GRID, _id
+
+    return {_id(c): c for c in _EDGE_GRID if c.get("bs", 1) == 1 and c.get("q_len", 1) == 1}
 
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU compiles the grid (test_gpu_compile)")
-@pytest.mark.parametrize("name", list(_EDGE_CASES))
+@pytest.mark.parametrize("name", list(_one_request_edges()))
 def test_edge_sizes_lower_for_cuda(name, monkeypatch):
     """CPU CI's share of ``test_gpu_compile``'s edge grid: one request, page tables of 0 or 1
     columns, 1 query row, 0 key rows; each lowers for CUDA (TMA descriptors, page lookups)."""
     from test_gpu_compile import _compile, _edge_call
 
     monkeypatch.setenv("JATTN_LOWER_ONLY", "1")
-    fn, args = _edge_call(_EDGE_CASES[name])
+    fn, args = _edge_call(_one_request_edges()[name])
     _compile(fn, *args)
 
 
