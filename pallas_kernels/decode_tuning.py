@@ -135,10 +135,9 @@ class KernelOptions:
       (:func:`~jattn.pallas_kernels.combine.balanced_split_blocks`), over a static split
       count large enough for a request as long as the page table
       (:func:`~jattn.pallas_kernels.combine.balanced_split_count`): a long request takes
-      more splits than a short one, so the CTAs of an uneven batch carry even work. Off
-      (the default: timed faster with uneven lengths at large batches only, docs/PERF.md),
+      more splits than a short one, so the CTAs of an uneven batch carry even work. Off,
       each request is cut into the same number of splits, so the longest request's CTAs
-      set the call's time.
+      set the call's time. None (the default): :func:`balanced_for` chooses by the call.
     """
 
     overlap_qk: bool = True
@@ -151,7 +150,7 @@ class KernelOptions:
     heads_v_regs: bool = False
     heads_overlap: bool = False
     heads_glue: bool = True
-    balanced_splits: bool = False
+    balanced_splits: bool | None = None
 
     def __post_init__(self):
         # checked here: a bad value would otherwise pass on calls the option does not reach
@@ -160,8 +159,22 @@ class KernelOptions:
             if f.name == "heads_row_tile":
                 if v not in (0, 16, 32) or isinstance(v, bool):
                     raise ValueError(f"KernelOptions.heads_row_tile={v!r} must be 0 (no tiles), 16 or 32")
+            elif f.name == "balanced_splits" and v is None:
+                pass
             elif not isinstance(v, (bool, np.bool_)):
-                raise ValueError(f"KernelOptions.{f.name}={v!r} must be True or False")
+                none = " (or None: chosen by the call)" if f.name == "balanced_splits" else ""
+                raise ValueError(f"KernelOptions.{f.name}={v!r} must be True or False{none}")
+
+
+def balanced_for(options: KernelOptions, batch: int, kv_itemsize: int) -> bool:
+    """Whether a call of ``batch`` requests takes balanced splits: ``options.balanced_splits``
+    where set, else (block sizes not given) with several requests and a 2-byte cache. One request has nothing to
+    balance against (the balanced count only adds splits there); FP8 caches were not timed
+    balanced. With several requests the balanced launch timed level with equal lengths and
+    faster with uneven ones (docs/PERF.md)."""
+    if options.balanced_splits is not None:
+        return bool(options.balanced_splits)
+    return batch > 1 and kv_itemsize == 2
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:
@@ -290,7 +303,7 @@ def choose_block_sizes(
     (bt, ppb), compute_wgs, num_stages = choice
     max_blocks = -(-max_pages * page_size // (bt * ppb))
     num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
-    if options.balanced_splits:
+    if balanced_for(options, batch, kv_itemsize):
         num_splits = balanced_split_count(num_splits, batch * (m_tiles // compute_wgs), max_blocks)
     return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
@@ -515,5 +528,6 @@ def decode_config(
         interpret=interpret,
         overlap_qk=options.overlap_qk,
         convert_stages=convert_stages,
-        balanced=bool(options.balanced_splits),
+        # given block sizes fix the split count: balanced only where asked
+        balanced=bool(options.balanced_splits) if block_sizes else balanced_for(options, batch, kv_itemsize),
     )

@@ -106,9 +106,18 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
     return best
 
 
-# Balanced splits (``mla_decode(balanced_splits=...)``): off by default, timed faster with
-# uneven lengths and slower with equal ones (docs/PERF.md, waiting list).
-BALANCED_SPLITS = False
+# Balanced splits (``mla_decode(balanced_splits=...)``) by default where
+# :func:`balanced_by_default` says so; False: never by default (docs/PERF.md, MLA decode).
+BALANCED_SPLITS = True
+
+
+def balanced_by_default(batch: int, m_tiles: int, kv_dtype) -> bool:
+    """Whether a call takes balanced splits when it names none: several requests (one
+    request has no other to balance against, and the balanced count only adds splits),
+    one row tile of query rows (at most 64 per request), and a 16-bit cache. Those calls
+    timed level with equal lengths and faster with uneven ones; a single request, two
+    row tiles and an FP8 cache timed slower with equal lengths."""
+    return BALANCED_SPLITS and batch > 1 and m_tiles == 1 and jnp.dtype(kv_dtype).itemsize == 2
 
 
 def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
@@ -251,7 +260,7 @@ def mla_decode(
     Python-number scales) instead of this module's kernel. Off by default: it measured
     slower on the H200 at every 16-head shape (docs/PERF.md).
 
-    ``balanced_splits`` (None: :data:`BALANCED_SPLITS`; not with ``num_splits``): the
+    ``balanced_splits`` (None: :func:`balanced_by_default`; not with ``num_splits``): the
     split size is chosen on the device from the call's lengths
     (:func:`balanced_split_size`), shared by every request, so a long request takes
     more splits than a short one; otherwise each request's blocks are cut into the
@@ -259,8 +268,8 @@ def mla_decode(
     """
     if balanced_splits is not None and not isinstance(balanced_splits, bool):
         raise ValueError(f"mla_decode: balanced_splits={balanced_splits!r} must be True, False or None (the default)")
-    if balanced_splits is None:
-        balanced_splits = BALANCED_SPLITS and num_splits is None and not keys_as_rows
+    if balanced_splits is None and (num_splits is not None or keys_as_rows):
+        balanced_splits = False
     elif balanced_splits and num_splits is not None:
         raise ValueError("mla_decode: balanced_splits chooses the split size itself; it takes no num_splits")
     elif balanced_splits and keys_as_rows:
@@ -292,6 +301,8 @@ def mla_decode(
         out_dtype = jnp.bfloat16 if jnp.dtype(q.dtype).itemsize == 1 else q.dtype
         return empty_outputs(q, kv_lora_rank, out_dtype, return_lse)
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
+    if balanced_splits is None:
+        balanced_splits = balanced_by_default(bs, m_tiles, kv_cache.dtype)
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
         choose = balanced_num_splits if balanced_splits else choose_num_splits

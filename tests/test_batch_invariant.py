@@ -62,11 +62,16 @@ def _padded(rows, pad, q, table, lens):
 def _batch_dependent_defaults(monkeypatch):
     """Default split counts (Mosaic) and key chunks (XLA) that change with the batch at these
     small widths, as they do at serving widths: 2 splits / 128-key chunks alone, 1 split /
-    32-key chunks in a batch. The batch-invariant mode must override both."""
+    32-key chunks in a batch, the Mosaic splits even (a default batch of several requests
+    would take balanced splits, whose shared size may land on the same bits at these
+    widths). The batch-invariant mode must override all of it."""
     from jattn import reference
     from jattn.pallas_kernels import decode_tuning
 
     monkeypatch.setattr(decode_tuning, "choose_num_splits", lambda batch, m, blocks, *a: 1 if batch > 1 else 2)
+    monkeypatch.setattr(
+        decode_tuning, "balanced_for", lambda options, batch, kv_itemsize: bool(options.balanced_splits)
+    )
     real = reference._key_chunk
     monkeypatch.setattr(
         reference, "_key_chunk", lambda bs, nq, hq, n, fixed=None: real(bs, nq, hq, n, fixed or (32 if bs > 1 else 128))

@@ -262,6 +262,7 @@ def test_decode_bench_set_parses_kernel_options():
     assert parse_options("overlap_qk=0") == KernelOptions(overlap_qk=False)
     assert parse_options("kernel_combine=0,overlap_qk=1") == KernelOptions(kernel_combine=False)
     assert parse_options("heads_row_tile=16") == KernelOptions(heads_row_tile=16)
+    assert parse_options("balanced_splits=0").balanced_splits is False  # a call-chosen flag
     for bad in ("_OVERLAP_QK=0", "overlap_qk=2", "overlap_qk", "heads_row_tile=x", "heads_row_tile=-1"):
         with pytest.raises(SystemExit, match="overlap_qk"):
             parse_options(bad)

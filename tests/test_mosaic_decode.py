@@ -99,7 +99,7 @@ def _kwargs(c: Case, sinks, k_scale, v_scale):
 # of 64 query rows or more, which KernelOptions.fp8_heads and heads_kernel send to the
 # per-KV-head kernel by default; that kernel and the routing are tested in
 # tests/test_mosaic_decode_heads.py.
-BASE = md.KernelOptions(fp8_heads=False, heads_kernel=False)
+BASE = md.KernelOptions(fp8_heads=False, heads_kernel=False, balanced_splits=False)
 
 
 def _block_sizes(c: Case, k, table, options: md.KernelOptions):
@@ -506,6 +506,30 @@ BALANCED_GPU = ["llama8b_b4_l4096_p16", "llama8b_b3_p64_ragged", "window_cap_sin
 def test_gpu_balanced_splits_option(name):
     """Balanced splits (the split size from the lengths) give the same answers."""
     _check(GPU_CASES[name], interpret=False, options=_flipped("balanced_splits"))
+
+
+def test_balanced_splits_default_rule():
+    """``KernelOptions(balanced_splits=None)`` (the default) balances calls of several
+    requests over a 2-byte cache whose block sizes are not given; True / False win over
+    the rule, and given block sizes keep their even splits unless balanced is asked."""
+    kw = dict(num_pages=64, page_size=16, max_pages=16, num_kv_heads=8, num_q_heads=32, head_dim=128, q_len=1,
+              is_causal=True, logit_cap=0.0, window_left=-1, q_itemsize=2, interpret=False)  # fmt: skip
+    auto = md.KernelOptions()
+    assert auto.balanced_splits is None
+
+    def balanced(batch, kv_itemsize=2, options=auto, block_sizes=None):
+        cfg = md.decode_config(batch=batch, kv_itemsize=kv_itemsize, options=options, block_sizes=block_sizes, **kw)
+        return cfg.balanced
+
+    assert balanced(2) and balanced(64)
+    assert not balanced(1) and not balanced(4, kv_itemsize=1)
+    on, off = (dataclasses.replace(auto, balanced_splits=b) for b in (True, False))
+    assert balanced(1, options=on) and balanced(4, kv_itemsize=1, options=on) and not balanced(4, options=off)
+    given = md.choose_block_sizes(batch=4, num_kv_heads=8, head_dim=128, page_size=16, max_pages=16, m_rows=32,
+                                  kv_itemsize=2, options=off)  # fmt: skip
+    assert not balanced(4, block_sizes=given) and balanced(4, options=on, block_sizes=given)
+    with pytest.raises(ValueError, match=r"balanced_splits='yes' must be True or False \(or None"):
+        md.KernelOptions(balanced_splits="yes")
 
 
 def test_balanced_split_size_evens_out_an_uneven_batch():

@@ -453,6 +453,33 @@ def test_balanced_split_size_evens_out_uneven_lengths():
         mm.mla_decode(q, kv, table, one, **dict(kw, balanced_splits="no"))
 
 
+def test_balanced_splits_default_rule(monkeypatch):
+    """With ``balanced_splits`` unnamed a call takes balanced splits only with several
+    requests, one row tile and a 16-bit cache (the shapes measured level or faster); a
+    named choice, a fixed ``num_splits`` and ``BALANCED_SPLITS = False`` win over the rule."""
+    seen = []
+    monkeypatch.setattr(mm, "_mla_decode", lambda *a, **k: seen.append((k["balanced"], k["num_splits"])))
+
+    def default_of(bs, heads, q_len=1, dtype=jnp.bfloat16, **kw):
+        q = jnp.zeros((bs * q_len, heads, W), dtype if jnp.dtype(dtype).itemsize == 2 else jnp.bfloat16)
+        kv, table = jnp.zeros((8, 64, W), dtype), jnp.zeros((bs, 4), jnp.int32)
+        mm.mla_decode(
+            q, kv, table, jnp.ones((bs,), jnp.int32), kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=q_len, **kw
+        )
+        return seen[-1][0]
+
+    assert default_of(2, 16) and default_of(64, 64) and default_of(8, 16, q_len=4)
+    assert default_of(4, 16, dtype=jnp.float16)
+    assert not default_of(1, 16)  # one request: nothing to balance against
+    assert not default_of(4, 128) and not default_of(4, 16, q_len=8)  # two row tiles
+    assert not default_of(4, 16, dtype=jnp.float8_e4m3fn)
+    assert not default_of(4, 16, balanced_splits=False) and default_of(1, 16, balanced_splits=True)
+    assert not default_of(4, 16, num_splits=2) and seen[-1][1] == 2
+    monkeypatch.setattr(mm, "BALANCED_SPLITS", False)
+    assert not default_of(4, 16)
+    assert mm.balanced_by_default(4, 1, jnp.bfloat16) is False
+
+
 def test_choose_num_splits():
     assert mm.choose_num_splits(1, 1, 512) == 128  # batch 1 at 32k: one wave, 4 blocks each
     q, cache = jnp.zeros((2, 16, W), jnp.bfloat16), jnp.zeros((4, 64, W), jnp.bfloat16)

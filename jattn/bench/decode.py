@@ -147,10 +147,11 @@ def _device_timing(t):
 
 def parse_options(spec: str):
     """``"overlap_qk=0,heads_row_tile=16"`` -> the kernel's ``KernelOptions`` (flags 0 or
-    1, integer fields a non-negative integer; unnamed fields keep their defaults)."""
+    1, a flag chosen by the call by default too; integer fields a non-negative integer;
+    unnamed fields keep their defaults)."""
     from jattn.pallas_kernels.decode_tuning import KernelOptions
 
-    kinds = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions)}
+    kinds = {f.name: bool if f.default is None else type(f.default) for f in dataclasses.fields(KernelOptions)}
     values = {}
     for item in filter(None, spec.split(",")):
         name, _, val = (x.strip() for x in item.partition("="))

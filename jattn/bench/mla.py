@@ -2,8 +2,8 @@
 
 The latent cache is ``[pages, 64, 576]`` (512 latent + 64 rope columns), the output
 512 wide. Each row (batch, length, heads, q_len, lengths even or uneven, cache
-dtype) times jattn's Mosaic GPU kernel (also with the split size chosen from the
-lengths, ``balanced_splits=True``, while that is opt-in) and its Triton kernel (where
+dtype) times jattn's Mosaic GPU kernel (also with the split choice its default does
+not take: ``balanced_splits`` flipped) and its Triton kernel (where
 jax-triton imports) beside JAX's reference path (XLA) on the same data, one line per
 backend, in GPU time per call (``common.time_rotated(device=True)``, each output
 its own array), and reports the achieved bandwidth (each request's latent rows counted
@@ -269,11 +269,14 @@ def main(argv: list[str] | None = None) -> None:
 
             return time_calls(f"{row.label}: mosaic keys as rows", call, arrays, n_hi)
 
-        def timed_balanced():
-            def call(q, kv, table, lens):
-                return mosaic_mla.mla_decode(q, kv, table, lens, balanced_splits=True, **kw)
+        def timed_other_splits(balanced):
+            """The split choice this row's default does not take (``balanced_splits``)."""
+            label = "mosaic balanced" if balanced else "mosaic even splits"
 
-            return time_calls(f"{row.label}: mosaic balanced", call, arrays, n_hi)
+            def call(q, kv, table, lens):
+                return mosaic_mla.mla_decode(q, kv, table, lens, balanced_splits=balanced, **kw)
+
+            return label, time_calls(f"{row.label}: {label}", call, arrays, n_hi)
 
         def timed_splits(splits):
             def call(q, kv, table, lens):
@@ -297,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
-            if not mosaic_mla.BALANCED_SPLITS:  # the split size from the lengths, while opt-in
-                kernels.append(("mosaic balanced", timed_balanced()))
+            m_tiles = -(-(row.q_len * row.heads) // 64)
+            kernels.append(timed_other_splits(not mosaic_mla.balanced_by_default(row.bs, m_tiles, kv.dtype)))
             if mosaic_mla_heads.unsupported_reason(qs[0], kv, **kw) is None:
                 kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
             if row.fp8:
