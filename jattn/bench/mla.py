@@ -53,11 +53,13 @@ ROWS = (
     Row(64, 4096, 128),
     Row(128, 4096, 128),
     Row(64, 4096, 128, q_len=2),
+    Row(64, 4096, 128, uneven=True),  # whether balanced splits pay at two row tiles
     Row(64, 4096, 16, fp8=True),
     Row(128, 4096, 16, fp8=True),
     Row(1, 32768, 16, fp8=True),
     Row(64, 4096, 16, q_len=2, fp8=True),
     Row(64, 4096, 128, fp8=True),
+    Row(64, 4096, 16, uneven=True, fp8=True),  # and with an FP8 cache
 )
 
 
