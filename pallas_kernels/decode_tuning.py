@@ -168,10 +168,10 @@ class KernelOptions:
 
 def balanced_for(options: KernelOptions, batch: int, kv_itemsize: int) -> bool:
     """Whether a call of ``batch`` requests takes balanced splits: ``options.balanced_splits``
-    where set, else (block sizes not given) with several requests and a 2-byte cache. One request has nothing to
-    balance against (the balanced count only adds splits there); FP8 caches were not timed
-    balanced. With several requests the balanced launch timed level with equal lengths and
-    faster with uneven ones (docs/PERF.md)."""
+    where set, else (block sizes not given) with several requests and a 2-byte cache. One
+    request has nothing to balance against (the balanced count only adds splits there);
+    FP8 caches were not timed balanced. With several requests the balanced launch timed
+    level with equal lengths and faster with uneven ones (docs/PERF.md)."""
     if options.balanced_splits is not None:
         return bool(options.balanced_splits)
     return batch > 1 and kv_itemsize == 2
