@@ -24,7 +24,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_count, choose_num_splits
+from jattn.pallas_kernels.combine import NUM_SMS, balanced_by_default, balanced_split_count, choose_num_splits
 
 __all__ = [
     "DecodeConfig",
@@ -166,15 +166,13 @@ class KernelOptions:
                 raise ValueError(f"KernelOptions.{f.name}={v!r} must be True or False{none}")
 
 
-def balanced_for(options: KernelOptions, batch: int, kv_itemsize: int) -> bool:
-    """Whether a call of ``batch`` requests takes balanced splits: ``options.balanced_splits``
-    where set, else (block sizes not given) with several requests and a 2-byte cache. One
-    request has nothing to balance against (the balanced count only adds splits there);
-    FP8 caches were not timed balanced. With several requests the balanced launch timed
-    level with equal lengths and faster with uneven ones (docs/PERF.md)."""
+def balanced_for(options: KernelOptions, batch: int, m_rows: int, kv_itemsize: int) -> bool:
+    """Whether a call of ``batch`` requests of ``m_rows`` query rows each takes balanced
+    splits: ``options.balanced_splits`` where set, else
+    :func:`~jattn.pallas_kernels.combine.balanced_by_default`."""
     if options.balanced_splits is not None:
         return bool(options.balanced_splits)
-    return batch > 1 and kv_itemsize == 2
+    return balanced_by_default(batch, -(-m_rows // 64), kv_itemsize)
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:
@@ -259,7 +257,9 @@ def choose_block_sizes(
 
     Prefers a KV block near 128 rows (64 for head_dim 256) with a ring of at least
     3 stages in shared memory, two compute warpgroups when there are two 64-row
-    query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`.
+    query tiles (2-byte KV only), and the split count of :func:`choose_num_splits`, or of
+    :func:`~jattn.pallas_kernels.combine.balanced_split_count` where the call balances
+    (:func:`balanced_for`; the same rule holds when these block sizes are passed back).
     ``options``: the kernel options the tiling is for (FP8 KV with the converter warpgroup
     holds its f16 ring in shared memory too).
     """
@@ -303,7 +303,7 @@ def choose_block_sizes(
     (bt, ppb), compute_wgs, num_stages = choice
     max_blocks = -(-max_pages * page_size // (bt * ppb))
     num_splits = choose_num_splits(batch, m_tiles // compute_wgs, max_blocks)
-    if balanced_for(options, batch, kv_itemsize):
+    if balanced_for(options, batch, m_rows, kv_itemsize):
         num_splits = balanced_split_count(num_splits, batch * (m_tiles // compute_wgs), max_blocks)
     return BlockSizes(bt, ppb, num_stages, num_splits, compute_wgs)
 
@@ -528,6 +528,5 @@ def decode_config(
         interpret=interpret,
         overlap_qk=options.overlap_qk,
         convert_stages=convert_stages,
-        # given block sizes fix the split count: balanced only where asked
-        balanced=bool(options.balanced_splits) if block_sizes else balanced_for(options, batch, kv_itemsize),
+        balanced=balanced_for(options, batch, m_rows, kv_itemsize),
     )

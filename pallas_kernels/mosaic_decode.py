@@ -5,8 +5,8 @@ Layout of the work:
 * Grid ``(num_splits, batch, m_groups)``. One CTA takes one request and one
   contiguous range of its KV blocks, and covers *all* KV heads at once, so
   every page is read from HBM exactly once per request (GQA packed). A request's
-  blocks are cut into ``num_splits`` equal ranges, or, balanced (by default with
-  several requests and a 2-byte cache, ``decode_tuning.balanced_for``), into ranges of
+  blocks are cut into ``num_splits`` equal ranges, or, balanced (by default with several
+  requests of one row tile and a 2-byte cache, ``decode_tuning.balanced_for``), into ranges of
   one size shared by the whole call and chosen on the device from all the lengths (it
   rides after them in the lengths operand), so that a long request takes more splits
   than a short one.

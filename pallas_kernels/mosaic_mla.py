@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn.pallas_kernels import combine
 from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_blocks, balanced_split_count, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.interpret import no_gpu_reason
@@ -112,12 +113,10 @@ BALANCED_SPLITS = True
 
 
 def balanced_by_default(batch: int, m_tiles: int, kv_dtype) -> bool:
-    """Whether a call takes balanced splits when it names none: several requests (one
-    request has no other to balance against, and the balanced count only adds splits),
-    one row tile of query rows (at most 64 per request), and a 16-bit cache. Those calls
-    timed level with equal lengths and faster with uneven ones; a single request, two
-    row tiles and an FP8 cache timed slower with equal lengths."""
-    return BALANCED_SPLITS and batch > 1 and m_tiles == 1 and jnp.dtype(kv_dtype).itemsize == 2
+    """Whether a call takes balanced splits when it names none:
+    :func:`~jattn.pallas_kernels.combine.balanced_by_default` unless
+    :data:`BALANCED_SPLITS` is off."""
+    return BALANCED_SPLITS and combine.balanced_by_default(batch, m_tiles, jnp.dtype(kv_dtype).itemsize)
 
 
 def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:

@@ -70,7 +70,7 @@ def _batch_dependent_defaults(monkeypatch):
 
     monkeypatch.setattr(decode_tuning, "choose_num_splits", lambda batch, m, blocks, *a: 1 if batch > 1 else 2)
     monkeypatch.setattr(
-        decode_tuning, "balanced_for", lambda options, batch, kv_itemsize: bool(options.balanced_splits)
+        decode_tuning, "balanced_for", lambda options, batch, m_rows, kv_itemsize: bool(options.balanced_splits)
     )
     real = reference._key_chunk
     monkeypatch.setattr(

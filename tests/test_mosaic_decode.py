@@ -510,24 +510,28 @@ def test_gpu_balanced_splits_option(name):
 
 def test_balanced_splits_default_rule():
     """``KernelOptions(balanced_splits=None)`` (the default) balances calls of several
-    requests over a 2-byte cache whose block sizes are not given; True / False win over
-    the rule, and given block sizes keep their even splits unless balanced is asked."""
-    kw = dict(num_pages=64, page_size=16, max_pages=16, num_kv_heads=8, num_q_heads=32, head_dim=128, q_len=1,
-              is_causal=True, logit_cap=0.0, window_left=-1, q_itemsize=2, interpret=False)  # fmt: skip
+    requests of at most 64 query rows over a 2-byte cache (``combine.balanced_by_default``);
+    True / False win over the rule, and block sizes from ``choose_block_sizes`` passed back
+    run as the default call would (its balanced split count, balanced)."""
+    kw = dict(num_pages=4096, page_size=16, max_pages=256, num_kv_heads=8, head_dim=128, is_causal=True,
+              logit_cap=0.0, window_left=-1, q_itemsize=2, interpret=False)  # fmt: skip
     auto = md.KernelOptions()
     assert auto.balanced_splits is None
 
-    def balanced(batch, kv_itemsize=2, options=auto, block_sizes=None):
-        cfg = md.decode_config(batch=batch, kv_itemsize=kv_itemsize, options=options, block_sizes=block_sizes, **kw)
-        return cfg.balanced
+    def config(batch, kv_itemsize=2, options=auto, block_sizes=None, hq=32, q_len=1):
+        return md.decode_config(batch=batch, kv_itemsize=kv_itemsize, options=options, block_sizes=block_sizes,
+                                num_q_heads=hq, q_len=q_len, **kw)  # fmt: skip
 
-    assert balanced(2) and balanced(64)
-    assert not balanced(1) and not balanced(4, kv_itemsize=1)
+    assert config(2).balanced and config(64).balanced and config(4, q_len=2).balanced  # 64 rows: one tile
+    assert not config(1).balanced and not config(4, kv_itemsize=1).balanced
+    assert not config(4, q_len=4).balanced  # two 64-row tiles: not timed balanced
     on, off = (dataclasses.replace(auto, balanced_splits=b) for b in (True, False))
-    assert balanced(1, options=on) and balanced(4, kv_itemsize=1, options=on) and not balanced(4, options=off)
-    given = md.choose_block_sizes(batch=4, num_kv_heads=8, head_dim=128, page_size=16, max_pages=16, m_rows=32,
-                                  kv_itemsize=2, options=off)  # fmt: skip
-    assert not balanced(4, block_sizes=given) and balanced(4, options=on, block_sizes=given)
+    assert config(1, options=on).balanced and config(4, q_len=4, options=on).balanced
+    assert not config(4, options=off).balanced
+    shape = dict(batch=32, num_kv_heads=8, head_dim=128, page_size=16, max_pages=256, m_rows=32, kv_itemsize=2)
+    chosen, even = md.choose_block_sizes(**shape), md.choose_block_sizes(**shape, options=off)
+    assert chosen.num_splits > even.num_splits and config(32).bs == chosen
+    assert config(32, block_sizes=chosen).balanced and not config(32, options=off, block_sizes=chosen).balanced
     with pytest.raises(ValueError, match=r"balanced_splits='yes' must be True or False \(or None"):
         md.KernelOptions(balanced_splits="yes")
 

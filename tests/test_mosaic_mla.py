@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from jattn import reference
 from jattn.mla_rope import quantize_query_fp8
+from jattn.pallas_kernels import combine
 from jattn.pallas_kernels import mosaic_mla as mm
 from jattn.pallas_kernels.interpret import gpu_interpret, interpreter_available, on_gpu
 
@@ -478,6 +479,9 @@ def test_balanced_splits_default_rule(monkeypatch):
     monkeypatch.setattr(mm, "BALANCED_SPLITS", False)
     assert not default_of(4, 16)
     assert mm.balanced_by_default(4, 1, jnp.bfloat16) is False
+    monkeypatch.setattr(mm, "BALANCED_SPLITS", True)
+    rule = [(b, t, i) for b in (1, 2, 64) for t in (1, 2) for i in (1, 2, 4) if combine.balanced_by_default(b, t, i)]
+    assert rule == [(2, 1, 2), (64, 1, 2)]  # the rule both decode kernels share
 
 
 def test_choose_num_splits():
