@@ -55,7 +55,8 @@ def merge_splits_f64(o, lse):
     """float64 merge of split partials ``o [S, ..., D]``, ``lse [S, ...]`` (base 2; a NaN
     partial or LSE poisons its row; an empty split's output, LSE -inf, is not read: the
     kernels leave it unwritten); returns ``(o, natural-log lse)``."""
-    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    with np.errstate(invalid="ignore"):  # an unwritten output may hold any bits
+        o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
     o = np.where(np.isneginf(lse)[..., None], 0.0, o)
     mx = lse.max(0)
     mxs = np.where(np.isneginf(mx), 0.0, mx)
