@@ -172,7 +172,7 @@ def balanced_for(options: KernelOptions, batch: int, m_rows: int, kv_itemsize: i
     :func:`~jattn.pallas_kernels.combine.balanced_by_default`."""
     if options.balanced_splits is not None:
         return bool(options.balanced_splits)
-    return balanced_by_default(batch, -(-m_rows // 64), kv_itemsize)
+    return balanced_by_default(batch, m_rows, kv_itemsize)
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

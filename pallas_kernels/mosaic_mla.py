@@ -112,11 +112,12 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
 BALANCED_SPLITS = True
 
 
-def balanced_by_default(batch: int, m_tiles: int, kv_dtype) -> bool:
-    """Whether a call takes balanced splits when it names none:
+def balanced_by_default(batch: int, m_rows: int, kv_dtype) -> bool:
+    """Whether a call of ``batch`` requests of ``m_rows`` query rows each (``max_seqlen_q
+    * heads``) takes balanced splits when it names none:
     :func:`~jattn.pallas_kernels.combine.balanced_by_default` unless
     :data:`BALANCED_SPLITS` is off."""
-    return BALANCED_SPLITS and combine.balanced_by_default(batch, m_tiles, jnp.dtype(kv_dtype).itemsize)
+    return BALANCED_SPLITS and combine.balanced_by_default(batch, m_rows, jnp.dtype(kv_dtype).itemsize)
 
 
 def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
@@ -267,9 +268,7 @@ def mla_decode(
     """
     if balanced_splits is not None and not isinstance(balanced_splits, bool):
         raise ValueError(f"mla_decode: balanced_splits={balanced_splits!r} must be True, False or None (the default)")
-    if balanced_splits is None and (num_splits is not None or keys_as_rows):
-        balanced_splits = False
-    elif balanced_splits and num_splits is not None:
+    if balanced_splits and num_splits is not None:
         raise ValueError("mla_decode: balanced_splits chooses the split size itself; it takes no num_splits")
     elif balanced_splits and keys_as_rows:
         raise ValueError("mla_decode: balanced_splits is a choice of this module's kernel, not of keys_as_rows")
@@ -300,8 +299,8 @@ def mla_decode(
         out_dtype = jnp.bfloat16 if jnp.dtype(q.dtype).itemsize == 1 else q.dtype
         return empty_outputs(q, kv_lora_rank, out_dtype, return_lse)
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
-    if balanced_splits is None:
-        balanced_splits = balanced_by_default(bs, m_tiles, kv_cache.dtype)
+    if balanced_splits is None:  # a given split count is even splits
+        balanced_splits = num_splits is None and balanced_by_default(bs, max_seqlen_q * q.shape[1], kv_cache.dtype)
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
         choose = balanced_num_splits if balanced_splits else choose_num_splits

@@ -478,10 +478,12 @@ def test_balanced_splits_default_rule(monkeypatch):
     assert not default_of(4, 16, num_splits=2) and seen[-1][1] == 2
     monkeypatch.setattr(mm, "BALANCED_SPLITS", False)
     assert not default_of(4, 16)
-    assert mm.balanced_by_default(4, 1, jnp.bfloat16) is False
+    assert mm.balanced_by_default(4, 16, jnp.bfloat16) is False
     monkeypatch.setattr(mm, "BALANCED_SPLITS", True)
-    rule = [(b, t, i) for b in (1, 2, 64) for t in (1, 2) for i in (1, 2, 4) if combine.balanced_by_default(b, t, i)]
-    assert rule == [(2, 1, 2), (64, 1, 2)]  # the rule both decode kernels share
+    rule = [
+        (b, m, i) for b in (1, 2, 64) for m in (16, 64, 65) for i in (1, 2, 4) if combine.balanced_by_default(b, m, i)
+    ]
+    assert rule == [(2, 16, 2), (2, 64, 2), (64, 16, 2), (64, 64, 2)]  # the rule both decode kernels share
 
 
 def test_choose_num_splits():
