@@ -34,6 +34,12 @@ _DECODE_SERVES = "decode-kind plans (DECODE, TARGET_VERIFY, DRAFT_BLOCK)"
 _EXTEND_SERVES = "every mode but DECODE (TARGET_VERIFY, DRAFT_EXTEND, EXTEND)"
 
 
+def _by_heads(x, n: int, h: int):
+    """``x`` (``n`` rows of ``h * d`` elements: ``[n, h, d]``, ``[n, h * d]``) as ``[n, h,
+    d]``, ``d`` taken from ``x``: ``reshape(n, h, -1)`` is ambiguous at ``n = 0``."""
+    return x.reshape(n, h, x.flatten(1).shape[1] // h if h else x.shape[-1])
+
+
 def _llama_4_scaled(x, llama_4_scaling):
     """``x`` (tokens first) times the per-token ``llama_4_scaling`` ([T], [T, 1] or
     [T, 1, 1]) in f32, back in ``x``'s dtype: the query scaling SGLang's MLA backend
@@ -423,8 +429,7 @@ class TorchMLABackend(_BridgeBase):
         spec = self._spec(layer)
         H, r, V = spec.num_q_heads, self.config.qk_rope_head_dim, self.config.v_head_dim
         n = v.reshape(-1, H * V).shape[0]
-        qa = q.reshape(n, H, q.flatten(1).shape[1] // H)  # (not -1: ambiguous at n = 0)
-        ka = k.reshape(n, H, k.flatten(1).shape[1] // H).to(q.dtype)
+        qa, ka = _by_heads(q, n, H), _by_heads(k, n, H).to(q.dtype)
         if q_rope is not None:
             qa = torch.cat([qa, q_rope.reshape(n, H, r).to(q.dtype)], dim=-1)
         if k_rope is not None:
@@ -474,7 +479,7 @@ class TorchMLABackend(_BridgeBase):
         cu_kv = np.concatenate([cu_kv, np.full(bs_pad + 1 - cu_kv.shape[0], cu_kv[-1], np.int32)])
         max_kv = bucket(max(max_given, 1))
         n = q.shape[0]  # the new tokens (the chunk's K/V rows are another count)
-        qj = to_jax_input(q.reshape(n, H, q.flatten(1).shape[1] // H), "q")  # (not -1: ambiguous at n = 0)
+        qj = to_jax_input(_by_heads(q, n, H), "q")
         kt = k.reshape(-1, H, k.shape[-1] if k.dim() == 3 else k.shape[-1] // H)
         kj, vj = to_jax_input(kt, "k"), to_jax_input(v.reshape(-1, H, V), "v")
         qr = None if q_rope is None else to_jax_input(q_rope.reshape(n, H, r), "q_rope")
@@ -555,9 +560,9 @@ class TorchMLABackend(_BridgeBase):
                 "in shape and dtype"
             )
         o, lse = self._jbackend.merge_state(
-            to_jax_input(o_a.reshape(t, h, o_a.shape[-1] if o_a.dim() == 3 else o_a.shape[1] // h), "o_a"),
+            to_jax_input(_by_heads(o_a, t, h), "o_a"),
             to_jax_input(lse_a.float(), "lse_a"),
-            to_jax_input(o_b.reshape(t, h, o_b.shape[-1] if o_b.dim() == 3 else o_b.shape[1] // h), "o_b"),
+            to_jax_input(_by_heads(o_b, t, h), "o_b"),
             to_jax_input(lse_b.float(), "lse_b"),
         )
         self.sync.after_jax(o)
