@@ -52,6 +52,16 @@ def fold_softmax_scale(softmax_scale, k_scale):
     return 1.0, jnp.asarray(k_scale, jnp.float32) * jnp.asarray(softmax_scale, jnp.float32)
 
 
+def unless_empty_split(store, count, num_splits: int) -> None:
+    """Runs ``store`` (a split's output stores) unless there are several splits and this
+    one has no key blocks (``count == 0``): the merge reads only an empty split's LSE
+    (-inf), never its output; one split's output is final and always written."""
+    if num_splits == 1:
+        store()
+    else:
+        pl.when(count > 0)(store)
+
+
 def plgpu_kernel(body, out, **kwargs):
     """``plgpu.kernel(body, out_type=out, **kwargs)`` under either keyword name."""
     return plgpu.kernel(body, **{_OUT_KW: out}, **kwargs)

@@ -86,6 +86,7 @@ from jattn.pallas_kernels.mosaic_common import (
     split_blocks,
     swizzle_transforms,
     tile_iota,
+    unless_empty_split,
     vec_iota,
 )
 from jattn.pallas_kernels.mosaic_decode_heads_config import _PAIR_REGS, _SOLO_REGS, HeadsConfig
@@ -402,18 +403,14 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             l_s[...] = jnp.where(empty, -jnp.inf, jnp.where(empty, 0.0, m_i) + jnp.log2(jnp.where(empty, 1.0, l_i)))
             # O^T leaves in 64-row halves through one staging tile (half the shared memory);
-            # an item with no key blocks leaves its output unwritten where a merge follows
-            # (the merge reads only its LSE, -inf); one split's output is final
+            # an item with no key blocks leaves it unwritten where a merge follows
             for half, a in enumerate(acc):
                 if half:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last half has been read
                 o_s[...] = a * lax.broadcast_in_dim(inv, a.shape, [1])
                 plgpu.commit_smem()
                 store = functools.partial(plgpu.copy_smem_to_gmem, o_s, o_ref.at[split, b, h, t, pl.ds(half * 64, 64)])
-                if cfg.num_splits == 1:
-                    store()
-                else:
-                    pl.when(count > 0)(store)
+                unless_empty_split(store, count, cfg.num_splits)
             plgpu.copy_smem_to_gmem(l_s, lse_ref.at[split, b, h, t])  # committed with the first half
             return n + count
 

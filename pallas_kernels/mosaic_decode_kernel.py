@@ -23,6 +23,7 @@ from jattn.pallas_kernels.mosaic_common import (
     load_layout,
     plgpu_kernel,
     swizzle_transforms,
+    unless_empty_split,
     vec_iota,
 )
 
@@ -544,12 +545,7 @@ def _decode_kernel(
             else:
                 plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[split, b, pl.ds(mt * 64, 64)])
 
-        # A split with no key blocks leaves its output unwritten where a merge follows (the
-        # merge reads only its LSE, -inf); one split's output is final.
-        if bs.num_splits == 1:
-            store_output()
-        else:
-            pl.when(count > 0)(store_output)
+        unless_empty_split(store_output, count, bs.num_splits)
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, b, pl.ds(mt * 64, 64)])
         plgpu.wait_smem_to_gmem(0)
 

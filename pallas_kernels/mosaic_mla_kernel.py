@@ -86,6 +86,7 @@ from jattn.pallas_kernels.mosaic_common import (
     split_blocks,
     swizzle_transforms,
     tile_iota,
+    unless_empty_split,
     vec_iota,
 )
 from jattn.pallas_kernels.mosaic_mla_config import (
@@ -269,14 +270,9 @@ def _kernel(
             pl.when(mt == cfg.m_tiles - 1)(functools.partial(fn, cfg.last_rows8))
 
     def store_output(fn):
-        """:func:`per_tile` for the output's stores, skipped by a split with no key blocks
-        when there are several: the combine never reads an empty split's output (its LSE,
-        -inf, is still written), so the splits a short request leaves empty write 64 LSE
-        values each instead of the output's rows. One split's output is final: written."""
-        if cfg.num_splits == 1:
-            per_tile(fn)
-        else:
-            pl.when(count > 0)(lambda: per_tile(fn))
+        """:func:`per_tile` for the output's stores (:func:`unless_empty_split`: the splits
+        a short request leaves empty write their 64 LSE values, not the output's rows)."""
+        unless_empty_split(lambda: per_tile(fn), count, cfg.num_splits)
 
     def cast(x, layout):
         return cast_layout(x, layout, interpret=interp)
