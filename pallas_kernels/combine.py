@@ -284,16 +284,6 @@ def balanced_split_blocks(nblk, num_splits: int, programs: int, max_blocks: int,
     return sizes[best].reshape(1)
 
 
-def balanced_by_default(batch: int, m_rows: int, kv_itemsize: int) -> bool:
-    """Whether a split kernel balances its splits when the caller does not say: several
-    requests (one request has nothing to balance against, and the balanced count only adds
-    splits), ``m_rows`` query rows per request that fit one 64-row tile, and a 2-byte
-    cache. Those calls timed level with equal lengths and faster with uneven ones; batch
-    1, two row tiles (MLA) and FP8 caches timed slower with equal lengths or were not
-    timed (docs/PERF.md)."""
-    return batch > 1 and m_rows <= 64 and kv_itemsize == 2
-
-
 def balanced_split_count(static_splits: int, programs: int, max_blocks: int) -> int:
     """The static split count of a balanced launch: ``static_splits`` (the even-length
     choice), or enough splits that a request as long as the page table holds could take

@@ -24,7 +24,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.pallas_kernels.combine import NUM_SMS, balanced_by_default, balanced_split_count, choose_num_splits
+from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_count, choose_num_splits
 
 __all__ = [
     "DecodeConfig",
@@ -168,11 +168,14 @@ class KernelOptions:
 
 def balanced_for(options: KernelOptions, batch: int, m_rows: int, kv_itemsize: int) -> bool:
     """Whether a call of ``batch`` requests of ``m_rows`` query rows each takes balanced
-    splits: ``options.balanced_splits`` where set, else
-    :func:`~jattn.pallas_kernels.combine.balanced_by_default`."""
+    splits: ``options.balanced_splits`` where set, else several requests (one request has
+    nothing to balance against, and the balanced count only adds splits) whose query rows
+    fit one 64-row tile, over a 2-byte cache. Those calls timed level with equal lengths
+    and faster with uneven ones; FP8 caches and calls of two row tiles keep even splits
+    until timed (docs/PERF.md)."""
     if options.balanced_splits is not None:
         return bool(options.balanced_splits)
-    return balanced_by_default(batch, m_rows, kv_itemsize)
+    return batch > 1 and m_rows <= 64 and kv_itemsize == 2
 
 
 def prefer_heads_kernel(q_len: int, num_q_heads: int, kv_itemsize: int) -> bool:

@@ -30,7 +30,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn.pallas_kernels import combine
 from jattn.pallas_kernels.combine import NUM_SMS, balanced_split_blocks, balanced_split_count, combine_splits
 from jattn.pallas_kernels.e4m3_query import query_rows_e4m3
 from jattn.pallas_kernels.interpret import no_gpu_reason
@@ -112,12 +111,14 @@ def choose_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
 BALANCED_SPLITS = True
 
 
-def balanced_by_default(batch: int, m_rows: int, kv_dtype) -> bool:
-    """Whether a call of ``batch`` requests of ``m_rows`` query rows each (``max_seqlen_q
-    * heads``) takes balanced splits when it names none:
-    :func:`~jattn.pallas_kernels.combine.balanced_by_default` unless
-    :data:`BALANCED_SPLITS` is off."""
-    return BALANCED_SPLITS and combine.balanced_by_default(batch, m_rows, jnp.dtype(kv_dtype).itemsize)
+def balanced_by_default(batch: int) -> bool:
+    """Whether a call of ``batch`` requests takes balanced splits when it names none:
+    with several requests (one request has nothing to balance against, and the balanced
+    count only adds splits), at any head count, query length and cache dtype, unless
+    :data:`BALANCED_SPLITS` is off. Uneven lengths (serving batches, whose bucket padding
+    rows are empty) gain far more than equal lengths lose at 128 heads and with FP8
+    caches (docs/PERF.md, MLA decode)."""
+    return BALANCED_SPLITS and batch > 1
 
 
 def balanced_num_splits(batch: int, m_tiles: int, max_blocks: int) -> int:
@@ -300,7 +301,7 @@ def mla_decode(
         return empty_outputs(q, kv_lora_rank, out_dtype, return_lse)
     m_tiles = -(-(max_seqlen_q * q.shape[1]) // 64)
     if balanced_splits is None:  # a given split count is even splits
-        balanced_splits = num_splits is None and balanced_by_default(bs, max_seqlen_q * q.shape[1], kv_cache.dtype)
+        balanced_splits = num_splits is None and balanced_by_default(bs)
     if num_splits is None:
         max_blocks = -(-(max_pages * kv_cache.shape[1]) // BLOCK_N)
         choose = balanced_num_splits if balanced_splits else choose_num_splits

@@ -510,7 +510,7 @@ def test_gpu_balanced_splits_option(name):
 
 def test_balanced_splits_default_rule():
     """``KernelOptions(balanced_splits=None)`` (the default) balances calls of several
-    requests of at most 64 query rows over a 2-byte cache (``combine.balanced_by_default``);
+    requests of at most 64 query rows over a 2-byte cache (``decode_tuning.balanced_for``);
     True / False win over the rule, and block sizes from ``choose_block_sizes`` passed back
     run as the default call would (its balanced split count, balanced)."""
     kw = dict(num_pages=4096, page_size=16, max_pages=256, num_kv_heads=8, head_dim=128, is_causal=True,

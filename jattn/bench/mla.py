@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = [] if args.no_mosaic else [("mosaic", None if why else timed("mosaic"))]
         if not why:
             kernels += [(f"mosaic s{sp}", timed_splits(sp)) for sp in mosaic_splits]
-            balanced = mosaic_mla.balanced_by_default(row.bs, row.q_len * row.heads, kv.dtype)
+            balanced = mosaic_mla.balanced_by_default(row.bs)
             kernels.append(timed_other_splits(not balanced))
             if mosaic_mla_heads.unsupported_reason(qs[0], kv, **kw) is None:
                 kernels.append(("mosaic keys as rows", timed_keys_as_rows()))
