@@ -30,6 +30,7 @@ def run_in_interpreter(tmp_path_factory, module: str, runs: dict[str, list[str]]
 
     d = tmp_path_factory.mktemp(module)
     lines = [f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import {module} as t"]
+    lines += ["import interpreted; interpreted.poison_torch_allocations()"]
     lines += [
         f"for n in {list(names)!r}: t.{runner}(n, {str(d)!r} + '/' + n + '.npz')" for runner, names in runs.items()
     ]
@@ -42,6 +43,22 @@ def run_in_interpreter(tmp_path_factory, module: str, runs: dict[str, list[str]]
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return {n: np.load(d / f"{n}.npz") for names in runs.values() for n in names}
+
+
+def poison_torch_allocations() -> None:
+    """In the interpreter's subprocess: ``torch.empty`` and ``Tensor.new_empty`` return
+    floating-point tensors filled with NaN, so that a kernel that leaves an output row
+    unwritten, which on the GPU holds whatever the memory held, fails the comparison here
+    too instead of reading a fresh allocation's zeros."""
+    import torch
+
+    empty, new_empty = torch.empty, torch.Tensor.new_empty
+
+    def poisoned(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **k: poisoned(empty(*a, **k))
+    torch.Tensor.new_empty = lambda self, *a, **k: poisoned(new_empty(self, *a, **k))
 
 
 def random_draw() -> tuple[int, int]:

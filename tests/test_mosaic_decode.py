@@ -160,6 +160,8 @@ CPU_CASES = {
     # request 0's window starts on the last key of a 64-key block (151 - 24 = 127)
     "window": Case(lens=(152, 20), hq=8, hkv=2, window_left=24),
     "window_qlen3": Case(lens=(77,), q_len=3, window_left=5),
+    # one split: the CTA's first block is the window's (block 4 of 300 keys), not block 0
+    "window_one_split": Case(lens=(300, 30), hq=8, hkv=2, window_left=24, splits=1),
     "logit_cap_sinks": Case(lens=(38, 0), logit_cap=5.0, sinks=True),
     "fp16": Case(lens=(29, 64), dtype="float16"),
     "fp8_kv_scales": Case(lens=(37, 16), kv="fp8", softmax_scale=0.21),

@@ -432,6 +432,14 @@ def test_balanced_split_size_evens_out_uneven_lengths():
         lens = jnp.full((bs,), max_blocks * block, jnp.int32)
         per = int(mm.balanced_split_size(lens, block, s, 1, max_blocks)[0])
         assert per == -(-max_blocks // s_even), (bs, max_blocks, per)
+    for bs, m_tiles, max_blocks in ((8, 2, 64), (64, 1, 64), (2, 1, 512)):  # the longest is covered
+        s = mm.balanced_num_splits(bs, m_tiles, max_blocks)
+        for longest in (block * s + 1, 2 * block * s + 1, block * max_blocks - 1, block * max_blocks):
+            if longest > block * max_blocks:
+                continue
+            lens = jnp.asarray([longest] + [1] * (bs - 1), jnp.int32)
+            per = int(mm.balanced_split_size(lens, block, s, m_tiles, max_blocks)[0])
+            assert per * s >= -(-longest // block), (bs, m_tiles, max_blocks, longest, per, s)
     empty = mm.balanced_split_size(jnp.zeros((4,), jnp.int32), block, 3, 1, 10)  # no keys at all
     assert 1 <= int(empty[0]) <= 10
     rng = np.random.default_rng(0)
