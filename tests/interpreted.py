@@ -61,6 +61,18 @@ def poison_torch_allocations() -> None:
     torch.Tensor.new_empty = lambda self, *a, **k: poisoned(new_empty(self, *a, **k))
 
 
+def assert_same_partials(o, lse, o2, lse2) -> None:
+    """Split partials ``o [S, ..., D]``, ``lse [S, ...]`` of two launches are the same: the
+    LSEs bit for bit, the outputs where the split had keys (with several splits an empty
+    one, LSE -inf, leaves its output unwritten); with one split the output is final and
+    a row without keys is 0 in both."""
+    np.testing.assert_array_equal(lse, lse2)
+    written = ~np.isneginf(lse)[..., None]
+    if o.shape[0] == 1:
+        assert (o[~written[..., 0]] == 0).all() and (o2[~written[..., 0]] == 0).all()
+    np.testing.assert_array_equal(np.where(written, o, 0), np.where(written, o2, 0))
+
+
 def random_draw() -> tuple[int, int]:
     """``(seed, count)`` of the random cases a Triton test module adds to its own:
     ``JATTN_TRITON_FUZZ_SEED`` (default 0, so CI is repeatable) and
