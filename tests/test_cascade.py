@@ -410,3 +410,20 @@ def test_cascade_negative_suffix_under_jit_is_nan_at_one_query():
     ok = np.r_[0, 2:4]
     np.testing.assert_allclose(out[ok], want[ok], atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(lse[ok], want_lse[ok], atol=2e-4, rtol=2e-4)
+
+
+def test_cascade_row_without_keys_and_a_minus_inf_sink_is_zero():
+    """A padding row (no prefix, suffix 0) under sinks where one head has no sink (-inf):
+    0, as a plain decode gives, not 0 * NaN from the sink factor."""
+    q, k, v, ptab, plens, stab, slens = _setup(3, (33,), 2, 1)
+    sinks = np.random.default_rng(5).standard_normal(HQ).astype(np.float32)
+    sinks[0] = -np.inf
+    plens, slens = np.zeros(1, np.int32), slens.copy()
+    slens[1] = 0
+    out, lse = jattn.cascade_decode(
+        q, k, v, ptab, plens, stab, slens, group_size=2, max_seqlen_q=1, sinks=sinks, return_lse=True
+    )
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
+    want, _ = _expected(q[:1], k, v, ptab, plens, stab[:1], slens[:1], 1, 1, sinks=sinks)
+    np.testing.assert_allclose(out[0], want[0], atol=2e-4, rtol=2e-4)

@@ -487,3 +487,26 @@ def test_mla_cuda_graph_capture_replay_and_fill_value():
         real = {int(r2p[b, (x - 1) // ps]) for b, x in enumerate(lens) if x}
         assert changed <= real | {DUMMY_PAGE}
     assert len(traces) == 1
+
+
+def test_explicit_positions_take_precedence_over_the_plans():
+    """``positions=`` given beside a plan rotates at those positions, not the plan's."""
+    rng = np.random.default_rng(4)
+    cfg, be, layer, cache, kv_scale = _setup(rng, "float32")
+    big_r, r, h = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
+    lens = [13, 6]
+    r2p = _pages(rng, lens, cfg.page_size, cfg.num_pages, cfg.max_num_pages)
+    md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
+    t = md.num_tokens
+    pool = rng.standard_normal(cache.kv[0].shape).astype(np.float32)
+    cache = cache.replace_layer(0, jnp.asarray(pool).astype(cache.dtype))
+    cs = jnp.asarray(np_cos_sin(cfg.context_len, r), jnp.float32)
+    qn = jnp.asarray(rng.standard_normal((t, h, big_r)), jnp.float32)
+    qp = jnp.asarray(rng.standard_normal((t, h, r)), jnp.float32)
+    pos = jnp.asarray(md.positions, jnp.int32) + 5
+    kw = dict(save_kv_cache=False)
+    got, _ = be.forward_decode(qn, None, None, layer, cache, md, q_rope=qp, cos_sin_cache=cs, positions=pos, **kw)
+    want, _ = be.forward_decode(qn, None, None, layer, cache, md, q_rope=apply_rope(qp, pos, cs), **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    plan, _ = be.forward_decode(qn, None, None, layer, cache, md, q_rope=qp, cos_sin_cache=cs, **kw)
+    assert not np.allclose(np.asarray(got), np.asarray(plan))

@@ -393,3 +393,18 @@ def test_a_linear_layers_tensor_other_than_weight_and_bias_is_refused_by_name():
         llama_params_from_hf(cfg, {name: np.ones((96,), np.float32)})
     bias = llama_params_from_hf(cfg, {"model.layers.0.self_attn.q_proj.bias": np.ones((96,), np.float32)})
     assert list(bias) == [("layers", 0, "self_attn", "q_proj", "bias")]
+
+
+def test_gguf_q_k_rows_are_unpermuted_back_to_hugging_faces_layout():
+    """``_unpermute_rope_rows`` inverts llama.cpp's converter permutation (``LlamaModel.permute``
+    of convert_hf_to_gguf.py), at head widths where the permutation is not its own inverse
+    (SmolLM2's greedy "Paris" survives the forward permutation applied instead)."""
+    from jattn.models.loading import _unpermute_rope_rows
+
+    def llama_cpp_permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    rng = np.random.default_rng(0)
+    for n_head, hd in ((3, 8), (2, 64)):
+        w = rng.standard_normal((n_head * hd, 5)).astype(np.float32)
+        np.testing.assert_array_equal(_unpermute_rope_rows(llama_cpp_permute(w, n_head), n_head), w)

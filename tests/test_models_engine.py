@@ -1284,3 +1284,81 @@ def test_cascade_grouping_always_false_makes_none():
     b = R(rid=1, parent=0, pages=[5, 8, 9], seq_len=10)
     assert cascade_grouping([a, b], 4, (1, 2, 4, 8), always=False) is None
     assert cascade_grouping([a, b], 4, (1, 2, 4, 8), always=True) == ([a, b], 2, [1])
+
+
+def test_min_p_keeps_tokens_tied_with_the_most_likely():
+    """min_p keeps every token with p >= min_p * p_max (Hugging Face's MinPLogitsWarper):
+    at min_p = 1 a token tied with the top one stays in (exact ties are common in bf16 logits)."""
+    import jax.numpy as jnp
+
+    from jattn.models.sampling import sample_tokens
+
+    n = 400
+    logits = jnp.broadcast_to(jnp.asarray([0.0, 2.0, 2.0, 1.0], jnp.float32), (n, 4))
+    got = sample_tokens(
+        logits,
+        jnp.full(n, 0.7, jnp.float32),
+        jnp.ones(n, jnp.float32),
+        jnp.arange(n, dtype=jnp.int32),
+        jnp.zeros(n, jnp.int32),
+        greedy_only=False,
+        top_k=jnp.zeros(n, jnp.int32),
+        min_p=jnp.ones(n, jnp.float32),
+    )
+    assert set(np.asarray(got).tolist()) == {1, 2}
+
+
+def test_a_preempted_request_recomputed_in_chunks_keeps_its_solo_tokens(llama):
+    """A preempted request whose recompute (prompt + tokens so far) is longer than the token
+    budget is prefilled in chunks; it runs again only once every chunk is cached (a chunk
+    that ends past its prompt but before its last token is not the end)."""
+    eng = _engine(llama, num_pages=7, max_prefill_tokens=8)
+    p1, p2 = [3] * 8, [5] * 7
+    sp = SamplingParams(max_new_tokens=12)
+    r1, r2 = eng.add_request(p1, sp), eng.add_request(p2, sp)
+    _drain(eng)
+    assert eng.requests[r2].preemptions >= 1
+    for rid, p in ((r1, p1), (r2, p2)):
+        assert eng.requests[rid].status == "finished"
+        assert eng.requests[rid].output_tokens == _solo(llama, p, sp)
+
+
+def test_overlap_gives_no_decode_row_to_a_request_its_token_in_flight_ends_by_context(llama):
+    """With overlap, a request whose token in flight fills its context sits out the next
+    decode: one decode row per token after the first, as for one that ends by max_new_tokens."""
+    p = _prompts(3, lens=(10,))[0]
+    sp = SamplingParams(max_new_tokens=30)
+    eng = _engine(llama, overlap=True, max_context=16)
+    rid = eng.add_request(p, sp)
+    infos = _drain(eng)
+    r = eng.requests[rid]
+    assert r.finish_reason == "length" and r.num_tokens == 16
+    launched = [i for i in infos if i.mode == "decode" and i.seconds is None]
+    assert sum(rid in i.rids for i in launched) == len(r.output_tokens) - 1
+    assert r.output_tokens == _engine(llama, overlap=False, max_context=16).generate([p], sp)[0].output_tokens
+
+
+def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_refused(llama):
+    """Token ids must be < vocab_size: an id equal to it would be embedded silently
+    (the gather clamps or fills it) instead of failing the request."""
+    eng = _engine(llama)
+    rid = eng.add_request([1, VOCAB], SamplingParams(max_new_tokens=2))
+    r = eng.requests[rid]
+    assert r.status == "error" and f"prompt token ids must be in [0, {VOCAB})" in r.error
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop(llama):
+    """A stop token sampled as the last token ``max_new_tokens`` allows finishes the request
+    as "stop": the stop check comes before the length check."""
+    p = _prompts()[0]
+    free = _solo(llama, p, SamplingParams(max_new_tokens=8))
+    stop = free[3]
+    first = free.index(stop)
+    r = _engine(llama).generate([p], SamplingParams(max_new_tokens=first + 1, stop_token_ids=(stop,)))[0]
+    assert r.output_tokens == free[: first + 1] and r.finish_reason == "stop"
+
+
+def test_engine_config_refuses_a_context_of_one_token():
+    """A context of one token leaves no room for a generated token: refused with the rule."""
+    with pytest.raises(ValueError, match="max_context=1 must be an integer >= 2"):
+        EngineConfig(max_context=1)

@@ -308,3 +308,35 @@ def test_mla_gpu_equals_the_xla_write(name):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     if name != "mla_t0":
         assert not np.array_equal(np.asarray(got, np.float32), np.asarray(kv, np.float32), equal_nan=True)
+
+
+# V rows wider than K rows (head_dim_v > head_dim is a legal cache): the launch's column
+# blocks must cover the longer row, whichever of K and V it is.
+def _wide_v_inputs():
+    rng = np.random.default_rng(5)
+    loc = np.array([5, 0, 7], np.int32)
+    k = rng.standard_normal((3, 1, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 1, 48)).astype(np.float32)
+    return loc, k, v
+
+
+def run_wide_v_interpreted(name: str, path: str) -> None:
+    import torch
+
+    from jattn.bridge import triton_native
+
+    loc, k, v = _wide_v_inputs()
+    kc = torch.full((2, 4, 1, 16), float("nan"))
+    vc = torch.full((2, 4, 1, 48), float("nan"))
+    triton_native.set_kv_buffer(kc, vc, torch.from_numpy(loc), torch.from_numpy(k), torch.from_numpy(v))
+    np.savez(path, k=kc.numpy(), v=vc.numpy())
+
+
+def test_interpreted_writes_v_rows_wider_than_k_rows(tmp_path_factory):
+    got = run_in_interpreter(tmp_path_factory, "test_triton_kv_write", {"run_wide_v_interpreted": ["wide_v"]})["wide_v"]
+    loc, k, v = _wide_v_inputs()
+    kc = np.full((2, 4, 1, 16), np.nan, np.float32)
+    vc = np.full((2, 4, 1, 48), np.nan, np.float32)
+    wk, wv = write_f64(kc, vc, loc, k, v)
+    np.testing.assert_array_equal(got["k"], np.asarray(wk, np.float32))
+    np.testing.assert_array_equal(got["v"], np.asarray(wv, np.float32))
