@@ -287,7 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--q-lens",
         default="4",
-        help="query tokens per request of the extra verify rows (64x4096 and 1x32768, causal), comma-separated",
+        help="query tokens per request of the extra verify rows (causal), comma-separated",
+    )
+    ap.add_argument(
+        "--extra-shapes",
+        default="64x4096,1x32768",
+        help="batch x length of the extra verify and FP8 rows, as --shapes (a trailing u: uneven lengths)",
     )
     ap.add_argument(
         "--set",
@@ -316,14 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [(bs, L, False) for bs, L in SHAPES] if args.shapes is None else parse_shapes(args.shapes)
     rows_spec = [(ps, bs, L, 1, jnp.bfloat16, u) for ps in page_sizes for bs, L, u in shapes]
     if not args.no_extra:
+        extra_shapes = parse_shapes(args.extra_shapes)
         for ps in page_sizes:
             for ql in (int(x) for x in args.q_lens.split(",")):
-                rows_spec += [(ps, 64, 4096, ql, jnp.bfloat16, False), (ps, 1, 32768, ql, jnp.bfloat16, False)]
+                rows_spec += [(ps, bs, L, ql, jnp.bfloat16, u) for bs, L, u in extra_shapes]
             for ql in [] if args.no_fp8 else (int(x) for x in args.fp8_q_lens.split(",")):
-                rows_spec += [
-                    (ps, 64, 4096, ql, jnp.float8_e4m3fn, False),
-                    (ps, 1, 32768, ql, jnp.float8_e4m3fn, False),
-                ]
+                rows_spec += [(ps, bs, L, ql, jnp.float8_e4m3fn, u) for bs, L, u in extra_shapes]
 
     rng = np.random.default_rng(0)
     header = list(HEADER) + (["max err"] if args.check else [])
