@@ -28,7 +28,13 @@ from jattn.pallas_kernels import prefill_plan as plan
 from jattn.pallas_kernels.combine import NUM_SMS
 from jattn.pallas_kernels.interpret import no_gpu_reason
 from jattn.pallas_kernels.mosaic_common import empty_outputs, fold_softmax_scale
-from jattn.pallas_kernels.mosaic_prefill_config import TILE_Q, PrefillConfig, PrefillOptions, resolve_l2_section_kib
+from jattn.pallas_kernels.mosaic_prefill_config import (
+    TILE_Q,
+    PrefillConfig,
+    PrefillOptions,
+    persistent_by_default,
+    resolve_l2_section_kib,
+)
 from jattn.pallas_kernels.mosaic_prefill_kernel import run
 
 __all__ = [
@@ -195,7 +201,7 @@ def _attention(
     )
     persistent = options.persistent
     if persistent is None:  # a CTA count asks for the persistent launch
-        persistent = bool(options.ctas) or (d == dv == 128 and not kv_fp8)
+        persistent = bool(options.ctas) or persistent_by_default(d, dv, kv_fp8)
     if persistent:
         if cfg.out_in_ring:
             raise ValueError(

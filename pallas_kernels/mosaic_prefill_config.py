@@ -32,7 +32,7 @@ class PrefillOptions:
     # One CTA per SM, each walking its share of the tiles (see ``_kernel``'s ``tile``):
     # the next tile's K/V stream in while a tile ends, and no CTA launches per tile.
     # Not where the output tiles borrow a ring slot (192/128). None: on where it was
-    # measured faster (head_dim 128 with 2-byte K/V), else one CTA per tile.
+    # measured faster (``persistent_by_default``), else one CTA per tile.
     persistent: bool | None = None
     # The persistent launch's CTA count (0: one per SM). A count with persistent=None
     # turns the persistent launch on; with persistent=False it is an error.
@@ -51,6 +51,13 @@ class PrefillOptions:
     # it loads the busiest CTA no more. False: the sections' plain order, in which a
     # section ending mid-round leaves the CTAs' work uneven.
     fold_sections: bool = True
+
+
+def persistent_by_default(head_dim: int, head_dim_v: int, kv_fp8: bool) -> bool:
+    """Whether ``PrefillOptions(persistent=None)`` takes the persistent launch: head_dim 64
+    and 128 (equal q/k and v widths) over 2-byte K/V, where it was measured faster than
+    one CTA per tile; head_dim 256 and FP8 K/V keep one CTA per tile (docs/PERF.md)."""
+    return head_dim == head_dim_v and head_dim in (64, 128) and not kv_fp8
 
 
 # The sections' size where ``l2_section_kib`` is None: half the L2 of an H100 / H200

@@ -45,6 +45,7 @@ class Case:
     kv_fp8: bool = False  # K/V as FP8 e4m3 with the scales below (the oracle reads the same bytes)
     overlap: bool = False  # PrefillOptions(overlap_pv=True): the intra-warpgroup overlap
     ctas: int = 0  # > 0: PrefillOptions(persistent=True) with this many CTAs walking the tiles
+    persistent: bool | None = None  # PrefillOptions(persistent=...) where ctas is 0 (None: the default)
     prefetch: bool = False  # PrefillOptions(prefetch_k=True): the next K awaited during P @ V
     l2: int | None = None  # PrefillOptions(l2_section_kib=l2): the launch order in L2 sections (None: auto)
     softmax_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
@@ -106,10 +107,10 @@ def _opts(c: Case):
 def _kernel_opts(c: Case):
     # a poison case needs the edge cleaning, whatever the device's default
     options = None
-    if c.overlap or c.ctas or c.prefetch or c.l2 is not None:
+    if c.overlap or c.ctas or c.prefetch or c.l2 is not None or c.persistent is not None:
         options = mp.PrefillOptions(
             overlap_pv=c.overlap,
-            persistent=c.ctas > 0 or None,
+            persistent=c.ctas > 0 or c.persistent,
             ctas=c.ctas,
             prefetch_k=c.prefetch,
             l2_section_kib=c.l2,
@@ -234,6 +235,8 @@ CPU_CASES = [
     # the persistent launch: 2-3 CTAs walk every tile (rounds forwards and backwards, dead
     # items in the last round), the ring and barrier phases running on across tiles
     Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40, ctas=3),
+    # one CTA per tile where the persistent launch is the default (d64, 2-byte K/V)
+    Case(q_lens=(97, 0, 1, 13), hq=2, hkv=1, poison=40, persistent=False),
     Case(q_lens=(5, 30), prefix=(90, 0), page_size=16, hq=2, hkv=1, kv_fp8=True, poison=92, ctas=2),
     Case(q_lens=(2, 40, 1), prefix=(600, 0, 129), page_size=32, hq=2, hkv=1, overlap=True, ctas=3),
     # the launch in L2 sections of one KV head each (24-33 KB of K/V a head against 32 KiB),
@@ -291,6 +294,9 @@ GPU_CASES = [
     ),
     Case(q_lens=(1500,), hq=8, hkv=2, d=256, window_left=300, logit_cap=30.0, sinks=True, ctas=132),
     Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, overlap=True, ctas=132),
+    Case(q_lens=(777, 300), hq=16, hkv=16, d=64, causal=False, persistent=False),
+    # causal d64 over 2-byte K/V: the persistent launch by default
+    Case(q_lens=(1000, 0, 1, 97, 2049), hq=32, hkv=8, d=64, poison=500),
     # the launch in L2 sections: MHA with 2 KV heads a section (2,049 keys, 1 MB a head,
     # against 2 MiB), persistent by default; GQA over a paged prefix, one CTA per tile (FP8)
     Case(q_lens=(1000, 0, 1, 97, 2049), hq=16, hkv=16, d=128, poison=500, l2=2048),
@@ -366,6 +372,7 @@ def test_extend_over_a_page_table_with_no_columns():
 
 LOWER_CASES = [
     ("prefill", 128, 128, False, -1),
+    ("prefill", 64, 64, False, -1),
     ("prefill", 192, 128, True, -1),
     ("prefill", 256, 256, True, 64),
     ("extend16", 128, 128, True, 64),
@@ -414,8 +421,8 @@ def test_lowers_for_cuda(mode, d, dv, clean, window):
                 q, k, v, pt, lens, cu, window_left=window, clean_edges=True, options=opts
             )  # noqa: E731
         assert "jattn_prefill" in jax.jit(pf).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # the persistent launch is the default where it was measured faster: d128, 2-byte K/V
-    assert ("_persistent" in text) == (d == dv == 128 and not mode.endswith("_fp8"))
+    # the persistent launch is the default where it was measured faster: d64 and d128, 2-byte K/V
+    assert ("_persistent" in text) == (d == dv and d in (64, 128) and not mode.endswith("_fp8"))
     if mode == "extend16":  # the launch in L2 sections reads one more array
         opts = mp.PrefillOptions(l2_section_kib=64)
         lf = lambda q, k, v, cu: mp.mha_extend(q, k, v, pt, lens, cu, window_left=window, options=opts)  # noqa: E731
@@ -670,10 +677,11 @@ def test_l2_sections_are_on_by_default_only_where_each_query_head_has_its_own_kv
     q, cu = jnp.zeros((64, 4, 64), jnp.bfloat16), jnp.array([0, 64], jnp.int32)
     auto = AUTO_L2_SECTION_KIB << 10
     for hkv, options, want in (
-        (4, None, [(auto, 0)]),  # d64: one CTA per tile, nothing to fold for
+        (4, None, [(auto, 12)]),  # d64: persistent by default, one CTA per item (4 heads x 3 tiles)
+        (4, mp.PrefillOptions(persistent=False), [(auto, 0)]),  # one CTA per tile: nothing to fold for
         (1, None, []),
         (4, mp.PrefillOptions(l2_section_kib=0), []),
-        (1, mp.PrefillOptions(l2_section_kib=8), [(8 << 10, 0)]),
+        (1, mp.PrefillOptions(l2_section_kib=8), [(8 << 10, 12)]),
         # the persistent walk folds the sections for its CTA count (at most one per item)
         (4, mp.PrefillOptions(persistent=True, ctas=3), [(auto, 3)]),
         (4, mp.PrefillOptions(persistent=True, ctas=50), [(auto, 12)]),  # 4 heads x 3 tiles (slack included)
