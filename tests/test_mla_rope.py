@@ -220,21 +220,27 @@ def test_mla_backend_fused_rope_and_fp8_query(mode, kv, is_neox):
             np.testing.assert_allclose(written, want, rtol=1e-5, atol=1e-5)
 
 
+def _decode_of_two(rng, kv):
+    """A decode plan of two requests (13 and 6 tokens) over a random cache of dtype ``kv``:
+    ``(cfg, backend, layer, cache, kv_scale, metadata, cos_sin)``."""
+    cfg, be, layer, cache, kv_scale = _setup(rng, kv)
+    lens = [13, 6]
+    r2p = _pages(rng, lens, cfg.page_size, cfg.num_pages, cfg.max_num_pages)
+    md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
+    pool = rng.standard_normal(cache.kv[0].shape).astype(np.float32)
+    cache = cache.replace_layer(0, jnp.asarray(pool).astype(cache.dtype))
+    cs = jnp.asarray(np_cos_sin(cfg.context_len, cfg.qk_rope_head_dim), jnp.float32)
+    return cfg, be, layer, cache, kv_scale, md, cs
+
+
 def test_fused_rope_equals_rotating_first_and_llama_4_scaling_order():
     """Non-FP8: the fused call equals the plain call on inputs rotated beforehand. FP8:
     the query is quantised, then llama_4_scaling multiplies it and it is quantised again
     (SGLang's order); the full-width query (q_rope=None) gets the same rope."""
     rng = np.random.default_rng(3)
     for kv in ("float32", "fp8"):
-        cfg, be, layer, cache, kv_scale = _setup(rng, kv)
-        big_r, r, h = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
-        lens = [13, 6]
-        r2p = _pages(rng, lens, cfg.page_size, cfg.num_pages, cfg.max_num_pages)
-        md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
-        t = md.num_tokens
-        pool = rng.standard_normal(cache.kv[0].shape).astype(np.float32)
-        cache = cache.replace_layer(0, jnp.asarray(pool).astype(cache.dtype))
-        cs = jnp.asarray(np_cos_sin(cfg.context_len, r), jnp.float32)
+        cfg, be, layer, cache, kv_scale, md, cs = _decode_of_two(rng, kv)
+        big_r, r, h, t = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads, md.num_tokens
         qn = jnp.asarray(rng.standard_normal((t, h, big_r)) * 100, jnp.float32)
         qp = jnp.asarray(rng.standard_normal((t, h, r)), jnp.float32)
         s = jnp.asarray(rng.uniform(0.5, 3.0, t), jnp.float32)
@@ -492,15 +498,8 @@ def test_mla_cuda_graph_capture_replay_and_fill_value():
 def test_explicit_positions_take_precedence_over_the_plans():
     """``positions=`` given beside a plan rotates at those positions, not the plan's."""
     rng = np.random.default_rng(4)
-    cfg, be, layer, cache, kv_scale = _setup(rng, "float32")
-    big_r, r, h = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
-    lens = [13, 6]
-    r2p = _pages(rng, lens, cfg.page_size, cfg.num_pages, cfg.max_num_pages)
-    md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
-    t = md.num_tokens
-    pool = rng.standard_normal(cache.kv[0].shape).astype(np.float32)
-    cache = cache.replace_layer(0, jnp.asarray(pool).astype(cache.dtype))
-    cs = jnp.asarray(np_cos_sin(cfg.context_len, r), jnp.float32)
+    cfg, be, layer, cache, _, md, cs = _decode_of_two(rng, "float32")
+    big_r, r, h, t = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads, md.num_tokens
     qn = jnp.asarray(rng.standard_normal((t, h, big_r)), jnp.float32)
     qp = jnp.asarray(rng.standard_normal((t, h, r)), jnp.float32)
     pos = jnp.asarray(md.positions, jnp.int32) + 5
