@@ -20,7 +20,7 @@ Layout of the work (FlashAttention-3 style):
   (a request of ``n`` queries has ``ceil(n / 128)`` of them, no padding between
   requests) and ordered longest work first; the work list is (tile, query head)
   pairs, heads fastest. Two launches:
-  - **persistent** (the default at head_dim 128 with 2-byte K/V): one CTA per SM.
+  - **persistent** (the default at head_dim 64 and 128 with 2-byte K/V): one CTA per SM.
     CTA ``c`` takes item ``c`` of each round of ``ctas`` items, counting forwards
     in even rounds and backwards in odd ones, so that with the longest work first
     every CTA's items add up to about the same work. The ring, its barrier phases
