@@ -294,3 +294,19 @@ def test_mla_backend_refuses_layer_options_it_does_not_take():
         with pytest.raises(ValueError, match=f"layer.{next(iter(kw))}=.*the MLA backend takes no"):
             be.forward_decode(q, None, None, bad, cache, dec, save_kv_cache=False)
     be.forward_decode(q, None, None, layer, cache, dec, save_kv_cache=False)
+
+
+def test_llama_4_scaling_refuses_inf_and_multiplies_in_f32():
+    """``apply_llama_4_scaling``: an infinite per-token scale is refused by name like NaN
+    and non-positive ones (it would turn the query into inf / NaN), and the product is
+    taken in f32 and rounded once to the query's dtype: a bf16 query times 1.003 (which
+    bf16 itself rounds to 1.0) changes, exactly as ``(q.astype(f32) * s).astype(bf16)``."""
+    q = jnp.asarray(np.random.default_rng(3).standard_normal((4, 2, 8)) * 30, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"llama_4_scaling\[1\]=inf must be finite and > 0"):
+        apply_llama_4_scaling(q, np.array([1, np.inf, 1, 1], np.float32))
+    s = np.array([1.003, 0.997, 1.003, 1.0], np.float32)
+    want = (q.astype(jnp.float32) * s.reshape(-1, 1, 1)).astype(jnp.bfloat16)
+    got = apply_llama_4_scaling(q, s)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(q, np.float32))

@@ -816,3 +816,29 @@ def test_mla_pad_and_unpad_draft_extend():
         MLABackend.pad_draft_extend_query(q, jnp.zeros((4, 4, 2, 6)), lens, cu)
     with pytest.raises(ValueError, match=r"sum_seq_lens_q=9 must equal sum\(seq_lens_q\)=8"):
         MLABackend.unpad_draft_extend_output(padded, cu, lens, 9)
+
+
+def test_mla_layer_k_scale_on_a_non_fp8_cache_is_ignored():
+    """A layer's ``k_scale`` applies to FP8 latent caches only (docs/SEMANTICS.md: the
+    scale dequantises e4m3 values): on an f32 latent cache the MLA absorbed decode of a
+    layer with ``k_scale=0.5`` equals that of the same layer without a scale, as it does
+    for the MHA backend."""
+    rng = np.random.default_rng(31)
+    cfg, be, layer, cache = _mla_setup(rng)
+    big_r, r, h = 64, 16, 4
+    lens = [40, 7]
+    r2p = _mla_pages(rng, lens, 16, 32, cfg.max_num_pages)
+    loc = np.array([r2p[b, t // 16] * 16 + t % 16 for b, L in enumerate(lens) for t in range(L)], np.int32)
+    rows = rng.standard_normal((loc.size, big_r + r)).astype(np.float32)
+    kv = jattn.set_mla_kv_buffer(
+        cache.kv[0], jnp.asarray(loc), jnp.asarray(rows[:, :big_r]), jnp.asarray(rows[:, big_r:])
+    )
+    cache = cache.replace_layer(0, kv)
+    md = be.init_forward_metadata(2, np.arange(2), np.array(lens), r2p, ForwardMode.DECODE)
+    t = md.num_tokens
+    q_nope = jnp.asarray(rng.standard_normal((t, h, big_r)), jnp.float32)
+    q_rope = jnp.asarray(rng.standard_normal((t, h, r)), jnp.float32)
+    scaled = dataclasses.replace(layer, k_scale=0.5)
+    plain = be.forward_decode(q_nope, None, None, layer, cache, md, save_kv_cache=False, q_rope=q_rope)[0]
+    got = be.forward_decode(q_nope, None, None, scaled, cache, md, save_kv_cache=False, q_rope=q_rope)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))

@@ -2073,3 +2073,166 @@ def test_a_scale_tensor_replaced_at_the_freed_ones_address_is_read_again():
     assert id(t) == old, "no address was reused: the case did not arise"
     layer.k_scale = t
     assert be._spec(layer).k_scale == 4.0
+
+
+def test_block_seq_lens_below_int32_are_refused():
+    """``fill_block_decode_seq_lens`` refuses a length below int32's range by name, as it
+    refuses one above it: -2^32 + 9 cast to int32 wraps to 9, a plausible length, and the
+    block would run silently over the wrong keys."""
+    cfg, _ = mha_setup(torch.bfloat16, layers=1, spec=2)
+    be = TorchMHABackend(cfg)
+    eng = Engine(2, 8, 4, np.random.default_rng(4), cfg.num_pages)
+    be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([6, 9]), eng.req_to_page, ForwardMode.DRAFT_BLOCK)
+    with pytest.raises(ValueError, match=r"block_seq_lens\[0\]=-4294967287 does not fit int32"):
+        be.fill_block_decode_seq_lens(2, torch.tensor([-(2**32) + 9, 21]))
+
+
+def test_a_bool_out_cache_loc_is_refused_without_value_checks():
+    """An ``out_cache_loc`` of bool dtype is refused by name ("must hold integer slots")
+    even where its values are not checked (``check_slot_values="never"``, a CUDA tensor
+    under the default "host"): the pool's writer casts the slots to int64, so a bool
+    tensor would silently write its rows at slots 0 and 1 (the dummy page) instead of the
+    plan's slots, and nothing would be written where the attention reads."""
+    be, pool, (layer,), q, g = _decode_fixture(21)
+    be = TorchMHABackend(be.config, kv_writer="torch")
+    be.init_forward_metadata(2, 0, torch.tensor([0, 1]), torch.tensor([9, 5]), _R2P, ForwardMode.DECODE)
+    be.check_slot_values = "never"
+    _, k, v = _mha_kv(2, g)
+    before = pool.k_buffer[0].clone()
+    with pytest.raises(BridgeError, match=r"out_cache_loc must hold integer slots, got dtype torch.bool"):
+        be.forward_decode(q, k, v, layer, torch.tensor([True, False], device=DEV), pool, 2, save_kv_cache=True)
+    torch.testing.assert_close(pool.k_buffer[0], before, rtol=0, atol=0, equal_nan=True)  # nothing written
+
+
+def test_extend_counts_only_the_first_bs_extend_lengths():
+    """``extend_seq_lens`` may be longer than ``bs`` (an engine's buffer, int[>= bs]): the
+    plan's new tokens are ``sum(extend_seq_lens[:bs])``, so a call with exactly those rows
+    runs (and the stale entries past ``bs`` neither count nor make it be refused)."""
+    cfg, pool = mha_setup(torch.bfloat16, layers=1)
+    be = TorchMHABackend(cfg)
+    eng = Engine(3, 8, 4, np.random.default_rng(1), cfg.num_pages)
+    be.init_forward_metadata(
+        2, 2, eng.req_pool_indices, torch.tensor([5, 7, 9]), eng.req_to_page, ForwardMode.EXTEND,
+        extend_seq_lens=torch.tensor([5, 7, 9]),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, w, generator=g).to(torch.bfloat16).to(DEV) for w in (128, 64, 64))
+    out = be.forward_extend(q, k, v, AttentionLayer(0, 4, 2, 32), None, pool, save_kv_cache=True)
+    assert out.shape == (12, 128) and torch.isfinite(out).all()
+
+
+def test_fp8_pool_writer_checks_one_element_tensor_scales_too():
+    """The FP8 pool's writer refuses a one-element tensor scale that is 0, negative, NaN or
+    inf exactly as it refuses such a number (the FP8 quantisation divides by it: a 0 scale
+    saturates every value to +-448), and writes nothing; a valid one-element tensor scale
+    still quantises with its value."""
+    _, fp8 = mha_setup(torch.float8_e4m3fn)
+    layer = AttentionLayer(0, 4, 2, 32)
+    k = rand(2, 2, 32)
+    loc = torch.tensor([4, 5], device=DEV)
+    for kw, msg in [
+        (dict(k_scale=torch.tensor(0.0)), r"k_scale=0.0 must be finite and positive"),
+        (dict(v_scale=torch.tensor([float("inf")])), r"v_scale=inf must be finite and positive"),
+        (dict(k_scale=torch.tensor(-2.0)), r"k_scale=-2.0 must be finite and positive"),
+    ]:
+        with pytest.raises(BridgeError, match=msg):
+            fp8.set_kv_buffer(layer, loc, k, k, **kw)
+    assert torch.all(fp8.k_buffer[0].float() == 0) and torch.all(fp8.v_buffer[0].float() == 0)
+    fp8.set_kv_buffer(layer, loc, k, k, k_scale=torch.tensor([2.0]), v_scale=1.0)
+    want = (k.float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8.k_buffer[0][4:6].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_mha_k_with_the_query_head_count_is_named():
+    """Under GQA a ``k`` laid out with the query heads' count (``[tokens, tp_q_head_num *
+    head_dim]``, a common mix-up) is refused naming ``k`` and its layout, not later by the
+    pool's writer as ``cache_k`` (or, on the JAX writer, staged at the wrong width)."""
+    be, pool, (layer,), q, g = _decode_fixture(10)
+    _, k, v = _mha_kv(2, g)
+    with pytest.raises(BridgeError, match=r"k must be \[tokens, tp_k_head_num \* head_dim\] .* got \(2, 128\)"):
+        be.forward_decode(q, torch.cat([k, k], 1), v, layer, None, pool, 2, save_kv_cache=True)
+
+
+def test_mla_llama_4_scaling_multiplies_in_f32():
+    """``llama_4_scaling`` scales a bf16 query in f32 and rounds once back to bf16
+    (SGLang's and the core's rule): a scale that bf16 cannot hold (1.003, which bf16
+    rounds to 1.0) must still change the query, so the call equals the call on the query
+    scaled by hand in f32, and differs from the unscaled call."""
+    be, pool, layer, H, R, r = _tiny_mla()
+    g = torch.Generator().manual_seed(8)
+    pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, generator=g))
+    decode = functools.partial(be.forward_decode, token_to_kv_pool=pool, save_kv_cache=False)
+    q_nope = (torch.randn(2, H * R, generator=g) * 30).to(torch.bfloat16).to(DEV)
+    q_rope = (torch.randn(2, H * r, generator=g) * 30).to(torch.bfloat16).to(DEV)
+    s = torch.tensor([1.003, 0.997]).to(DEV)
+    by_hand = lambda x: (x.float() * s.reshape(2, 1)).to(torch.bfloat16)  # noqa: E731
+    assert not torch.equal(by_hand(q_nope), q_nope)
+    got = decode(q_nope, None, None, layer, q_rope=q_rope, llama_4_scaling=s).clone()
+    want = decode(by_hand(q_nope), None, None, layer, q_rope=by_hand(q_rope)).clone()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_mla_pool_writer_names_rows_of_the_wrong_width():
+    """``TorchMLAKVPool.set_mla_kv_buffer`` refuses a c_kv or k_pe whose rows are not
+    ``kv_lora_rank`` / ``qk_rope_head_dim`` wide with a message naming the argument and
+    its layout (before any write), rather than torch's reshape error or, where the
+    element count happens to fit, a silent misaligned write."""
+    pool = TorchMLAKVPool(num_layers=1, num_pages=4, page_size=4, kv_lora_rank=16, qk_rope_head_dim=8,
+                          dtype=torch.float32, device=DEV)  # fmt: skip
+    layer = AttentionLayer(0, 2, 1, 24, v_head_dim=16)
+    loc = torch.tensor([4, 5], device=DEV)
+    with pytest.raises(BridgeError, match=r"cache_k_nope must be \[2, 16\] \(or \[2, 1, 16\]\), got \(2, 17\)"):
+        pool.set_mla_kv_buffer(layer, loc, torch.zeros(2, 17, device=DEV), torch.zeros(2, 8, device=DEV))
+    with pytest.raises(BridgeError, match=r"cache_k_rope must be \[2, 8\] \(or \[2, 1, 8\]\), got \(2, 4\)"):
+        pool.set_mla_kv_buffer(layer, loc, torch.zeros(2, 16, device=DEV), torch.zeros(2, 4, device=DEV))
+    assert torch.all(pool.kv_buffer[0] == 0)
+
+
+def test_mla_multistep_refuses_a_step_past_the_loop_by_name():
+    """``TorchMLAMultiStepDraftBackend.forward_decode(step, ...)`` takes steps in
+    ``[0, num_steps)``: ``step == num_steps`` (one past the loop, an easy off-by-one in a
+    caller) and a negative step (which would index from the end) are refused with a
+    ValueError naming ``step`` and the range, before any backend is called."""
+    from jattn.bridge import TorchMLAMultiStepDraftBackend
+
+    cfg, pool, layer = _draft_mla(num_pages=32)
+    ms = TorchMLAMultiStepDraftBackend(cfg, pool, topk=1, speculative_num_steps=3)
+    assert ms.num_steps == 2
+    for step in (2, -1):
+        with pytest.raises(ValueError, match=rf"step={step} is not in \[0, num_steps=2\)"):
+            ms.forward_decode(step, None, None, None, layer)
+
+
+def test_req_to_page_wins_over_req_to_token_pages():
+    """Given both, the planning calls use ``req_to_page`` and ignore SGLang's
+    ``req_to_token_pages`` alias (the documented precedence): the plan's slots are those
+    of ``req_to_page``'s pages."""
+    cfg, _ = mha_setup(torch.bfloat16, layers=1)
+    be = TorchMHABackend(cfg)
+    eng = Engine(2, 8, 4, np.random.default_rng(2), cfg.num_pages)
+    other = eng.req_to_page.flip(1).contiguous()
+    be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([3, 6]), eng.req_to_page, ForwardMode.DECODE,
+                             req_to_token_pages=other)  # fmt: skip
+    want = [eng.slots(0, 2, 1)[0], eng.slots(1, 5, 1)[0]]
+    assert np.asarray(be.forward_metadata.out_cache_loc)[:2].tolist() == want
+
+
+def test_sinks_whose_data_is_swapped_are_read_again():
+    """A sinks tensor whose storage is swapped through ``.data`` (no version bump: torch
+    only moves its pointer, shape or dtype) is read again on the next call, on the fast
+    path too: new values at a new address reach the output, and a swap to another shape
+    is refused by a sinks shape check instead of reusing the old copy."""
+    be, pool, (layer,), q, g = _decode_fixture(3)
+    sinks = torch.randn(4, generator=g).to(DEV)
+    call = lambda: be.forward_decode(q, None, None, layer, None, pool, 2, sinks=sinks).float().cpu().clone()  # noqa: E731
+    a = call()
+    torch.testing.assert_close(call(), a, atol=0, rtol=0)  # the second call runs the plan
+    v0 = sinks._version
+    sinks.data = torch.full((4,), 5.0, device=DEV)  # new storage, same version counter
+    assert sinks._version == v0
+    b = call()
+    torch.testing.assert_close(b, _decode_ref(pool, q, sinks), atol=2e-2, rtol=2e-2)
+    assert (b - a).abs().max() > 0.05
+    sinks.data = sinks.data[:2]  # same address, another shape: refused (the bridge's or the core's check)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+        call()

@@ -136,10 +136,12 @@ def test_prefix_chunk_must_cover_the_batch():
         chunk([0, 5, 6], 5)
     with pytest.raises(BridgeError, match=name + r"=\[0, 5, 6, 12\] must rise from 0 to at most the chunk's 9"):
         chunk([0, 5, 6, 12], 6)
+    # one key past the maximum: the chunk's keys are read up to it (rounded to a power of
+    # two), so at 4 a 5-key request would silently lose its last key
     with pytest.raises(
-        BridgeError, match=r"holds a request of 5 keys > forward_batch\.prefix_chunk_max_seq_lens\[0\]=2"
+        BridgeError, match=r"holds a request of 5 keys > forward_batch\.prefix_chunk_max_seq_lens\[0\]=4"
     ):
-        chunk([0, 5, 6, 9], 2)
+        chunk([0, 5, 6, 9], 4)
 
 
 def test_calls_with_no_new_tokens_give_no_rows():

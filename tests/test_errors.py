@@ -867,3 +867,13 @@ def test_mla_decode_e4m3_query_needs_e4m3_cache_and_equals_bf16():
     out = jattn.mla_decode_with_kvcache(q8, kv8, pt, lens, kv_scale=0.5, backend="xla", **kw)
     want = jattn.mla_decode_with_kvcache(q8.astype(jnp.bfloat16), kv8, pt, lens, kv_scale=0.5, backend="xla", **kw)
     assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out, F32), np.asarray(want, F32))
+
+
+def test_cu_seqlens_one_row_past_the_tokens_is_refused():
+    """``cu_seqlens_q[-1]`` / ``cu_seqlens_kv[-1]`` one past the rows of ``q`` / ``k`` (the
+    off-by-one a caller makes most) is refused by name, as a far larger one is: the last
+    request would read a row that does not exist (an index XLA clamps silently)."""
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]=6 exceeds the 5 rows of q"):
+        _prefill(cu_seqlens_q=jnp.array([0, 2, 6], jnp.int32), max_seqlen_q=4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_kv\[-1\]=6 exceeds the 5 rows of k"):
+        _prefill(cu_seqlens_kv=jnp.array([0, 2, 6], jnp.int32), max_seqlen_kv=4)

@@ -1151,3 +1151,44 @@ def test_page_pool_refuses_a_bad_release_whole():
     pool.hold([x[0]])
     pool.unref([x[0], x[0], x[1]])  # a page listed twice drops two holders
     assert pool.refs == {} and pool.num_free == 4
+
+
+def check_llama_tp_replicated_kv_bias():
+    """Tensor-parallel Llama with 2 KV heads on 4 devices (each KV head replicated twice)
+    and random, nonzero q/k/v biases: the replicated k/v biases must follow their heads'
+    weights (head h's bias on both of h's copies), so the steps equal the unsharded model."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jattn.models import parallel
+    from jattn.models.llama import default_mha_backend
+
+    mesh = _mesh()
+    model = _llama(30, qkv_bias=True)
+    rng = np.random.default_rng(30)
+    for layer in model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias = nnx.Param(jnp.asarray(rng.standard_normal(proj.bias[...].shape), proj.bias[...].dtype))
+    ps, pages = 4, 8
+    ref, _, _ = _llama_steps(
+        model, default_mha_backend(model.config, ps), model.make_cache(num_pages=pages, page_size=ps),
+        np.random.default_rng(1), ps, pages,
+    )  # fmt: skip
+    tp_model = parallel.tensor_parallel(model, mesh)
+    assert tp_model.config.num_kv_heads == 4  # replicated
+    be = parallel.tensor_parallel_backend(tp_model, mesh, page_size=ps)
+    cache = parallel.make_cache(tp_model, be, num_pages=pages, page_size=ps)
+    out, _, _ = _llama_steps(tp_model, be, cache, np.random.default_rng(1), ps, pages)
+    for a, b in zip(out, ref):
+        _close(a, b, 2e-5)
+
+
+CHECKS["llama_tp_replicated_kv_bias"] = check_llama_tp_replicated_kv_bias
+
+
+def test_tensor_parallel_replicates_kv_biases_with_their_heads(tmp_path_factory):
+    """:func:`check_llama_tp_replicated_kv_bias` in a 4-device subprocess: the
+    replicated KV heads' biases are repeated per head (``[h0, h0, h1, h1]``), as their
+    weights are; the other Llama checks' biases are zero, so they cannot see it."""
+    res = _run_checks(tmp_path_factory, ["llama_tp_replicated_kv_bias"])[1]["llama_tp_replicated_kv_bias"]
+    assert res == "ok", res

@@ -106,6 +106,12 @@ CASES = {
         "extend", (5, 17), kv_lens=(40, 17), hq=2, hkv=1, d=256, dv=256, page_size=8, k_scale=0.7, v_scale=1.5,
         dtype="float16", fp8=True, block_m=16,
     ),
+    # a window whose first key is the last key of a block for a tile's first row (window 17,
+    # 16-key blocks: the tile at query 32 sees keys 15..32, the one at 48 keys 31..48): the
+    # first key block must be the one holding that key, not the next
+    "prefill_causal_window_first_key_ends_a_block": Case(
+        "prefill", (64, 5), hq=2, hkv=1, window_left=17, block_m=16, block_n=16
+    ),
 }  # fmt: skip
 
 
@@ -465,3 +471,19 @@ def test_launch_table_and_sweep_parsing():
     assert parse_launches("default, 128x64w8s3") == [None, (128, 64, 8, 3)]
     with pytest.raises(ValueError, match="BMxBNwWsS"):
         parse_launches("128x64")
+
+
+def test_jax_launch_params_fold_k_scale_into_the_softmax_scale():
+    """The jax-triton path's parameter vector (``triton_prefill._params``) is ``[softmax
+    scale * k_scale, v_scale, sinks...]`` in f32, the layout the kernel reads and the one
+    ``bridge.triton_native.prefill`` builds: the interpreted tests run the torch launch, so
+    without this only the GPU tests would see a dropped ``k_scale`` or ``v_scale`` on the
+    JAX path. ``softmax_scale=None`` means ``1 / sqrt(head_dim)``."""
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    sinks = np.array([0.25, -1.0], np.float32)
+    got = np.asarray(tp._params(0.5, 3.0, 0.25, sinks, 64))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array([1.5, 0.25, 0.25, -1.0], np.float32))
+    got = np.asarray(tp._params(None, 2.0, 1.0, None, 64))
+    np.testing.assert_array_equal(got, np.array([0.25, 1.0], np.float32))
