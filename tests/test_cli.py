@@ -59,6 +59,39 @@ def test_op_backend_follows_the_dispatch(monkeypatch):
         jattn.ops.op_backend("mha_decod")
 
 
+def test_named_backend_without_a_kernel_for_the_op_is_refused():
+    """A backend asked for by name that has no kernel for an op (``mosaic`` for the KV
+    writes) is never replaced by XLA silently: ``op_backend`` reports why, and the op
+    raises NotImplementedError naming it; auto still runs such ops on XLA."""
+    import jax.numpy as jnp
+
+    assert jattn.ops.op_backend("set_kv_buffer", "mosaic") == (
+        "xla",
+        "set_kv_buffer: no mosaic kernel is built for this op yet",
+    )
+    kc = jnp.zeros((4, 4, 2, 8), jnp.float32)
+    loc = jnp.array([4, 5], jnp.int32)
+    kv = jnp.ones((2, 2, 8), jnp.float32)
+    with pytest.raises(NotImplementedError, match="set_kv_buffer: no mosaic kernel is built"):
+        jattn.set_kv_buffer(kc, kc, loc, kv, kv, backend="mosaic")
+    jattn.set_kv_buffer(kc, kc, loc, kv, kv)  # auto: XLA
+
+
+def test_device_kind_reads_the_compute_capability(monkeypatch):
+    """``dispatch.device_kind``: sm90 and later are Hopper (the Mosaic kernels' target,
+    first in auto's order), sm80-89 Ampere (Triton only), older GPUs neither; the cached
+    function is called through ``__wrapped__`` with JAX's backend and device faked."""
+    import types
+
+    import jax
+
+    kind = jattn.dispatch.device_kind.__wrapped__
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cc, want in (("9.0", "hopper"), ("10.0", "hopper"), ("8.9", "ampere"), ("8.0", "ampere"), ("7.5", "gpu")):
+        monkeypatch.setattr(jax, "devices", lambda cc=cc: [types.SimpleNamespace(compute_capability=cc)])
+        assert kind() == want, (cc, kind())
+
+
 def test_auto_follows_the_measured_order(monkeypatch):
     """Auto's table: on Hopper Mosaic for MHA and MLA decode (an FP8 latent cache on
     Triton, where jax-triton runs), XLA for the KV write and the merge; Ampere has the
@@ -460,36 +493,3 @@ def test_synthetic_demo_sizes_its_pool_and_buckets_from_the_requests(capsys):
     """20 requests: more than the 16-row bucket and the 96-page pool of old held."""
     assert main(["demo", "--synthetic", "--requests", "20"]) == 0
     assert "PASSED" in capsys.readouterr().out
-
-
-def test_named_backend_without_a_kernel_for_the_op_is_refused(monkeypatch):
-    """A backend asked for by name that has no kernel for an op (``mosaic`` for the KV
-    writes) is never replaced by XLA silently: ``op_backend`` reports why, and the op
-    raises NotImplementedError naming it; auto still runs such ops on XLA."""
-    import jax.numpy as jnp
-
-    assert jattn.ops.op_backend("set_kv_buffer", "mosaic") == (
-        "xla",
-        "set_kv_buffer: no mosaic kernel is built for this op yet",
-    )
-    kc = jnp.zeros((4, 4, 2, 8), jnp.float32)
-    loc = jnp.array([4, 5], jnp.int32)
-    kv = jnp.ones((2, 2, 8), jnp.float32)
-    with pytest.raises(NotImplementedError, match="set_kv_buffer: no mosaic kernel is built"):
-        jattn.set_kv_buffer(kc, kc, loc, kv, kv, backend="mosaic")
-    jattn.set_kv_buffer(kc, kc, loc, kv, kv)  # auto: XLA
-
-
-def test_device_kind_reads_the_compute_capability(monkeypatch):
-    """``dispatch.device_kind``: sm90 and later are Hopper (the Mosaic kernels' target,
-    first in auto's order), sm80-89 Ampere (Triton only), older GPUs neither; the cached
-    function is called through ``__wrapped__`` with JAX's backend and device faked."""
-    import types
-
-    import jax
-
-    kind = jattn.dispatch.device_kind.__wrapped__
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for cc, want in (("9.0", "hopper"), ("10.0", "hopper"), ("8.9", "ampere"), ("8.0", "ampere"), ("7.5", "gpu")):
-        monkeypatch.setattr(jax, "devices", lambda cc=cc: [types.SimpleNamespace(compute_capability=cc)])
-        assert kind() == want, (cc, kind())

@@ -409,6 +409,15 @@ def test_unsupported_reasons():
     assert "32 rows" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=4)
     assert "Python numbers" in mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=jnp.float32(0.1))
     assert "dtypes" in mlh.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=R, softmax_scale=0.1)
+    # query rows that are not whole requests of max_seqlen_q tokens, and a rank of 0 or past
+    # the latent width: the kernel would read each request's queries at the wrong rows, or
+    # columns past the rank, without an error
+    assert mlh.unsupported_reason(q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=2) is None
+    assert "not a multiple of max_seqlen_q=2" in mlh.unsupported_reason(
+        q[:1], kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=2
+    )
+    for rank in (0, W + 64):
+        assert "latent width" in mlh.unsupported_reason(q, kv, kv_lora_rank=rank, softmax_scale=0.1)
 
 
 def test_balanced_split_size_evens_out_uneven_lengths():
@@ -547,21 +556,3 @@ def test_an_e4m3_query_reaches_the_kernel_unquantised():
         jaxprs = {dt: str(jax.make_jaxpr(call)(jnp.zeros((2, 16, W), dt))) for dt in (jnp.float8_e4m3fn, jnp.bfloat16)}
     assert "abs" not in jaxprs[jnp.float8_e4m3fn]
     assert "abs" in jaxprs[jnp.bfloat16]
-
-
-def test_keys_as_rows_kernel_refuses_ragged_rows_and_a_rank_past_the_width():
-    """``mosaic_mla_heads.unsupported_reason`` (what dispatch and a direct
-    ``mla_decode`` consult) refuses query rows that are not whole requests of
-    ``max_seqlen_q`` tokens and a ``kv_lora_rank`` of 0 or wider than the latent rows:
-    the kernel would read each request's queries at the wrong rows, or values from past
-    the rank's columns, without an error."""
-    from jattn.pallas_kernels import mosaic_mla_heads as mlh
-
-    q = jnp.zeros((3, 8, W), jnp.bfloat16)
-    kv = jnp.zeros((4, 64, W), jnp.bfloat16)
-    assert mlh.unsupported_reason(q[:2], kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=2) is None
-    assert "not a multiple of max_seqlen_q=2" in mlh.unsupported_reason(
-        q, kv, kv_lora_rank=R, softmax_scale=0.1, max_seqlen_q=2
-    )
-    for rank in (0, W + 64):
-        assert "latent width" in mlh.unsupported_reason(q, kv, kv_lora_rank=rank, softmax_scale=0.1)
