@@ -1739,12 +1739,20 @@ def test_scales_that_are_not_one_finite_positive_value_are_refused():
         (dict(k_scale=0.0), r"k_scale=0.0 must be finite and positive"),
         (dict(v_scale=float("nan")), r"v_scale=nan must be finite and positive"),
         (dict(k_scale=torch.tensor([1.0, 2.0])), r"k_scale must be a number or a one-element tensor, got shape \(2,\)"),
+        # a one-element tensor scale is checked as the number it holds
+        (dict(k_scale=torch.tensor(0.0)), r"k_scale=0.0 must be finite and positive"),
+        (dict(v_scale=torch.tensor([float("inf")])), r"v_scale=inf must be finite and positive"),
+        (dict(k_scale=torch.tensor(-2.0)), r"k_scale=-2.0 must be finite and positive"),
     ]:
         with pytest.raises(BridgeError, match=msg):
             fp8.set_kv_buffer(layer, loc, k, k, **kw)
     assert torch.all(fp8.k_buffer[0].float() == 0)  # nothing written (both scales are checked first)
+    assert torch.all(fp8.v_buffer[0].float() == 0)
     fp8.set_kv_buffer(layer, loc, k, k, k_scale=torch.tensor(0.5), v_scale=2.0)
     assert fp8.k_buffer[0][4].float().abs().max() > 0
+    fp8.set_kv_buffer(layer, loc, k, k, k_scale=torch.tensor([2.0]), v_scale=1.0)  # quantised with its value
+    want = (k.float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8.k_buffer[0][4:6].view(torch.uint8), want.view(torch.uint8))
 
 
 def test_a_buffer_shrunk_at_the_same_address_is_checked_again():
@@ -1970,13 +1978,16 @@ def test_pool_buffer_of_another_dtype_is_a_bridge_error_naming_it():
 
 
 def test_block_seq_lens_past_int32_or_not_integers_are_refused():
-    """``fill_block_decode_seq_lens`` cast to int32 silently: 2^32 + 9 became 9, 9.9 became 9."""
+    """``fill_block_decode_seq_lens`` cast to int32 silently: 2^32 + 9 and -2^32 + 9 became
+    9, 9.9 became 9."""
     cfg, _ = mha_setup(torch.bfloat16, layers=1, spec=2)
     be = TorchMHABackend(cfg)
     eng = Engine(2, 8, 4, np.random.default_rng(4), cfg.num_pages)
     be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([6, 9]), eng.req_to_page, ForwardMode.DRAFT_BLOCK)
     with pytest.raises(ValueError, match=r"block_seq_lens\[0\]=4294967305 does not fit int32"):
         be.fill_block_decode_seq_lens(2, torch.tensor([2**32 + 9, 21]))
+    with pytest.raises(ValueError, match=r"block_seq_lens\[0\]=-4294967287 does not fit int32"):
+        be.fill_block_decode_seq_lens(2, torch.tensor([-(2**32) + 9, 21]))  # wraps to 9 as well
     with pytest.raises(ValueError, match=r"block_seq_lens must hold integers, got dtype float32"):
         be.fill_block_decode_seq_lens(2, torch.tensor([9.9, 21.0]))
     be.fill_block_decode_seq_lens(2, torch.tensor([9, 21]))
@@ -2075,18 +2086,6 @@ def test_a_scale_tensor_replaced_at_the_freed_ones_address_is_read_again():
     assert be._spec(layer).k_scale == 4.0
 
 
-def test_block_seq_lens_below_int32_are_refused():
-    """``fill_block_decode_seq_lens`` refuses a length below int32's range by name, as it
-    refuses one above it: -2^32 + 9 cast to int32 wraps to 9, a plausible length, and the
-    block would run silently over the wrong keys."""
-    cfg, _ = mha_setup(torch.bfloat16, layers=1, spec=2)
-    be = TorchMHABackend(cfg)
-    eng = Engine(2, 8, 4, np.random.default_rng(4), cfg.num_pages)
-    be.init_forward_metadata(2, 0, eng.req_pool_indices, torch.tensor([6, 9]), eng.req_to_page, ForwardMode.DRAFT_BLOCK)
-    with pytest.raises(ValueError, match=r"block_seq_lens\[0\]=-4294967287 does not fit int32"):
-        be.fill_block_decode_seq_lens(2, torch.tensor([-(2**32) + 9, 21]))
-
-
 def test_a_bool_out_cache_loc_is_refused_without_value_checks():
     """An ``out_cache_loc`` of bool dtype is refused by name ("must hold integer slots")
     even where its values are not checked (``check_slot_values="never"``, a CUDA tensor
@@ -2119,28 +2118,6 @@ def test_extend_counts_only_the_first_bs_extend_lengths():
     q, k, v = (torch.randn(12, w, generator=g).to(torch.bfloat16).to(DEV) for w in (128, 64, 64))
     out = be.forward_extend(q, k, v, AttentionLayer(0, 4, 2, 32), None, pool, save_kv_cache=True)
     assert out.shape == (12, 128) and torch.isfinite(out).all()
-
-
-def test_fp8_pool_writer_checks_one_element_tensor_scales_too():
-    """The FP8 pool's writer refuses a one-element tensor scale that is 0, negative, NaN or
-    inf exactly as it refuses such a number (the FP8 quantisation divides by it: a 0 scale
-    saturates every value to +-448), and writes nothing; a valid one-element tensor scale
-    still quantises with its value."""
-    _, fp8 = mha_setup(torch.float8_e4m3fn)
-    layer = AttentionLayer(0, 4, 2, 32)
-    k = rand(2, 2, 32)
-    loc = torch.tensor([4, 5], device=DEV)
-    for kw, msg in [
-        (dict(k_scale=torch.tensor(0.0)), r"k_scale=0.0 must be finite and positive"),
-        (dict(v_scale=torch.tensor([float("inf")])), r"v_scale=inf must be finite and positive"),
-        (dict(k_scale=torch.tensor(-2.0)), r"k_scale=-2.0 must be finite and positive"),
-    ]:
-        with pytest.raises(BridgeError, match=msg):
-            fp8.set_kv_buffer(layer, loc, k, k, **kw)
-    assert torch.all(fp8.k_buffer[0].float() == 0) and torch.all(fp8.v_buffer[0].float() == 0)
-    fp8.set_kv_buffer(layer, loc, k, k, k_scale=torch.tensor([2.0]), v_scale=1.0)
-    want = (k.float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert torch.equal(fp8.k_buffer[0][4:6].view(torch.uint8), want.view(torch.uint8))
 
 
 def test_mha_k_with_the_query_head_count_is_named():
