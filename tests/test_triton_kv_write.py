@@ -30,6 +30,10 @@ PAGES, PS, HKV, D, DV, T = 6, 16, 2, 64, 32, 37
 # edge writes: no token at all, and one token into the pool's very last slot
 CASES.update(t0=("float32", None, None), last_slot=("float16", None, None))
 LOCS = {"t0": [], "last_slot": [PAGES * PS - 1]}
+# V rows wider than K rows (head_dim_v > head_dim is a legal cache): the launch's column
+# blocks must cover the longer row, whichever of K and V it is
+CASES.update(wide_v=("float32", None, None))
+WIDTHS = {"wide_v": (16, 48)}  # K, V row widths where not (D, DV)
 
 
 def _near_ties(scale: float, n: int = 21) -> np.ndarray:
@@ -56,11 +60,12 @@ def _quotients(shape, loc, rows, scale) -> np.ndarray:
 
 def _inputs(name):
     dt, ks, vs = CASES[name]
+    d, dv = WIDTHS.get(name, (D, DV))
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     loc = rng.permutation(PAGES * PS)[:T].astype(np.int32)
     loc[3], loc[7] = PAGES * PS, -2  # dropped: one past the last slot, and negative
-    k = (rng.standard_normal((T, HKV, D)) * 8).astype(np.float32)
-    v = (rng.standard_normal((T, HKV, DV)) * 8).astype(np.float32)
+    k = (rng.standard_normal((T, HKV, d)) * 8).astype(np.float32)
+    v = (rng.standard_normal((T, HKV, dv)) * 8).astype(np.float32)
     k[0, 0, :4] = [1e4, -1e4, 30.0, -30.0]  # saturate at +-448 after the scale
     # NaN stored as NaN of its sign (not +-448), Inf clamped
     k[1, 1, 5], v[2, 0, 3], k[4, 0, 0] = np.nan, -np.nan, np.inf
@@ -81,8 +86,8 @@ def run_interpreted(name: str, path: str) -> None:
     tdt = getattr(torch, dt)
     # the pools are the first PAGES pages of buffers one page longer: a write one slot past
     # the pool lands in the extra page, which must stay NaN
-    kbig = torch.full((PAGES + 1, PS, HKV, D), float("nan"), dtype=torch.float32).to(tdt)
-    vbig = torch.full((PAGES + 1, PS, HKV, DV), float("nan"), dtype=torch.float32).to(tdt)
+    kbig = torch.full((PAGES + 1, PS, HKV, k.shape[-1]), float("nan"), dtype=torch.float32).to(tdt)
+    vbig = torch.full((PAGES + 1, PS, HKV, v.shape[-1]), float("nan"), dtype=torch.float32).to(tdt)
     kc, vc = kbig[:PAGES], vbig[:PAGES]
     triton_native.set_kv_buffer(
         kc, vc, torch.from_numpy(loc), torch.from_numpy(k), torch.from_numpy(v), k_scale=ks, v_scale=vs
@@ -150,8 +155,8 @@ def interpreted(tmp_path_factory):
 
 def _expected(name):
     dt, ks, vs, loc, k, v = _inputs(name)
-    kc = np.full((PAGES, PS, HKV, D), np.nan, np.float32).astype(getattr(ml_dtypes, dt, dt))
-    vc = np.full((PAGES, PS, HKV, DV), np.nan, np.float32).astype(getattr(ml_dtypes, dt, dt))
+    kc = np.full((PAGES, PS, HKV, k.shape[-1]), np.nan, np.float32).astype(getattr(ml_dtypes, dt, dt))
+    vc = np.full((PAGES, PS, HKV, v.shape[-1]), np.nan, np.float32).astype(getattr(ml_dtypes, dt, dt))
     keep = (loc >= 0) & (loc < PAGES * PS)  # the rest are dropped
     wk, wv = write_f64(kc, vc, loc[keep], k[keep], v[keep], k_scale=ks, v_scale=vs)
     return np.asarray(wk, np.float32), np.asarray(wv, np.float32)
@@ -217,8 +222,8 @@ def test_gpu_equals_the_xla_write(name):
     if not on_gpu() or not triton_glue.available():
         pytest.skip("needs a GPU with jax-triton")
     dt, ks, vs, loc, k, v = _inputs(name)
-    kc = jnp.full((PAGES, PS, HKV, D), jnp.nan, jnp.dtype(dt))
-    vc = jnp.full((PAGES, PS, HKV, DV), jnp.nan, jnp.dtype(dt))
+    kc = jnp.full((PAGES, PS, HKV, k.shape[-1]), jnp.nan, jnp.dtype(dt))
+    vc = jnp.full((PAGES, PS, HKV, v.shape[-1]), jnp.nan, jnp.dtype(dt))
     args = (kc, vc, jnp.asarray(loc), jnp.asarray(k), jnp.asarray(v))
     want = jattn.set_kv_buffer(*args, k_scale=ks, v_scale=vs, backend="xla")
     got = jattn.set_kv_buffer(*args, k_scale=ks, v_scale=vs, backend="triton")
@@ -308,35 +313,3 @@ def test_mla_gpu_equals_the_xla_write(name):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     if name != "mla_t0":
         assert not np.array_equal(np.asarray(got, np.float32), np.asarray(kv, np.float32), equal_nan=True)
-
-
-# V rows wider than K rows (head_dim_v > head_dim is a legal cache): the launch's column
-# blocks must cover the longer row, whichever of K and V it is.
-def _wide_v_inputs():
-    rng = np.random.default_rng(5)
-    loc = np.array([5, 0, 7], np.int32)
-    k = rng.standard_normal((3, 1, 16)).astype(np.float32)
-    v = rng.standard_normal((3, 1, 48)).astype(np.float32)
-    return loc, k, v
-
-
-def run_wide_v_interpreted(name: str, path: str) -> None:
-    import torch
-
-    from jattn.bridge import triton_native
-
-    loc, k, v = _wide_v_inputs()
-    kc = torch.full((2, 4, 1, 16), float("nan"))
-    vc = torch.full((2, 4, 1, 48), float("nan"))
-    triton_native.set_kv_buffer(kc, vc, torch.from_numpy(loc), torch.from_numpy(k), torch.from_numpy(v))
-    np.savez(path, k=kc.numpy(), v=vc.numpy())
-
-
-def test_interpreted_writes_v_rows_wider_than_k_rows(tmp_path_factory):
-    got = run_in_interpreter(tmp_path_factory, "test_triton_kv_write", {"run_wide_v_interpreted": ["wide_v"]})["wide_v"]
-    loc, k, v = _wide_v_inputs()
-    kc = np.full((2, 4, 1, 16), np.nan, np.float32)
-    vc = np.full((2, 4, 1, 48), np.nan, np.float32)
-    wk, wv = write_f64(kc, vc, loc, k, v)
-    np.testing.assert_array_equal(got["k"], np.asarray(wk, np.float32))
-    np.testing.assert_array_equal(got["v"], np.asarray(wv, np.float32))
