@@ -239,6 +239,7 @@ def test_more_requests_than_the_largest_batch_bucket(llama):
         ("hello", SamplingParams(), "prompt must be a sequence"),
         (np.array([1.5, 2.0]), SamplingParams(), "prompt token ids must be integers"),
         (np.array(5), SamplingParams(), "prompt must be one sequence of token ids"),
+        ([1, VOCAB], SamplingParams(), f"prompt token ids must be in [0, {VOCAB})"),  # one past the last id
         ({1: 2}, SamplingParams(), "prompt must be a sequence"),  # its keys were the prompt
         ({1, 2}, SamplingParams(), "prompt must be a sequence"),
         ([1, 2], SamplingParams(max_new_tokens=2.5), "max_new_tokens"),
@@ -638,6 +639,7 @@ def test_new_weights_through_engine_state(llama):
     [
         (dict(page_size=0), "page_size"),
         (dict(num_pages=1), "num_pages"),
+        (dict(max_context=1), "max_context=1 must be an integer >= 2"),  # no room for a generated token
         (dict(max_prefill_tokens=0), "max_prefill_tokens"),
         (dict(token_buckets=(0, 8)), "token_buckets"),
         (dict(batch_buckets=(0, 4)), "batch_buckets"),
@@ -1338,15 +1340,6 @@ def test_overlap_gives_no_decode_row_to_a_request_its_token_in_flight_ends_by_co
     assert r.output_tokens == _engine(llama, overlap=False, max_context=16).generate([p], sp)[0].output_tokens
 
 
-def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_refused(llama):
-    """Token ids must be < vocab_size: an id equal to it would be embedded silently
-    (the gather clamps or fills it) instead of failing the request."""
-    eng = _engine(llama)
-    rid = eng.add_request([1, VOCAB], SamplingParams(max_new_tokens=2))
-    r = eng.requests[rid]
-    assert r.status == "error" and f"prompt token ids must be in [0, {VOCAB})" in r.error
-
-
 def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop(llama):
     """A stop token sampled as the last token ``max_new_tokens`` allows finishes the request
     as "stop": the stop check comes before the length check."""
@@ -1356,9 +1349,3 @@ def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop(llama
     first = free.index(stop)
     r = _engine(llama).generate([p], SamplingParams(max_new_tokens=first + 1, stop_token_ids=(stop,)))[0]
     assert r.output_tokens == free[: first + 1] and r.finish_reason == "stop"
-
-
-def test_engine_config_refuses_a_context_of_one_token():
-    """A context of one token leaves no room for a generated token: refused with the rule."""
-    with pytest.raises(ValueError, match="max_context=1 must be an integer >= 2"):
-        EngineConfig(max_context=1)
