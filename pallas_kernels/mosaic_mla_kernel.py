@@ -446,7 +446,8 @@ def _kernel(
                         vs = [load_vt(slot, c, k0, edge) for c in range(0, C0, 64)]
                     plgpu.barrier_arrive(kv_free.at[slot])
             else:
-                x = qk(slot) * xscale
+                with jax.named_scope("wg0_qk"):
+                    x = qk(slot) * xscale
             if edge:
                 # built as a tile, not a [64] vector broadcast: a [64] column iota is the same
                 # op as the row iota above, so CSE would merge them before layout inference,
@@ -494,7 +495,8 @@ def _kernel(
                 return acc, m_new, l_i
             publish()
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = pv(acc, p16, v_tile(slot, 0))
+            with jax.named_scope("wg0_pv"):
+                acc = pv(acc, p16, v_tile(slot, 0))
             plgpu.barrier_arrive(kv_free.at[slot])
             return acc, m_new, l_i
 

@@ -19,6 +19,9 @@ length of every row (default 4096), ``nobf16`` skips the bf16 build.
 profiler and prints, per named region of the kernel (``jax.named_scope``), its count
 and mean and total cycles per warpgroup, and the mean cycles between the starts of
 warpgroup 0's successive ``Q K^T``: where each warpgroup's time goes block by block.
+``trace bf16`` traces the 2-byte kernel instead; ``heads=``, ``batch=`` and ``len=`` set
+the row (the profiler's buffer is shared memory: beside the bf16 kernel's Q tile and
+two-slot ring it fits, counted, up to ``len=1024``).
 """
 
 from __future__ import annotations
@@ -108,8 +111,9 @@ def decode(row, land, q, kv, table, lens, options=()):
     )
 
 
-def trace(variants, length):
-    """The FP8 kernel once under the Mosaic GPU profiler; the regions' statistics."""
+def trace(variants, length, heads=16, batch=64):
+    """The FP8 kernel (``bf16`` among the variants: the 2-byte one) once under the Mosaic GPU
+    profiler; the regions' statistics."""
     import glob
     import json
     import os
@@ -121,7 +125,9 @@ def trace(variants, length):
     land = next((int(v[5:]) for v in variants if v.startswith("land=")), 2)
     options = kernel_options(variants)
     out_dir = tempfile.mkdtemp(prefix="mla_trace_")
-    space = length // 64 * 6 + 16
+    fp8 = "bf16" not in variants
+    # ranges a warpgroup records per block: up to 6 with FP8, 3 in bf16 (wait, Q K^T or P, P V)
+    space = length // 64 * (6 if fp8 else 3) + 16
     mosaic_mla.run = patched_run(
         [],
         extra=[
@@ -132,7 +138,7 @@ def trace(variants, length):
         ],
     )
     rng = np.random.default_rng(0)
-    row = mla.Row(64, length, 16, fp8=True)
+    row = mla.Row(batch, length, heads, fp8=fp8)
     qs, kv, tables, lens, lens_np = mla._setup(row, rng, 2)
     qs = variant_query(variants, qs)
     out = decode(row, land, qs[0], kv, tables[0], lens, options)
@@ -178,7 +184,7 @@ def main(variants):
     batch = next((int(v[6:]) for v in variants if v.startswith("batch=")), 64)
     variants = [v for v in variants if not v.startswith(("len=", "heads=", "batch="))]
     if "trace" in variants:
-        return trace(variants, length)
+        return trace(variants, length, heads, batch)
     base_run = mosaic_mla.run
     for fp8 in (False, True) if "nobf16" not in variants else (True,):
         row = mla.Row(batch, length, heads, fp8=fp8)
