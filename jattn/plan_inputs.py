@@ -116,7 +116,10 @@ def _check_pages(
     dummy = used & (ids == DUMMY_PAGE)
     if dummy.any():
         b, i = map(int, np.argwhere(dummy)[0])
-        raise ValueError(f"{entry(b, i)} is the reserved dummy page {DUMMY_PAGE}: padded rows write there")
+        raise ValueError(
+            f"{entry(b, i)} is the reserved dummy page {DUMMY_PAGE} (padded rows write there), but "
+            f"{lens_name}[{b}]={seq_lens[b]} uses {need[b]} pages of page_size={page_size}"
+        )
 
 
 def _check_num_pages(num_pages) -> int | None:

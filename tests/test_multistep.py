@@ -194,6 +194,15 @@ def test_an_earlier_draft_step_writing_into_another_requests_prefix_is_refused()
     assert [int(md.step(i).out_cache_loc[0]) for i in range(2)] == [8 * PS + 3, 6 * PS + 0]
     with pytest.raises(ValueError, match=r"the draft loop's last step \(seq_lens \+ 1; .*seq_lens\[0\]=49"):
         ms.init_forward_metadata(2, np.arange(2), np.array([48, 5]), r2p)
+    # only the last step's length reaches the dummy page left in request 0's row
+    r2p[0, 1] = 0
+    with pytest.raises(
+        ValueError,
+        match=r"the draft loop's last step \(seq_lens \+ 1; .*req_to_page\[0, 1\] is the reserved dummy page 0 "
+        r"\(padded rows write there\), but seq_lens\[0\]=5 uses 2 pages",
+    ):
+        ms.init_forward_metadata(2, np.arange(2), np.array([4, 5]), r2p)
+    r2p[0, 1] = 6
     # an error that is not about the lengths reads as the single-step planner gives it
     with pytest.raises(ValueError, match=r"^req_pool_indices\[1\]=7 out of range"):
         ms.init_forward_metadata(2, np.array([0, 7]), np.array([4, 5]), r2p)
