@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -40,6 +41,25 @@ def test_series_reads_each_column_and_leaves_out_what_did_not_run(tmp_path):
     assert "jattn triton, GPU time" not in data  # no number in any row
     with pytest.raises(ValueError, match="no chart is defined for bench 'nope'"):
         plot.series(dict(bench="nope", header=[], rows=[]))
+
+
+def test_the_command_refuses_what_it_cannot_draw_by_name(tmp_path, capsys):
+    """``python -m jattn.bench.plot`` on bench serving's --json (a list of rows), a missing
+    file or a file that is not JSON: a one-line error and exit status 1, not a traceback."""
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps([{"model": "tiny", "batch": 1}]))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path, why in (
+        (serving, "not a table that has a chart .*bench serving's --json is a list of rows"),
+        (tmp_path / "missing.json", "No such file"),
+        (bad, "Expecting property name"),
+    ):
+        assert plot.main([str(path), str(tmp_path / "out.png")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m jattn.bench.plot: {path}: ") and len(err.splitlines()) == 1
+        assert re.search(why, err), err
+    assert not (tmp_path / "out.png").exists()
 
 
 def test_draw_writes_a_png(tmp_path):

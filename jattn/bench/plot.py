@@ -106,6 +106,11 @@ def _number(cell: str, which) -> float:
 def series(results: dict) -> tuple[list[str], dict[str, list[float]]]:
     """``(row labels, {series label: values})`` of a results dict (NaN where a cell has no
     number: the peer did not run or failed there). Series with no number are left out."""
+    if not isinstance(results, dict) or not {"bench", "header", "rows"} <= results.keys():
+        raise ValueError(
+            f"not a table that has a chart (the --json of bench {', '.join(SERIES)}); bench serving's "
+            "--json is a list of rows, which has none"
+        )
     bench, header, rows = results["bench"], results["header"], results["rows"]
     if bench not in SERIES:
         raise ValueError(f"no chart is defined for bench {bench!r} (known: {', '.join(SERIES)})")
@@ -168,8 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2:
         print("usage: python -m jattn.bench.plot RESULTS.json OUT.png", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        print(draw(json.load(f), argv[1]))
+    try:
+        with open(argv[0]) as f:
+            results = json.load(f)
+        print(draw(results, argv[1]))
+    except (OSError, ValueError) as e:  # a missing or unreadable file, not JSON, not a table with a chart
+        print(f"python -m jattn.bench.plot: {argv[0]}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
