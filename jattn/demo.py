@@ -19,11 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.backends import ForwardMode, LayerSpec, MHABackend, MHAConfig
+from jattn.dispatch import MHA_OPS
 from jattn.kv_cache import PageAllocator, PagedKVCache, cache_dtype
 from jattn.ops import KERNELS, device_kind, op_backend
-
-MHA_OPS = ("mha_decode", "mha_extend", "mha_prefill")  # what an MHA serving loop calls
-MLA_OPS = ("mla_decode", "mha_prefill")  # what an MLA serving loop calls
 
 
 def backend_choices() -> tuple[str, ...]:
@@ -116,7 +114,11 @@ def run(
     backend=None,
     seed=0,
     verbose=True,
+    asked=None,
 ):
+    """The synthetic serving loop and its self-check against dense attention: ``(passed, the
+    largest error, jitted step compilations)``. ``asked``: the ``--backend`` the command line
+    named, shown beside ``backend`` (what the loop runs) where they differ."""
     rng = np.random.default_rng(seed)
     if num_pages is None:  # every request at its longest at once, and the reserved page 0
         num_pages = num_requests * PageAllocator.pages_for(_MAX_PROMPT + max_new, page_size) + 1
@@ -250,6 +252,8 @@ def run(
     if verbose:
         print(f"jattn synthetic serving demo: {num_requests} requests, {step} steps, {tokens} tokens")
         label = backend or ("auto: every op on xla here" if device_kind() == "cpu" else "auto")
+        if asked not in (None, "auto", backend):
+            label += f" (--backend {asked} asked for: see the line above)"
         print(f"  device: {jax.devices()[0].device_kind} ({device_kind()}), kernel backend: {label}")
         print(
             f"  attention: {num_q_heads} q heads / {num_kv_heads} kv heads, head_dim {head_dim}, "
@@ -303,5 +307,7 @@ def main(argv=None) -> int:
     backend, notice = choose_backend(a.backend, MHA_OPS)
     if notice:
         print(notice, file=sys.stderr)
-    ok, _, _ = run(num_requests=a.requests, window_left=a.window, dtype=a.dtype, backend=backend, seed=a.seed)
+    ok, _, _ = run(
+        num_requests=a.requests, window_left=a.window, dtype=a.dtype, backend=backend, seed=a.seed, asked=a.backend
+    )
     return 0 if ok else 1

@@ -136,6 +136,10 @@ OPS = (
 )
 
 
+MHA_OPS = ("mha_decode", "mha_extend", "mha_prefill")  # what an MHA serving loop calls
+MLA_OPS = ("mla_decode", "mha_prefill")  # what an MLA serving loop calls
+
+
 def op_backend(op: str, backend: str | None = None) -> tuple[str, str | None]:
     """The backend that runs ``op`` (one of :data:`OPS`) on this device: ``(name, reason)``.
 

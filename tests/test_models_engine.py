@@ -659,6 +659,22 @@ def test_engine_config_refuses_what_cannot_serve(kw, match):
         EngineConfig(**kw)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU cannot run the named kernels")
+def test_engine_refuses_a_kernel_backend_this_device_cannot_run(llama, mla):
+    """A named backend is strict, so one that cannot run here failed every request at its
+    first step ("extend step failed: NotImplementedError ..."); the engine refuses it when
+    built, naming the config field, and builds under the Mosaic GPU interpreter."""
+    from jattn.pallas_kernels.interpret import gpu_interpret
+
+    for model, op in ((llama, "mha_decode"), (mla, "mla_decode")):
+        for name in ("mosaic", "triton"):
+            with pytest.raises(ValueError, match=rf"^EngineConfig.kernel_backend='{name}' cannot serve {op} here: "):
+                _engine(model, kernel_backend=name)
+    with gpu_interpret():
+        assert _engine(llama, kernel_backend="mosaic").config.kernel_backend == "mosaic"
+    assert _engine(llama, kernel_backend="xla").config.kernel_backend == "xla"
+
+
 def test_engine_config_normalises_what_it_takes():
     """Bucket sequences (a range, a list out of order with a repeat) become sorted tuples
     without repeats, so equal configs are equal; numpy bools are the Python bools the

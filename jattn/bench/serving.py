@@ -397,7 +397,8 @@ def main(argv=None) -> int:
         _config(name)  # an unknown name fails here, before anything runs
     if not args.cpu and common.no_gpu("serving", "--cpu runs it anyway"):
         return 1
-    from jattn.demo import MHA_OPS, choose_backend
+    from jattn.demo import choose_backend
+    from jattn.dispatch import MHA_OPS
 
     backends = []
     for name in backend_arg.split(","):
