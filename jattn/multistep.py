@@ -54,7 +54,9 @@ class MultiStepMetadata:
     def step(self, i) -> DecodeMetadata:
         """The plan of step ``i`` (a Python int in ``[0, num_steps)``, or traced): lengths
         ``seq_lens + i`` (padding rows stay 0), positions and write slots re-derived from
-        the page table. Jittable; equal to planning those lengths on the host."""
+        the page table. Jittable; its lengths, positions and write slots equal those of
+        planning step ``i``'s lengths on the host, and its page table keeps the pages of the
+        later steps past each row's length (columns no kernel reads)."""
         v = _concrete(i)  # a concrete jax scalar too: a step past the plan reads pages it never planned
         if v is not None and not (v.shape == () and np.issubdtype(v.dtype, np.integer) and 0 <= v < self.num_steps):
             raise ValueError(f"step {v.item() if v.size == 1 else i!r} is not in [0, num_steps={self.num_steps})")
