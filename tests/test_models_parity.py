@@ -57,11 +57,12 @@ def _hf_llama(rope="default", family="llama", seed=0):
         max_position_embeddings=256,
         attn_implementation="eager",
     )
-    if family == "llama":
+    if family in ("llama", "llama-tied"):
         if _LLAMA_ROPES[rope]:
             kw["rope_parameters"] = _LLAMA_ROPES[rope]
-        hc = transformers.LlamaConfig(**kw)
+        hc = transformers.LlamaConfig(**kw, tie_word_embeddings=family == "llama-tied")
         hf = transformers.LlamaForCausalLM(hc)
+        family = "llama"
     elif family == "mistral":  # a window shorter than the test's sequences
         hc = transformers.MistralConfig(**kw, sliding_window=5)
         hf = transformers.MistralForCausalLM(hc)
@@ -161,7 +162,7 @@ def test_llama_full_sequence_logits(rope):
     _full_sequence_check(hf, model)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3-window"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3-window", "llama-tied"])
 def test_qwen_full_sequence_logits(family):
     hf, model = _hf_llama(family=family)
     if family in ("mistral", "qwen3-window"):

@@ -451,6 +451,10 @@ def _padded_plan_arrays(x, c: Case):
         Case(q_lens=(97, 0, 1, 13), poison=40),
         Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=44),
         Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=20),  # in the prefix: visible to all
+        Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=48),  # the last new key
+        Case(q_lens=(9, 3), prefix=(40, 0), page_size=16, poison=39),  # the last prefix key
+        # with a window the first keys a row sees may lie in the prefix: always cleaned
+        Case(q_lens=(9, 3), prefix=(147, 0), page_size=16, window_left=20, poison=100),
     ],
     ids=str,
 )
@@ -468,17 +472,20 @@ def test_v_bad_flag(c):
             )
         )
 
-    assert not flag(x["v"]), "clean data (NaN only in padding / unused pages) must not ask for the cleaning"
+    always = c.page_size > 0 and c.window_left >= 0  # an extend with a window: cleaned whatever V holds
+    assert flag(x["v"]) == always, "clean data (NaN only in padding / unused pages) must not ask for the cleaning"
     _poison(c, x)
     prefix = (c.prefix or (0,))[0]
     # extend: only the new tokens' V is checked (the causal diagonal holds only them)
-    assert flag(x["v"]) == (not c.page_size or c.poison >= prefix)
+    assert flag(x["v"]) == (not c.page_size or c.poison >= prefix or always)
 
 
 def test_merge_sides_places_every_row():
     """Each real row comes from the direct output or from exactly its side slot."""
-    cu_q = jnp.asarray([0, 3, 3, 70, 200, 205], jnp.int32)  # starts 3, 70, 200 are not 8-aligned
-    t, hq, dv = 208, 2, 4
+    # starts 3, 70, 200, 205 are not 8-aligned; the last request's 64 rows, from an aligned
+    # start, end on a chunk's last row (no side slot)
+    cu_q = jnp.asarray([0, 3, 3, 70, 200, 205, 208, 272], jnp.int32)
+    t, hq, dv = 280, 2, 4
     bs = cu_q.shape[0] - 1
     o = jnp.full((t, hq, dv), -1.0)
     lse = jnp.full((hq, t), -1.0)
@@ -562,8 +569,9 @@ def _walk_loads(costs, ctas):
 
 @pytest.mark.parametrize(
     "q_lens, hq, ctas, heads",
-    # the last: 4 x 4096 MHA at 24 MiB sections (2 MiB a head), as measured on the GPU
-    [((1024, 1024), 8, 6, 3), ((1500, 1500, 700), 8, 8, 3), ((4096,) * 4, 32, 132, 12)],
+    # the third: 4 x 4096 MHA at 24 MiB sections (2 MiB a head), as measured on the GPU; the
+    # last: sections of an odd item count (9 tiles x 3 heads)
+    [((1024, 1024), 8, 6, 3), ((1500, 1500, 700), 8, 8, 3), ((4096,) * 4, 32, 132, 12), ((1152,) * 3, 9, 8, 3)],
 )
 def test_folded_sections_even_out_the_persistent_walk(q_lens, hq, ctas, heads):
     """``section_items(..., ctas=C)`` folds each section for the persistent walk: still

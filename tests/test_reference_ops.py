@@ -8,9 +8,11 @@ tables, NaN in every unused slot/page and in padded query rows. Data is fresh an
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
+import jax
 import jax.numpy as jnp
 import naive  # tests/naive.py (pytest puts tests/ on sys.path)
 import numpy as np
@@ -300,18 +302,19 @@ def test_mha_prefill_fp8_kv_scales():
 # ----------------------------------------------------------------------------- MLA absorbed decode
 
 # (id, dtype, lens, page_size, heads, R, r, q_len, kv fp8 scale)
-MLA_CASES = [
-    ("small-f32", "f32", [0, 1, 97, 64, 65], 16, 4, 64, 16, 1, None),
-    ("small-verify", "f32", [2, 97, 33], 64, 8, 48, 16, 2, None),
-    ("small-fp8", "fp8", [97, 1, 0], 16, 4, 64, 16, 1, 0.5),
-    ("small-bf16-verify", "bf16", [3, 50], 32, 4, 64, 32, 3, None),
-    ("real-576-bf16", "bf16", [97, 130, 0], 64, 8, 512, 64, 1, None),
+MLA_CASES = [  # name, dtype, lengths, page size, heads, R, r, q_len, kv_scale, causal
+    ("small-f32", "f32", [0, 1, 97, 64, 65], 16, 4, 64, 16, 1, None, True),
+    ("small-verify", "f32", [2, 97, 33], 64, 8, 48, 16, 2, None, True),
+    ("small-draft", "f32", [3, 97, 33], 16, 4, 64, 16, 3, None, False),  # a non-causal draft block
+    ("small-fp8", "fp8", [97, 1, 0], 16, 4, 64, 16, 1, 0.5, True),
+    ("small-bf16-verify", "bf16", [3, 50], 32, 4, 64, 32, 3, None, True),
+    ("real-576-bf16", "bf16", [97, 130, 0], 64, 8, 512, 64, 1, None, True),
 ]
 
 
 @pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
 def test_mla_decode(case):
-    _, dtype, lens, ps, h, big_r, r, q_len, kv_scale = case
+    _, dtype, lens, ps, h, big_r, r, q_len, kv_scale, causal = case
     rng = np.random.default_rng(zlib.crc32(case[0].encode()))
     pool = naive.Pool(rng, lens, ps)
     bs = len(lens)
@@ -321,7 +324,7 @@ def test_mla_decode(case):
     for b, length in enumerate(lens):
         if length == 0:
             q[b * q_len : (b + 1) * q_len] = np.nan
-    kw = dict(kv_lora_rank=big_r, softmax_scale=scale, max_seqlen_q=q_len)
+    kw = dict(kv_lora_rank=big_r, softmax_scale=scale, max_seqlen_q=q_len, is_causal=causal)
     pt, sl = jnp.asarray(pool.page_table), jnp.asarray(pool.lens)
     if kv_scale is not None:
         kv = naive.quantize_fp8(pool.fill(rng, (width,), scale=3 * kv_scale), kv_scale)
@@ -437,6 +440,17 @@ def test_set_kv_buffer(dtype):
     assert nk.dtype == jd and nv.dtype == jd
     np.testing.assert_array_equal(np.asarray(nk).astype(np.float32), tk.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(nv).astype(np.float32), tv.astype(np.float32))
+    # under jit (no eager check of the slots) a slot past the pool and a negative one are
+    # dropped, never wrapped into the pool
+    bad = loc.copy()
+    bad[3], bad[7] = pages * ps, -2
+    keep = np.ones(13, bool)
+    keep[[3, 7]] = False
+    write = jax.jit(functools.partial(jattn.set_kv_buffer, **scales))
+    nk, nv = write(kc, vc, jnp.asarray(bad), jnp.asarray(k), jnp.asarray(v))
+    tk, tv = naive.set_kv_buffer(kc, vc, loc[keep], k[keep], v[keep], **scales)
+    np.testing.assert_array_equal(np.asarray(nk).astype(np.float32), tk.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(nv).astype(np.float32), tv.astype(np.float32))
 
 
 def test_fp8_write_then_read_round_trip_clamps():
@@ -480,6 +494,15 @@ def test_set_mla_kv_buffer(dtype):
     new = jattn.set_mla_kv_buffer(kv, jnp.asarray(loc), jnp.asarray(c_kv), jnp.asarray(k_pe), kv_scale=scale)
     truth = naive.set_mla_kv_buffer(kv, loc, c_kv, k_pe, kv_scale=scale)
     assert np.isfinite(np.asarray(new).astype(np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(new).astype(np.float32), truth.astype(np.float32))
+    bad = loc.copy()  # under jit: a slot past the pool and a negative one are dropped, not wrapped
+    bad[2], bad[5] = 80, -1
+    keep = np.ones(9, bool)
+    keep[[2, 5]] = False
+    new = jax.jit(functools.partial(jattn.set_mla_kv_buffer, kv_scale=scale))(
+        kv, jnp.asarray(bad), jnp.asarray(c_kv), jnp.asarray(k_pe)
+    )
+    truth = naive.set_mla_kv_buffer(kv, loc[keep], c_kv[keep], k_pe[keep], kv_scale=scale)
     np.testing.assert_array_equal(np.asarray(new).astype(np.float32), truth.astype(np.float32))
 
 
