@@ -298,13 +298,15 @@ def test_kernel_options_are_checked_and_reach_the_heads_kernel(monkeypatch):
     with pytest.raises(ValueError, match="block_sizes.num_stages=0 must be >= 1"):
         dt.decode_config(block_sizes=dataclasses.replace(bs, num_stages=0), **cfg)
     seen = []
-    monkeypatch.setattr(mh, "decode", lambda *a, **k: seen.append(k["combine_kernel"]) or a[0])
+    monkeypatch.setattr(mh, "decode", lambda *a, **k: seen.append((k["combine_kernel"], k["row_tile"])) or a[0])
     q, k = jnp.zeros((4, 32, 64), jnp.bfloat16), jnp.zeros((5, 16, 2, 64), jnp.bfloat16)  # 64 rows: routed
     table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
     with gpu_interpret():
-        for combine in (False, True):
-            md.mha_decode(q, k, k, table, lens, max_seqlen_q=2, options=md.KernelOptions(kernel_combine=combine))
-    assert seen == [False, True]
+        for combine, tile in ((False, 0), (True, 16)):
+            opts = md.KernelOptions(kernel_combine=combine, heads_row_tile=tile)
+            md.mha_decode(q, k, k, table, lens, max_seqlen_q=2, options=opts)
+    assert [c for c, _ in seen] == [False, True]
+    assert seen[1][1] == 16 and seen[0][1] != 16  # heads_row_tile reaches the kernel
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")

@@ -327,6 +327,9 @@ def check_llama_tp():
         n = tp_model.config.num_layers
         got = _collectives(run, args)
         assert got == dict(_NO_COLLECTIVES, **{"all-reduce": 2 * n}), got
+        if kw.get("qkv_bias"):  # a column-parallel bias is split with its weight's columns
+            bias = tp_model.layers[0].self_attn.q_proj.bias[...]
+            assert tuple(bias.sharding.spec) == ("tp",), bias.sharding.spec
     # the rules, by name
     for kw, words in (
         (dict(num_q_heads=6, num_kv_heads=2, head_dim=8), "num_q_heads=6"),
@@ -691,14 +694,18 @@ def check_tp_eager_calls():
         compiles[0] += event == "/jax/core/compile/backend_compile_duration"
 
     monitoring.register_event_duration_secs_listener(count)
-    ref = jattn.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0)
+    scale = dict(k_scale=jnp.float32(0.5))  # an array keyword is an argument of the one program, not a constant
+    ref = jattn.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0, **scale)
     outs = []
     for i in range(3):
         before = compiles[0]
-        outs.append(tp.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0))
+        outs.append(tp.mha_decode_with_kvcache(*args, backend="xla", logit_cap=3.0, **scale))
         assert i == 0 or compiles[0] == before, f"eager call {i} compiled {compiles[0] - before} programs"
     for out in outs:
         _close(out, ref, 1e-6)
+    # sinks as a list, as the one-device op takes them (one argument, not hq leaves)
+    sinks = [0.5] * hq
+    _close(tp.mha_decode_with_kvcache(*args, sinks=sinks), jattn.mha_decode_with_kvcache(*args, sinks=sinks), 1e-6)
     # the backend wrapper: the inner backend's shape rules
     inner = jattn.MHABackend(jattn.MHAConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
                                              num_pages=pages))  # fmt: skip

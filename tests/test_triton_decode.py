@@ -56,6 +56,8 @@ CASES = {
     # sees them, so none may come out non-finite (the window's edge block is cleaned)
     "window_hides_nan": Case(lens=(130, 5), hq=4, hkv=4, window_left=20, hidden_nan=(100, 108), num_splits=2),
     "window_hides_nan_q3": Case(lens=(130,), hq=4, hkv=2, q_len=3, window_left=20, hidden_nan=(100, 106)),
+    # a window of 0 (each query sees only its own key) masks keys too
+    "window0_hides_nan": Case(lens=(40,), hq=4, hkv=2, window_left=0, hidden_nan=(37,), num_splits=1),
 }
 
 
@@ -456,3 +458,17 @@ def test_ampere_refusals_fp8_and_f32_shared_memory(monkeypatch):
     )
     monkeypatch.setattr(triton_glue, "capability", lambda: 89)
     assert td.unsupported_reason(q, k8, k8) is None
+
+
+def test_capability_reads_the_devices_version_string(monkeypatch):
+    """``triton_glue.capability`` parses ``compute_capability`` ("8.9" is 89: Ada has e4m3,
+    "8.6" is not sm80); the other tests stub the function itself. No CUDA device: 80."""
+    import types
+
+    import jax
+
+    from jattn.pallas_kernels import triton_glue
+
+    for cc, want in (("8.9", 89), ("8.6", 86), ("9.0", 90), ("10.0", 100), (None, 80)):
+        monkeypatch.setattr(jax, "devices", lambda cc=cc: [types.SimpleNamespace(compute_capability=cc)])
+        assert triton_glue.capability() == want, cc
