@@ -271,8 +271,7 @@ def _checked_options(ap: argparse.ArgumentParser, args) -> None:
 
 def _run(args, prompts) -> int:
     from jattn.demo import choose_backend
-    from jattn.dispatch import MHA_OPS, MLA_OPS
-    from jattn.models.deepseek import Deepseek
+    from jattn.models.setup import serving_ops, trained_context
 
     try:
         model, tok, desc = load_model(args)
@@ -284,13 +283,13 @@ def _run(args, prompts) -> int:
     ) as e:  # a missing or unreadable file, a format the loader refuses
         source = f"--gguf {args.gguf}" if args.gguf else f"--hf {args.hf}" if args.hf else "the installed SmolLM2"
         raise SystemExit(f"error: could not load the model ({source}): {type(e).__name__}: {e}") from None
-    ops = MLA_OPS if isinstance(model, Deepseek) else MHA_OPS
+    ops = serving_ops(model)
     backend, notice = choose_backend(args.backend, ops)
     if notice:
         print(notice, file=sys.stderr)
     if args.max_context is None:
-        trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        args.max_context = min(DEFAULT_MAX_CONTEXT, trained) if isinstance(trained, int) else DEFAULT_MAX_CONTEXT
+        trained = trained_context(model)
+        args.max_context = DEFAULT_MAX_CONTEXT if trained is None else min(DEFAULT_MAX_CONTEXT, trained)
     ecfg = EngineConfig(
         page_size=args.page_size,
         max_context=args.max_context,

@@ -62,7 +62,7 @@ from jattn.models.requests import (
 )
 from jattn.models.sampling import SamplingParams, sample_tokens, sampling_arrays, wrap_seed
 from jattn.models.schedule import _Scheduling
-from jattn.models.setup import check_context, check_kernel_backend, new_kv_cache, serving_model
+from jattn.models.setup import check_context, new_kv_cache, serving_model
 from jattn.models.step import (
     ENGINE_COMMAND_BUFFERS,
     InFlight,
@@ -150,7 +150,6 @@ class Engine(_Scheduling):
     def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(), backend=None):
         self.config = c = config
         check_context(model, c)
-        check_kernel_backend(model, c)
         self.page_size = c.page_size
         self.max_pages = -(-c.max_context // c.page_size)
         self.model, self.backend, self.fused_projections = serving_model(model, c, backend)

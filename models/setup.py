@@ -10,14 +10,28 @@ import jax
 
 from jattn.models.requests import EngineConfig
 
-__all__ = ["check_context", "check_kernel_backend", "serving_model", "new_kv_cache"]
+__all__ = ["check_context", "check_kernel_backend", "serving_model", "serving_ops", "trained_context", "new_kv_cache"]
+
+
+def trained_context(model) -> int | None:
+    """The model's ``max_position_embeddings`` (None where its config has none)."""
+    trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return trained if isinstance(trained, int) else None
+
+
+def serving_ops(model) -> tuple[str, ...]:
+    """The attention ops the model's serving loop calls (``jattn.dispatch``)."""
+    from jattn.dispatch import MHA_OPS, MLA_OPS
+    from jattn.models.deepseek import Deepseek
+
+    return MLA_OPS if isinstance(model, Deepseek) else MHA_OPS
 
 
 def check_context(model, c: EngineConfig) -> None:
     """Warns when ``c.max_context`` exceeds the model's ``max_position_embeddings``:
     positions past it are outside what the model was trained on."""
-    trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(trained, int) and c.max_context > trained:
+    trained = trained_context(model)
+    if trained is not None and c.max_context > trained:
         warnings.warn(
             f"EngineConfig.max_context={c.max_context} exceeds the model's max_position_embeddings={trained}: "
             "positions past it are outside what the model was trained on",
@@ -32,10 +46,9 @@ def check_kernel_backend(model, c: EngineConfig) -> None:
     would otherwise fail every request at its first step."""
     if c.kernel_backend in (None, "xla"):
         return
-    from jattn.dispatch import MHA_OPS, MLA_OPS, op_backend
-    from jattn.models.deepseek import Deepseek
+    from jattn.dispatch import op_backend
 
-    for op in MLA_OPS if isinstance(model, Deepseek) else MHA_OPS:
+    for op in serving_ops(model):
         reason = op_backend(op, c.kernel_backend)[1]
         if reason:
             raise ValueError(
@@ -50,7 +63,9 @@ def serving_model(model, c: EngineConfig, backend=None):
     and gate/up projections fused in place when ``c.fuse_projections`` asks for it (None:
     on a GPU unless tensor-parallel; True with a tensor-parallel mesh is refused); without
     a backend, the model's default one for ``c.kernel_backend``; its layers stacked in
-    place (``CausalLM.stack_layers``) when ``c.scan_layers``."""
+    place (``CausalLM.stack_layers``) when ``c.scan_layers``. A ``c.kernel_backend`` this
+    device cannot run is refused first (:func:`check_kernel_backend`)."""
+    check_kernel_backend(model, c)
     if c.mesh is not None:
         from jattn.models.parallel import for_engine
 
