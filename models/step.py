@@ -6,6 +6,7 @@ XLA command-buffer (CUDA graph) options it compiles with."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,12 @@ def _is_gpu() -> bool:
 ENGINE_COMMAND_BUFFERS = "xla"
 
 
+# One item of XLA's command-buffer type list: a type name (FUSION, CUBLAS, CUSTOM_CALL, ...),
+# optionally prefixed + or - to add it to or remove it from XLA's defaults. The names
+# themselves change between XLA versions and are left to XLA.
+_COMMAND_TYPE = re.compile(r"[+-]?[A-Za-z][A-Za-z0-9_]*")
+
+
 def command_buffer_options(setting: bool | str) -> dict:
     """The jit ``compiler_options`` for an ``EngineConfig.command_buffers`` setting."""
     if setting is True:
@@ -72,6 +79,13 @@ def command_buffer_options(setting: bool | str) -> dict:
         return {}
     if not isinstance(setting, str):
         raise TypeError(f"command_buffers: expected a bool or a string, got {setting!r}")
+    bad = [item for item in setting.split(",") if not _COMMAND_TYPE.fullmatch(item)]
+    if bad:
+        raise ValueError(
+            f"command_buffers: expected True, False, 'off', 'xla' or a comma-separated list of XLA "
+            f"command-buffer types without spaces (e.g. 'FUSION,CUBLAS', '+CUSTOM_CALL'), got {setting!r} "
+            f"(bad item {bad[0]!r})"
+        )
     return {"xla_gpu_enable_command_buffer": setting}
 
 
@@ -84,9 +98,9 @@ SCAN_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": True, "xla_gpu_e
 def step_compiler_options(model: nnx.Module, command_buffers: bool | str = True) -> dict:
     """The jit ``compiler_options`` of a serving step on a GPU (none elsewhere): the
     command buffers, and :data:`SCAN_COMPILER_OPTIONS` for a model with stacked layers."""
+    opts = dict(command_buffer_options(command_buffers))  # checks the setting on every platform
     if not _is_gpu():
         return {}
-    opts = dict(command_buffer_options(command_buffers))
     if getattr(model, "layers_stacked", False):
         opts.update(SCAN_COMPILER_OPTIONS)
     return opts

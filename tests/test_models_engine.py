@@ -610,8 +610,19 @@ def test_command_buffer_settings():
     assert command_buffer_options("off") == {key: ""}
     assert command_buffer_options("xla") == {}
     assert command_buffer_options("FUSION,CUBLAS") == {key: "FUSION,CUBLAS"}
+    assert command_buffer_options("+CUSTOM_CALL,-CUBLAS") == {key: "+CUSTOM_CALL,-CUBLAS"}
     with pytest.raises(TypeError, match="command_buffers"):
         command_buffer_options(3)
+    for bad in ("FUSION, CUBLAS", "FUSION,", "", "FUSION;CUBLAS", "++FUSION"):
+        with pytest.raises(ValueError, match="command_buffers.*comma-separated"):
+            command_buffer_options(bad)
+
+
+def test_bad_command_buffers_refused_on_every_platform(llama):
+    """A malformed EngineConfig.command_buffers string is refused when the engine is built,
+    on the CPU too (where no command buffers are asked for), not at the first GPU step."""
+    with pytest.raises(ValueError, match="command_buffers"):
+        _engine(nnx.clone(llama), kernel_backend="xla", command_buffers="FUSION, CUBLAS")
 
 
 def test_new_weights_through_engine_state(llama):
