@@ -730,6 +730,14 @@ def check_tp_eager_calls():
     out, _ = fwd(qt, kt, kt, layer, cache, md, sinks=[0.5] * hq)
     want, _ = inner.forward_extend(qt, kt, kt, layer, jattn.PagedKVCache(k=(kc,), v=(vc,)), md, sinks=[0.5] * hq)
     _close(out, want, 1e-5)
+    # a non-causal layer checks the plan as non-causal: its new tokens need not be the last
+    # of the cached length (here 5 and 3 new tokens over lengths 2 and 3), which a causal
+    # check refuses; the one-device backend takes the call
+    free = dataclasses.replace(layer, non_causal=True)
+    short = dataclasses.replace(md, cache_seqlens=jnp.array([2, 3], jnp.int32))
+    out, _ = fwd(qt, kt, kt, free, cache, short)
+    want, _ = inner.forward_extend(qt, kt, kt, free, jattn.PagedKVCache(k=(kc,), v=(vc,)), short)
+    _close(out, want, 1e-5)
 
 
 def check_mla_dp_one_device():
