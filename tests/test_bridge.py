@@ -2213,3 +2213,88 @@ def test_sinks_whose_data_is_swapped_are_read_again():
     sinks.data = sinks.data[:2]  # same address, another shape: refused (the bridge's or the core's check)
     with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
         call()
+
+
+# ----------------------------------------------------------------------------- mutation review of the bridge package
+
+
+def test_cpu_views_need_64_byte_alignment_and_inputs_off_it_are_copied():
+    """JAX's CPU client views only 64-byte aligned buffers: a 32-byte offset view is refused
+    by the bridge's own check (naming the offset), and a per-call input at that offset is
+    copied first, so it is read with its values rather than refused by JAX."""
+    if ON_GPU:
+        pytest.skip("the CPU client's alignment (the GPU's is 16 bytes)")
+    base = torch.randn(80, generator=torch.Generator().manual_seed(3))
+    assert base.data_ptr() % 64 == 0
+    x = base[8:72]  # 32 bytes in: aligned to 32, not to 64
+    with pytest.raises(BridgeError, match=r"x's data pointer .* is not 64-byte aligned \(storage offset 8 elements\)"):
+        to_jax(x, name="x")
+    np.testing.assert_array_equal(np.asarray(to_jax_input(x, "x")), x.numpy())
+
+
+def test_explicit_copies_share_no_memory_in_either_direction():
+    """``copy=True`` copies even a tensor (or array) that could be shared: later writes to
+    one side do not reach the other."""
+    t = torch.randn(16, 8, generator=torch.Generator().manual_seed(4)).to(DEV)
+    a = to_jax(t, copy=True)
+    assert a.unsafe_buffer_pointer() != t.data_ptr()
+    want = t.cpu().numpy().copy()
+    t.mul_(2)
+    np.testing.assert_array_equal(np.asarray(a), want)
+    b = to_torch(a, copy=True)
+    assert b.data_ptr() != a.unsafe_buffer_pointer()
+    b.zero_()
+    np.testing.assert_array_equal(np.asarray(a), want)
+
+
+def test_a_cross_attention_layer_is_refused_by_name():
+    layer = AttentionLayer(0, 4, 2, 32)
+    layer.is_cross_attention = True
+    with pytest.raises(NotImplementedError, match="cross attention is not supported by the torch bridge"):
+        layer_spec(layer)
+
+
+def test_mla_prefill_inputs_as_wide_as_absorbed_ones_run_the_prefill():
+    """With ``qk_nope_head_dim == kv_lora_rank`` a prefill q_nope has the absorbed query's
+    width: an ``EXTEND`` call reads it as the ragged prefill (its k and v given), not as
+    an absorbed call over the pool."""
+    torch.manual_seed(6)
+    H, P, r, Vd = 2, 64, 16, 32
+    cfg, be, layer = _small_mla(H, P, r, Vd)
+    assert cfg.kv_lora_rank == P
+    ext = [3, 4]
+    r2p = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
+    be.init_forward_metadata(
+        2, 2, torch.tensor([0, 1]), torch.tensor(ext), r2p, ForwardMode.EXTEND, extend_seq_lens=torch.tensor(ext)
+    )
+    T = sum(ext)
+    qn, qr, kn, kr, v = rand(T, H * P), rand(T, H * r), rand(T, H * P), rand(T, r), rand(T, H * Vd)
+    out = be.forward_extend(qn, kn, v, layer, save_kv_cache=False, q_rope=qr, k_rope=kr)
+    assert out.shape == (T, H * Vd)
+    row = 0
+    for n in ext:
+        q = torch.cat([qn[row : row + n].view(n, H, P), qr[row : row + n].view(n, H, r)], -1).float().cpu()
+        k = torch.cat([kn[row : row + n].view(n, H, P), kr[row : row + n].view(n, 1, r).expand(n, H, r)], -1)
+        exp = ref_attention(
+            q, k.float().cpu(), v[row : row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale
+        )
+        torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+        row += n
+
+
+def test_a_scale_tensor_changed_in_place_is_read_again():
+    """A layer's scale tensor loaded in place (``copy_`` / ``fill_`` into the same tensor)
+    after a first call: the cached spec follows its version, so the pool's writer and the
+    attention use the new scale."""
+    cfg = MHAConfig(
+        num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4, context_len=64, num_pages=64,
+        kv_cache_dtype="float8_e4m3fn", kernel_backend="xla",
+    )  # fmt: skip
+    be = TorchMHABackend(cfg)
+    layer = AttentionLayer(0, 4, 2, 32, k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25))
+    spec = be._spec(layer)
+    assert (spec.k_scale, spec.v_scale) == (0.5, 0.25)
+    layer.k_scale.fill_(2.0)
+    layer.v_scale.mul_(3.0)
+    spec = be._spec(layer)
+    assert (spec.k_scale, spec.v_scale) == (2.0, 0.75)

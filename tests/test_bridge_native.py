@@ -100,6 +100,12 @@ def scenario(kernels: str, *, device: str, dtype: str, kv: str, window=-1, cap=0
         run(f"decode{step}", 4, ForwardMode.DECODE, lens, "forward_decode")
     lens = [x + spec for x in lens]
     run("verify", 4 * spec, ForwardMode.TARGET_VERIFY, lens, "forward_decode")
+    # the same verify plan through a non-causal layer: every new token sees all of its keys
+    for layer in layers:
+        q, k, v = rand(4 * spec, hq * d), rand(4 * spec, hkv * d), rand(4 * spec, hkv * d)
+        nc = dataclasses.replace(layer, non_causal=True)
+        o = be.forward_decode(q, k, v, nc, None, pool, 4, save_kv_cache=True, sinks=sink_t)
+        out[f"verify_nc_l{layer.layer_id}"] = o.float().cpu().numpy()
     # a DFLASH draft block (a non-causal drafter layer), its lengths refilled on the plan
     be.init_forward_metadata(4, 0, rpi, torch.tensor(lens), req_to_page, ForwardMode.DRAFT_BLOCK)
     lens = [x + spec for x in lens]
@@ -272,7 +278,7 @@ def test_native_kernels_check_what_they_read_and_write():
 
 def _compare(res, atol):
     names = sorted(k[len("jax/") :] for k in res.files if k.startswith("jax/"))
-    assert len(names) == 2 * 7 + 4  # 7 steps x 2 layers, 2 pools x 2 layers
+    assert len(names) == 2 * 8 + 4  # 8 steps x 2 layers, 2 pools x 2 layers
     for n in names:
         a, b = res[f"jax/{n}"], res[f"native/{n}"]
         if "pool" in n:  # the same writes: equal bits, NaN where nothing was written
@@ -626,3 +632,30 @@ def test_native_capture_plans_keep_their_tensors():
     jax_be.init_cuda_graph_state(4)
     jax_be.init_forward_metadata_capture_cuda_graph(2)
     jax_be.precompile([AttentionLayer(0, 4, 2, 16, v_head_dim=8)], token_to_kv_pool=pool)
+
+
+def test_native_decodes_name_heads_lengths_and_rope_widths_they_cannot_take():
+    """Refused before any launch (so on the CPU without the interpreter): query heads that
+    are not a multiple of the cache's KV heads, ``cache_seqlens`` of another batch than
+    ``page_table``, an MLA rope width that is not a power of two >= 16."""
+    import torch
+
+    from jattn.bridge import BridgeError
+    from jattn.bridge import triton_native as tn
+
+    g = torch.Generator().manual_seed(7)
+    f16 = torch.float16
+    kc = torch.randn(3, 4, 4, 64, generator=g).to(f16)
+    table, lens = torch.tensor([[1], [2]], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(BridgeError, match=r"num_q_heads=6 must be a multiple of num_kv_heads=4"):
+        tn.mha_decode(torch.randn(2, 6, 64, generator=g).to(f16), kc, kc, table, lens)
+    q = torch.randn(2, 4, 64, generator=g).to(f16)
+    with pytest.raises(BridgeError, match=r"cache_seqlens has 3 rows, page_table 2"):
+        tn.mha_decode(q, kc, kc, table, torch.tensor([3, 4, 1], dtype=torch.int32))
+    for rope in (24, 8):
+        w = 64 + rope
+        kv = torch.randn(3, 4, w, generator=g).to(f16)
+        with pytest.raises(BridgeError, match=rf"kv_lora_rank=64 and rope width {rope} must be powers of two >= 16"):
+            tn.mla_decode(
+                torch.randn(2, 2, w, generator=g).to(f16), kv, table, lens, kv_lora_rank=64, softmax_scale=0.1
+            )
