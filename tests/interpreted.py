@@ -93,3 +93,28 @@ def merge_splits_f64(o, lse):
     ws = w.sum(0)
     out = (w[..., None] * o).sum(0) / np.where(ws == 0, 1.0, ws)[..., None]
     return out, np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
+
+
+def interpreted_triton_call(fn, *args, out_shape, grid, name, num_warps=4, num_stages=1, **constexprs):
+    """``triton_glue.triton_call`` in a ``TRITON_INTERPRET=1`` process: the arrays go to torch
+    CPU tensors, the kernel runs under the interpreter into NaN-filled outputs, which come
+    back as JAX arrays. Patched in, it runs a JAX entry point's host code (parameters, tile
+    list, grid, output shapes, the LSE it returns) on the CPU, eagerly (``jax.disable_jit``)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import torch
+
+    from jattn.pallas_kernels import triton_glue
+
+    def t(a):
+        a = np.array(a)
+        if a.dtype == ml_dtypes.float8_e4m3fn:
+            return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+        return torch.from_numpy(a)
+
+    shapes = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    outs = [torch.full(s.shape, float("nan"), dtype=getattr(torch, np.dtype(s.dtype).name)) for s in shapes]
+    ins = [t(a) for a in args]
+    triton_glue.launch_interpreted(fn, grid, *ins, *outs, num_warps=num_warps, num_stages=num_stages, **constexprs)
+    res = tuple(jnp.asarray(o.numpy()) for o in outs)
+    return res if isinstance(out_shape, (tuple, list)) else res[0]

@@ -538,6 +538,18 @@ def test_balanced_splits_default_rule():
         md.KernelOptions(balanced_splits="yes")
 
 
+def test_heads_kernel_preference_rule():
+    """``decode_tuning.prefer_heads_kernel``: multi-token calls of at least 64 query rows
+    over a 2-byte cache (measured faster there, docs/PERF.md); single tokens, fewer rows and
+    FP8 caches (the converter warpgroup's path) stay on the all-heads kernel."""
+    from jattn.pallas_kernels.decode_tuning import prefer_heads_kernel
+
+    assert prefer_heads_kernel(2, 32, 2) and prefer_heads_kernel(8, 8, 2) and prefer_heads_kernel(4, 128, 2)
+    assert not prefer_heads_kernel(1, 64, 2) and not prefer_heads_kernel(1, 128, 2)  # one token
+    assert not prefer_heads_kernel(2, 31, 2) and not prefer_heads_kernel(3, 21, 2)  # 62 and 63 rows
+    assert not prefer_heads_kernel(2, 32, 1) and not prefer_heads_kernel(8, 64, 1)  # FP8
+
+
 def test_balanced_split_size_evens_out_an_uneven_batch():
     """The balanced split size covers the longest request in the launch's splits, counts
     a window's blocks from its first one, and on an uneven batch of 64 x 4096 (lengths
@@ -715,6 +727,34 @@ def test_fp8_converter_lowers_for_cuda(name, monkeypatch):
         fn = jax.jit(lambda q, k, v, table, lens, o=opts: md.mha_decode(q, k, v, table, lens, options=o, **kw))
         texts.append(fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text())
     assert "_conv2" in texts[0] and "_conv2" not in texts[1]
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+def test_fp8_in_chain_upcast_ring_lowers_within_shared_memory(monkeypatch):
+    """FP8 without the converter at head_dim 256: the chosen ring counts the in-chain
+    upcast's f16 K and V tiles, so it lowers for CUDA within shared memory (without them
+    counted a ring one stage deeper was chosen, over the limit: a GPU compile failure)."""
+    c = Case(lens=(300,), hq=32, hkv=8, d=256, page_size=64, kv="fp8")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v, table, lens, sinks, ks, vs = _inputs(c, 0)
+    kw = _kwargs(c, sinks, ks, vs)
+    opts = md.KernelOptions(fp8_converter=False)
+    fn = jax.jit(lambda q, k, v, table, lens: md.mha_decode(q, k, v, table, lens, options=opts, **kw))
+    assert "jattn_paged_decode" in fn.trace(q, k, v, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_block_shape_is_the_nearest_to_the_target_rows():
+    """``block_shape``: the KV block nearest 128 rows (64 at head_dim 256), whole pages
+    gathered where one page of all KV heads is fewer rows (up to 16 pages of 16 tokens)."""
+    from jattn.pallas_kernels.decode_tuning import block_shape
+
+    assert block_shape(1, 128, 16) == (16, 8) and block_shape(2, 128, 16) == (16, 4)
+    assert block_shape(8, 128, 16) == (16, 1) and block_shape(8, 128, 64) == (16, 1)
+    assert block_shape(1, 256, 16) == (16, 4) and block_shape(8, 256, 64) == (8, 1)
+    assert block_shape(1, 128, 16, target_n=256) == (16, 16)
+    # two compute warpgroups only for an even count of 64-row query tiles (3 tiles: one)
+    kw = dict(batch=2, num_kv_heads=8, head_dim=128, page_size=16, max_pages=8, kv_itemsize=2)
+    assert [md.choose_block_sizes(m_rows=m, **kw).compute_wgs for m in (64, 128, 160, 192, 256)] == [1, 2, 1, 1, 2]
 
 
 def test_block_sizes_over_shared_memory_are_refused():

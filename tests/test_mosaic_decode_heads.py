@@ -287,7 +287,8 @@ def test_kernel_options_are_checked_and_reach_the_heads_kernel(monkeypatch):
     from jattn.pallas_kernels import decode_tuning as dt
     from jattn.pallas_kernels import mosaic_decode as md
 
-    for kw in (dict(heads_row_tile=7), dict(heads_row_tile=True), dict(overlap_qk=1), dict(fp8_heads=None)):
+    bad = [dict(heads_row_tile=t) for t in (7, 8, 64, True, False)] + [dict(overlap_qk=1), dict(fp8_heads=None)]
+    for kw in bad:  # 8 and 64: no MMA shape of the kernel; False: not the int 0
         with pytest.raises(ValueError, match=f"KernelOptions.{next(iter(kw))}="):
             dt.KernelOptions(**kw)
     assert dt.KernelOptions(heads_row_tile=16, overlap_qk=np.False_).heads_row_tile == 16
@@ -801,6 +802,13 @@ def test_unsupported_reasons():
     assert "window_left" in mh.unsupported_reason(q, pool, pool, window_left=10)
     assert "sinks" in mh.unsupported_reason(q, pool, pool, sinks=jnp.zeros(32))
     assert "head_dim" in mh.unsupported_reason(q[..., :64], pool, pool)
+    q256, pool256 = jnp.zeros((2, 32, 256), jnp.bfloat16), jnp.zeros((4, 64, 8, 256), jnp.bfloat16)
+    assert "head_dim=256 (64 or 128)" in mh.unsupported_reason(q256, pool256, pool256)
+    # at most 64 query rows per KV head (the MMA's widest N): 8 tokens x a group of 16 is 128
+    q16 = jnp.zeros((16, 32, 128), jnp.bfloat16)
+    assert mh.unsupported_reason(q16, pool[:, :, :4], pool[:, :, :4], max_seqlen_q=8) is None  # 8 x 8 rows
+    assert "at most 64 rows" in mh.unsupported_reason(q16, pool[:, :, :2], pool[:, :, :2], max_seqlen_q=8)
+    assert "not a multiple of max_seqlen_q=4" in mh.unsupported_reason(q[:1], pool, pool, max_seqlen_q=4)
     with pytest.raises(ValueError, match="page_size"):
         mh.mha_decode_heads(q, pool[:, :8], pool[:, :8], jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32))
 

@@ -380,6 +380,18 @@ def test_v_regs_needs_fp8_and_32_rows():
             MLADecodeConfig(num_heads=heads, q_len=q_len, fp8=fp8, v_regs=True, **kw)
 
 
+def test_register_split_fits_the_launch():
+    """The warpgroups' ``set_max_registers`` counts (producer decrease, two increases) sum to
+    at most three times the launch's 168 per thread (an increase only takes what a decrease
+    gave back; past it the increase waits for ever: a hang on the GPU alone), each a
+    multiple of 8 in [24, 256]."""
+    from jattn.pallas_kernels.mosaic_mla_config import REGISTERS, REGISTERS_FP8
+
+    for regs in (REGISTERS, REGISTERS_FP8):
+        assert len(regs) == 3 and sum(regs) <= 3 * 168, regs
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+
+
 def test_unsupported_reasons():
     q = jnp.zeros((2, 16, W), jnp.bfloat16)
     kv = jnp.zeros((4, 64, W), jnp.bfloat16)

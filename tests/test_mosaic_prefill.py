@@ -708,6 +708,17 @@ def test_persistent_launch_is_refused_where_the_output_borrows_the_ring():
         mp.mha_prefill(q, q, v, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(persistent=True))
 
 
+def test_persistent_launch_by_default_where_it_was_measured_faster():
+    """``PrefillOptions(persistent=None)``: the persistent launch for equal widths 64 and 128
+    over 2-byte K/V (docs/PERF.md); one CTA per tile at 256, for FP8 K/V, and for 192/128,
+    whose output borrows a ring slot (the persistent launch is refused there)."""
+    from jattn.pallas_kernels.mosaic_prefill_config import persistent_by_default
+
+    assert persistent_by_default(64, 64, False) and persistent_by_default(128, 128, False)
+    assert not persistent_by_default(256, 256, False) and not persistent_by_default(192, 128, False)
+    assert not persistent_by_default(64, 64, True) and not persistent_by_default(128, 128, True)
+
+
 def test_negative_cta_count_is_refused():
     q = jnp.zeros((8, 1, 64), jnp.float16)
     with pytest.raises(ValueError, match="PrefillOptions.ctas=-1"):

@@ -179,9 +179,35 @@ def run_interpreted(name: str, path: str) -> None:
     np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
 
 
+# Cases also run through the JAX entry point (``triton_mla.mla_decode``), whose host code
+# (tuning, grid, partial shapes, the combine with kv_scale on the output) runs on the CPU
+# with ``triton_glue.triton_call`` launching the source under the interpreter.
+JAX_PATH_CASES = ["fp8_upcast_to_q", "lens_0_1_97_two_splits"]
+
+
+def run_jax_path(name: str, path: str) -> None:
+    """In a TRITON_INTERPRET=1 process: the case through ``triton_mla.mla_decode`` (``name``
+    is ``jax_`` and the case's name), eagerly."""
+    import jax
+    from interpreted import interpreted_triton_call
+
+    from jattn.pallas_kernels import triton_glue, triton_mla
+
+    c, q, kv, table, lens = _inputs(name.removeprefix("jax_"))
+    triton_glue.triton_call = interpreted_triton_call
+    with jax.disable_jit():
+        out, lse = triton_mla.mla_decode(
+            q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE, kv_scale=c.kv_scale,
+            max_seqlen_q=c.q_len, is_causal=c.causal, return_lse=True, num_splits=c.num_splits,
+            tuning=dataclasses.replace(triton_mla.DEFAULT_TUNING, **dict(c.tuning)),
+        )  # fmt: skip
+    np.savez(path, o=np.asarray(out, np.float32), lse=np.asarray(lse))
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    return run_in_interpreter(tmp_path_factory, "test_triton_mla", {"run_interpreted": list(CASES)})
+    runs = {"run_interpreted": list(CASES), "run_jax_path": ["jax_" + n for n in JAX_PATH_CASES]}
+    return run_in_interpreter(tmp_path_factory, "test_triton_mla", runs)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -209,6 +235,25 @@ def test_interpreted_matches_float64(name, interpreted):
     empty = np.repeat(lens == 0, c.q_len)
     assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
     assert_same_partials(res["o"], res["lse"], res["o2"], res["lse2"])  # deterministic
+
+
+@pytest.mark.parametrize("name", JAX_PATH_CASES)
+def test_jax_entry_point_interpreted_matches_float64(name, interpreted):
+    """``mla_decode``'s output (``kv_scale`` on it, after the combine) and natural-log LSE
+    against float64 (the GPU tests alone ran this host code: an FP8 cache's ``kv_scale``
+    left off the output passed every CPU test)."""
+    res = interpreted["jax_" + name]
+    c, q, kv, table, lens = _inputs(name)
+    kv = kv.astype(np.float32) if c.fp8 else kv
+    want, want_lse = mla_f64(
+        q, kv, table, lens, kv_lora_rank=c.rank, softmax_scale=SCALE * c.kv_scale, max_seqlen_q=c.q_len,
+        is_causal=c.causal,
+    )  # fmt: skip
+    tol = 2e-2 if c.dtype == "float16" else 2e-4
+    np.testing.assert_allclose(res["o"], want * c.kv_scale, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.isneginf(res["lse"]), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(res["lse"][fin], want_lse[fin], atol=tol, rtol=tol)
 
 
 def test_launch_params_and_reasons():
@@ -240,6 +285,20 @@ def test_launch_params_and_reasons():
     assert tm.unsupported_reason(q, kv.astype(jnp.float8_e4m3fn), kv_lora_rank=512) is None
     assert "powers of two" in tm.unsupported_reason(q, kv, kv_lora_rank=500)
     assert "max_seqlen_q=9" in tm.unsupported_reason(q, kv, kv_lora_rank=512, max_seqlen_q=9)
+    assert tm.unsupported_reason(q, kv, kv_lora_rank=512, max_seqlen_q=8) is None
+    for rope in (8, 24):  # rope columns too few for a dot, or not a power of two
+        msg = tm.unsupported_reason(q[..., : 512 + rope], kv[..., : 512 + rope], kv_lora_rank=512)
+        assert f"rope width {rope} must be powers of two >= 16" in msg
+    assert "kv_cache dtype float16" in tm.unsupported_reason(q, kv.astype(jnp.float16), kv_lora_rank=512)
+    # the smallest row tile is 16 rows (tl.dot's least M), whatever the call's rows
+    assert tm.launch_params(2, 4, 1, 4096)[1]["BLOCK_M"] == 16
+    assert tm.launch_params(2, 1, 1, 4096, tuning=tm.Tuning(block_m=64))[1]["BLOCK_M"] == 16
+    # an FP8 math choice reaches FP8 latent rows only (2-byte rows keep their own dtype)
+    params = tm.launch_params(2, 16, 1, 4096, tuning=tm.Tuning(fp8_math=1))[1]
+    pt = jnp.zeros((2, 64), jnp.int32)
+    kw = dict(kv_lora_rank=512, q_len=1, is_causal=True, params=params)
+    assert tm.constexprs(q, kv, pt, **kw)["FP8_MATH"] == 0
+    assert tm.constexprs(q, kv.astype(jnp.float8_e4m3fn), pt, **kw)["FP8_MATH"] == 1
 
 
 @pytest.mark.gpu

@@ -262,9 +262,42 @@ def run_interpreted(name: str, path: str) -> None:
     np.savez(path, o=runs[0][0], lse=runs[0][1], o2=runs[1][0], lse2=runs[1][1])
 
 
+# Cases also run through the JAX entry points (``mha_prefill`` / ``mha_extend``), whose host
+# code (parameter vector, padding request, tile list, grid, LSE) runs on the CPU with
+# ``triton_glue.triton_call`` launching the source under the interpreter: a head width
+# 192/128 with a negative scale, and an extend with sinks, scales and a poisoned key.
+JAX_PATH_CASES = ["prefill_192_128_longer_kv_fp16", "extend_fp16_window_cap_sinks_scales_poison"]
+
+
+def run_jax_path(name: str, path: str) -> None:
+    """In a TRITON_INTERPRET=1 process: the case through ``triton_prefill.mha_prefill`` /
+    ``mha_extend`` (``name`` is ``jax_`` and the case's name), eagerly."""
+    import jax
+    from interpreted import interpreted_triton_call
+
+    from jattn.pallas_kernels import triton_glue
+    from jattn.pallas_kernels import triton_prefill as tp
+
+    c, q, k, v, cu_q, sinks, extra = _inputs(name.removeprefix("jax_"))
+    triton_glue.triton_call = interpreted_triton_call
+    kw = dict(_options(c, sinks), return_lse=True, block_m=c.block_m, block_n=c.block_n)
+    more = {}
+    with jax.disable_jit():
+        if c.kind == "prefill":
+            o, lse = tp.mha_prefill(q, k, v, cu_q, extra["cu_seqlens_kv"], **kw)
+            # the default scale, 1/sqrt(head_dim_qk) (not of the value width), given and not
+            for tag, scale in (("default", None), ("given", q.shape[-1] ** -0.5)):
+                kw.update(softmax_scale=scale)
+                more[tag] = np.asarray(tp.mha_prefill(q, k, v, cu_q, extra["cu_seqlens_kv"], **kw)[0], np.float32)
+        else:
+            o, lse = tp.mha_extend(q, k, v, extra["page_table"], extra["cache_seqlens"], cu_q, **kw)
+    np.savez(path, o=np.asarray(o, np.float32), lse=np.asarray(lse), **more)
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    return run_in_interpreter(tmp_path_factory, "test_triton_prefill", {"run_interpreted": list(CASES)})
+    runs = {"run_interpreted": list(CASES), "run_jax_path": ["jax_" + n for n in JAX_PATH_CASES]}
+    return run_in_interpreter(tmp_path_factory, "test_triton_prefill", runs)
 
 
 def _expect(name):
@@ -300,6 +333,20 @@ def test_interpreted_matches_float64(name, interpreted):
     assert (out[cu_q[-1] :] == 0).all() and np.isneginf(lse[cu_q[-1] :]).all()  # padding rows
     np.testing.assert_array_equal(res["o"], res["o2"])  # deterministic
     np.testing.assert_array_equal(res["lse"], res["lse2"])
+
+
+@pytest.mark.parametrize("name", JAX_PATH_CASES)
+def test_jax_entry_points_interpreted_match_the_torch_launch(name, interpreted):
+    """The JAX entry points give the torch launch's outputs and natural-log LSE (the GPU
+    tests alone ran their host code: a scale from the value width, a sink read past the
+    parameters, a grid over KV heads or a base-2 LSE there passed every CPU test); the
+    192/128 case's default scale is that of the query width."""
+    jax_run, torch_run = interpreted["jax_" + name], interpreted[name]
+    assert np.isfinite(torch_run["lse"]).any()
+    np.testing.assert_allclose(jax_run["o"], torch_run["o"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax_run["lse"], torch_run["lse"], rtol=1e-6, atol=1e-6)
+    if "default" in jax_run.files:
+        np.testing.assert_array_equal(jax_run["default"], jax_run["given"])
 
 
 @pytest.mark.parametrize("causal,window", [(True, -1), (False, -1), (True, 5)])
@@ -348,6 +395,9 @@ def test_unsupported_reasons_and_registration():
     assert "head dims 96/96" in tp.unsupported_reason(q[..., :96], k[..., :96], k[..., :96])
     assert "q dtype float32" in tp.unsupported_reason(q.astype(jnp.float32), k.astype(jnp.float32), k)
     assert "not a multiple" in tp.unsupported_reason(q[:, :3], k, k)
+    assert "not a multiple" in tp.unsupported_reason(q, k[:, :0], k[:, :0])  # no KV heads: a reason, no crash
+    f16 = k.astype(jnp.float16)  # K/V of another 2-byte type than q's
+    assert "k/v dtype float16 (q's dtype bfloat16" in tp.unsupported_reason(q, f16, f16)
 
 
 def _gpu_args(name, fp8):
@@ -468,6 +518,9 @@ def test_launch_table_and_sweep_parsing():
     assert tp.launch_params(128, 128, sm=80) == (128, 64, 8, 2)
     assert tp.launch_params(256, 256, sm=80, paged=True) == (64, 32, 8, 2)
     assert tp.launch_params(128, 128, sm=90, block_m=16, num_stages=2) == (16, 64, 4, 2)
+    assert tp.launch_params(128, 128, sm=90, block_n=32, num_warps=8) == (64, 32, 8, 3)  # the sweep's overrides
+    # head_dim_qk as one dot of a power of two, or two (192 = 128 + 64)
+    assert [tp._split_dim(d) for d in (64, 128, 192, 256)] == [(64, 0), (128, 0), (128, 64), (256, 0)]
     assert parse_launches("default, 128x64w8s3") == [None, (128, 64, 8, 3)]
     with pytest.raises(ValueError, match="BMxBNwWsS"):
         parse_launches("128x64")
