@@ -265,6 +265,11 @@ def choose_num_splits(batch: int, m_groups: int, max_blocks: int, num_sms: int =
     return best
 
 
+# A CTA's fixed cost (prologue, epilogue, its share of the combine) in KV blocks, in the
+# predicted makespan a balanced split size is chosen by (both MHA decode kernels).
+BALANCED_OVERHEAD_BLOCKS = 2
+
+
 def balanced_split_blocks(nblk, num_splits: int, programs: int, max_blocks: int, overhead_blocks: int):
     """i32[1]: a split size in key blocks shared by every request of a call, chosen on
     the device from each request's traced block count ``nblk`` (i32[bs]): the size ``p``

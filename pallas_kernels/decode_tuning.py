@@ -138,6 +138,8 @@ class KernelOptions:
       more splits than a short one, so the CTAs of an uneven batch carry even work. Off,
       each request is cut into the same number of splits, so the longest request's CTAs
       set the call's time. None (the default): :func:`balanced_for` chooses by the call.
+      A call routed to the per-KV-head kernel balances its splits only with True
+      (``mha_decode_heads(balanced=True)``); None keeps them even there.
     """
 
     overlap_qk: bool = True

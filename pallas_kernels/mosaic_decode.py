@@ -82,7 +82,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.pallas_kernels.combine import balanced_split_blocks, combine_splits
+from jattn.pallas_kernels.combine import BALANCED_OVERHEAD_BLOCKS, balanced_split_blocks, combine_splits
 from jattn.pallas_kernels.decode_tuning import (
     MAX_GROUP,
     SUPPORTED_HEAD_DIMS,
@@ -99,10 +99,6 @@ from jattn.pallas_kernels.decode_tuning import (
 from jattn.pallas_kernels.decode_tuning import unsupported_reason as all_heads_unsupported_reason
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs, fold_softmax_scale
 from jattn.pallas_kernels.mosaic_decode_kernel import _run_kernel, request_blocks
-
-# KernelOptions(balanced_splits=True): a CTA's fixed cost (prologue, epilogue, its share of
-# the combine) in KV blocks, in the predicted makespan the split size is chosen by.
-BALANCED_OVERHEAD_BLOCKS = 2
 
 __all__ = [
     "mha_decode",
@@ -308,19 +304,21 @@ def routed_heads_kernel(
     with ``options`` and no explicit block sizes, or None where the call stays on the
     all-heads kernel: only with ``options.heads_kernel``, or for a call that
     :func:`heads_kernel_required` sends there whatever the options say; FP8 calls go to
-    its e4m3-query path with ``fp8_heads`` and ``heads_kernel`` both on."""
+    its e4m3-query path with ``fp8_heads`` and ``heads_kernel`` both on. Its splits are
+    balanced only where ``options.balanced_splits`` is True (None keeps them even: not
+    yet timed on this kernel)."""
     if not (options.heads_kernel or heads_kernel_required(q, k_cache, max_seqlen_q)):
         return None
     return heads_kernel_for(
         q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
         fp8_heads=options.fp8_heads and options.heads_kernel, is_causal=is_causal, overlap=options.heads_overlap,
-        glue=options.heads_glue, v_regs=options.heads_v_regs,
+        glue=options.heads_glue, v_regs=options.heads_v_regs, balanced=bool(options.balanced_splits),
     )  # fmt: skip
 
 
 def heads_kernel_for(
     q, k_cache, v_cache, max_seqlen_q, window_left, logit_cap, sinks, softmax_scale, k_scale, v_scale,
-    fp8_heads=True, is_causal=True, overlap=False, glue=True, v_regs=False,
+    fp8_heads=True, is_causal=True, overlap=False, glue=True, v_regs=False, balanced=False,
 ):  # fmt: skip
     """``mosaic_decode_heads.mha_decode_heads`` where :func:`prefer_heads_kernel` or
     :func:`heads_kernel_required` picks it and it serves the call (Python-number scales,
@@ -328,7 +326,7 @@ def heads_kernel_for(
     FP8 call goes to it too (decode, causal verify, draft blocks), with the e4m3 query over
     64-token blocks. ``overlap``, ``glue`` and ``v_regs``: ``KernelOptions.heads_overlap``,
     ``heads_glue`` and ``heads_v_regs``, passed on (FP8 takes ``overlap`` only with
-    ``v_regs``, the one FP8 loop that pipelines)."""
+    ``v_regs``, the one FP8 loop that pipelines); ``balanced`` too."""
     from jattn.pallas_kernels import mosaic_decode_heads
 
     py = (int, float)
@@ -345,12 +343,14 @@ def heads_kernel_for(
     if fp8_heads and itemsize == 1:
         return functools.partial(
             mosaic_decode_heads.mha_decode_heads,
-            fp8_qk=True, block=64, v_regs=v_regs, overlap=overlap and v_regs, glue=glue,
+            fp8_qk=True, block=64, v_regs=v_regs, overlap=overlap and v_regs, glue=glue, balanced=balanced,
         )  # fmt: skip
     if not (prefer_heads_kernel(max_seqlen_q, q.shape[1], itemsize) or heads_kernel_required(q, k_cache, max_seqlen_q)):
         return None
     # an FP8 cache here (no fp8_heads) takes the upcast, which does not pipeline
-    return functools.partial(mosaic_decode_heads.mha_decode_heads, overlap=overlap and itemsize == 2, glue=glue)
+    return functools.partial(
+        mosaic_decode_heads.mha_decode_heads, overlap=overlap and itemsize == 2, glue=glue, balanced=balanced
+    )
 
 
 @functools.partial(

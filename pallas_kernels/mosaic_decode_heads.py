@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from jattn.pallas_kernels import e4m3_query
-from jattn.pallas_kernels.combine import HeadsLayout, combine_splits
+from jattn.pallas_kernels.combine import (
+    BALANCED_OVERHEAD_BLOCKS,
+    HeadsLayout,
+    balanced_split_blocks,
+    balanced_split_count,
+    combine_splits,
+)
 from jattn.pallas_kernels.e4m3_query import query_rows
 from jattn.pallas_kernels.mosaic_common import check_plan, empty_outputs
 from jattn.pallas_kernels.mosaic_decode_heads_config import (  # noqa: F401 - re-exported
@@ -50,11 +56,12 @@ __all__ = ["mha_decode_heads", "decode", "unsupported_reason", "HeadsConfig"]
     static_argnames=(
         "softmax_scale", "k_scale", "v_scale", "max_seqlen_q", "is_causal", "return_lse", "num_splits", "num_ctas",
         "latent", "interpret", "row_tile", "block", "fp8_qk", "v_regs", "overlap", "glue", "combine_kernel",
+        "balanced",
     ),
 )  # fmt: skip
 def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_scale, v_scale, max_seqlen_q,
             is_causal, return_lse, num_splits, num_ctas, latent, interpret, row_tile=0, block=BLOCK,
-            fp8_qk=False, v_regs=False, overlap=False, glue=True, combine_kernel=True):  # fmt: skip
+            fp8_qk=False, v_regs=False, overlap=False, glue=True, combine_kernel=True, balanced=False):  # fmt: skip
     """The jitted call behind :func:`mha_decode_heads` and ``mosaic_mla_heads.mla_decode``:
     arguments checked by their callers, scales as Python floats, pools
     ``[pages, page_size, Hkv, D]``. ``num_ctas``: as :func:`launch_ctas`. ``latent``: MLA's
@@ -62,7 +69,8 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
     read); 0 for MHA. ``row_tile``: as :attr:`HeadsConfig.row_tile` (0 where it would
     not split the rows). ``block`` and ``fp8_qk``: as :class:`HeadsConfig`'s fields;
     ``v_regs`` too (with ``fp8_qk``), and ``overlap`` with 2-byte K/V or ``v_regs`` (MHA
-    only)."""
+    only). ``balanced``: as :func:`mha_decode_heads`; ``num_splits`` is then the even-length
+    count the static split count grows from."""
     num_pages, ps, hkv, d = k_cache.shape
     bs = page_table.shape[0]
     hq = q.shape[1]
@@ -70,6 +78,11 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         return empty_outputs(q, latent or v_cache.shape[-1], q.dtype, return_lse)
     fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
     v_regs = bool(v_regs and fp8_qk)
+    row_tile = row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0
+    max_blocks = -(-page_table.shape[1] * ps // block)
+    programs = hkv * row_tiles(max_seqlen_q * (hq // hkv), row_tile)  # CTAs (items) per split of a request
+    if balanced:
+        num_splits = balanced_split_count(num_splits, programs, max_blocks)
     cfg = HeadsConfig(
         head_dim=d,
         group=hq // hkv,
@@ -86,11 +99,12 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         fp8=fp8,
         interpret=interpret,
         latent=latent,
-        row_tile=row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0,
+        row_tile=row_tile,
         block=block,
         fp8_qk=fp8_qk,
         v_regs=v_regs,
         overlap=bool(overlap and not latent and (v_regs or not fp8)),
+        balanced=bool(balanced),
     )
     cfg = dataclasses.replace(cfg, ctas=launch_ctas(cfg, num_ctas))
     n, g, tiles = cfg.n, cfg.group, cfg.tiles
@@ -102,7 +116,12 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         q_arr, qf, bad = e4m3_query.query_tiles(q, hkv, max_seqlen_q, tiles, n, use_kernel=glue)
     else:
         q_arr, qf, bad = query_rows(q, hkv, max_seqlen_q, tiles * n).astype(cdtype), None, None
-    o_t, lse = _run(cfg, cdtype, page_table.astype(jnp.int32), cache_seqlens.astype(jnp.int32), q_arr, k2d, v2d, qf)
+    lens = cache_seqlens.astype(jnp.int32)
+    if balanced:  # the call's split size rides after the lengths
+        nblk = (jnp.maximum(lens, 0) + block - 1) // block
+        per = balanced_split_blocks(nblk, num_splits, programs, max_blocks, BALANCED_OVERHEAD_BLOCKS)
+        lens = jnp.concatenate([lens, per])
+    o_t, lse = _run(cfg, cdtype, page_table.astype(jnp.int32), lens, q_arr, k2d, v2d, qf)
     # The combine reads the partials as the kernel writes them (o_t [S, bs, hkv, tiles, dv,
     # N], lse [S, bs, hkv, tiles, N]). An e4m3 query row with a non-finite entry went in as
     # zeros; the combine makes it NaN where it saw a key, as the exact query would be.
@@ -160,6 +179,7 @@ def mha_decode_heads(
     overlap: bool = False,
     glue: bool = True,
     combine_kernel: bool = True,
+    balanced: bool = False,
 ):
     """Paged decode as ``jattn.ops.mha_decode_with_kvcache`` (bf16/f16 q; K/V in q's dtype
     or FP8 e4m3 with the Python-number scales ``k_scale`` / ``v_scale``; no window, cap or
@@ -199,7 +219,16 @@ def mha_decode_heads(
     (``combine.HeadsLayout``), where jax-triton runs; off: XLA ops gather the query and
     move the partials to the rows layout (an A/B of the same results, up to the order in
     which the two combines sum the splits). ``combine_kernel``: the split combine as one
-    Triton kernel where jax-triton runs (``KernelOptions.kernel_combine``), else XLA ops."""
+    Triton kernel where jax-triton runs (``KernelOptions.kernel_combine``), else XLA ops.
+
+    ``balanced``: every request of the call is cut into splits of one size in key blocks,
+    chosen on the device from all the lengths
+    (:func:`~jattn.pallas_kernels.combine.balanced_split_blocks`), over a static split count
+    grown so that the longest request the page table holds could fill about two waves of
+    the SMs (:func:`~jattn.pallas_kernels.combine.balanced_split_count`): a long request
+    takes more splits than a short one, whose unused splits are empty CTAs, so uneven
+    lengths do not leave a tail of long requests' CTAs. ``num_splits`` is the even-length
+    count it grows from."""
     from jattn.pallas_kernels.interpret import interpreting
 
     reason = unsupported_reason(q, k_cache, v_cache, max_seqlen_q=max_seqlen_q)
@@ -247,4 +276,5 @@ def mha_decode_heads(
         overlap=bool(overlap),
         glue=bool(glue),
         combine_kernel=bool(combine_kernel),
+        balanced=bool(balanced),
     )

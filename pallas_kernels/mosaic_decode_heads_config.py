@@ -64,6 +64,11 @@ class HeadsConfig:
     v_regs: bool = False
     # MHA with 2-byte K/V or v_regs: block i + 1's S^T is issued before block i's softmax
     overlap: bool = False
+    # balanced splits: the lengths operand ends with one more entry, a split size in blocks
+    # every request of the call shares (combine.balanced_split_blocks), so a long request
+    # takes more splits than a short one; else each request cuts its own blocks into
+    # num_splits ranges
+    balanced: bool = False
 
     @property
     def tiles(self) -> int:

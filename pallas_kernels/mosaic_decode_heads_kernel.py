@@ -126,7 +126,8 @@ def _kernel(cfg: HeadsConfig, dtype, page_table_ref, lens_ref, *refs):
         return split, lax.rem(rest, jnp.int32(cfg.batch)), lax.div(rest, jnp.int32(cfg.batch)), tile
 
     def blocks_of(split, b):
-        return split_blocks(lens_ref[b], B, cfg.num_splits, split)
+        per = lens_ref[cfg.batch] if cfg.balanced else None  # the call's split size rides after the lengths
+        return split_blocks(lens_ref[b], B, cfg.num_splits, split, per=per)
 
     @pl.when(wg == 1)
     def _producer():
@@ -467,6 +468,6 @@ def _run(cfg: HeadsConfig, dtype, page_table, lens, q_arr, k2d, v2d, qf=None):
         kernel_name=f"jattn_{'mla_' if cfg.latent else ''}decode_heads_n{N}_q{cfg.q_len}"
         f"{'_causal' if cfg.is_causal else ''}{f'_t{cfg.tiles}' if cfg.row_tile else ''}"
         f"{'_b128' if B == 128 else ''}{'_qk8' if cfg.fp8_qk else ''}{'_vregs' if cfg.v_regs else ''}"
-        f"{'_ovl' if cfg.overlap else ''}",
+        f"{'_ovl' if cfg.overlap else ''}{'_bal' if cfg.balanced else ''}",
     )
     return kernel(page_table, lens, *([qf] if cfg.fp8_qk else []), q_arr, k2d, v2d)

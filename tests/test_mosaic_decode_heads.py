@@ -43,6 +43,7 @@ class Case:
     fp8_qk: bool = False  # FP8: e4m3 query, S^T on the landed e4m3 K tile
     v_regs: bool = False  # fp8_qk: V^T into registers from the landed e4m3 tile
     overlap: bool = False  # v_regs: the next block's S^T in flight during this block's softmax
+    balanced: bool = False  # one split size for every request (a long request takes more splits)
 
 
 def _inputs(c: Case, seed: int):
@@ -95,7 +96,7 @@ def _check(c: Case, dtype, seed=0, tol=2e-2, deterministic=False):
     want_o, want_lse = np.asarray(want_o), np.asarray(want_lse)
     args = (jnp.asarray(q, dtype), kc, vc, jnp.asarray(table), jnp.asarray(lens))
     kw.update(num_splits=c.num_splits, persistent=c.persistent, num_ctas=c.num_ctas, row_tile=c.row_tile)
-    kw.update(block=c.block, fp8_qk=c.fp8_qk, v_regs=c.v_regs, overlap=c.overlap)
+    kw.update(block=c.block, fp8_qk=c.fp8_qk, v_regs=c.v_regs, overlap=c.overlap, balanced=c.balanced)
     o, lse = mh.mha_decode_heads(*args, **kw)
     o, lse = np.asarray(o, np.float32), np.asarray(lse)
     assert o.shape == q.shape and lse.shape == q.shape[:2]
@@ -238,6 +239,14 @@ CPU_CASES = [
     Case(lens=(150, 1), hq=8, hkv=2, d=128, page_size=16, q_len=8, causal=False, num_splits=1, overlap=True),
     # 128-token blocks of 2-byte K/V over pages of 16 (eight boxes a block), a draft block
     Case(lens=(150, 7, 0), hq=4, hkv=1, page_size=16, q_len=2, causal=False, block=128),
+    # balanced splits (one split size for the call: here one block, so request 0 takes
+    # five splits, request 1 one, request 3 two and request 2 none of the static count):
+    # FP8 with the e4m3 query and a NaN every query sees; a causal 3-token verify over
+    # pages of 16 with a NaN the last two drafts see, on 4 persistent CTAs
+    Case(lens=(300, 1, 0, 97), fp8=True, fp8_qk=True, poison=5, num_splits=2, balanced=True),
+    Case(
+        lens=(257, 0, 1, 65), hq=8, hkv=2, page_size=16, q_len=3, poison=1, balanced=True, persistent=True, num_ctas=4
+    ),
 ]
 
 
@@ -246,7 +255,7 @@ CPU_CASES = [
 def test_interpreted(c):
     with gpu_interpret():
         # a second run of a plain and of a persistent launch (5 CTAs) checks determinism
-        _check(c, jnp.float16, deterministic=c in (CPU_CASES[0], CPU_CASES[2], CPU_CASES[7]))
+        _check(c, jnp.float16, deterministic=c in (CPU_CASES[0], CPU_CASES[2], CPU_CASES[7], CPU_CASES[-1]))
 
 
 def _routing(monkeypatch, c: Case, seed: int):
@@ -299,15 +308,52 @@ def test_kernel_options_are_checked_and_reach_the_heads_kernel(monkeypatch):
     with pytest.raises(ValueError, match="block_sizes.num_stages=0 must be >= 1"):
         dt.decode_config(block_sizes=dataclasses.replace(bs, num_stages=0), **cfg)
     seen = []
-    monkeypatch.setattr(mh, "decode", lambda *a, **k: seen.append((k["combine_kernel"], k["row_tile"])) or a[0])
+    monkeypatch.setattr(
+        mh, "decode", lambda *a, **k: seen.append((k["combine_kernel"], k["row_tile"], k["balanced"])) or a[0]
+    )
     q, k = jnp.zeros((4, 32, 64), jnp.bfloat16), jnp.zeros((5, 16, 2, 64), jnp.bfloat16)  # 64 rows: routed
     table, lens = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
     with gpu_interpret():
-        for combine, tile in ((False, 0), (True, 16)):
-            opts = md.KernelOptions(kernel_combine=combine, heads_row_tile=tile)
+        for combine, tile, balanced in ((False, 0, None), (True, 16, True), (True, 0, False)):
+            opts = md.KernelOptions(kernel_combine=combine, heads_row_tile=tile, balanced_splits=balanced)
             md.mha_decode(q, k, k, table, lens, max_seqlen_q=2, options=opts)
-    assert [c for c, _ in seen] == [False, True]
+    assert [c for c, _, _ in seen] == [False, True, True]
     assert seen[1][1] == 16 and seen[0][1] != 16  # heads_row_tile reaches the kernel
+    # balanced_splits=True reaches it; None (not yet timed on this kernel) keeps even splits
+    assert [b for _, _, b in seen] == [False, True, False]
+
+
+@pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
+def test_balanced_splits_grow_the_static_count_and_pass_one_size(monkeypatch):
+    """``balanced=True``: the kernel is built with a static split count grown by
+    ``combine.balanced_split_count`` and reads the call's split size after the lengths
+    (``combine.balanced_split_blocks`` of the lengths in 64-token blocks), which covers the
+    longest request in that count; the result is the even-split result's."""
+    from jattn.pallas_kernels import combine
+
+    c = Case(lens=(300, 1, 0, 97, 64), num_splits=2)
+    q, k, v, table, lens = _inputs(c, 11)
+    args = (jnp.asarray(q, jnp.float16), jnp.asarray(k, jnp.float16), jnp.asarray(v, jnp.float16), table, lens)
+    got, real = [], mh._run
+
+    def spy(cfg, dtype, page_table, lens_op, *a):  # under jit: the lengths operand through a callback
+        jax.debug.callback(lambda x: got.append((cfg, np.asarray(x))), lens_op)
+        return real(cfg, dtype, page_table, lens_op, *a)
+
+    monkeypatch.setattr(mh, "_run", spy)
+    with gpu_interpret():
+        even = np.asarray(mh.mha_decode_heads(*args, num_splits=2), np.float32)
+        bal = np.asarray(mh.mha_decode_heads(*args, num_splits=2, balanced=True), np.float32)
+    jax.effects_barrier()
+    (cfg_e, lens_e), (cfg_b, lens_b) = got
+    max_blocks = -(-table.shape[1] * c.page_size // 64)
+    assert not cfg_e.balanced and cfg_e.num_splits == 2 and lens_e.tolist() == list(c.lens)
+    assert cfg_b.balanced and cfg_b.num_splits == combine.balanced_split_count(2, c.hkv, max_blocks) > 2
+    nblk = -(-np.asarray(c.lens) // 64)
+    per = lens_b[-1]
+    assert lens_b[:-1].tolist() == list(c.lens) and per * cfg_b.num_splits >= nblk.max() and per >= 1
+    assert per < -(-nblk.max() // 2), "the balanced size should cut the longest request finer than two splits"
+    np.testing.assert_allclose(bal, even, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.skipif(on_gpu() or not interpreter_available(), reason="interpreted on the CPU")
@@ -520,6 +566,19 @@ def test_fp8_qk_non_finite_query_rows():
 
 GPU_CASES = [
     Case(lens=(4096, 97, 0, 1, 2049, 777), hq=32, hkv=8, d=128, poison=0),
+    # balanced splits: the default FP8 path (e4m3 query, pages of 16) and a 4-token verify
+    Case(
+        lens=(4096, 97, 0, 1, 2049, 777),
+        hq=32,
+        hkv=8,
+        d=128,
+        page_size=16,
+        fp8=True,
+        fp8_qk=True,
+        poison=3,
+        balanced=True,
+    ),  # fmt: skip
+    Case(lens=(3000, 65, 0, 1), hq=32, hkv=8, d=128, page_size=16, q_len=4, poison=1, balanced=True),
     Case(lens=(3000, 65), hq=32, hkv=8, d=128, q_len=4, poison=1),
     Case(lens=(1000, 5, 300), hq=32, hkv=8, d=128, q_len=8, causal=False, page_size=128),
     Case(lens=(32768,), hq=32, hkv=8, d=128),
@@ -760,6 +819,22 @@ def test_lowers_for_cuda(hq, hkv, d, page_size, q_len, causal, fp8, row_tile, bl
     assert "jattn_decode_heads" in text
     # the options the call asked for are the ones built (kernel name suffixes)
     assert ("_vregs" in text) == v_regs and ("_ovl" in text) == overlap
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU runs the kernel itself")
+@pytest.mark.parametrize("q_len, fp8", [(1, True), (4, False)])
+def test_balanced_lowers_for_cuda(q_len, fp8):
+    """Balanced splits (the split size read after the lengths) lower for cuda on the
+    default FP8 path and on a 4-token verify, and the kernel built is the balanced one."""
+    q = jnp.zeros((3 * q_len, 32, 128), jnp.bfloat16)
+    pool = jnp.zeros((40, 16, 8, 128), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    pt, lens = jnp.zeros((3, 40), jnp.int32), jnp.array([600, 1, 0], jnp.int32)
+
+    def fn(q, k, v):
+        return mh.mha_decode_heads(q, k, v, pt, lens, max_seqlen_q=q_len, fp8_qk=fp8, balanced=True)
+
+    text = jax.jit(fn).trace(q, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jattn_decode_heads" in text and "_bal" in text
 
 
 def test_two_ctas_per_sm_where_they_fit():

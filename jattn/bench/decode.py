@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
                 fn = md.heads_kernel_for(  # as mha_decode routes it with fp8_heads on (None: not served)
                     qs[0], k, v, q_len, -1, 0.0, None, None, kscale, kscale, fp8_heads=True,
                     overlap=opts.heads_overlap, glue=opts.heads_glue, v_regs=opts.heads_v_regs,
+                    balanced=bool(opts.balanced_splits),
                 )  # fmt: skip
             else:
                 other, fn = "per-KV-head kernel", mh.mha_decode_heads
