@@ -657,12 +657,16 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", GPU_CASES, ids=str)
-def test_gpu(c):
+def _gpu_check(c: Case):
     if not on_gpu():
         pytest.skip("needs a GPU")
     _check(c, jnp.bfloat16, tol=3e-2, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+def test_gpu(c):
+    _gpu_check(c)
 
 
 # balanced splits: the default FP8 path (e4m3 query, pages of 16) and a 4-token verify
@@ -685,9 +689,7 @@ GPU_BALANCED_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_BALANCED_CASES, ids=str)
 def test_gpu_balanced(c):
-    if not on_gpu():
-        pytest.skip("needs a GPU")
-    _check(c, jnp.bfloat16, tol=3e-2, deterministic=True)
+    _gpu_check(c)
 
 
 @pytest.mark.gpu
