@@ -95,11 +95,15 @@ def merge_splits_f64(o, lse):
     return out, np.where(ws == 0, -np.inf, (mxs + np.log2(np.where(ws == 0, 1.0, ws))) * np.log(2.0))
 
 
-def interpreted_triton_call(fn, *args, out_shape, grid, name, num_warps=4, num_stages=1, **constexprs):
+def interpreted_triton_call(
+    fn, *args, out_shape, grid, name, num_warps=4, num_stages=1, input_output_aliases=None, **constexprs
+):
     """``triton_glue.triton_call`` in a ``TRITON_INTERPRET=1`` process: the arrays go to torch
     CPU tensors, the kernel runs under the interpreter into NaN-filled outputs, which come
     back as JAX arrays. Patched in, it runs a JAX entry point's host code (parameters, tile
-    list, grid, output shapes, the LSE it returns) on the CPU, eagerly (``jax.disable_jit``)."""
+    list, grid, output shapes, the LSE it returns) on the CPU, eagerly (``jax.disable_jit``).
+    ``input_output_aliases`` (input index: output index), as jax-triton takes it: that output
+    is a copy of the input, written in place and passed once, as the input."""
     import jax.numpy as jnp
     import ml_dtypes
     import torch
@@ -115,6 +119,16 @@ def interpreted_triton_call(fn, *args, out_shape, grid, name, num_warps=4, num_s
     shapes = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
     outs = [torch.full(s.shape, float("nan"), dtype=getattr(torch, np.dtype(s.dtype).name)) for s in shapes]
     ins = [t(a) for a in args]
-    triton_glue.launch_interpreted(fn, grid, *ins, *outs, num_warps=num_warps, num_stages=num_stages, **constexprs)
-    res = tuple(jnp.asarray(o.numpy()) for o in outs)
+    aliases = dict(input_output_aliases or {})
+    for i, j in aliases.items():
+        ins[i] = outs[j] = ins[i].clone()
+    fresh = [o for j, o in enumerate(outs) if j not in aliases.values()]
+    triton_glue.launch_interpreted(fn, grid, *ins, *fresh, num_warps=num_warps, num_stages=num_stages, **constexprs)
+
+    def back(o):
+        if o.dtype == torch.float8_e4m3fn:
+            return jnp.asarray(o.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn))
+        return jnp.asarray(o.numpy())
+
+    res = tuple(back(o) for o in outs)
     return res if isinstance(out_shape, (tuple, list)) else res[0]

@@ -180,6 +180,8 @@ CPU_CASES = {
     "ring_wraps_one_split": Case(lens=(65,), hq=8, hkv=8, d=64, page_size=16, splits=1),
     # two splits of 13 blocks: balanced splits must take 7 blocks a split (the even size)
     "two_splits_13_blocks": Case(lens=(200, 3), hq=8, hkv=8, d=64, page_size=16, splits=2),
+    # 12 query rows a request (a group of 3): the one tile loads 16 rows, rounded up to 8
+    "group3_rows_not_a_multiple_of_8": Case(lens=(37, 5), hq=12, hkv=4),
 }
 
 
@@ -755,6 +757,52 @@ def test_block_shape_is_the_nearest_to_the_target_rows():
     # two compute warpgroups only for an even count of 64-row query tiles (3 tiles: one)
     kw = dict(batch=2, num_kv_heads=8, head_dim=128, page_size=16, max_pages=8, kv_itemsize=2)
     assert [md.choose_block_sizes(m_rows=m, **kw).compute_wgs for m in (64, 128, 160, 192, 256)] == [1, 2, 1, 1, 2]
+
+
+def test_split_counts_count_ctas_and_partial_blocks():
+    """``choose_block_sizes``'s split count: ``choose_num_splits`` over the CTAs of a request
+    (two 64-row tiles on two warpgroups are one CTA), over the KV blocks of the page table
+    (a last partial block counted), and balanced, over every request's CTAs."""
+    even = md.KernelOptions(balanced_splits=False)
+    kw = dict(num_kv_heads=8, head_dim=128, page_size=16, kv_itemsize=2)
+    # one CTA of 2 warpgroups, 200 blocks of 8 tokens: a split per SM slot
+    assert md.choose_block_sizes(batch=1, max_pages=100, m_rows=128, options=even, **kw) == md.BlockSizes(
+        8, 1, 4, 132, 2
+    )
+    # three tiles of one warpgroup each: three CTAs a request; balanced, 3 requests x 3 CTAs
+    assert md.choose_block_sizes(batch=3, max_pages=100, m_rows=192, options=even, **kw).num_splits == 29
+    balanced = md.KernelOptions(balanced_splits=True)
+    assert md.choose_block_sizes(batch=3, max_pages=100, m_rows=192, options=balanced, **kw).num_splits == 30
+    # 5 pages in blocks of 4 pages: two blocks, the last one partial, so two splits
+    one_head = dict(num_kv_heads=1, head_dim=256, page_size=16, kv_itemsize=2, options=even)
+    assert md.choose_block_sizes(batch=1, max_pages=5, m_rows=16, **one_head) == md.BlockSizes(16, 4, 2, 2, 1)
+
+
+def test_all_heads_reasons_for_rows_windows_sinks_and_kv_dtype():
+    """The all-heads kernel's rules beside the shapes: whole requests of query rows, a window
+    of -1 or more, one sink per query head, a KV cache of q's dtype or e4m3 (not e5m2); and
+    auto leaves 4 KV heads (not a multiple of 8) to the next kernel."""
+    from jattn.pallas_kernels import decode_tuning
+
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((4, 16, 8, 64)), jnp.bfloat16)
+    sinks = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    with gpu_interpret():
+        reason = functools.partial(decode_tuning.unsupported_reason, q, k, k)
+        assert reason(max_seqlen_q=2, window_left=-1, sinks=sinks) is None
+        assert reason(max_seqlen_q=4, window_left=0) is None
+        assert "q rows 3 not a multiple of max_seqlen_q=2" in decode_tuning.unsupported_reason(
+            q[:3], k, k, max_seqlen_q=2
+        )
+        assert "window_left=-2" in reason(window_left=-2)
+        assert "sinks shape (8,)" in reason(sinks=sinks[:8])
+        e5 = k.astype(jnp.float8_e5m2)
+        assert "must match q dtype" in decode_tuning.unsupported_reason(q, e5, e5)
+        e4 = k.astype(jnp.float8_e4m3fn)
+        assert decode_tuning.unsupported_reason(q, e4, e4) is None
+    k4 = k[:, :, :4]
+    assert "num_kv_heads=4" in md.auto_skip_reason(q, k4, k4)
 
 
 def test_block_sizes_over_shared_memory_are_refused():

@@ -876,6 +876,26 @@ def test_two_ctas_per_sm_where_they_fit():
     assert mh.launch_ctas(dataclasses.replace(cfg(128, 4, 4), num_splits=40), None) == 2 * 132
     assert mh.launch_ctas(dataclasses.replace(cfg(128, 8, 8), num_splits=40), None) == 132
     assert mh.launch_ctas(cfg(128, 4, 4), 5) == 5 and mh.launch_ctas(cfg(128, 4, 4), -1) == 16
+    # FP8 with the e4m3 query over 128-token blocks: the ring holds e4m3 tiles, Q is e4m3,
+    # and V^T in registers drops the upcast tile; each is what leaves room for the slots
+    fp8_qk = dict(fp8=True, fp8_qk=True, block=128)
+    for c, paired, stages in [
+        (dataclasses.replace(cfg(64, 1, 1), **fp8_qk), True, 3),
+        (dataclasses.replace(cfg(64, 1, 1), **fp8_qk, v_regs=True), True, 6),
+        (dataclasses.replace(cfg(128, 2, 8), **fp8_qk, v_regs=True), True, 3),
+    ]:
+        assert (c.paired, c.stages) == (paired, stages), c
+        assert c.smem_bytes(c.stages) <= half
+
+
+def test_split_count_fills_two_ctas_per_sm_within_the_blocks():
+    """``choose_num_splits``: about two CTAs per SM over the (request, KV head, row tile)
+    programs, never more splits than 64-token blocks of the page table (a partial last one
+    counted)."""
+    assert mh.choose_num_splits(1, 8, 4096) == -(-2 * 132 // 8)
+    assert mh.choose_num_splits(2, 8, 4096, tiles=2) == -(-2 * 132 // 32)
+    assert mh.choose_num_splits(1, 8, 100) == 2 and mh.choose_num_splits(1, 8, 64) == 1
+    assert mh.choose_num_splits(1, 1, 1000, block=128) == 8
 
 
 def test_unsupported_reasons():

@@ -144,12 +144,44 @@ def run_mla_interpreted(name: str, path: str) -> None:
     np.savez(path, kv=kv.float().numpy(), past=big[PAGES:].float().numpy())
 
 
+# cases also written through the JAX entry points, their host code (slot count, grid) run
+# on the CPU with the kernel interpreted
+JAX_PATH_CASES = ["f16", "fp8", "wide_v"]
+MLA_JAX_PATH_CASES = ["mla_fp8_wide", "mla_f16_3d"]
+
+
+def run_jax_path(name: str, path: str) -> None:
+    """In a TRITON_INTERPRET=1 process: the case (``jax_`` and its name) through
+    ``triton_kv_write.set_kv_buffer`` or ``triton_mla_kv_write.set_mla_kv_buffer``, eagerly."""
+    import jax
+    import jax.numpy as jnp
+    from interpreted import interpreted_triton_call
+
+    from jattn.pallas_kernels import triton_glue, triton_kv_write, triton_mla_kv_write
+
+    triton_glue.triton_call = interpreted_triton_call
+    name = name.removeprefix("jax_")
+    with jax.disable_jit():
+        if name in MLA_CASES:
+            cache_dt, scale, r, loc, c_kv, k_pe = _mla_inputs(name)
+            kv = jnp.full((PAGES, PS, r + RPE), jnp.nan, getattr(jnp, cache_dt))
+            kv = triton_mla_kv_write.set_mla_kv_buffer(kv, jnp.asarray(loc), c_kv, k_pe, kv_scale=scale)
+            np.savez(path, kv=np.asarray(kv, np.float32))
+            return
+        dt, ks, vs, loc, k, v = _inputs(name)
+        kc = jnp.full((PAGES, PS, HKV, k.shape[-1]), jnp.nan, getattr(jnp, dt))
+        vc = jnp.full((PAGES, PS, HKV, v.shape[-1]), jnp.nan, getattr(jnp, dt))
+        kc, vc = triton_kv_write.set_kv_buffer(kc, vc, jnp.asarray(loc), k, v, k_scale=ks, v_scale=vs)
+    np.savez(path, k=np.asarray(kc, np.float32), v=np.asarray(vc, np.float32))
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
+    jax_path = ["jax_" + n for n in JAX_PATH_CASES + MLA_JAX_PATH_CASES]
     return run_in_interpreter(
         tmp_path_factory,
         "test_triton_kv_write",
-        {"run_interpreted": list(CASES), "run_mla_interpreted": list(MLA_CASES)},
+        {"run_interpreted": list(CASES), "run_mla_interpreted": list(MLA_CASES), "run_jax_path": jax_path},
     )
 
 
@@ -251,6 +283,21 @@ def test_mla_interpreted_matches_the_float64_write(name, interpreted):
         assert (~np.isnan(got)).sum() > 0  # something was written
     if fp8:
         assert np.nanmax(np.abs(got)) == 448.0  # saturated, not NaN or wrapped
+
+
+@pytest.mark.parametrize("name", JAX_PATH_CASES + MLA_JAX_PATH_CASES)
+def test_jax_entry_point_interpreted_matches_the_float64_write(name, interpreted):
+    """The JAX entry points' host code (the pool's slot count, the grid over tokens and
+    column blocks, the caches aliased in place): the GPU tests alone ran it before."""
+    got = interpreted["jax_" + name]
+    if name in MLA_CASES:
+        want, quotient = _mla_expected(name)
+        _assert_written(got["kv"], want, fp8="fp8" in name, quotient=quotient)
+        return
+    wk, wv = _expected(name)
+    _, ks, vs, loc, k, v = _inputs(name)
+    for g, w, rows, scale in ((got["k"], wk, k, ks), (got["v"], wv, v, vs)):
+        _assert_written(g, w, fp8=name == "fp8", quotient=_quotients(w.shape, loc, rows, scale))
 
 
 def test_mla_write_backends_and_errors():

@@ -293,6 +293,8 @@ def test_launch_params_and_reasons():
     # the smallest row tile is 16 rows (tl.dot's least M), whatever the call's rows
     assert tm.launch_params(2, 4, 1, 4096)[1]["BLOCK_M"] == 16
     assert tm.launch_params(2, 1, 1, 4096, tuning=tm.Tuning(block_m=64))[1]["BLOCK_M"] == 16
+    # a last row tile of fewer rows than BLOCK_M is still launched (40 rows: two tiles of 32)
+    assert tm.launch_params(2, 40, 1, 4096)[0][:2] == (2, 2) and tm.launch_params(2, 24, 1, 4096)[0][:2] == (2, 1)
     # an FP8 math choice reaches FP8 latent rows only (2-byte rows keep their own dtype)
     params = tm.launch_params(2, 16, 1, 4096, tuning=tm.Tuning(fp8_math=1))[1]
     pt = jnp.zeros((2, 64), jnp.int32)
