@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not (lower_only and item.module.__name__.endswith("test_gpu_compile")):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_jit_caches():
+    """For a test that stubs a function a jitted op calls: no trace made before reaches the
+    stub's test, and no trace made with the stub outlives it (later tests of the same shapes
+    would run the stub)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()

@@ -392,6 +392,37 @@ def test_attn_merge_state_backends():
         assert op_backend("attn_merge_state", "triton")[0] == "xla"
 
 
+def test_merge_state_launch_from_jax(monkeypatch):
+    """``merge_state``'s host code with the launch stubbed (the XLA merge of the flattened
+    operands): the flattened ``(token, head)`` rows and f32 LSEs it passes, the grid and
+    constants of :func:`merge_state.merge_launch_params`, o_a's dtype out, the shapes put
+    back; no launch with ``use_kernel=False`` or with nothing to merge."""
+    from jattn import reference
+    from jattn.pallas_kernels import triton_glue
+
+    calls = []
+
+    def fake_call(fn, o_a, lse_a, o_b, lse_b, *, out_shape, grid, name, **kw):
+        assert fn is merge_state._merge_kernel and lse_a.dtype == lse_b.dtype == jnp.float32
+        calls.append((grid, {k: kw[k] for k in ("R", "D", "DP", "BLOCK_R")}))
+        o, lse = reference.attn_merge_state(o_a[:, None], lse_a[:, None], o_b[:, None], lse_b[:, None])
+        assert [s.shape for s in out_shape] == [o_a.shape, lse_a.shape]
+        return o.astype(out_shape[0].dtype)[:, 0], lse[:, 0].astype(out_shape[1].dtype)
+
+    monkeypatch.setattr(triton_glue, "triton_call", fake_call)
+    monkeypatch.setattr(merge_state, "kernel_runs_here", lambda: True)
+    o_a, lse_a, o_b, lse_b = _merge_inputs("t33_h5_d96_f16_f32")
+    o, lse = merge_state.merge_state(jnp.asarray(o_a), jnp.asarray(lse_a, jnp.bfloat16), jnp.asarray(o_b), lse_b)
+    assert calls == [merge_state.merge_launch_params(33 * 5, 96)]
+    assert o.dtype == jnp.float16 and o.shape == (33, 5, 96) and lse.dtype == jnp.float32 and lse.shape == (33, 5)
+    want, want_lse = merge_state_f64(o_a, np.asarray(jnp.asarray(lse_a, jnp.bfloat16), np.float32), o_b, lse_b)
+    np.testing.assert_allclose(np.asarray(o, np.float32), want, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=1e-5)
+    merge_state.merge_state(jnp.asarray(o_a), lse_a, jnp.asarray(o_b), lse_b, use_kernel=False)
+    merge_state.merge_state(*(jnp.asarray(a) for a in _merge_inputs("t0_h3_d128_f32")))
+    assert len(calls) == 1
+
+
 def test_launch_interpreted_refuses_without_the_env(monkeypatch):
     from jattn.pallas_kernels import triton_glue
 

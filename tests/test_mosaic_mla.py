@@ -380,6 +380,21 @@ def test_v_regs_needs_fp8_and_32_rows():
             MLADecodeConfig(num_heads=heads, q_len=q_len, fp8=fp8, v_regs=True, **kw)
 
 
+def test_row_tiles_and_ring_of_the_config():
+    """``MLADecodeConfig``'s row counts (rows rounded up to 8, the last row tile's rows) and
+    ring depth (the landing ring's with FP8, else two slots)."""
+    from jattn.pallas_kernels.mosaic_mla_config import NUM_STAGES, MLADecodeConfig
+
+    kw = dict(width=W, rank=R, is_causal=True, page_size=64, num_pages=4, max_pages=2, num_splits=1)
+    kw.update(score_scale=0.1, interpret=True)
+    shapes = ((40, 2, 80, 2, 16), (5, 3, 16, 1, 16), (128, 2, 256, 4, 64), (4, 1, 8, 1, 8))
+    for heads, q_len, rows8, tiles, last in shapes:  # heads, q_len: rows8, row tiles, last tile's rows
+        c = MLADecodeConfig(num_heads=heads, q_len=q_len, **kw)
+        assert (c.m_rows8, c.m_tiles, c.last_rows8) == (rows8, tiles, last), (heads, q_len)
+    assert MLADecodeConfig(num_heads=16, q_len=1, **kw).stages == NUM_STAGES == 2
+    assert MLADecodeConfig(num_heads=16, q_len=1, fp8=True, land_stages=4, **kw).stages == 4
+
+
 def test_register_split_fits_the_launch():
     """The warpgroups' ``set_max_registers`` counts (producer decrease, two increases) sum to
     at most three times the launch's 168 per thread (an increase only takes what a decrease
@@ -568,3 +583,90 @@ def test_an_e4m3_query_reaches_the_kernel_unquantised():
         jaxprs = {dt: str(jax.make_jaxpr(call)(jnp.zeros((2, 16, W), dt))) for dt in (jnp.float8_e4m3fn, jnp.bfloat16)}
     assert "abs" not in jaxprs[jnp.float8_e4m3fn]
     assert "abs" in jaxprs[jnp.bfloat16]
+
+
+def test_the_host_code_hands_the_kernel_and_the_combine_their_operands(monkeypatch):
+    """``mla_decode``'s host code with the kernel and the combine stubbed out (eagerly): the
+    split count (``choose_num_splits`` / ``balanced_num_splits`` of the call's row tiles and
+    key blocks), the score scale (built in where both factors are numbers, else an operand),
+    the query rows padded to a multiple of 8 (per-row e4m3 for a 2-byte query over an FP8
+    cache, an e4m3 query as it is), the partials' dtype (f16 over an FP8 cache), and the
+    combine's ``kv_scale`` and output dtype (bf16 for an e4m3 query)."""
+    seen = {}
+
+    def fake_run(cfg, part_dtype, table, lens, scale, qs, q3, kv):
+        seen.update(cfg=cfg, part_dtype=part_dtype, scale=scale, qs=qs, q3=q3)
+        s, bs = cfg.num_splits, q3.shape[0]
+        return jnp.zeros((s, bs, cfg.m_rows8, R), part_dtype), jnp.zeros((s, bs, cfg.m_rows8), jnp.float32)
+
+    def fake_combine(o_part, lse_part, **kw):
+        seen["combine"] = kw
+        return o_part, lse_part
+
+    monkeypatch.setattr(mm, "run", fake_run)
+    monkeypatch.setattr(mm, "combine_splits", fake_combine)
+    rng = np.random.default_rng(17)
+
+    def call(bs, heads, q_len, q_dtype, kv_dtype, pages=3, page_size=32, **kw):
+        q = jnp.asarray(rng.standard_normal((bs * q_len, heads, W)) * 0.5, q_dtype)
+        kv = jnp.asarray(rng.standard_normal((bs * pages, page_size, W)) * 0.5, kv_dtype)
+        table = jnp.asarray(rng.permutation(bs * pages).reshape(bs, pages), jnp.int32)
+        lens = jnp.asarray(rng.integers(1, pages * page_size + 1, bs), jnp.int32)
+        with jax.disable_jit():
+            mm.mla_decode(q, kv, table, lens, kv_lora_rank=R, max_seqlen_q=q_len, **kw)
+        return q
+
+    # 15 query rows (5 heads x 3): padded to 16 with zeros; both scales numbers: built in
+    q = call(2, 5, 3, jnp.float16, jnp.float16, softmax_scale=0.1, kv_scale=0.5, num_splits=2)
+    cfg, q3 = seen["cfg"], seen["q3"]
+    assert cfg.score_scale == pytest.approx(0.05) and seen["scale"] is None and seen["qs"] is None
+    assert q3.shape == (2, 16, W) and (q3[:, 15] == 0).all()
+    np.testing.assert_array_equal(np.asarray(q3[:, :15]), np.asarray(q).reshape(2, 15, W))
+    assert seen["part_dtype"] == jnp.float16
+    assert seen["combine"]["v_scale"] == 0.5 and seen["combine"]["out_dtype"] == jnp.float16
+    # traced scales: their product is the kernel's operand, kv_scale the combine's
+    call(2, 5, 3, jnp.float16, jnp.float16, softmax_scale=jnp.float32(0.1), kv_scale=jnp.float32(0.5), num_splits=2)
+    assert seen["cfg"].score_scale is None
+    np.testing.assert_allclose(np.asarray(seen["scale"]), [0.05], rtol=1e-6)
+    assert float(seen["combine"]["v_scale"]) == 0.5
+    # a bf16 query over an FP8 cache: e4m3 rows with factors, f16 partials, a bf16 output
+    call(2, 5, 3, jnp.bfloat16, jnp.float8_e4m3fn, softmax_scale=0.1, kv_scale=0.5, num_splits=2)
+    assert seen["cfg"].row_scales and seen["q3"].dtype == jnp.float8_e4m3fn and seen["qs"] is not None
+    assert seen["part_dtype"] == jnp.float16 and seen["combine"]["out_dtype"] == jnp.bfloat16
+    # an e4m3 query: as it is (no factors), a bf16 output
+    call(2, 5, 3, jnp.float8_e4m3fn, jnp.float8_e4m3fn, softmax_scale=0.1, kv_scale=0.5, num_splits=2)
+    assert not seen["cfg"].row_scales and seen["qs"] is None and seen["q3"].dtype == jnp.float8_e4m3fn
+    assert seen["part_dtype"] == jnp.float16 and seen["combine"]["out_dtype"] == jnp.bfloat16
+    # the chosen split counts: 8 requests, 80 query rows (two row tiles), 16 key blocks
+    for balanced, choose in ((False, mm.choose_num_splits), (True, mm.balanced_num_splits)):
+        call(8, 40, 2, jnp.float16, jnp.float16, pages=32, softmax_scale=0.1, balanced_splits=balanced)
+        assert seen["cfg"].num_splits == choose(8, 2, 16) and seen["cfg"].balanced == balanced
+    assert mm.choose_num_splits(8, 2, 16) != mm.choose_num_splits(8, 1, 16)  # the row tiles count
+
+
+def test_no_requests_give_a_bf16_output_for_an_e4m3_query():
+    """With no requests (nothing launched) the output is bf16 for an e4m3 query, as with requests."""
+    q = jnp.zeros((0, 16, W), jnp.float8_e4m3fn)
+    kv = jnp.asarray(np.random.default_rng(2).standard_normal((4, 64, W)), jnp.float8_e4m3fn)
+    o, lse = mm.mla_decode(
+        q, kv, jnp.zeros((0, 2), jnp.int32), jnp.zeros((0,), jnp.int32), kv_lora_rank=R, softmax_scale=0.1,
+        return_lse=True,
+    )  # fmt: skip
+    assert o.shape == (0, 16, R) and o.dtype == jnp.bfloat16 and lse.shape == (0, 16) and lse.dtype == jnp.float32
+
+
+def test_a_direct_call_checks_its_plan_and_launches_nothing_without_heads():
+    """``mla_decode`` refuses a page table or lengths that do not describe q's requests by
+    name (a length past the batch was read as the next array's words), and a call with no
+    query heads returns empty rows without building the kernel."""
+    rng = np.random.default_rng(31)
+    q = jnp.asarray(rng.standard_normal((2, 16, W)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((4, 64, W)), jnp.bfloat16)
+    kw = dict(kv_lora_rank=R, softmax_scale=0.1)
+    table, lens = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([70, 9], jnp.int32)
+    with pytest.raises(ValueError, match="page_table shape"):
+        mm.mla_decode(q, kv, table[:1], lens, **kw)
+    with pytest.raises(ValueError, match="cache_seqlens shape"):
+        mm.mla_decode(q, kv, table, jnp.asarray([70, 9, 5], jnp.int32), **kw)
+    o, lse = mm.mla_decode(q[:, :0], kv, table, lens, return_lse=True, **kw)
+    assert o.shape == (2, 0, R) and o.dtype == jnp.bfloat16 and lse.shape == (2, 0)

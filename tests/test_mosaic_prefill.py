@@ -793,11 +793,12 @@ def test_array_softmax_scale_on_the_mosaic_kernels():
     with gpu_interpret():
         got = jattn.mha_decode_with_kvcache(q, kc, kc, pt, sl, backend="mosaic", **kw)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3)
-    qp = jnp.asarray(rng.standard_normal((21, 2, 64)), jnp.float16)
+    # q, k, v drawn apart: with q = k the diagonal score dominates at any scale
+    qp, kp, vp = (jnp.asarray(rng.standard_normal((21, 2, 64)), jnp.float16) for _ in range(3))
     cu = jnp.asarray([0, 13, 21], jnp.int32)
-    want = jattn.mha_prefill(qp, qp, qp, cu, max_seqlen_q=13, softmax_scale=0.2, k_scale=1.5, backend="xla")
+    want = jattn.mha_prefill(qp, kp, vp, cu, max_seqlen_q=13, softmax_scale=0.2, k_scale=1.5, backend="xla")
     with gpu_interpret():
-        got = jattn.mha_prefill(qp, qp, qp, cu, max_seqlen_q=13, backend="mosaic", **kw)
+        got = jattn.mha_prefill(qp, kp, vp, cu, max_seqlen_q=13, backend="mosaic", **kw)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3)
 
 
@@ -814,3 +815,61 @@ def test_prefill_with_no_keys_on_mosaic_gives_empty_rows():
             backend="mosaic",
         )  # fmt: skip
     assert out.shape == q.shape and not np.asarray(out, np.float32).any() and np.isneginf(np.asarray(lse)).all()
+
+
+def test_the_host_code_hands_the_kernel_its_configuration_and_scales(monkeypatch, fresh_jit_caches):
+    """``mha_prefill``'s host code around a stubbed kernel: the head group, the edge
+    cleaning (on by default for a window without causality, off where asked), the score
+    scale ``k_scale / sqrt(head_dim)`` (q/k width, not v's), the sinks, the per-call V flag,
+    FP8 K/V computing in f16, and the output: ``v_scale`` applied, in q's dtype, with the
+    LSE ``[tokens, heads]``. The stub's LSE rows 0-2 carry the score scale, the head's sink
+    and the V flag (traced operands) out; its output is 2 everywhere."""
+    seen = []
+
+    def fake_run(cfg, cdtype, arrays):
+        seen.append((cfg, cdtype))
+        tq, hq, bs, dv = arrays[8].shape[0], cfg.num_q_heads, arrays[3].shape[0] - 1, cfg.head_dim_v
+        scales = arrays[7]
+        lse = jnp.full((hq, tq), 0.25, jnp.float32)
+        lse = lse.at[:, 0].set(scales[0]).at[:, 1].set(scales[1 : 1 + hq]).at[:, 2].set(scales[-1])
+        o_side, lse_side = jnp.full((2 * bs, 64, hq, dv), -1.0, cdtype), jnp.full((2 * bs, hq, 64), -1.0, jnp.float32)
+        return jnp.full((tq, hq, dv), 2.0, cdtype), lse, o_side, lse_side
+
+    monkeypatch.setattr(mp, "run", fake_run)
+    rng = np.random.default_rng(23)
+    cu = jnp.array([0, 64, 128], jnp.int32)  # 8-aligned requests of 64 rows: no side slots
+    q = jnp.asarray(rng.standard_normal((128, 2, 192)), jnp.bfloat16)
+    k = reference.quantize_fp8(jnp.asarray(rng.standard_normal((128, 1, 192)), jnp.float32), 1.0)
+    v = rng.standard_normal((128, 1, 128)).astype(np.float32)
+    sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
+    kw = dict(is_causal=False, window_left=5, sinks=sinks, k_scale=1.5, v_scale=0.5, return_lse=True)
+    for bad in (False, True):
+        v[70, 0, 3] = np.nan if bad else v[70, 0, 3]
+        o, lse = mp.mha_prefill(q, k, reference.quantize_fp8(jnp.asarray(v), 1.0), cu, **kw)
+        cfg, cdtype = seen[-1]
+        assert cfg.group == 2 and cfg.clean_edges and cfg.ctas == 0 and cdtype == jnp.float16
+        lse = np.asarray(lse)
+        np.testing.assert_allclose(lse[0], 1.5 / np.sqrt(192), rtol=1e-6)
+        np.testing.assert_array_equal(lse[1], np.asarray(sinks))
+        assert (lse[2] == float(bad)).all(), "a NaN V inside a windowed request must turn the cleaning on"
+        assert lse.shape == (128, 2) and (lse[3:] == 0.25).all()
+        assert o.dtype == jnp.bfloat16 and (np.asarray(o, np.float32) == 1.0).all()
+    o = mp.mha_prefill(q, k, reference.quantize_fp8(jnp.asarray(v), 1.0), cu)  # no v_scale: f16 -> q's bf16
+    assert o.dtype == jnp.bfloat16 and (np.asarray(o, np.float32) == 2.0).all()
+    # an explicit clean_edges=False wins over the default (and skips the V pass); no v_scale
+    q64 = jnp.asarray(rng.standard_normal((128, 4, 64)), jnp.float16)
+    o, lse = mp.mha_prefill(q64, q64, q64.at[3, 0, 0].set(jnp.nan), cu, clean_edges=False, return_lse=True)
+    cfg, _ = seen[-1]
+    assert not cfg.clean_edges and cfg.group == 1 and (np.asarray(lse)[2] == 0).all()
+    assert o.dtype == jnp.float16 and (np.asarray(o) == 2.0).all()
+    traced = len(seen)
+    o, lse = mp.mha_prefill(q64[:, :0], q64, q64, cu, return_lse=True)  # no query heads: no launch
+    assert len(seen) == traced and o.shape == (128, 0, 64) and lse.shape == (128, 0)
+    assert mp._clean_edges(None, False, 8) and mp._clean_edges(None, True, -1) and not mp._clean_edges(None, False, -1)
+
+
+def test_an_unknown_block_kv_is_refused():
+    q = jnp.zeros((8, 1, 64), jnp.float16)
+    for block in (32, 256, -64):
+        with pytest.raises(ValueError, match=rf"PrefillOptions.block_kv={block}: 0 \(by head width\), 64 or 128"):
+            mp.mha_prefill(q, q, q, jnp.array([0, 8], jnp.int32), options=mp.PrefillOptions(block_kv=block))

@@ -402,3 +402,35 @@ def test_gpu_every_hopper_tuning(name):
     print(f"{name}: max |out - ref| {err:.2e} (ref max {np.abs(want).max():.2e}), lse {err_lse:.2e}")
     np.testing.assert_allclose(out, want, atol=4e-2, rtol=4e-2)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5])
+def test_the_combine_gets_the_splits_kv_scale_and_q_dtype(monkeypatch, kv_scale, fresh_jit_caches):
+    """``triton_mla.mla_decode``'s host code with the launch and the combine stubbed: the
+    combine merges the kernel's partials for the call's query length and heads, applies
+    ``kv_scale`` (none for a Python 1.0) and writes q's dtype."""
+    from jattn.pallas_kernels import combine, triton_glue, triton_mla
+
+    seen = {}
+
+    def fake_call(fn, *args, out_shape, **kw):
+        seen["parts"] = out_shape
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+
+    def fake_combine(o_part, lse_part, **kw):  # returns the v_scale it got (-1: none)
+        seen["combine"] = kw
+        return jnp.full((3,), -1.0 if kw["v_scale"] is None else kw["v_scale"]), lse_part
+
+    monkeypatch.setattr(triton_glue, "triton_call", fake_call)
+    monkeypatch.setattr(combine, "combine_splits", fake_combine)
+    rng = np.random.default_rng(29)
+    q = jnp.asarray(rng.standard_normal((6, 3, 80)), jnp.float16)
+    kv = jnp.asarray(rng.standard_normal((7, 16, 80)), jnp.float16)
+    table, lens = jnp.asarray(rng.permutation(6).reshape(2, 3), jnp.int32), jnp.asarray([40, 9], jnp.int32)
+    got = triton_mla.mla_decode(
+        q, kv, table, lens, kv_lora_rank=64, softmax_scale=0.1, kv_scale=kv_scale, max_seqlen_q=3, num_splits=2
+    )
+    kw = seen["combine"]
+    assert kw["q_len"] == 3 and kw["num_q_heads"] == 3 and kw["out_dtype"] == jnp.float16 and kw["sinks"] is None
+    assert (np.asarray(got) == (-1.0 if kv_scale == 1.0 else kv_scale)).all()
+    assert seen["parts"][0].shape[1:] == (2, 9, 64) and seen["parts"][1].shape[1:] == (2, 9)
