@@ -643,6 +643,21 @@ def _small_mla(H, P, r, Vd):
     return cfg, TorchMLABackend(cfg, pool), AttentionLayer(0, H, H, P + r, v_head_dim=Vd)
 
 
+def _mla_prefill_expected(qn, qr, kn, kr, v, ext, scale):
+    """Per request of the ragged MLA prefill inputs (``[T, H * width]`` rows, ``kr`` one rope
+    row per token shared by the heads; ``ext`` the requests' lengths): its rows, its q and k
+    (nope then rope columns, f32 on the CPU) and the causal reference output."""
+    H = qr.shape[1] // kr.shape[1]
+    P, r, Vd = qn.shape[1] // H, kr.shape[1], v.shape[1] // H
+    row = 0
+    for n in ext:
+        rows = slice(row, row + n)
+        q = torch.cat([qn[rows].view(n, H, P), qr[rows].view(n, H, r)], -1).float().cpu()
+        k = torch.cat([kn[rows].view(n, H, P), kr[rows].view(n, 1, r).expand(n, H, r)], -1).float().cpu()
+        yield rows, q, k, ref_attention(q, k, v[rows].view(n, H, Vd).float().cpu(), n_new=n, scale=scale)
+        row += n
+
+
 def test_mla_ragged_prefill_with_lse():
     torch.manual_seed(5)
     H, P, r, Vd = 2, 32, 16, 32
@@ -656,21 +671,13 @@ def test_mla_ragged_prefill_with_lse():
     qn, qr, kn, kr, v = rand(T, H * P), rand(T, H * r), rand(T, H * P), rand(T, r), rand(T, H * Vd)
     out, lse = be.forward_extend(qn, kn, v, layer, save_kv_cache=False, q_rope=qr, k_rope=kr, return_lse=True)
     assert out.shape == (T, H * Vd) and lse.shape == (T, H)
-    row = 0
-    for n in ext:
-        q = torch.cat([qn[row : row + n].view(n, H, P), qr[row : row + n].view(n, H, r)], -1).float().cpu()
-        k = (
-            torch.cat([kn[row : row + n].view(n, H, P), kr[row : row + n].view(n, 1, r).expand(n, H, r)], -1)
-            .float()
-            .cpu()
-        )
-        exp = ref_attention(q, k, v[row : row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale)
-        torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
+    for rows, q, k, exp in _mla_prefill_expected(qn, qr, kn, kr, v, ext, cfg.softmax_scale):
+        n = q.shape[0]
+        torch.testing.assert_close(out[rows].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
         scores = torch.einsum("nhd,lhd->nhl", q, k) * cfg.softmax_scale
         causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # [query, key]
         want_lse = torch.logsumexp(scores.masked_fill(~causal[:, None, :], -float("inf")), -1)  # natural log
-        torch.testing.assert_close(lse[row : row + n].float().cpu(), want_lse, atol=2e-2, rtol=2e-3)
-        row += n
+        torch.testing.assert_close(lse[rows].float().cpu(), want_lse, atol=2e-2, rtol=2e-3)
     with pytest.raises(ValueError, match="save_kv_cache"):
         be.forward_extend(qn, kn, v, layer, save_kv_cache=True, q_rope=qr, k_rope=kr)
     # SGLang asks for the LSE through the batch: the same pair
@@ -2271,15 +2278,8 @@ def test_mla_prefill_inputs_as_wide_as_absorbed_ones_run_the_prefill():
     qn, qr, kn, kr, v = rand(T, H * P), rand(T, H * r), rand(T, H * P), rand(T, r), rand(T, H * Vd)
     out = be.forward_extend(qn, kn, v, layer, save_kv_cache=False, q_rope=qr, k_rope=kr)
     assert out.shape == (T, H * Vd)
-    row = 0
-    for n in ext:
-        q = torch.cat([qn[row : row + n].view(n, H, P), qr[row : row + n].view(n, H, r)], -1).float().cpu()
-        k = torch.cat([kn[row : row + n].view(n, H, P), kr[row : row + n].view(n, 1, r).expand(n, H, r)], -1)
-        exp = ref_attention(
-            q, k.float().cpu(), v[row : row + n].view(n, H, Vd).float().cpu(), n_new=n, scale=cfg.softmax_scale
-        )
-        torch.testing.assert_close(out[row : row + n].float().cpu().view(n, H, Vd), exp, atol=3e-2, rtol=3e-2)
-        row += n
+    for rows, q, _, exp in _mla_prefill_expected(qn, qr, kn, kr, v, ext, cfg.softmax_scale):
+        torch.testing.assert_close(out[rows].float().cpu().view(q.shape[0], H, Vd), exp, atol=3e-2, rtol=3e-2)
 
 
 def test_a_scale_tensor_changed_in_place_is_read_again():
