@@ -78,9 +78,10 @@ def decode(q, k_cache, v_cache, page_table, cache_seqlens, *, softmax_scale, k_s
         return empty_outputs(q, latent or v_cache.shape[-1], q.dtype, return_lse)
     fp8 = jnp.dtype(k_cache.dtype).itemsize == 1
     v_regs = bool(v_regs and fp8_qk)
-    row_tile = row_tile if row_tiles(max_seqlen_q * (hq // hkv), row_tile) > 1 else 0
+    tiles = row_tiles(max_seqlen_q * (hq // hkv), row_tile)
+    row_tile = row_tile if tiles > 1 else 0
     max_blocks = -(-page_table.shape[1] * ps // block)
-    programs = hkv * row_tiles(max_seqlen_q * (hq // hkv), row_tile)  # CTAs (items) per split of a request
+    programs = hkv * tiles  # CTAs (items) per split of a request
     if balanced:
         num_splits = balanced_split_count(num_splits, programs, max_blocks)
     cfg = HeadsConfig(
